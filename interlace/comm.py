@@ -1,0 +1,94 @@
+"""Expert-parallel process group handling and the differentiable all-to-all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Where this rank sits in the expert-parallel group.
+
+    ``num_local`` experts live on each rank; rank r owns experts
+    ``[r * num_local, (r + 1) * num_local)``.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    num_local: int
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.num_local
+
+    @staticmethod
+    def build(group: dist.ProcessGroup | None, num_experts: int) -> "ExpertParallel":
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is None:
+            rank, world = 0, 1
+        else:
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if num_experts % world:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel world size {world}"
+            )
+        return ExpertParallel(group=group, rank=rank, world=world, num_local=num_experts // world)
+
+    def collective_device(self) -> torch.device:
+        """Device for small collectives: NCCL needs CUDA tensors, gloo takes CPU ones."""
+        if self.group is not None and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def all_to_all_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Exchange per-expert row counts: send (E,) with rank-major blocks of ``num_local``,
+    receive (W * num_local,) laid out [source rank][local expert]. Asynchronous on NCCL."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts, group=ep.group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` on rows with host-side split sizes; backward runs it reversed."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits = (out_splits, in_splits)
+        ctx.group = group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        dx = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(dx, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], ep: ExpertParallel) -> torch.Tensor:
+    return AllToAll.apply(x, out_splits, in_splits, ep.group)
+
+
+def check_same_across_ranks(value: int, ep: ExpertParallel, what: str) -> None:
+    """Raise ValueError on every rank if ranks disagree on ``value`` (one small all_gather)."""
+    if ep.world == 1:
+        return
+    device = ep.collective_device()
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(ep.world)]
+    dist.all_gather(gathered, mine, group=ep.group)
+    values = [int(g.item()) for g in gathered]
+    if len(set(values)) != 1:
+        bad = [r for r, v in enumerate(values) if v != values[0]]
+        raise ValueError(
+            f"{what} differs across the expert-parallel group: ranks {bad} disagree with rank 0 "
+            f"(rank {ep.rank} has {value})"
+        )

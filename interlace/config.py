@@ -1,0 +1,174 @@
+"""Configuration of one MoE layer: :class:`MoEConfig` and the model-shape presets.
+
+Shapes in the docstrings use: T tokens on this rank, N hidden size, K expert FFN size,
+E experts in all, k experts per token (top-k), W expert-parallel world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Activation = Literal["swiglu", "gelu", "relu"]
+RouterKind = Literal["softmax", "sigmoid"]
+
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu", "relu")
+ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
+# Activation / weight dtypes the fast paths support. fp64 is for references and CPU tests.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer.
+
+    Args:
+        hidden: N, the model (token) dimension.
+        ffn: K, the intermediate size of one expert.
+        num_experts: E, routed experts in the whole layer (all ranks together).
+        top_k: k, experts chosen per token.
+        activation: ``"swiglu"`` (gate and up projections, ``silu(x Wg) * (x Wu)``),
+            ``"gelu"`` or ``"relu"`` (one up projection).
+        router: ``"softmax"``: weights are the softmax probabilities of the chosen experts.
+            ``"sigmoid"``: DeepSeek-V3 style, scores ``sigmoid(logits)``; a per-expert bias
+            (a buffer, not learned by gradient) is added for the *choice* only and the
+            weights are the unbiased scores of the chosen experts.
+        renormalize: divide the chosen k weights by their sum.
+        route_scale: multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor).
+        capacity_factor: ``None`` means dropless. Otherwise each rank lets each expert take at
+            most ``ceil(capacity_factor * T * k / E)`` of its own T tokens' assignments; the
+            assignments are served slot-major (every token's first choice, in token order,
+            before any second choice) and the rest are dropped: a dropped assignment adds
+            nothing to its token's output (the kept weights are not renormalized).
+        aux_loss_coef: weight of the Switch-style load-balancing loss ``E * sum_e f_e * P_e``
+            computed over this rank's tokens; 0 disables it.
+        dtype: dtype of the expert weights and the activations the layer takes.
+        router_dtype: dtype of the router weights and the routing computation.
+        source: where the shape comes from (for presets).
+    """
+
+    hidden: int
+    ffn: int
+    num_experts: int
+    top_k: int
+    activation: Activation = "swiglu"
+    router: RouterKind = "softmax"
+    renormalize: bool = False
+    route_scale: float = 1.0
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
+    dtype: torch.dtype = torch.bfloat16
+    router_dtype: torch.dtype = torch.float32
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` for a configuration no strategy can run."""
+        for name in ("hidden", "ffn", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoEConfig.{name} must be an int, got {type(value).__name__}")
+        if self.hidden <= 0 or self.ffn <= 0 or self.num_experts <= 0:
+            raise ValueError(
+                f"MoEConfig sizes must be positive: hidden={self.hidden}, ffn={self.ffn}, "
+                f"num_experts={self.num_experts}"
+            )
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.activation!r}; choose one of {ACTIVATIONS}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unsupported router {self.router!r}; choose one of {ROUTERS}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"unsupported dtype {self.dtype}; choose one of {SUPPORTED_DTYPES}")
+        if not isinstance(self.router_dtype, torch.dtype) or self.router_dtype not in ROUTER_DTYPES:
+            raise TypeError(f"unsupported router_dtype {self.router_dtype}; choose one of {ROUTER_DTYPES}")
+        if self.capacity_factor is not None:
+            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)):
+                raise TypeError("capacity_factor must be a number or None")
+            if not math.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
+                raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {self.capacity_factor}")
+        if not math.isfinite(self.route_scale) or self.route_scale <= 0:
+            raise ValueError(f"route_scale must be a positive finite number, got {self.route_scale}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def gated(self) -> bool:
+        """SwiGLU has two input projections (gate and up); GELU/ReLU one."""
+        return self.activation == "swiglu"
+
+    @property
+    def up_width(self) -> int:
+        """Columns of the first projection: 2K for SwiGLU (gate then up), K otherwise."""
+        return 2 * self.ffn if self.gated else self.ffn
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Per-rank, per-expert capacity for ``num_tokens`` local tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def flops_per_token(self) -> int:
+        """Expert FLOPs per token (forward): 2·k·N·K per projection, 3 projections for SwiGLU."""
+        projections = 3 if self.gated else 2
+        return 2 * self.top_k * self.hidden * self.ffn * projections
+
+    def with_(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of every field that changes the math, used to check ranks agree."""
+        fields = dataclasses.asdict(self)
+        fields.pop("source")
+        text = repr(sorted((k, str(v)) for k, v in fields.items()))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+# Model shapes of ../shared/BENCHMARKS.md. Each cites where its numbers come from.
+PRESETS: dict[str, MoEConfig] = {
+    "mixtral-8x7b": MoEConfig(
+        hidden=4096, ffn=14336, num_experts=8, top_k=2,
+        source="Mixtral of Experts (Jiang et al. 2024) and mistralai/Mixtral-8x7B-v0.1 config.json; "
+        "COMET Table 2",
+    ),
+    "phi3.5-moe": MoEConfig(
+        hidden=4096, ffn=6400, num_experts=16, top_k=2,
+        source="microsoft/Phi-3.5-MoE-instruct config.json; COMET Table 2",
+    ),
+    "qwen2-moe": MoEConfig(
+        hidden=2048, ffn=1408, num_experts=64, top_k=4,
+        source="COMET Table 2 (Qwen2-MoE-2.7B: 64 experts, top-4, 2048/1408)",
+    ),
+    "qwen3-30b-a3b": MoEConfig(
+        hidden=2048, ffn=768, num_experts=128, top_k=8, renormalize=True,
+        source="Qwen/Qwen3-30B-A3B config.json (moe_intermediate_size 768, 128 experts, 8 active, "
+        "norm_topk_prob true)",
+    ),
+    "dsv3-like": MoEConfig(
+        hidden=7168, ffn=2048, num_experts=256, top_k=8, router="sigmoid", renormalize=True,
+        route_scale=2.5,
+        source="DeepSeek-V3 technical report §2.1.2 and deepseek-ai/DeepSeek-V3 config.json "
+        "(routed experts only; sigmoid scores with selection bias, routed_scaling_factor 2.5)",
+    ),
+    "flashdmoe-cfg": MoEConfig(
+        hidden=2048, ffn=2048, num_experts=64, top_k=2,
+        source="FlashDMoE §4 (embedding 2048, FFN 2048, top-2; 64 experts as in BENCHMARKS.md)",
+    ),
+}
+
+
+def preset(name: str, **changes) -> MoEConfig:
+    """A preset by its BENCHMARKS.md name, with optional field changes."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name].with_(**changes) if changes else PRESETS[name]

@@ -1,0 +1,48 @@
+"""This rank's expert weights, laid out for grouped GEMM, with seed-deterministic init."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from interlace.config import MoEConfig
+
+
+def init_expert_weights(
+    config: MoEConfig, expert_ids, seed: int, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of the given experts, identical whichever rank builds them.
+
+    Each expert draws from its own generator seeded by (seed, expert id) on ``device``, in
+    fp32, then casts to ``dtype``: the shard of rank r equals the slice of the full set built
+    on the same kind of device.
+
+    Returns ``w_up`` (len(ids), up_width, N) and ``w_down`` (len(ids), N, K), in the
+    ``nn.Linear`` (out, in) layout; for SwiGLU rows [0, K) of ``w_up`` are the gate.
+    """
+    dtype = dtype or config.dtype
+    N, K = config.hidden, config.ffn
+    ups, downs = [], []
+    for e in expert_ids:
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * (int(e) + 1))
+        ups.append((torch.randn(config.up_width, N, generator=gen, device=device) / N**0.5).to(dtype))
+        downs.append((torch.randn(N, K, generator=gen, device=device) / K**0.5).to(dtype))
+    if not ups:
+        return (torch.empty(0, config.up_width, N, device=device, dtype=dtype),
+                torch.empty(0, N, K, device=device, dtype=dtype))
+    return torch.stack(ups), torch.stack(downs)
+
+
+class GroupedExperts(nn.Module):
+    """Experts ``first .. first + num_local - 1`` of the layer.
+
+    Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K).
+    """
+
+    def __init__(self, config: MoEConfig, first: int, num_local: int, seed: int, device: torch.device):
+        super().__init__()
+        self.first = first
+        self.num_local = num_local
+        w_up, w_down = init_expert_weights(config, range(first, first + num_local), seed, device)
+        self.w_up = nn.Parameter(w_up)
+        self.w_down = nn.Parameter(w_down)

@@ -1,0 +1,111 @@
+"""``MoELayer``: router + this rank's experts + a strategy for dispatch/compute/combine."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from interlace.comm import ExpertParallel, check_same_across_ranks
+from interlace.config import MoEConfig
+from interlace.experts import GroupedExperts
+from interlace.routing import Router, check_expert_indices, load_balance_loss
+from interlace.strategies import make_strategy
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns ``out`` unchanged; in backward, adds d(aux)/d(params) as if ``aux`` had been
+    added to the loss. Lets the layer carry its balance loss without changing its output."""
+
+    @staticmethod
+    def forward(ctx, out, aux):
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class MoELayer(nn.Module):
+    """A distributed Mixture-of-Experts layer.
+
+    Experts are sharded over the expert-parallel ``group`` (default: the world group if
+    torch.distributed is initialized, else a single process): rank r holds experts
+    ``[r*E/W, (r+1)*E/W)``. The router is replicated.
+
+    Args:
+        config: the layer's :class:`MoEConfig` (must be equal on every rank; checked here).
+        group: expert-parallel process group, or None.
+        strategy: ``"naive"`` or ``"sequential"`` (see ``interlace.strategies``).
+        seed: every weight is a function of (seed, expert id); ranks agree without
+            broadcasting and a single-process reference can rebuild the same weights.
+        device: where parameters live (default: the current CUDA device, else CPU).
+
+    Forward: ``x`` (..., N) in ``config.dtype`` → (..., N). ``expert_indices`` (T, k) may
+    force the choice of experts (tests, benchmarks); the weights still come from the router.
+    With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
+    is folded into the backward pass and its value kept in ``last_aux_loss``.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        group=None,
+        strategy: str = "sequential",
+        seed: int = 0,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+        self.ep = ExpertParallel.build(group, config.num_experts)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig")
+        check_same_across_ranks(seed, self.ep, "seed")
+        self.router = Router(config, seed, device)
+        self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device)
+        self.strategy = make_strategy(strategy, config, self.ep)
+        self.last_aux_loss: torch.Tensor | None = None
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy.name
+
+    def set_strategy(self, name: str) -> None:
+        """Switch the strategy; parameters are untouched."""
+        self.strategy = make_strategy(name, self.config, self.ep)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        cfg = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoELayer expects a tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != cfg.hidden:
+            raise ValueError(f"input hidden size {tuple(x.shape)[-1:]} does not match config.hidden={cfg.hidden}")
+        if x.dtype != cfg.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match config.dtype={cfg.dtype}")
+        weight_device = self.experts.w_up.device
+        if x.device != weight_device:
+            raise ValueError(f"input is on {x.device} but the layer's weights are on {weight_device}")
+
+    def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_input(x)
+        shape = x.shape
+        x = x.reshape(-1, self.config.hidden).contiguous()
+        if expert_indices is not None:
+            check_expert_indices(expert_indices, x.shape[0], self.config)
+        topk_idx, topk_weight, scores = self.router(x, expert_indices)
+        out = self.strategy(x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
+        if self.config.aux_loss_coef > 0 and self.training:
+            aux = load_balance_loss(scores, topk_idx, self.config.num_experts) * self.config.aux_loss_coef
+            self.last_aux_loss = aux.detach()
+            out = AddAuxiliaryLoss.apply(out, aux)
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts} ({self.ep.num_local}/rank), "
+                f"top_k={c.top_k}, activation={c.activation}, router={c.router}, strategy={self.strategy.name}")

@@ -1,0 +1,119 @@
+"""Expert activations. SwiGLU reads gate and up straight out of the fused projection.
+
+The first expert projection produces ``h`` (M, 2K): columns [0, K) are the gate, [K, 2K) the
+up projection. ``_swiglu_kernel`` computes ``silu(gate) * up`` in fp32 from those two halves
+without copying them apart; ``_swiglu_backward_kernel`` writes d(gate) and d(up) into one
+(M, 2K) gradient. GELU (exact, erf) and ReLU have a single input and use torch's ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from interlace.ops import alloc
+
+from interlace.ops.rows import use_triton
+
+# Tuning: elements per program of the (M, K) output; 8 per thread with 4 warps.
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, out_ptr, total, K, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    m = offs // K
+    c = offs % K
+    gate = tl.load(h_ptr + m * 2 * K + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + m * 2 * K + K + c, mask=mask, other=0.0).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    m = offs // K
+    c = offs % K
+    gate = tl.load(h_ptr + m * 2 * K + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + m * 2 * K + K + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = g * silu
+    tl.store(dh_ptr + m * 2 * K + c, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_ptr + m * 2 * K + K + c, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """(M, 2K) → (M, K): ``silu(h[:, :K]) * h[:, K:]`` computed in fp32."""
+    M, two_k = h.shape
+    K = two_k // 2
+    if not use_triton(h):
+        hf = h.float()
+        return (F.silu(hf[:, :K]) * hf[:, K:]).to(h.dtype)
+    h = h.contiguous()
+    out = alloc.empty((M, K), dtype=h.dtype, device=h.device)
+    total = M * K
+    if total:
+        _swiglu_kernel[(triton.cdiv(total, BLOCK),)](h, out, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+def swiglu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """d(loss)/dh (M, 2K) from dh=(M, K) gradient of :func:`swiglu`'s output."""
+    M, two_k = h.shape
+    K = two_k // 2
+    if not use_triton(h):
+        hf = h.float()
+        g = grad.float()
+        gate, up = hf[:, :K], hf[:, K:]
+        sig = torch.sigmoid(gate)
+        d_gate = g * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([d_gate, g * gate * sig], dim=1).to(h.dtype)
+    h = h.contiguous()
+    grad = grad.contiguous()
+    dh = alloc.empty(h.shape, h.dtype, h.device)
+    total = M * K
+    if total:
+        _swiglu_backward_kernel[(triton.cdiv(total, BLOCK),)](
+            h, grad, dh, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS
+        )
+    return dh
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return swiglu(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return swiglu_backward(h, grad)
+
+
+def activation_fused(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The fast-path activation of the first projection's output h (M, up_width) → (M, K)."""
+    if activation == "swiglu":
+        return SwiGLU.apply(h)
+    return activation_reference(h, activation)
+
+
+def activation_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """Plain torch activations (SwiGLU splits h into gate and up halves)."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "relu":
+        return F.relu(h)
+    raise ValueError(f"unsupported activation {activation!r}")

@@ -1,0 +1,64 @@
+"""The plain MoE layer every fast path is tested against: one process, all experts, a loop
+over experts, computed in fp64 (or fp32). Backward is autograd through these plain ops."""
+
+from __future__ import annotations
+
+import torch
+
+from interlace.config import MoEConfig
+from interlace.ops.activation import activation_reference
+from interlace.routing import load_balance_loss, route
+
+
+def capacity_keep_mask(topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """(T, k) bool: which assignments survive the capacity policy of :class:`MoEConfig`.
+
+    Written as the policy reads: walk the assignments slot-major (all first choices in token
+    order, then all second choices, ...) and let each expert take them until it is full.
+    """
+    T, k = topk_idx.shape
+    keep = torch.ones((T, k), dtype=torch.bool)
+    capacity = config.capacity(T)
+    if capacity is None:
+        return keep
+    taken = [0] * config.num_experts
+    idx = topk_idx.tolist()
+    for j in range(k):
+        for t in range(T):
+            e = idx[t][j]
+            keep[t, j] = taken[e] < capacity
+            taken[e] += 1
+    return keep
+
+
+def reference_moe(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    config: MoEConfig,
+    expert_bias: torch.Tensor | None = None,
+    expert_indices: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer, plainly.
+
+    Args:
+        x: (T, N) tokens of one rank (capacity is per rank, so call it per rank's tokens).
+        router_weight: (E, N); w_up: (E, up_width, N); w_down: (E, N, K), all experts.
+    Returns:
+        out (T, N) in compute_dtype, aux_loss (scalar, unscaled).
+    """
+    c = compute_dtype
+    x, router_weight, w_up, w_down = (t.to(c) for t in (x, router_weight, w_up, w_down))
+    topk_idx, topk_weight, scores = route(x, router_weight, expert_bias, config, expert_indices)
+    keep = capacity_keep_mask(topk_idx.cpu(), config).to(x.device)
+    out = torch.zeros_like(x)
+    for e in range(config.num_experts):
+        tokens, slots = torch.nonzero((topk_idx == e) & keep, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x[tokens] @ w_up[e].t()
+        y = activation_reference(h, config.activation) @ w_down[e].t()
+        out = out.index_add(0, tokens, topk_weight[tokens, slots].unsqueeze(-1) * y)
+    return out, load_balance_loss(scores, topk_idx, config.num_experts)

@@ -1,0 +1,110 @@
+"""Top-k routing: the :class:`Router` module, the routing function it shares with the
+reference, and the auxiliary load-balancing loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from interlace.config import MoEConfig
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    config: MoEConfig,
+    expert_indices: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route T tokens to k experts.
+
+    Args:
+        x: (T, N) tokens.
+        weight: (E, N) router weight; the routing math runs in ``weight.dtype``.
+        expert_bias: (E,) selection bias of the sigmoid router (None: no bias).
+        expert_indices: optional (T, k) forced choice (benchmarks and tests); the weights are
+            still the router's scores of those experts, so the router still gets gradients.
+
+    Returns:
+        topk_idx (T, k) int64, topk_weight (T, k) in weight.dtype, scores (T, E).
+    """
+    logits = x.to(weight.dtype) @ weight.t()
+    if config.router == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    if expert_indices is None:
+        topk_idx = torch.topk(choice.detach(), config.top_k, dim=-1, sorted=False).indices
+    else:
+        topk_idx = expert_indices.long()
+    topk_weight = scores.gather(1, topk_idx)
+    if config.renormalize:
+        topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+    if config.route_scale != 1.0:
+        topk_weight = topk_weight * config.route_scale
+    return topk_idx, topk_weight, scores
+
+
+def load_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer balance loss ``E * Σ_e f_e · P_e`` over this rank's tokens.
+
+    f_e is the fraction of assignments routed to e (no gradient), P_e the mean normalized
+    score of e. Zero for an empty batch.
+    """
+    T = scores.shape[0]
+    if T == 0:
+        return scores.sum() * 0.0
+    probs = scores / scores.sum(dim=-1, keepdim=True)
+    f = torch.bincount(topk_idx.reshape(-1), minlength=num_experts).to(scores.dtype) / topk_idx.numel()
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: MoEConfig) -> None:
+    """Shape/dtype checks on the host; the value range is asserted on the device (no sync)."""
+    if expert_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_indices must be int32 or int64, got {expert_indices.dtype}")
+    if tuple(expert_indices.shape) != (num_tokens, config.top_k):
+        raise ValueError(
+            f"expert_indices must have shape (tokens, top_k)=({num_tokens}, {config.top_k}), "
+            f"got {tuple(expert_indices.shape)}"
+        )
+    if expert_indices.numel():
+        torch._assert_async(
+            (expert_indices.min() >= 0) & (expert_indices.max() < config.num_experts),
+            "expert_indices out of range [0, num_experts)",
+        )
+
+
+class Router(nn.Module):
+    """Token router, replicated on every rank (its gradient is this rank's tokens' share;
+    reduce it across ranks as with any data-parallel parameter).
+
+    Parameters: ``weight`` (E, N) in ``config.router_dtype``. Buffers: ``expert_bias`` (E,)
+    for the sigmoid router (DeepSeek-V3's selection bias; update it with
+    :meth:`update_bias`).
+    """
+
+    def __init__(self, config: MoEConfig, seed: int, device: torch.device):
+        super().__init__()
+        self.config = config
+        gen = torch.Generator(device=device).manual_seed(seed)
+        w = torch.randn(config.num_experts, config.hidden, generator=gen, device=device, dtype=torch.float32)
+        self.weight = nn.Parameter((w / config.hidden**0.5).to(config.router_dtype))
+        if config.router == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None):
+        """x (T, N) → topk_idx (T, k), topk_weight (T, k), scores (T, E)."""
+        return route(x, self.weight, self.expert_bias, self.config, expert_indices)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+        if self.expert_bias is None:
+            raise ValueError("update_bias is for the sigmoid router")
+        load = tokens_per_expert.float()
+        self.expert_bias += rate * torch.sign(load.mean() - load)

@@ -1,0 +1,7 @@
+"""MoE strategies. Importing this package registers every built-in strategy."""
+
+from interlace.strategies.base import STRATEGIES, Strategy, make_strategy, register_strategy
+from interlace.strategies import naive as _naive  # noqa: F401  (registers "naive")
+from interlace.strategies import sequential as _sequential  # noqa: F401  (registers "sequential")
+
+__all__ = ["STRATEGIES", "Strategy", "make_strategy", "register_strategy"]

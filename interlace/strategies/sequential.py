@@ -1,0 +1,91 @@
+"""``sequential``: the strong non-overlapped path.
+
+Counting sort on the device (``build_dispatch_index``), one gather kernel to build the send
+buffer, the count exchange and **the forward's one host sync** (NCCL needs split sizes on the
+host), ``all_to_all_single``, a re-layout gather from [source rank][expert] to
+[expert][source rank] order, grouped GEMMs with the SwiGLU fused between them (gate and up are
+one GEMM; the kernel reads both halves in place), the inverse re-layout, the reverse
+all-to-all, and a deterministic fp32 gather-reduce combine (no atomics, forward or backward).
+
+At world size 1 there is no communication and, dropless, no host sync at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from interlace.comm import all_to_all, all_to_all_counts
+from interlace.ops.activation import activation_fused
+from interlace.ops.grouped_mm import grouped_mm
+from interlace.ops.routing_index import build_dispatch_index
+from interlace.ops.rows import CombineRows, DispatchRows, PermuteRows
+from interlace.strategies.base import Strategy, register_strategy
+
+
+def expert_major_index(recv_counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-layout of received rows from [source][expert] blocks to [expert][source] blocks.
+
+    recv_counts: (W, E_local) rows received from each source for each local expert.
+    Returns ``(src_row, inverse)``, both (num_rows,) int32: expert-major row q comes from
+    received row ``src_row[q]``, and ``inverse[src_row[q]] = q``. Device ops only, no sync.
+    """
+    W, E_local = recv_counts.shape
+    device = recv_counts.device
+    counts = recv_counts.long()
+    flat_rm = counts.reshape(-1)
+    start_rm = (flat_rm.cumsum(0) - flat_rm).view(W, E_local).t().reshape(-1)
+    flat_em = counts.t().reshape(-1)
+    start_em = flat_em.cumsum(0) - flat_em
+    block = torch.repeat_interleave(
+        torch.arange(W * E_local, device=device), flat_em, output_size=num_rows
+    )
+    q = torch.arange(num_rows, device=device)
+    src_row = start_rm[block] + (q - start_em[block])
+    inverse = torch.empty_like(src_row)
+    inverse[src_row] = q
+    return src_row.to(torch.int32), inverse.to(torch.int32)
+
+
+def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor, activation: str):
+    """Grouped expert FFN on expert-major rows: x (M, N) → (M, N)."""
+    h = grouped_mm(x, w_up, offs)
+    return grouped_mm(activation_fused(h, activation), w_down, offs)
+
+
+@register_strategy
+class SequentialStrategy(Strategy):
+    name = "sequential"
+
+    def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
+        cfg, ep = self.config, self.ep
+        T = x.shape[0]
+        k = cfg.top_k
+        capacity = cfg.capacity(T)
+        row_of_assignment, assignment_of_row, kept = build_dispatch_index(topk_idx, cfg.num_experts, capacity)
+
+        if ep.world == 1:
+            # Host sync only with a capacity: the number of kept rows sizes the buffers.
+            rows = T * k if capacity is None else int(kept.sum())
+            source_token = torch.div(assignment_of_row[:rows], k, rounding_mode="floor")
+            x_send = DispatchRows.apply(x, source_token, row_of_assignment)
+            offs = kept.cumsum(0, dtype=torch.int32)
+            y = expert_ffn(x_send, w_up, w_down, offs, cfg.activation)
+            return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)
+
+        recv_counts = all_to_all_counts(kept, ep).view(ep.world, ep.num_local)
+        send_per_rank = kept.view(ep.world, ep.num_local).sum(1)
+        # THE host sync of the forward: all_to_all_single takes its split sizes on the host.
+        splits = torch.cat([send_per_rank, recv_counts.sum(1)]).tolist()
+        in_splits, out_splits = splits[: ep.world], splits[ep.world :]
+        rows_send, rows_recv = sum(in_splits), sum(out_splits)
+
+        source_token = torch.div(assignment_of_row[:rows_send], k, rounding_mode="floor")
+        x_send = DispatchRows.apply(x, source_token, row_of_assignment)
+        x_recv = all_to_all(x_send, out_splits, in_splits, ep)
+        src_row, inverse = expert_major_index(recv_counts, rows_recv)
+        x_grouped = PermuteRows.apply(x_recv, src_row, inverse)
+        offs = recv_counts.sum(0).cumsum(0, dtype=torch.int32)
+        y_grouped = expert_ffn(x_grouped, w_up, w_down, offs, cfg.activation)
+        y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
+        y = all_to_all(y_recv, in_splits, out_splits, ep)
+        return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)

@@ -1,0 +1,21 @@
+"""Test setup: Triton kernels run under the interpreter on the CPU (set before any import of
+interlace, and inherited by the gloo worker processes the tests spawn)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from interlace.ops import alloc  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs():
+    """Every kernel output starts as NaN / sentinel so unwritten rows fail the comparisons."""
+    alloc.poison(True)
+    torch.manual_seed(1234)
+    yield
+    alloc.poison(False)

@@ -1,0 +1,77 @@
+"""Shared test helpers: error norms, fp64 reference runs, gloo process launcher."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from interlace import MoEConfig, reference_moe
+from interlace.experts import init_expert_weights
+from interlace.routing import Router
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64; NaN anywhere in a gives inf (NaN never passes)."""
+    a, b = a.detach().double(), b.detach().double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def full_weights(cfg: MoEConfig, seed: int):
+    """Router weight (E, N), w_up (E, .., N), w_down (E, N, K) of every expert, as any rank builds them."""
+    router = Router(cfg, seed, torch.device("cpu"))
+    w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), seed, torch.device("cpu"))
+    return router.weight.detach(), router.expert_bias, w_up, w_down
+
+
+def reference_grads(cfg, seed, xs, grads, indices=None, aux_coef=0.0):
+    """Per-rank fp64 references for tokens ``xs[r]`` with output gradients ``grads[r]``.
+
+    Returns outputs per rank, x-gradients per rank, and the gradients of the router and all
+    experts summed over ranks (the loss is Σ_r <grads[r], out_r> + aux_coef Σ_r aux_r).
+    """
+    rw, bias, wu, wd = full_weights(cfg, seed)
+    rw, wu, wd = (t.double().requires_grad_() for t in (rw, wu, wd))
+    outs, dxs = [], []
+    for r, (x, g) in enumerate(zip(xs, grads)):
+        xr = x.detach().double().requires_grad_()
+        out, aux = reference_moe(xr, rw, wu, wd, cfg, expert_bias=bias,
+                                 expert_indices=None if indices is None else indices[r])
+        loss = (out * g.double()).sum() + aux_coef * aux
+        loss.backward()
+        outs.append(out.detach())
+        dxs.append(xr.grad)
+    return outs, dxs, rw.grad, wu.grad, wd.grad
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any failure fails the test."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
