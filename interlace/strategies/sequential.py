@@ -48,8 +48,8 @@ def expert_major_index(recv_counts: torch.Tensor, num_rows: int) -> tuple[torch.
 
 def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor, activation: str):
     """Grouped expert FFN on expert-major rows: x (M, N) → (M, N)."""
-    h = grouped_mm(x, w_up, offs)
-    return grouped_mm(activation_fused(h, activation), w_down, offs)
+    act = activation_fused(grouped_mm(x, w_up, offs), activation)
+    return grouped_mm(act, w_down, offs)
 
 
 @register_strategy
@@ -80,12 +80,19 @@ class SequentialStrategy(Strategy):
         rows_send, rows_recv = sum(in_splits), sum(out_splits)
 
         source_token = torch.div(assignment_of_row[:rows_send], k, rounding_mode="floor")
+        # The `del`s free each row buffer as soon as the next one exists (lower peak memory
+        # in inference; in training autograd keeps only what backward needs).
         x_send = DispatchRows.apply(x, source_token, row_of_assignment)
         x_recv = all_to_all(x_send, out_splits, in_splits, ep)
+        del x_send
         src_row, inverse = expert_major_index(recv_counts, rows_recv)
         x_grouped = PermuteRows.apply(x_recv, src_row, inverse)
+        del x_recv
         offs = recv_counts.sum(0).cumsum(0, dtype=torch.int32)
         y_grouped = expert_ffn(x_grouped, w_up, w_down, offs, cfg.activation)
+        del x_grouped
         y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
+        del y_grouped
         y = all_to_all(y_recv, in_splits, out_splits, ep)
+        del y_recv
         return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)

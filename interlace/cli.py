@@ -1,0 +1,35 @@
+"""The ``interlace`` command: ``interlace bench ...`` and ``interlace demo``."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: interlace <command> [options]
+
+commands:
+  demo     run the layer on this machine (GPUs: torchrun benchmark; CPU: 2 simulated gloo ranks)
+  bench    the BENCHMARKS.md harness (launch with torchrun --nproc-per-node W for W GPUs)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        from interlace.bench.harness import main as bench_main
+
+        bench_main(rest)
+        return 0
+    if command == "demo":
+        from interlace.demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
