@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# README's demo command: install, then run the demo (torchrun benchmark with >= 2 GPUs;
+# 2 simulated gloo ranks checked against the reference on a CPU-only machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m interlace.demo "$@"
