@@ -298,6 +298,9 @@ def markdown_table(rows: list[Row]) -> str:
 
 
 def git_commit() -> str:
+    """INTERLACE_COMMIT if set (copies without .git, e.g. the GPU machine), else git's HEAD."""
+    if os.environ.get("INTERLACE_COMMIT"):
+        return os.environ["INTERLACE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or "unknown"
