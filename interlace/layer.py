@@ -97,10 +97,10 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, self.config.hidden).contiguous()
         if expert_indices is not None:
             check_expert_indices(expert_indices, x.shape[0], self.config)
-        topk_idx, topk_weight, scores = self.router(x, expert_indices)
+        topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
         out = self.strategy(x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
         if self.config.aux_loss_coef > 0 and self.training:
-            aux = load_balance_loss(scores, topk_idx, self.config.num_experts) * self.config.aux_loss_coef
+            aux = load_balance_loss(logits, topk_idx, self.config) * self.config.aux_loss_coef
             self.last_aux_loss = aux.detach()
             out = AddAuxiliaryLoss.apply(out, aux)
         return out.reshape(shape)

@@ -51,7 +51,7 @@ def reference_moe(
     """
     c = compute_dtype
     x, router_weight, w_up, w_down = (t.to(c) for t in (x, router_weight, w_up, w_down))
-    topk_idx, topk_weight, scores = route(x, router_weight, expert_bias, config, expert_indices)
+    topk_idx, topk_weight, logits = route(x, router_weight, expert_bias, config, expert_indices)
     keep = capacity_keep_mask(topk_idx.cpu(), config).to(x.device)
     out = torch.zeros_like(x)
     for e in range(config.num_experts):
@@ -61,4 +61,4 @@ def reference_moe(
         h = x[tokens] @ w_up[e].t()
         y = activation_reference(h, config.activation) @ w_down[e].t()
         out = out.index_add(0, tokens, topk_weight[tokens, slots].unsqueeze(-1) * y)
-    return out, load_balance_loss(scores, topk_idx, config.num_experts)
+    return out, load_balance_loss(logits, topk_idx, config)

@@ -7,6 +7,46 @@ import torch
 from torch import nn
 
 from interlace.config import MoEConfig
+from interlace.ops.router_topk import route_topk
+from interlace.ops.rows import use_triton
+
+
+def router_scores(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """(T, E) scores: softmax probabilities, or sigmoid scores for the DeepSeek-V3 router."""
+    return torch.softmax(logits, dim=-1) if config.router == "softmax" else torch.sigmoid(logits)
+
+
+def topk_weights(scores: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """(T, k) routing weights: the chosen experts' scores, renormalized and scaled."""
+    weight = scores.gather(1, topk_idx)
+    if config.renormalize:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    if config.route_scale != 1.0:
+        weight = weight * config.route_scale
+    return weight
+
+
+class _FusedRouteTopK(torch.autograd.Function):
+    """Triton forward (:mod:`interlace.ops.router_topk`); backward differentiates the plain
+    torch weights at the chosen experts, so the gradient is the plain path's."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, config):
+        idx, weight = route_topk(logits, bias, config.top_k, config.router == "softmax",
+                                 config.renormalize, config.route_scale)
+        ctx.save_for_backward(logits, idx)
+        ctx.config = config
+        ctx.mark_non_differentiable(idx)
+        return idx, weight
+
+    @staticmethod
+    def backward(ctx, _grad_idx, grad_weight):
+        logits, idx = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            weight = topk_weights(router_scores(leaf, ctx.config), idx, ctx.config)
+            (grad_logits,) = torch.autograd.grad(weight, leaf, grad_weight)
+        return grad_logits, None, None
 
 
 def route(
@@ -15,6 +55,7 @@ def route(
     expert_bias: torch.Tensor | None,
     config: MoEConfig,
     expert_indices: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route T tokens to k experts.
 
@@ -24,35 +65,35 @@ def route(
         expert_bias: (E,) selection bias of the sigmoid router (None: no bias).
         expert_indices: optional (T, k) forced choice (benchmarks and tests); the weights are
             still the router's scores of those experts, so the router still gets gradients.
+        fused: take the one-kernel Triton path (fp32 logits on a Triton device).
 
     Returns:
-        topk_idx (T, k) int64, topk_weight (T, k) in weight.dtype, scores (T, E).
+        topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in weight.dtype,
+        logits (T, E).
     """
     logits = x.to(weight.dtype) @ weight.t()
-    if config.router == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-        choice = scores
-    else:
-        scores = torch.sigmoid(logits)
-        choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+    if fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits):
+        topk_idx, topk_weight = _FusedRouteTopK.apply(logits, expert_bias, config)
+        return topk_idx, topk_weight, logits
+    scores = router_scores(logits, config)
     if expert_indices is None:
-        topk_idx = torch.topk(choice.detach(), config.top_k, dim=-1, sorted=False).indices
+        choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+        # NaN scores never win (as in the fused kernel): the choice stays k valid experts.
+        choice = torch.nan_to_num(choice.detach(), nan=float("-inf"))
+        topk_idx = torch.topk(choice, config.top_k, dim=-1, sorted=True).indices
     else:
         topk_idx = expert_indices.long()
-    topk_weight = scores.gather(1, topk_idx)
-    if config.renormalize:
-        topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
-    if config.route_scale != 1.0:
-        topk_weight = topk_weight * config.route_scale
-    return topk_idx, topk_weight, scores
+    return topk_idx, topk_weights(scores, topk_idx, config), logits
 
 
-def load_balance_loss(scores: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """Switch-Transformer balance loss ``E * Σ_e f_e · P_e`` over this rank's tokens.
 
     f_e is the fraction of assignments routed to e (no gradient), P_e the mean normalized
     score of e. Zero for an empty batch.
     """
+    scores = router_scores(logits, config)
+    num_experts = config.num_experts
     T = scores.shape[0]
     if T == 0:
         return scores.sum() * 0.0
@@ -97,9 +138,9 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None):
-        """x (T, N) → topk_idx (T, k), topk_weight (T, k), scores (T, E)."""
-        return route(x, self.weight, self.expert_bias, self.config, expert_indices)
+    def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None, fused: bool = False):
+        """x (T, N) → topk_idx (T, k), topk_weight (T, k), logits (T, E)."""
+        return route(x, self.weight, self.expert_bias, self.config, expert_indices, fused)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:

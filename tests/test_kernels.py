@@ -5,7 +5,12 @@ import torch
 
 from helpers import rel_err
 from interlace.ops.activation import swiglu, swiglu_backward
-from interlace.ops.routing_index import build_dispatch_index, build_dispatch_index_reference
+from interlace.ops.routing_index import (
+    build_dispatch_index,
+    build_dispatch_index_reference,
+    expert_major_index,
+    expert_major_index_reference,
+)
 from interlace.ops.rows import combine_rows, combine_rows_backward, gather_rows
 
 
@@ -22,7 +27,8 @@ def random_topk(T, k, E, gen=None):
 )
 def test_dispatch_index_matches_stable_sort(T, k, E, capacity):
     idx = random_topk(T, k, E)
-    rows, assign, kept = build_dispatch_index(idx, E, capacity)
+    rows, assign, kept, end = build_dispatch_index(idx, E, capacity)
+    assert torch.equal(end, kept.cumsum(0).int())
     rows_ref, assign_ref, kept_ref = build_dispatch_index_reference(idx, E, capacity)
     R = int(kept_ref.sum())
     assert torch.equal(kept, kept_ref)
@@ -37,17 +43,35 @@ def test_dispatch_index_matches_stable_sort(T, k, E, capacity):
 def test_dispatch_index_skewed_all_to_one_expert():
     T, k, E = 130, 2, 8
     idx = torch.tensor([[3, 5]] * T)
-    rows, assign, kept = build_dispatch_index(idx, E, None)
+    rows, assign, kept, _ = build_dispatch_index(idx, E, None)
     assert kept.tolist() == [0, 0, 0, T, 0, T, 0, 0]
     assert rows[:, 0].tolist() == list(range(T))  # first choices, in token order
     assert rows[:, 1].tolist() == list(range(T, 2 * T))
 
 
-@pytest.mark.parametrize("R,N", [(0, 8), (1, 3), (9, 1030), (33, 64)])
-def test_gather_rows(R, N):
+@pytest.mark.parametrize("R,N,divisor", [(0, 8, 1), (1, 3, 1), (9, 1030, 1), (33, 64, 3)])
+def test_gather_rows(R, N, divisor):
     x = torch.randn(max(R, 1) + 5, N)
-    index = torch.randint(0, x.shape[0], (R,), dtype=torch.int32)
-    assert torch.equal(gather_rows(x, index), x[index.long()])
+    index = torch.randint(0, x.shape[0] * divisor, (R,), dtype=torch.int32)
+    assert torch.equal(gather_rows(x, index, divisor), x[index.long() // divisor])
+
+
+@pytest.mark.parametrize("W,E_local", [(2, 4), (4, 2), (3, 5), (1, 7), (8, 32), (2, 128)])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_expert_major_index(W, E_local, zeros):
+    counts = torch.randint(0, 6, (W, E_local), dtype=torch.int32)
+    if zeros:
+        counts[0] = 0
+        counts[:, -1] = 0
+    R = int(counts.sum())
+    src, inv, offs = expert_major_index(counts, R)
+    src_ref, inv_ref, offs_ref = expert_major_index_reference(counts, R)
+    assert torch.equal(src, src_ref) and torch.equal(inv, inv_ref) and torch.equal(offs, offs_ref)
+    # Independent check: received rows labelled (source, expert) come out expert-major.
+    labels = [(s, e) for s in range(W) for e in range(E_local) for _ in range(int(counts[s, e]))]
+    regrouped = [labels[i] for i in src.tolist()]
+    assert regrouped == sorted(labels, key=lambda se: (se[1], se[0]))
+    assert sorted(src.tolist()) == list(range(R)) and all(src[inv[i]] == i for i in range(R))
 
 
 @pytest.mark.parametrize("T,k,N,drop", [(7, 2, 40, False), (16, 3, 1100, True), (0, 2, 8, False), (5, 1, 3, True)])
@@ -86,3 +110,39 @@ def test_swiglu_forward_backward(M, K):
     (ref * g).sum().backward()
     if M:
         assert rel_err(swiglu_backward(h.detach(), g), h.grad) < 1e-6  # kernels compute in fp32
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (5, 8, 2), (67, 64, 4), (9, 256, 8), (3, 6, 6), (33, 5, 1)])
+def test_fused_router_matches_torch(router, T, E, k):
+    from interlace import MoEConfig
+    from interlace.routing import route
+
+    cfg = MoEConfig(hidden=16, ffn=8, num_experts=E, top_k=k, router=router, renormalize=router == "sigmoid",
+                    route_scale=2.5 if router == "sigmoid" else 1.0, dtype=torch.float32)
+    x = torch.randn(T, 16)
+    w = torch.randn(E, 16, requires_grad=True)
+    bias = torch.randn(E) * 0.1 if router == "sigmoid" else None
+    idx, wt, _ = route(x, w, bias, cfg, fused=True)
+    w_ref = w.detach().clone().requires_grad_()
+    idx_ref, wt_ref, _ = route(x, w_ref, bias, cfg, fused=False)
+    assert torch.equal(idx, idx_ref)  # same experts, best first
+    assert rel_err(wt, wt_ref) < 1e-6
+    g = torch.randn(T, k)
+    if T:
+        (wt * g).sum().backward()
+        (wt_ref * g).sum().backward()
+        assert rel_err(w.grad, w_ref.grad) < 1e-6
+
+
+def test_fused_router_nan_row_gets_valid_distinct_experts():
+    from interlace.ops.router_topk import route_topk
+
+    logits = torch.randn(4, 16)
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    idx, w = route_topk(logits, None, 4, softmax=True, renormalize=False, scale=1.0)
+    assert idx.min() >= 0 and idx.max() < 16
+    assert all(len(set(row)) == 4 for row in idx.tolist())
+    assert torch.isnan(w[1]).all() and torch.isnan(w[2]).all()  # softmax of a NaN row is NaN
+    assert torch.isfinite(w[[0, 3]]).all()

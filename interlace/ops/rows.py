@@ -40,29 +40,32 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, R, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, R, N, divisor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     for i in tl.static_range(ROWS):
         r = pid * ROWS + i
         if r < R:
-            src = tl.load(index_ptr + r).to(tl.int64)
+            src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
             for n0 in range(0, N, BLOCK_N):
                 c = n0 + cols
                 v = tl.load(x_ptr + src * N + c, mask=c < N)
                 tl.store(out_ptr + r.to(tl.int64) * N + c, v, mask=c < N)
 
 
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out[i] = x[index[i]]`` for a (M, N) contiguous x and an int32 (R,) index."""
+def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """``out[i] = x[index[i] // divisor]`` for a (M, N) contiguous x and an int32 (R,) index.
+
+    ``divisor=k`` turns flat assignment indices ``t*k + j`` into token indices in place.
+    """
     R, N = index.numel(), x.shape[1]
     out = alloc.empty((R, N), dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
         return out
     if not use_triton(x):
-        return torch.index_select(x, 0, index.long(), out=out)
+        return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
     _gather_rows_kernel[(triton.cdiv(R, GATHER_ROWS),)](
-        x, index, out, R, N, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+        x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
     )
     return out
 
@@ -175,10 +178,10 @@ class DispatchRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, source_token, row_of_assignment):
+    def forward(ctx, x, assignment_of_row, row_of_assignment):
         ctx.save_for_backward(row_of_assignment)
         ctx.x_dtype = x.dtype
-        return gather_rows(x, source_token)
+        return gather_rows(x, assignment_of_row, divisor=row_of_assignment.shape[1])
 
     @staticmethod
     def backward(ctx, grad):

@@ -23,6 +23,9 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
+    # Whether the layer routes with the one-kernel Triton router (interlace.ops.router_topk)
+    # or with plain torch ops (what the naive baseline does).
+    fused_routing: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel):
         self.config = config

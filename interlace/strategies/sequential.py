@@ -17,33 +17,9 @@ import torch
 from interlace.comm import all_to_all, all_to_all_counts
 from interlace.ops.activation import activation_fused
 from interlace.ops.grouped_mm import grouped_mm
-from interlace.ops.routing_index import build_dispatch_index
+from interlace.ops.routing_index import build_dispatch_index, expert_major_index
 from interlace.ops.rows import CombineRows, DispatchRows, PermuteRows
 from interlace.strategies.base import Strategy, register_strategy
-
-
-def expert_major_index(recv_counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-layout of received rows from [source][expert] blocks to [expert][source] blocks.
-
-    recv_counts: (W, E_local) rows received from each source for each local expert.
-    Returns ``(src_row, inverse)``, both (num_rows,) int32: expert-major row q comes from
-    received row ``src_row[q]``, and ``inverse[src_row[q]] = q``. Device ops only, no sync.
-    """
-    W, E_local = recv_counts.shape
-    device = recv_counts.device
-    counts = recv_counts.long()
-    flat_rm = counts.reshape(-1)
-    start_rm = (flat_rm.cumsum(0) - flat_rm).view(W, E_local).t().reshape(-1)
-    flat_em = counts.t().reshape(-1)
-    start_em = flat_em.cumsum(0) - flat_em
-    block = torch.repeat_interleave(
-        torch.arange(W * E_local, device=device), flat_em, output_size=num_rows
-    )
-    q = torch.arange(num_rows, device=device)
-    src_row = start_rm[block] + (q - start_em[block])
-    inverse = torch.empty_like(src_row)
-    inverse[src_row] = q
-    return src_row.to(torch.int32), inverse.to(torch.int32)
 
 
 def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor, activation: str):
@@ -55,40 +31,39 @@ def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: 
 @register_strategy
 class SequentialStrategy(Strategy):
     name = "sequential"
+    fused_routing = True
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         cfg, ep = self.config, self.ep
         T = x.shape[0]
         k = cfg.top_k
         capacity = cfg.capacity(T)
-        row_of_assignment, assignment_of_row, kept = build_dispatch_index(topk_idx, cfg.num_experts, capacity)
+        row_of_assignment, assignment_of_row, kept, expert_end = build_dispatch_index(
+            topk_idx, cfg.num_experts, capacity)
 
         if ep.world == 1:
             # Host sync only with a capacity: the number of kept rows sizes the buffers.
-            rows = T * k if capacity is None else int(kept.sum())
-            source_token = torch.div(assignment_of_row[:rows], k, rounding_mode="floor")
-            x_send = DispatchRows.apply(x, source_token, row_of_assignment)
-            offs = kept.cumsum(0, dtype=torch.int32)
-            y = expert_ffn(x_send, w_up, w_down, offs, cfg.activation)
+            rows = T * k if capacity is None else int(expert_end[-1])
+            x_send = DispatchRows.apply(x, assignment_of_row[:rows], row_of_assignment)
+            y = expert_ffn(x_send, w_up, w_down, expert_end, cfg.activation)
             return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)
 
-        recv_counts = all_to_all_counts(kept, ep).view(ep.world, ep.num_local)
-        send_per_rank = kept.view(ep.world, ep.num_local).sum(1)
+        recv_counts = all_to_all_counts(kept, ep)
         # THE host sync of the forward: all_to_all_single takes its split sizes on the host.
-        splits = torch.cat([send_per_rank, recv_counts.sum(1)]).tolist()
-        in_splits, out_splits = splits[: ep.world], splits[ep.world :]
+        counts = torch.cat([kept, recv_counts]).tolist()
+        E = cfg.num_experts
+        in_splits = [sum(counts[r * ep.num_local:(r + 1) * ep.num_local]) for r in range(ep.world)]
+        out_splits = [sum(counts[E + r * ep.num_local:E + (r + 1) * ep.num_local]) for r in range(ep.world)]
         rows_send, rows_recv = sum(in_splits), sum(out_splits)
 
-        source_token = torch.div(assignment_of_row[:rows_send], k, rounding_mode="floor")
         # The `del`s free each row buffer as soon as the next one exists (lower peak memory
         # in inference; in training autograd keeps only what backward needs).
-        x_send = DispatchRows.apply(x, source_token, row_of_assignment)
+        x_send = DispatchRows.apply(x, assignment_of_row[:rows_send], row_of_assignment)
         x_recv = all_to_all(x_send, out_splits, in_splits, ep)
         del x_send
-        src_row, inverse = expert_major_index(recv_counts, rows_recv)
+        src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
         x_grouped = PermuteRows.apply(x_recv, src_row, inverse)
         del x_recv
-        offs = recv_counts.sum(0).cumsum(0, dtype=torch.int32)
         y_grouped = expert_ffn(x_grouped, w_up, w_down, offs, cfg.activation)
         del x_grouped
         y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
