@@ -36,10 +36,12 @@ class MoELayer(nn.Module):
     Args:
         config: the layer's :class:`MoEConfig` (must be equal on every rank; checked here).
         group: expert-parallel process group, or None.
-        strategy: ``"naive"`` or ``"sequential"`` (see ``interlace.strategies``).
+        strategy: ``"naive"``, ``"sequential"`` or ``"pipelined"`` (``"pipelined:4"`` fixes
+            the degree); see ``interlace.strategies``.
         seed: every weight is a function of (seed, expert id); ranks agree without
             broadcasting and a single-process reference can rebuild the same weights.
         device: where parameters live (default: the current CUDA device, else CPU).
+        strategy_options: keyword options of the strategy (e.g. ``{"degree": "auto"}``).
 
     Forward: ``x`` (..., N) in ``config.dtype`` → (..., N). ``expert_indices`` (T, k) may
     force the choice of experts (tests, benchmarks); the weights still come from the router.
@@ -54,6 +56,7 @@ class MoELayer(nn.Module):
         strategy: str = "sequential",
         seed: int = 0,
         device: torch.device | str | None = None,
+        strategy_options: dict | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -68,16 +71,16 @@ class MoELayer(nn.Module):
         check_same_across_ranks(seed, self.ep, "seed")
         self.router = Router(config, seed, device)
         self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device)
-        self.strategy = make_strategy(strategy, config, self.ep)
+        self.strategy = make_strategy(strategy, config, self.ep, **(strategy_options or {}))
         self.last_aux_loss: torch.Tensor | None = None
 
     @property
     def strategy_name(self) -> str:
         return self.strategy.name
 
-    def set_strategy(self, name: str) -> None:
-        """Switch the strategy; parameters are untouched."""
-        self.strategy = make_strategy(name, self.config, self.ep)
+    def set_strategy(self, name: str, **options) -> None:
+        """Switch the strategy; parameters are untouched. Call it on every rank alike."""
+        self.strategy = make_strategy(name, self.config, self.ep, **options)
 
     def _check_input(self, x: torch.Tensor) -> None:
         cfg = self.config

@@ -44,7 +44,8 @@ def _check_all(rank, world, strategy, config_names, cases):
                 assert rel_err(got, ref) < TOL, f"{where} {what} grad"
 
 
-@pytest.mark.parametrize("strategy", ["naive", "sequential"])
+@pytest.mark.parametrize("strategy", ["naive", "sequential", "pipelined:1", "pipelined:2", "pipelined:3",
+                                      "pipelined:5"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_matches_reference(world, strategy):
     run_gloo(_check_all, world, strategy, list(CONFIGS), CASES)
@@ -88,3 +89,14 @@ def _nan_rows(rank, world):
 
 def test_nan_token_does_not_corrupt_others():
     run_gloo(_nan_rows, 2)
+
+
+def _degree_disagreement(rank, world):
+    cfg = CONFIGS["swiglu"]
+    layer = MoELayer(cfg, strategy=f"pipelined:{2 + rank}", device="cpu")
+    with pytest.raises(ValueError, match="disagree on the pipeline degree"):
+        layer(torch.randn(9, cfg.hidden))
+
+
+def test_pipeline_degree_disagreement_raises_instead_of_hanging():
+    run_gloo(_degree_disagreement, 2)

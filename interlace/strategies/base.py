@@ -27,9 +27,16 @@ class Strategy:
     # or with plain torch ops (what the naive baseline does).
     fused_routing: ClassVar[bool] = False
 
-    def __init__(self, config: MoEConfig, ep: ExpertParallel):
+    def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
+        if options:
+            raise TypeError(f"strategy {self.name!r} takes no options, got {sorted(options)}")
         self.config = config
         self.ep = ep
+
+    @classmethod
+    def parse_arg(cls, arg: str) -> dict:
+        """Options from the ``name:arg`` spelling (e.g. ``"pipelined:4"``)."""
+        raise ValueError(f"strategy {cls.name!r} takes no ':' argument, got {arg!r}")
 
     def __call__(
         self,
@@ -55,7 +62,15 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel) -> Strategy:
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; available: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name](config, ep)
+def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, **options) -> Strategy:
+    """Build a strategy by name; ``"name:arg"`` passes ``arg`` through ``Strategy.parse_arg``.
+
+    Strategies may create process groups: construct them on every rank in the same order.
+    """
+    base, _, arg = name.partition(":")
+    if base not in STRATEGIES:
+        raise ValueError(f"unknown strategy {base!r}; available: {', '.join(sorted(STRATEGIES))}")
+    cls = STRATEGIES[base]
+    if arg:
+        options = {**cls.parse_arg(arg), **options}
+    return cls(config, ep, **options)
