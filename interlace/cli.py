@@ -8,7 +8,9 @@ USAGE = """usage: interlace <command> [options]
 
 commands:
   demo     run the layer on this machine (GPUs: torchrun benchmark; CPU: 2 simulated gloo ranks)
-  bench    the BENCHMARKS.md harness (launch with torchrun --nproc-per-node W for W GPUs)
+  bench          the BENCHMARKS.md harness (launch with torchrun --nproc-per-node W for W GPUs)
+  profile        microbenchmarks → the performance profile the pipelined strategy plans with
+  pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice
 """
 
 
@@ -23,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
 
         bench_main(rest)
         return 0
+    if command == "profile":
+        from interlace.perf.profile import main as profile_main
+
+        return profile_main(rest)
+    if command == "pipeline-eval":
+        from interlace.perf.evaluate import main as eval_main
+
+        return eval_main(rest)
     if command == "demo":
         from interlace.demo import main as demo_main
 

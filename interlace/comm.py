@@ -103,20 +103,3 @@ def all_to_all_async(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], 
     """
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
 
-
-_SECOND_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def second_group(ep: ExpertParallel) -> dist.ProcessGroup | None:
-    """A second communicator over the same ranks (its own NCCL stream), created once.
-
-    Pipelined strategies send combine traffic on it so that a combine never queues behind a
-    later dispatch on one FIFO stream. Creating it is collective: every rank of the default
-    group must reach this call in the same order.
-    """
-    if ep.group is None:
-        return None
-    ranks = tuple(dist.get_process_group_ranks(ep.group))
-    if ranks not in _SECOND_GROUPS:
-        _SECOND_GROUPS[ranks] = dist.new_group(list(ranks), backend=dist.get_backend(ep.group))
-    return _SECOND_GROUPS[ranks]

@@ -2,15 +2,18 @@
 
 The T tokens are split into r chunks along the token dimension. Each chunk gets its own
 counting sort and its own pair of all-to-alls; all chunks' split sizes travel in one count
-exchange, so the forward still has exactly one host sync. Then, on two communicators (two
-NCCL streams) and the compute stream:
+exchange, so the forward still has exactly one host sync. Then, on the communicator's NCCL
+stream and the compute stream:
 
-    dispatch:  D1 D2 D3 ...          (all issued at once, back to back on communicator 1)
+    dispatch:  D1 D2 D3 ...          (all issued at once, back to back)
     experts:      E1 E2 E3 ...       (E_i waits for D_i)
-    combine:         C1 C2 C3 ...    (C_i waits for E_i; communicator 2, so C_i never queues
-                                      behind a later D on one FIFO stream)
+    combine:         C1 C2 C3 ...    (C_i waits for E_i and, on the one link, for D_r)
 
-which is the schedule of PipeMoE's Eqs. 9–12. Backward runs the mirror image: the combine
+which is the schedule of PipeMoE's Eqs. 9–12 on one link. Dispatches and combines share one
+communicator (one FIFO NCCL stream): all dispatches are queued first, then each combine as
+its chunk's experts finish — exactly the schedule PipeMoE's Theorem 1 analyses
+(``interlace.perf.schedule.simulate_shared_link``); on NVLink the two directions of traffic
+share the links' bandwidth anyway. Backward runs the mirror image: the combine
 gradients' all-to-alls start at once, each chunk's expert backward starts when its gradient
 has arrived, and its dispatch-gradient all-to-all leaves as soon as it is done.
 
@@ -30,7 +33,7 @@ import warnings
 
 import torch
 
-from interlace.comm import all_to_all_async, all_to_all_counts, second_group
+from interlace.comm import all_to_all_async, all_to_all_counts
 from interlace.ops.routing_index import build_dispatch_index, expert_major_index
 from interlace.ops.rows import CombineRows, DispatchRows, gather_rows
 from interlace.strategies.base import Strategy, register_strategy
@@ -47,11 +50,11 @@ def chunk_sizes(tokens: int, degree: int) -> list[int]:
 class _ChunkPlan:
     """Host-side split sizes and device-side re-layout indices of every chunk."""
 
-    def __init__(self, in_splits, out_splits, src_rows, inverses, offs, groups, activation, needs_grad):
+    def __init__(self, in_splits, out_splits, src_rows, inverses, offs, group, activation, needs_grad):
         self.in_splits = in_splits  # [c][dest rank] rows this rank sends in chunk c
         self.out_splits = out_splits  # [c][source rank] rows this rank receives in chunk c
         self.src_rows, self.inverses, self.offs = src_rows, inverses, offs
-        self.dispatch_group, self.combine_group = groups
+        self.group = group
         self.activation = activation
         self.needs_grad = needs_grad
 
@@ -72,7 +75,7 @@ class _PipelinedExperts(torch.autograd.Function):
         for c in range(r):
             x_recv = x_sends[c].new_empty((sum(plan.out_splits[c]), x_sends[c].shape[1]))
             works.append(all_to_all_async(x_recv, x_sends[c], plan.out_splits[c], plan.in_splits[c],
-                                          plan.dispatch_group))
+                                          plan.group))
             x_recvs.append(x_recv)
         graphs, y_backs, combine_works, keep_alive = [], [], [], []
         for c in range(r):
@@ -86,7 +89,7 @@ class _PipelinedExperts(torch.autograd.Function):
             y_recv = gather_rows(yg.detach(), plan.inverses[c])
             y_back = y_recv.new_empty((sum(plan.in_splits[c]), y_recv.shape[1]))
             combine_works.append(all_to_all_async(y_back, y_recv, plan.in_splits[c], plan.out_splits[c],
-                                                  plan.combine_group))
+                                                  plan.group))
             keep_alive.append(y_recv)
             y_backs.append(y_back)
             x_recvs[c] = None  # free the received rows of this chunk
@@ -105,7 +108,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 (sum(plan.in_splits[c]), wu.shape[2]), dtype=wu.dtype, device=wu.device)
             dy_recv = g.new_empty((sum(plan.out_splits[c]), g.shape[1]))
             works.append(all_to_all_async(dy_recv, g.contiguous(), plan.out_splits[c], plan.in_splits[c],
-                                          plan.combine_group))
+                                          plan.group))
             dy_recvs.append(dy_recv)
         dwu = torch.zeros(wu.shape, dtype=torch.float32, device=wu.device)
         dwd = torch.zeros(wd.shape, dtype=torch.float32, device=wd.device)
@@ -120,7 +123,7 @@ class _PipelinedExperts(torch.autograd.Function):
             dx_recv = gather_rows(dxg, plan.inverses[c])
             dx_send = dx_recv.new_empty((sum(plan.in_splits[c]), dx_recv.shape[1]))
             dispatch_works.append(all_to_all_async(dx_send, dx_recv, plan.in_splits[c], plan.out_splits[c],
-                                                   plan.dispatch_group))
+                                                   plan.group))
             keep_alive.append(dx_recv)
             dx_sends.append(dx_send)
             ctx.graphs[c] = None
@@ -144,8 +147,6 @@ class PipelinedStrategy(Strategy):
         self._profile = profile
         self._chosen: dict[int, int] = {}
         self._sequential = SequentialStrategy(config, ep)
-        # Collective: every rank builds its strategies in the same order (see make_strategy).
-        self._combine_group = second_group(ep) if ep.world > 1 else None
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -228,7 +229,7 @@ class PipelinedStrategy(Strategy):
                    for c in range(r)]
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
         plan = _ChunkPlan(in_splits, out_splits, [s for s, _, _ in relayout], [i for _, i, _ in relayout],
-                          [o for _, _, o in relayout], (ep.group, self._combine_group), cfg.activation, needs_grad)
+                          [o for _, _, o in relayout], ep.group, cfg.activation, needs_grad)
         y_backs = _PipelinedExperts.apply(w_up, w_down, plan, *x_sends)
         outs = [CombineRows.apply(y_backs[c], w_chunks[c], indices[c][0], x.dtype) for c in range(r)]
         return torch.cat(outs) if r > 1 else outs[0]

@@ -1,0 +1,408 @@
+"""``interlace profile``: microbenchmarks → a JSON performance profile.
+
+What is measured (each as device time *and* host issue time, since at small sizes the layer is
+bound by the host's launch rate):
+
+* the all-to-all on the expert-parallel group, bytes per rank from 64 KiB to 256 MiB
+  → a :class:`SizeCurve` and its α–β line (PipeMoE Eq. 16);
+* per shape class (hidden N, FFN K, experts per rank, activation): one chunk's expert stage —
+  re-layout gather, grouped GEMM, activation, grouped GEMM, gather back — over rows
+  → a :class:`SizeCurve` and its α–β line (PipeMoE Eqs. 13–15);
+* the host cost of one chunk's bookkeeping (counting sort, re-layout index, dispatch gather,
+  combine) and the bandwidth of the row gathers;
+* per shape class, the rest of a layer call (routing, count exchange and its host sync,
+  launch gaps): the ``sequential`` layer is timed at a few token counts and what the
+  op-level model does not explain is fitted as α_f + β_f·T.
+
+Device time of an op is measured with the GPU held back by a sleep kernel while the host queues
+n copies, so the events see n back-to-back executions and none of the host's issue time.
+
+The profile is keyed by device name, SM count, world size, node count and link kind, stored as
+JSON under ``$INTERLACE_PROFILE_DIR`` (default ``~/.cache/interlace/profiles``); profiles shipped
+in ``interlace/profiles/`` are found too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from interlace.config import MoEConfig
+from interlace.perf.models import AlphaBeta, SizeCurve, fit_alpha_beta
+
+PROFILE_VERSION = 1
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+# ----------------------------------------------------------------------------- keys and storage
+def profile_dir() -> Path:
+    return Path(os.environ.get("INTERLACE_PROFILE_DIR", Path.home() / ".cache" / "interlace" / "profiles"))
+
+
+def machine_key(world: int, device: torch.device) -> str:
+    """``<device>-sm<SMs>-w<world>-n<nodes>-<link>``: what the measurements depend on."""
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", world)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        count = torch.cuda.device_count()
+        peer = all(torch.cuda.can_device_access_peer(i, j) for i in range(count) for j in range(count) if i != j)
+        link = "p2p" if peer else "nop2p"
+    else:
+        name, sms, link = "cpu", os.cpu_count() or 1, "gloo"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-sm{sms}-w{world}-n{nodes}-{link}")
+
+
+def shape_key(cfg: MoEConfig, world: int) -> str:
+    return f"N{cfg.hidden}-K{cfg.ffn}-El{cfg.num_experts // world}-{cfg.activation}"
+
+
+def parse_shape_key(key: str) -> tuple[int, int, int, str]:
+    m = re.fullmatch(r"N(\d+)-K(\d+)-El(\d+)-(\w+)", key)
+    if not m:
+        raise ValueError(f"bad shape key {key!r}")
+    return int(m[1]), int(m[2]), int(m[3]), m[4]
+
+
+@dataclass
+class ShapeProfile:
+    expert: SizeCurve  # received rows of one chunk → device ms of its expert stage
+    expert_host_ms: float
+    fixed: AlphaBeta  # tokens per rank → ms of the layer that the op-level model leaves out
+
+    def to_json(self) -> dict:
+        return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms, "fixed": self.fixed.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> "ShapeProfile":
+        return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]))
+
+
+@dataclass
+class Profile:
+    key: str
+    world: int
+    a2a: SizeCurve  # bytes sent per rank → device ms
+    a2a_host_ms: float
+    copy_gbps: float  # row gathers: (bytes read + written) / device time
+    host_ms: dict  # host cost per chunk: "index" (pre-sync), "prep", "combine" (post-sync)
+    shapes: dict[str, ShapeProfile] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"version": PROFILE_VERSION, "key": self.key, "world": self.world, "meta": self.meta,
+                "a2a": self.a2a.to_json(), "a2a_host_ms": self.a2a_host_ms, "copy_gbps": self.copy_gbps,
+                "host_ms": self.host_ms, "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+
+    @staticmethod
+    def from_json(d: dict) -> "Profile":
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}; run `interlace profile` again")
+        return Profile(d["key"], d["world"], SizeCurve.from_json(d["a2a"]), d["a2a_host_ms"], d["copy_gbps"],
+                       d["host_ms"], {k: ShapeProfile.from_json(v) for k, v in d["shapes"].items()}, d.get("meta", {}))
+
+    def save(self, path: str | Path | None = None) -> Path:
+        path = Path(path) if path else profile_dir() / f"{self.key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    def shape(self, key: str) -> tuple[str, ShapeProfile]:
+        """The profile of a shape class: exact, else the nearest measured class (log distance
+        over N, K and experts per rank, same activation), which the caller should report."""
+        if key in self.shapes:
+            return key, self.shapes[key]
+        if not self.shapes:
+            raise FileNotFoundError(f"profile {self.key} has no shape classes; run `interlace profile`")
+        n, k, el, act = parse_shape_key(key)
+
+        def distance(other: str) -> float:
+            n2, k2, el2, act2 = parse_shape_key(other)
+            return (abs(math.log(n / n2)) + abs(math.log(k / k2)) + abs(math.log(el / el2))
+                    + (10.0 if act2 != act else 0.0))
+
+        best = min(self.shapes, key=distance)
+        return best, self.shapes[best]
+
+
+def load_profile(world: int, device: torch.device | None = None, path: str | Path | None = None) -> Profile:
+    """The profile for this machine and world size (``path`` first if given)."""
+    if path is not None:
+        return Profile.from_json(json.loads(Path(path).read_text()))
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    key = machine_key(world, device)
+    searched = [profile_dir() / f"{key}.json", PACKAGED_DIR / f"{key}.json"]
+    for candidate in searched:
+        if candidate.exists():
+            return Profile.from_json(json.loads(candidate.read_text()))
+    raise FileNotFoundError(f"no performance profile {key}.json in {', '.join(str(p.parent) for p in searched)}")
+
+
+# ----------------------------------------------------------------------------- timing
+class Timer:
+    """Device time per op (GPU held back by a sleep kernel while n copies are queued) and host
+    issue time per op. On the CPU both are host wall time."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device = device
+        self.group = group
+        self.cuda = device.type == "cuda"
+        self._cycles_per_ms = None
+
+    def barrier(self):
+        if self.group is not None:
+            dist.barrier(group=self.group, device_ids=[self.device.index] if self.cuda else None)
+
+    def _sleep_cycles_per_ms(self) -> float:
+        if self._cycles_per_ms is None:
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            torch.cuda._sleep(10_000_000)
+            e.record()
+            e.synchronize()
+            self._cycles_per_ms = 10_000_000 / max(s.elapsed_time(e), 1e-3)
+        return self._cycles_per_ms
+
+    def host_ms(self, fn, n: int = 10) -> float:
+        fn()
+        self.sync()
+        self.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) * 1e3 / n
+        self.sync()
+        return host
+
+    def device_ms(self, fn, n: int = 10, host_ms: float | None = None, repeats: int = 3) -> float:
+        """Median over ``repeats`` of (device time of n back-to-back calls) / n."""
+        if not self.cuda:
+            return self.host_ms(fn, n)
+        host_ms = host_ms if host_ms is not None else self.host_ms(fn, 3)
+        results = []
+        for _ in range(repeats):
+            self.sync()
+            self.barrier()
+            torch.cuda._sleep(int(self._sleep_cycles_per_ms() * (2.0 * host_ms * n + 0.5)))
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(n):
+                fn()
+            e.record()
+            e.synchronize()
+            results.append(s.elapsed_time(e) / n)
+        return statistics.median(results)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _progress(iterable, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+
+        return tqdm(list(iterable), desc=desc, file=sys.stdout, dynamic_ncols=True)
+    except ImportError:
+        items = list(iterable)
+
+        def gen():
+            for i, item in enumerate(items):
+                print(f"{desc}: {i + 1}/{len(items)}", flush=True)
+                yield item
+
+        return gen()
+
+
+def _geom_ints(lo: int, hi: int, n: int) -> list[int]:
+    if hi <= lo:
+        return [max(1, lo)]
+    return sorted({max(1, int(round(lo * (hi / lo) ** (i / (n - 1))))) for i in range(n)})
+
+
+# ----------------------------------------------------------------------------- microbenchmarks
+def profile_all_to_all(timer: Timer, world: int, sizes_bytes: list[int], show: bool):
+    points, hosts = [], []
+    for nbytes in _progress(sizes_bytes, "all-to-all", show):
+        elements = max(world * 8, (nbytes // 2) // world * world)  # bf16, equal split over peers
+        x = torch.randn(elements, device=timer.device).to(torch.bfloat16)
+        out = torch.empty_like(x)
+
+        def op():
+            if world > 1:
+                dist.all_to_all_single(out, x, group=timer.group)
+            else:
+                out.copy_(x)
+
+        host = timer.host_ms(op)
+        dev = timer.device_ms(op, host_ms=host)
+        points.append((x.numel() * 2, dev))
+        hosts.append(host)
+    return SizeCurve([p[0] for p in points], [p[1] for p in points]), statistics.median(hosts)
+
+
+def profile_expert_stage(timer: Timer, cfg: MoEConfig, world: int, max_rows: int, show: bool, points: int = 8):
+    from interlace.experts import init_expert_weights
+    from interlace.ops.routing_index import expert_major_index
+    from interlace.ops.rows import gather_rows
+    from interlace.strategies.sequential import expert_ffn
+
+    E_local = cfg.num_experts // world
+    w_up, w_down = init_expert_weights(cfg, range(E_local), 0, timer.device)
+    lo = max(world * E_local, min(64, max_rows // 8))
+    rows_list = _geom_ints(lo if lo < max_rows else max(1, max_rows // 4), max_rows, points)
+    times, hosts = [], []
+    for rows in _progress(rows_list, f"experts {shape_key(cfg, world)}", show):
+        base, extra = divmod(rows, world * E_local)
+        counts = torch.full((world * E_local,), base, dtype=torch.int32)
+        counts[:extra] += 1
+        counts = counts.view(world, E_local).to(timer.device)
+        x = torch.randn(rows, cfg.hidden, device=timer.device).to(cfg.dtype)
+        src_row, inverse, offs = expert_major_index(counts, rows)
+
+        def op():
+            gather_rows(expert_ffn(gather_rows(x, src_row), w_up, w_down, offs, cfg.activation), inverse)
+
+        with torch.no_grad():
+            host = timer.host_ms(op, n=5)
+            times.append(timer.device_ms(op, n=5, host_ms=host))
+        hosts.append(host)
+    return SizeCurve(rows_list, times), statistics.median(hosts)
+
+
+def profile_chunk_bookkeeping(timer: Timer, cfg: MoEConfig, world: int, tokens: int):
+    """Host ms per chunk of: the counting sort (pre-sync), re-layout index + dispatch gather,
+    and the combine; and the gathers' effective bandwidth."""
+    from interlace.ops.routing_index import build_dispatch_index, expert_major_index
+    from interlace.ops.rows import combine_rows, gather_rows
+
+    k, E = cfg.top_k, cfg.num_experts
+    topk = torch.randint(0, E, (tokens, k), device=timer.device)
+    x = torch.randn(tokens, cfg.hidden, device=timer.device).to(cfg.dtype)
+    w = torch.rand(tokens, k, device=timer.device)
+    rows = tokens * k
+    counts = torch.full((world, E // world), rows // E, dtype=torch.int32, device=timer.device)
+    n_rows = int(counts.sum())
+    row_of, assign, _, _ = build_dispatch_index(topk, E, None)
+    y = torch.randn(rows, cfg.hidden, device=timer.device).to(cfg.dtype)
+    with torch.no_grad():
+        h_index = timer.host_ms(lambda: build_dispatch_index(topk, E, None))
+        h_prep = timer.host_ms(lambda: (expert_major_index(counts, n_rows), gather_rows(x, assign, k)))
+        h_comb = timer.host_ms(lambda: combine_rows(y, row_of, w, cfg.dtype))
+        g_host = timer.host_ms(lambda: gather_rows(x, assign, k))
+        g_dev = timer.device_ms(lambda: gather_rows(x, assign, k), host_ms=g_host)
+    gbps = 2 * rows * cfg.hidden * x.element_size() / (g_dev * 1e-3) / 1e9
+    return {"index": h_index, "prep": h_prep, "combine": h_comb}, gbps
+
+
+def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10) -> float:
+    """Median per-call time of ``layer(x)`` (slowest rank), events around each call."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            layer(x)
+        times = []
+        for _ in range(iters):
+            timer.sync()
+            timer.barrier()
+            if timer.cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                layer(x)
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            else:
+                t0 = time.perf_counter()
+                layer(x)
+                times.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(times)
+    if timer.group is not None:
+        t = torch.tensor([med], dtype=torch.float64, device=timer.device if timer.cuda else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timer.group)
+        med = float(t.item())
+    return med
+
+
+def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
+                existing: Profile | None = None, a2a_max_bytes: int = 256 << 20) -> Profile:
+    """Measure everything the planner needs for ``configs`` (their shape classes) on this
+    machine; returns the profile (``existing`` is extended, not re-measured, where it can be)."""
+    from interlace.layer import MoELayer
+    from interlace.perf.planner import predict_layer_ms
+
+    world = dist.get_world_size(group) if group is not None else 1
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    timer = Timer(device, group)
+    key = machine_key(world, device)
+    if existing is not None and existing.key == key:
+        prof = existing
+    else:
+        sizes = _geom_ints(64 << 10, a2a_max_bytes, 12) if device.type == "cuda" else _geom_ints(4 << 10, 1 << 20, 4)
+        a2a, a2a_host = profile_all_to_all(timer, world, sizes, show)
+        host, gbps = profile_chunk_bookkeeping(timer, configs[0], world, max(tokens))
+        prof = Profile(key, world, a2a, a2a_host, gbps, host, meta={
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "device": str(device)})
+    for cfg in configs:
+        skey = shape_key(cfg, world)
+        if skey in prof.shapes:
+            continue
+        curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
+        prof.shapes[skey] = ShapeProfile(curve, e_host, AlphaBeta(0.0, 0.0))
+        layer = MoELayer(cfg, group=group, strategy="sequential", device=device)
+        residual_t, residual = [], []
+        for T in tokens:
+            x = torch.randn(T, cfg.hidden, device=device).to(cfg.dtype)
+            measured = time_layer_ms(layer, x, timer)
+            residual_t.append(T)
+            residual.append(measured - predict_layer_ms(prof, cfg, T, world, 1, include_fixed=False))
+        prof.shapes[skey].fixed = fit_alpha_beta(residual_t, [max(v, 1e-3) for v in residual]) \
+            if len(set(residual_t)) > 1 else AlphaBeta(max(residual[0], 0.0), 0.0)
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return prof
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from interlace.bench.harness import bench_config, init_env
+
+    p = argparse.ArgumentParser(prog="interlace profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg"],
+                   help="presets whose shape classes to measure")
+    p.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192, 32768],
+                   help="tokens per rank for the fixed-cost fit (the largest also sizes the expert sweep)")
+    p.add_argument("--out", default=None, help="profile path (default: the profile directory)")
+    args = p.parse_args(argv)
+    env = init_env()
+    try:
+        existing = load_profile(env.world, env.device, args.out if args.out and Path(args.out).exists() else None)
+    except (FileNotFoundError, ValueError):
+        existing = None
+    prof = run_profile([bench_config(c, small=False) for c in args.configs], args.tokens, env.group, env.device,
+                       show=env.rank == 0, existing=existing)
+    if env.rank == 0:
+        path = prof.save(args.out)
+        print(f"profile {prof.key}: all-to-all α {prof.a2a.line.alpha * 1e3:.1f} µs, "
+              f"β {1 / max(prof.a2a.line.beta, 1e-30) / 1e6:.1f} GB/s; {len(prof.shapes)} shape classes → {path}")
+    if dist.is_initialized():
+        dist.barrier()
+    return 0

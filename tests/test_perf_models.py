@@ -1,0 +1,108 @@
+"""Performance models and pipeline-degree solvers (pure CPU, no torch distributed)."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from interlace.perf.models import SizeCurve, fit_alpha_beta
+from interlace.perf.schedule import (
+    Op,
+    optimal_degree_eqs_9_12,
+    pipemoe_theorem1,
+    simulate_eqs_9_12,
+    simulate_ops,
+    simulate_shared_link,
+)
+
+
+def brute(sim, aa, ba, ae, be, nd, ne, r_max):
+    best = None
+    for r in range(1, r_max + 1):
+        a, b = aa + ba * nd / r, ae + be * ne / r
+        t = sim([a] * r, [b] * r, [a] * r)
+        if best is None or t < best[1] - 1e-12:
+            best = (r, t)
+    return best
+
+
+def random_params(rng):
+    # Span comm-bound, compute-bound and balanced layers, with tiny and large start-up costs.
+    aa = 10 ** rng.uniform(-3, -0.5)
+    ae = 10 ** rng.uniform(-3, -0.5)
+    nd = 10 ** rng.uniform(4, 9)
+    ne = 10 ** rng.uniform(8, 13)
+    ba = 10 ** rng.uniform(-1, 1) / nd  # β_a·n_d between 0.1 and 10 ms
+    be = 10 ** rng.uniform(-1, 1) / ne
+    return aa, ba, ae, be, nd, ne
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_solver_matches_brute_force_over_eqs_9_12(seed):
+    rng = random.Random(seed)
+    for _ in range(500):
+        p = random_params(rng)
+        r_max = rng.choice([1, 2, 5, 16, 64])
+        choice = optimal_degree_eqs_9_12(*p, r_max=r_max)
+        r_b, t_b = brute(simulate_eqs_9_12, *p, r_max)
+        assert math.isclose(choice.time, t_b, rel_tol=1e-9), (p, choice, r_b, t_b)
+        a, b = p[0] + p[1] * p[4] / choice.degree, p[2] + p[3] * p[5] / choice.degree
+        r = choice.degree
+        assert math.isclose(simulate_eqs_9_12([a] * r, [b] * r, [a] * r), choice.time, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pipemoe_theorem1_matches_brute_force_over_shared_link(seed):
+    rng = random.Random(100 + seed)
+    for _ in range(500):
+        p = random_params(rng)
+        r_max = rng.choice([1, 2, 5, 16, 64])
+        choice = pipemoe_theorem1(*p, r_max=r_max)
+        r_b, t_b = brute(simulate_shared_link, *p, r_max)
+        assert math.isclose(choice.time, t_b, rel_tol=1e-9), (p, choice, r_b, t_b)
+
+
+def test_closed_form_of_eqs_9_12():
+    for a, b, r in [(1.0, 2.0, 4), (2.0, 1.0, 4), (1.0, 1.0, 3), (0.5, 3.0, 1)]:
+        assert math.isclose(simulate_eqs_9_12([a] * r, [b] * r, [a] * r), 2 * a + b + (r - 1) * max(a, b))
+
+
+def test_simulators_on_uneven_chunks_and_regimes():
+    # Unequal chunk times: the recurrences, by hand.
+    assert simulate_eqs_9_12([1, 2], [3, 1], [1, 1]) == 6.0  # D:0-1,1-3  E:1-4,4-5  C:4-5,5-6
+    assert simulate_shared_link([1, 2], [3, 1], [1, 1]) == 6.0
+    assert simulate_shared_link([2, 2], [1, 1], [2, 2]) == 8.0  # comm-bound: 2·r·a
+    assert simulate_eqs_9_12([2, 2], [1, 1], [2, 2]) == 7.0  # (r+1)·a + b
+
+
+def test_alpha_beta_fit_recovers_parameters_from_noisy_data():
+    rng = np.random.default_rng(0)
+    for alpha, beta in [(0.03, 2e-6), (0.5, 2e-8), (0.0, 3e-4)]:
+        xs = np.geomspace(1e3, 1e8, 25) if beta < 1e-5 else np.geomspace(10, 1e4, 25)
+        ts = (alpha + beta * xs) * (1 + rng.normal(0, 0.02, xs.size))
+        fit = fit_alpha_beta(xs, ts)
+        assert fit.beta == pytest.approx(beta, rel=0.05)
+        assert fit.alpha == pytest.approx(alpha, rel=0.1, abs=2e-3 * max(alpha, 0.01))
+        assert fit.r2 > 0.99
+
+
+def test_size_curve_interpolates_measurements_and_extrapolates_with_the_line():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    times = [0.02, 0.025, 0.06, 0.45]
+    curve = SizeCurve(sizes, times)
+    for s, t in zip(sizes, times):
+        assert curve(s) == pytest.approx(t, rel=1e-9) or s in (sizes[0], sizes[-1])
+    assert times[1] < curve(3e4) < times[2]
+    assert curve(1e7) == pytest.approx(curve.line(1e7))
+    assert SizeCurve.from_json(curve.to_json())(5e4) == pytest.approx(curve(5e4))
+
+
+def test_simulate_ops_host_bound_and_cross_stream_waits():
+    ops = [Op("a", "compute", host=1.0, gpu=0.5), Op("b", "comm", host=1.0, gpu=3.0, after=(0,)),
+           Op("c", "compute", host=0.1, gpu=1.0, after=(1,))]
+    total, ends = simulate_ops(ops)
+    assert ends == [1.5, 5.0, 6.0] and total == 6.0
+    # Host-bound: tiny GPU work finishes when the host has issued it.
+    total, _ = simulate_ops([Op("x", "compute", host=1.0, gpu=0.01)] * 5)
+    assert total == pytest.approx(5.01)

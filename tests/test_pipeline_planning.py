@@ -1,0 +1,80 @@
+"""The profile → planner → evaluation chain end to end on CPU (gloo, interpreter, toy sizes),
+and the planner's own logic on a synthetic profile."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import run_gloo
+from interlace import MoEConfig
+from interlace.perf.models import AlphaBeta, SizeCurve
+from interlace.perf.planner import choose_degree, predict_layer_ms
+from interlace.perf.profile import Profile, ShapeProfile, shape_key
+
+
+def synthetic_profile(world, cfg, a2a_alpha, a2a_gbps, expert_alpha, expert_tflops, host=0.0):
+    sizes = [1e3 * 2 ** i for i in range(21)]  # dense, like a measured sweep
+    a2a = SizeCurve(sizes, [a2a_alpha + s / (a2a_gbps * 1e6) for s in sizes])
+    flops_per_row = 2 * cfg.hidden * cfg.ffn * 3
+    rows = [2 ** i for i in range(25)]
+    expert = SizeCurve(rows, [expert_alpha + r * flops_per_row / (expert_tflops * 1e9) for r in rows])
+    prof = Profile("synthetic", world, a2a, host, 3000.0, {"index": host, "prep": host, "combine": host})
+    prof.shapes[shape_key(cfg, world)] = ShapeProfile(expert, host, AlphaBeta(0.1, 0.0))
+    return prof
+
+
+def test_planner_prefers_pipelining_only_when_it_pays():
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    # Balanced compute and comm, cheap start-up: pipelining wins at large T.
+    prof = synthetic_profile(2, cfg, a2a_alpha=0.02, a2a_gbps=100, expert_alpha=0.02, expert_tflops=500)
+    plan = choose_degree(cfg, 16384, 2, prof)
+    assert plan.degree > 1 and plan.per_degree_ms[plan.degree] < plan.per_degree_ms[1]
+    # Huge start-up costs: one chunk is best.
+    prof = synthetic_profile(2, cfg, a2a_alpha=5.0, a2a_gbps=100, expert_alpha=5.0, expert_tflops=500)
+    assert choose_degree(cfg, 16384, 2, prof).degree == 1
+    # Host-bound: every chunk costs 1 ms of issue time; at tiny T pipelining cannot pay.
+    prof = synthetic_profile(2, cfg, 0.01, 100, 0.01, 500, host=1.0)
+    assert choose_degree(cfg, 256, 2, prof).degree == 1
+
+
+def test_planner_predicts_r1_as_comm_plus_compute_plus_fixed():
+    cfg = MoEConfig(hidden=1024, ffn=1024, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.05, 50, 0.03, 400)
+    T = 4096
+    rows, nbytes = T * 2, T * 2 * 1024 * 2
+    expected = 0.1 + 2 * prof.a2a(nbytes) + prof.shapes[shape_key(cfg, 2)].expert(rows)
+    expected += 2 * nbytes / (3000 * 1e6) + (nbytes + T * 1024 * 2) / (3000 * 1e6)  # gather + combine
+    assert predict_layer_ms(prof, cfg, T, 2, 1) == pytest.approx(expected, rel=1e-6)
+
+
+def test_unprofiled_shape_uses_the_nearest_class_and_says_so():
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.02, 100, 0.02, 500)
+    plan = choose_degree(cfg.with_(ffn=12288), 8192, 2, prof)
+    assert plan.shape_used == shape_key(cfg, 2) and "not profiled" in plan.notes[0]
+
+
+def _profile_and_eval(rank, world, tmp):
+    from interlace.perf import evaluate
+
+    evaluate.main(["--grid", "tiny", "--profile-first", "--profile", f"{tmp}/profile.json", "--degrees", "1", "2",
+                   "--warmup", "1", "--iters", "2", "--out", f"{tmp}/eval"])
+    # The stored profile now drives the "auto" degree of the strategy.
+    from interlace import MoELayer
+
+    cfg = MoEConfig(hidden=32, ffn=16, num_experts=4, top_k=2, dtype=torch.float32)
+    layer = MoELayer(cfg, strategy="pipelined", strategy_options={"profile": f"{tmp}/profile.json"}, device="cpu")
+    out = layer(torch.randn(8, 32))
+    assert out.shape == (8, 32) and torch.isfinite(out).all()
+    assert layer.strategy.degree_for(8) in (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def test_profile_and_eval_commands_end_to_end(tmp_path):
+    run_gloo(_profile_and_eval, 2, str(tmp_path))
+    result = json.loads((tmp_path / "eval" / "pipeline_eval.json").read_text())
+    assert result["summary"]["configs"] == 2 and result["summary"]["wrong"] == 0
+    for row in result["rows"]:
+        assert set(row["measured_ms"]) == {"1", "2"} and row["chosen"] in (1, 2)
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    assert prof["world"] == 2 and len(prof["shapes"]) == 1 and prof["a2a"]["fit"]["beta"] >= 0
