@@ -183,7 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="profile JSON (default: this machine's stored profile)")
     p.add_argument("--profile-first", action="store_true",
                    help="measure the grid's shape classes into the profile before evaluating")
-    p.add_argument("--profile-tokens", nargs="+", type=int, default=[2048, 8192, 32768])
+    # Deliberately not the grid's token counts: the evaluation tests the model away from the
+    # points it was calibrated on.
+    p.add_argument("--profile-tokens", nargs="+", type=int, default=[3000, 12000, 40000])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
@@ -206,7 +208,7 @@ def main(argv=None) -> int:
             if key not in seen:
                 seen.add(key)
                 configs.append(point.config)
-        tokens = args.profile_tokens if args.grid == "default" else [8, 24]
+        tokens = args.profile_tokens if args.grid == "default" else [10, 30]
         profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile)
         if env.rank == 0:
             print(f"profile saved to {profile.save(args.profile)}", flush=True)

@@ -2,7 +2,7 @@
 
 The layer time for degree r is predicted as
 
-    fixed(T) + (r − 1)·h_index + simulate_ops(ops of the r-chunk pipeline)
+    fixed(T) + (r − 1)·(h_index + chunk(T)) + simulate_ops(ops of the r-chunk pipeline)
 
 where the op list mirrors what ``PipelinedStrategy`` issues after its host sync — per chunk a
 re-layout index and dispatch gather, all dispatch all-to-alls, then per chunk the expert
@@ -10,7 +10,9 @@ stage and its combine all-to-all, then the combines — each op with its host is
 device time from the profile's curves (all-to-all: bytes per rank; expert stage: rows; gathers:
 bytes over the measured gather bandwidth). ``fixed(T)`` is the per-shape-class α_f + β_f·T fit
 of what this model leaves out of a measured ``sequential`` call (routing, the count exchange,
-the host sync); ``h_index`` the host cost of one more chunk's counting sort before the sync.
+the host sync); ``h_index`` the host cost of one more chunk's counting sort before the sync;
+``chunk(T)`` the measured cost of each extra chunk beyond the model (calibrated at degrees 2
+and 4 by ``interlace profile``).
 
 The degree is the argmin over the allowed degrees (a brute force over ≤ 16 simulations, done
 once per distinct token count and cached by the strategy). PipeMoE's closed-form Theorem 1 on
@@ -76,7 +78,7 @@ def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: 
     total, _ = simulate_ops(pipeline_ops(prof, cfg, tokens, world, r))
     if include_fixed:
         _, shape = prof.shape(shape_key(cfg, world))
-        total += shape.fixed(tokens) + (r - 1) * prof.host_ms["index"]
+        total += shape.fixed(tokens) + (r - 1) * (prof.host_ms["index"] + shape.chunk(tokens))
     return total
 
 

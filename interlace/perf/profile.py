@@ -11,8 +11,10 @@ bound by the host's launch rate):
 * the host cost of one chunk's bookkeeping (counting sort, re-layout index, dispatch gather,
   combine) and the bandwidth of the row gathers;
 * per shape class, the rest of a layer call (routing, count exchange and its host sync,
-  launch gaps): the ``sequential`` layer is timed at a few token counts and what the
-  op-level model does not explain is fitted as α_f + β_f·T.
+  launch gaps): the layer at degree 1 (``sequential``) is timed at a few token counts and what
+  the op-level model does not explain is fitted as α_f + β_f·T; then the layer at degrees 2
+  and 4, and what each extra chunk costs beyond the model (NCCL kernels slowing the GEMMs
+  they overlap, stream waits) is fitted as γ_0 + γ_1·T per chunk.
 
 Device time of an op is measured with the GPU held back by a sleep kernel while the host queues
 n copies, so the events see n back-to-back executions and none of the host's issue time.
@@ -35,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -80,13 +83,19 @@ class ShapeProfile:
     expert: SizeCurve  # received rows of one chunk → device ms of its expert stage
     expert_host_ms: float
     fixed: AlphaBeta  # tokens per rank → ms of the layer that the op-level model leaves out
+    # tokens per rank → ms that each chunk beyond the first costs on top of the op-level model
+    # (interference of NCCL kernels with the GEMMs, stream waits, smaller-chunk effects), fitted
+    # from the pipelined layer measured at degrees 2 and 4.
+    chunk: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))
 
     def to_json(self) -> dict:
-        return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms, "fixed": self.fixed.to_json()}
+        return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms,
+                "fixed": self.fixed.to_json(), "chunk": self.chunk.to_json()}
 
     @staticmethod
     def from_json(d: dict) -> "ShapeProfile":
-        return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]))
+        return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]),
+                            AlphaBeta.from_json(d["chunk"]) if "chunk" in d else AlphaBeta(0.0, 0.0))
 
 
 @dataclass
@@ -338,8 +347,17 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10) -> f
     return med
 
 
+def _fit_line(xs, ys) -> AlphaBeta:
+    """Plain least squares y = α + β·x (either sign: these are corrections, not costs)."""
+    if len(set(xs)) < 2:
+        return AlphaBeta(sum(ys) / len(ys), 0.0)
+    beta, alpha = np.polyfit(xs, ys, 1)
+    return AlphaBeta(float(alpha), float(beta))
+
+
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
-                existing: Profile | None = None, a2a_max_bytes: int = 256 << 20) -> Profile:
+                existing: Profile | None = None, a2a_max_bytes: int = 256 << 20,
+                calibration_degrees=(2, 4)) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be)."""
     from interlace.layer import MoELayer
@@ -365,16 +383,26 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
         prof.shapes[skey] = ShapeProfile(curve, e_host, AlphaBeta(0.0, 0.0))
-        layer = MoELayer(cfg, group=group, strategy="sequential", device=device)
-        residual_t, residual = [], []
+        layer = MoELayer(cfg, group=group, strategy="pipelined", strategy_options={"degree": 1}, device=device)
+        inputs = {T: torch.randn(T, cfg.hidden, device=device).to(cfg.dtype) for T in tokens}
+        residual = []
         for T in tokens:
-            x = torch.randn(T, cfg.hidden, device=device).to(cfg.dtype)
-            measured = time_layer_ms(layer, x, timer)
-            residual_t.append(T)
+            measured = time_layer_ms(layer, inputs[T], timer)
             residual.append(measured - predict_layer_ms(prof, cfg, T, world, 1, include_fixed=False))
-        prof.shapes[skey].fixed = fit_alpha_beta(residual_t, [max(v, 1e-3) for v in residual]) \
-            if len(set(residual_t)) > 1 else AlphaBeta(max(residual[0], 0.0), 0.0)
-        del layer
+        prof.shapes[skey].fixed = _fit_line(tokens, residual)
+        # Calibrate the cost of each extra chunk against the pipelined layer itself.
+        chunk_t, chunk_extra = [], []
+        for r in calibration_degrees:
+            layer.set_strategy("pipelined", degree=r)
+            for T in tokens:
+                if T < 2 * r:
+                    continue
+                measured = time_layer_ms(layer, inputs[T], timer)
+                chunk_t.append(T)
+                chunk_extra.append((measured - predict_layer_ms(prof, cfg, T, world, r)) / (r - 1))
+        if chunk_t:
+            prof.shapes[skey].chunk = _fit_line(chunk_t, chunk_extra)
+        del layer, inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return prof
@@ -388,7 +416,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="interlace profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg"],
                    help="presets whose shape classes to measure")
-    p.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192, 32768],
+    p.add_argument("--tokens", nargs="+", type=int, default=[3000, 12000, 40000],
                    help="tokens per rank for the fixed-cost fit (the largest also sizes the expert sweep)")
     p.add_argument("--out", default=None, help="profile path (default: the profile directory)")
     args = p.parse_args(argv)
