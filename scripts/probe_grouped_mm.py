@@ -1,6 +1,6 @@
 """One-off probe of torch._grouped_mm on the GPU machine: ragged offsets in backward,
 zero-size groups, strided weight views. Prints PASS/FAIL lines."""
-import torch, time
+import torch
 torch.manual_seed(0)
 dev = "cuda"
 print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count)

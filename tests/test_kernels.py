@@ -41,7 +41,7 @@ def test_dispatch_index_matches_stable_sort(T, k, E, capacity):
 
 
 def test_dispatch_index_skewed_all_to_one_expert():
-    T, k, E = 130, 2, 8
+    T, E = 130, 8
     idx = torch.tensor([[3, 5]] * T)
     rows, assign, kept, _ = build_dispatch_index(idx, E, None)
     assert kept.tolist() == [0, 0, 0, T, 0, T, 0, 0]

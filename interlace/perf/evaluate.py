@@ -122,7 +122,7 @@ def run_eval(grid: list[GridPoint], degrees, env, profile, warmup: int, iters: i
             print(f"[{i + 1}/{len(grid)}] {row.name:38s} chosen {row.chosen:2d} best {row.best:2d} "
                   f"regret {row.regret * 100:5.1f}%  pred {plan.per_degree_ms[row.chosen]:.2f} "
                   f"meas {good.get(row.chosen, float('nan')):.2f} | {meas}", flush=True)
-        del layer
+        layer = None  # free the weights before the next config
         if env.cuda:
             torch.cuda.empty_cache()
     return rows

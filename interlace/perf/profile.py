@@ -10,11 +10,11 @@ bound by the host's launch rate):
   → a :class:`SizeCurve` and its α–β line (PipeMoE Eqs. 13–15);
 * the host cost of one chunk's bookkeeping (counting sort, re-layout index, dispatch gather,
   combine) and the bandwidth of the row gathers;
-* per shape class, the rest of a layer call (routing, count exchange and its host sync,
-  launch gaps): the layer at degree 1 (``sequential``) is timed at a few token counts and what
-  the op-level model does not explain is fitted as α_f + β_f·T; then the layer at degrees 2
-  and 4, and what each extra chunk costs beyond the model (NCCL kernels slowing the GEMMs
-  they overlap, stream waits) is fitted as γ_0 + γ_1·T per chunk.
+* per shape class, the layer itself at degrees 1, 2 and 4 and a few token counts (kept raw in
+  the profile): what the op-level model does not explain at degree 1 is fitted as
+  α_f + β_f·T, and what it does not explain at higher degrees as a cost per extra chunk plus
+  an interference fraction of the overlapped all-to-all time
+  (:func:`interlace.perf.planner.calibrate`; refittable offline from the raw points).
 
 Device time of an op is measured with the GPU held back by a sleep kernel while the host queues
 n copies, so the events see n back-to-back executions and none of the host's issue time.
@@ -37,12 +37,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from interlace.config import MoEConfig
-from interlace.perf.models import AlphaBeta, SizeCurve, fit_alpha_beta
+from interlace.perf.models import AlphaBeta, SizeCurve
 
 PROFILE_VERSION = 1
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -80,22 +79,32 @@ def parse_shape_key(key: str) -> tuple[int, int, int, str]:
 
 @dataclass
 class ShapeProfile:
+    """Measurements of one shape class and the calibrations fitted from them.
+
+    ``calibration`` holds the raw layer timings ``(tokens, top_k, degree, ms)``; the fitted
+    terms (see :func:`interlace.perf.planner.calibrate`) are: ``fixed`` (tokens → ms of a
+    degree-1 call that the op model leaves out: routing, count exchange, host sync),
+    ``chunk_ms`` (what each extra chunk costs beyond the model: stream waits, launch gaps) and
+    ``interference`` (the fraction of every overlapped all-to-all's time that the compute it
+    overlaps loses: NCCL kernels take SMs and memory bandwidth from the GEMMs).
+    """
+
     expert: SizeCurve  # received rows of one chunk → device ms of its expert stage
     expert_host_ms: float
-    fixed: AlphaBeta  # tokens per rank → ms of the layer that the op-level model leaves out
-    # tokens per rank → ms that each chunk beyond the first costs on top of the op-level model
-    # (interference of NCCL kernels with the GEMMs, stream waits, smaller-chunk effects), fitted
-    # from the pipelined layer measured at degrees 2 and 4.
-    chunk: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))
+    fixed: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))
+    chunk_ms: float = 0.0
+    interference: float = 0.0
+    calibration: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms,
-                "fixed": self.fixed.to_json(), "chunk": self.chunk.to_json()}
+                "fixed": self.fixed.to_json(), "chunk_ms": self.chunk_ms, "interference": self.interference,
+                "calibration": self.calibration}
 
     @staticmethod
     def from_json(d: dict) -> "ShapeProfile":
         return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]),
-                            AlphaBeta.from_json(d["chunk"]) if "chunk" in d else AlphaBeta(0.0, 0.0))
+                            d.get("chunk_ms", 0.0), d.get("interference", 0.0), d.get("calibration", []))
 
 
 @dataclass
@@ -347,21 +356,13 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10) -> f
     return med
 
 
-def _fit_line(xs, ys) -> AlphaBeta:
-    """Plain least squares y = α + β·x (either sign: these are corrections, not costs)."""
-    if len(set(xs)) < 2:
-        return AlphaBeta(sum(ys) / len(ys), 0.0)
-    beta, alpha = np.polyfit(xs, ys, 1)
-    return AlphaBeta(float(alpha), float(beta))
-
-
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
                 existing: Profile | None = None, a2a_max_bytes: int = 256 << 20,
                 calibration_degrees=(2, 4)) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be)."""
     from interlace.layer import MoELayer
-    from interlace.perf.planner import predict_layer_ms
+    from interlace.perf.planner import calibrate
 
     world = dist.get_world_size(group) if group is not None else 1
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -382,26 +383,15 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
         if skey in prof.shapes:
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
-        prof.shapes[skey] = ShapeProfile(curve, e_host, AlphaBeta(0.0, 0.0))
+        shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
         layer = MoELayer(cfg, group=group, strategy="pipelined", strategy_options={"degree": 1}, device=device)
         inputs = {T: torch.randn(T, cfg.hidden, device=device).to(cfg.dtype) for T in tokens}
-        residual = []
-        for T in tokens:
-            measured = time_layer_ms(layer, inputs[T], timer)
-            residual.append(measured - predict_layer_ms(prof, cfg, T, world, 1, include_fixed=False))
-        prof.shapes[skey].fixed = _fit_line(tokens, residual)
-        # Calibrate the cost of each extra chunk against the pipelined layer itself.
-        chunk_t, chunk_extra = [], []
-        for r in calibration_degrees:
+        for r in (1, *calibration_degrees):
             layer.set_strategy("pipelined", degree=r)
             for T in tokens:
-                if T < 2 * r:
-                    continue
-                measured = time_layer_ms(layer, inputs[T], timer)
-                chunk_t.append(T)
-                chunk_extra.append((measured - predict_layer_ms(prof, cfg, T, world, r)) / (r - 1))
-        if chunk_t:
-            prof.shapes[skey].chunk = _fit_line(chunk_t, chunk_extra)
+                if T >= 2 * r:
+                    shape.calibration.append((T, cfg.top_k, r, time_layer_ms(layer, inputs[T], timer)))
+        calibrate(prof, skey)
         del layer, inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -23,7 +23,7 @@ class NaiveStrategy(Strategy):
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         cfg, ep = self.config, self.ep
         T, N = x.shape
-        k, E = cfg.top_k, cfg.num_experts
+        E = cfg.num_experts
         # Slot-major assignment order; stable argsort by expert (capacity policy of MoEConfig).
         experts = topk_idx.t().reshape(-1)
         order = torch.argsort(experts, stable=True)
