@@ -28,5 +28,7 @@ fi
 if [[ $what == all || $what == bench ]]; then
   torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential pipelined --tokens 4096 16384 \
     --out "$OUT/bench" > "$OUT/bench_pipelined.log" 2>&1 || status=1
+  torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential pipelined --tokens 4096 16384 \
+    --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/bench_fb" > "$OUT/bench_pipelined_fb.log" 2>&1 || status=1
 fi
 exit $status
