@@ -102,3 +102,15 @@ def test_calibration_recovers_chunk_cost_and_interference():
     assert shape.chunk_ms == pytest.approx(0.35, rel=1e-6) and shape.interference == pytest.approx(0.6, rel=1e-6)
     for T, _, r, ms in points:
         assert predict_layer_ms(prof, cfg, T, 2, r) == pytest.approx(ms, rel=1e-9)
+    assert shape.model_error < 1e-9
+
+
+def test_planner_keeps_degree_1_unless_the_gain_beats_the_model_error():
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, a2a_alpha=0.02, a2a_gbps=100, expert_alpha=0.02, expert_tflops=500)
+    plan = choose_degree(cfg, 16384, 2, prof)
+    gain = 1 - plan.per_degree_ms[plan.degree] / plan.per_degree_ms[1]
+    assert plan.degree > 1 and gain > 0.05
+    prof.shapes[shape_key(cfg, 2)].model_error = gain  # the model is no better than the gain
+    plan = choose_degree(cfg, 16384, 2, prof)
+    assert plan.degree == 1 and "margin" in plan.notes[-1]

@@ -174,7 +174,7 @@ def markdown(rows: list[EvalRow], summary: dict, degrees) -> str:
 
 
 def main(argv=None) -> int:
-    from interlace.bench.harness import init_env
+    from interlace.bench.harness import bench_config, init_env
     from interlace.perf.profile import load_profile, run_profile
 
     p = argparse.ArgumentParser(prog="interlace pipeline-eval", description=__doc__.split("\n\n")[0])
@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     # Deliberately not the grid's token counts: the evaluation tests the model away from the
     # points it was calibrated on.
     p.add_argument("--profile-tokens", nargs="+", type=int, default=[3000, 12000, 40000])
+    p.add_argument("--also-profile", nargs="*", default=[], metavar="PRESET",
+                   help="with --profile-first: also profile these presets' shape classes")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
@@ -203,7 +205,8 @@ def main(argv=None) -> int:
         profile = None
     if args.profile_first:
         configs, seen = [], set()
-        for point in grid:
+        extra = [GridPoint(name, bench_config(name, small=False), 0, "random") for name in args.also_profile]
+        for point in grid + extra:
             key = (point.config.hidden, point.config.ffn, point.config.num_experts, point.config.activation)
             if key not in seen:
                 seen.add(key)

@@ -17,7 +17,9 @@ degrees 2 and 4: overlap is not free, since NCCL's kernels take SMs and memory b
 the GEMMs they run beside.
 
 The degree is the argmin over the allowed degrees (a brute force over ≤ 16 simulations, done
-once per distinct token count and cached by the strategy). PipeMoE's closed-form Theorem 1 on
+once per distinct token count and cached by the strategy), except that degree 1 — the point
+the model is calibrated best at — is kept unless another degree is predicted faster by more
+than max(5%, twice the model's RMS error on its calibration points). PipeMoE's closed-form Theorem 1 on
 the α–β lines is reported beside it.
 """
 
@@ -33,6 +35,7 @@ from interlace.perf.profile import Profile, load_profile, parse_shape_key, shape
 from interlace.perf.schedule import DegreeChoice, Op, pipemoe_theorem1, simulate_ops
 
 DEFAULT_DEGREES = (1, 2, 3, 4, 6, 8, 12, 16)
+MIN_GAIN = 0.05  # smallest predicted gain over degree 1 that the planner acts on
 
 
 def _element_size(cfg: MoEConfig) -> int:
@@ -148,6 +151,13 @@ def calibrate(prof: Profile, skey: str) -> None:
         target.append(ms - sim - max(shape.fixed(T), 0.0) - (r - 1) * prof.host_ms["index"])
     if rows:
         shape.chunk_ms, shape.interference = _nonneg_lstsq(np.array(rows, dtype=float), np.array(target))
+    # How far the calibrated model is from its own calibration points (RMS relative error):
+    # the planner only leaves degree 1 for a predicted gain clearly larger than this.
+    errors = []
+    for T, k, r, ms in shape.calibration:
+        cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
+        errors.append(predict_layer_ms(prof, cfg, T, prof.world, r) / ms - 1)
+    shape.model_error = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
 
 
 def _nonneg_lstsq(A, b) -> tuple[float, float]:
@@ -195,6 +205,13 @@ def choose_degree(cfg: MoEConfig, tokens: int, world: int, profile: Profile | st
     allowed = [r for r in degrees if r <= max_degree] or [1]
     per = {r: predict_layer_ms(prof, cfg, tokens, world, r) for r in allowed}
     best = min(per, key=lambda r: (per[r], r))
+    # Degree 1 is the calibrated baseline; leave it only for a predicted gain that beats the
+    # model's own error on its calibration points (at least MIN_GAIN).
+    margin = max(MIN_GAIN, 2 * shape.model_error)
+    if best != 1 and 1 in per and per[best] > per[1] * (1 - margin):
+        notes.append(f"r={best} predicted {100 * (1 - per[best] / per[1]):.1f}% faster than r=1, "
+                     f"below the {100 * margin:.1f}% margin: keeping r=1")
+        best = 1
     n_d = tokens * cfg.top_k * cfg.hidden * _element_size(cfg)  # bytes per rank, each direction
     rows = tokens * cfg.top_k
     th = pipemoe_theorem1(prof.a2a.line.alpha, prof.a2a.line.beta, shape.expert.line.alpha,

@@ -95,16 +95,18 @@ class ShapeProfile:
     chunk_ms: float = 0.0
     interference: float = 0.0
     calibration: list = field(default_factory=list)
+    model_error: float = 0.0  # RMS relative error of the calibrated model on ``calibration``
 
     def to_json(self) -> dict:
         return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms,
                 "fixed": self.fixed.to_json(), "chunk_ms": self.chunk_ms, "interference": self.interference,
-                "calibration": self.calibration}
+                "calibration": self.calibration, "model_error": self.model_error}
 
     @staticmethod
     def from_json(d: dict) -> "ShapeProfile":
         return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]),
-                            d.get("chunk_ms", 0.0), d.get("interference", 0.0), d.get("calibration", []))
+                            d.get("chunk_ms", 0.0), d.get("interference", 0.0), d.get("calibration", []),
+                            d.get("model_error", 0.0))
 
 
 @dataclass
