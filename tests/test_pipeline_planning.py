@@ -114,3 +114,17 @@ def test_planner_keeps_degree_1_unless_the_gain_beats_the_model_error():
     prof.shapes[shape_key(cfg, 2)].model_error = gain  # the model is no better than the gain
     plan = choose_degree(cfg, 16384, 2, prof)
     assert plan.degree == 1 and "margin" in plan.notes[-1]
+
+
+def test_shipped_profile_loads_and_plans_the_presets():
+    from interlace.bench.harness import bench_config
+    from interlace.perf.profile import PACKAGED_DIR
+
+    paths = sorted(PACKAGED_DIR.glob("*.json"))
+    assert paths, "the measured 2xH200 profile ships with the package"
+    for path in paths:
+        prof = Profile.from_json(json.loads(path.read_text()))
+        for name in ("mixtral-8x7b", "qwen2-moe", "dsv3-like"):
+            plan = choose_degree(bench_config(name, small=False), 8192, prof.world, prof)
+            assert plan.degree in plan.per_degree_ms and all(t > 0 for t in plan.per_degree_ms.values())
+            assert plan.shape_used == shape_key(bench_config(name, small=False), prof.world)
