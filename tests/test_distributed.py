@@ -44,7 +44,7 @@ def _check_all(rank, world, strategy, config_names, cases):
                 assert rel_err(got, ref) < TOL, f"{where} {what} grad"
 
 
-@pytest.mark.parametrize("strategy", ["naive", "sequential", "pipelined:1", "pipelined:2", "pipelined:3",
+@pytest.mark.parametrize("strategy", ["naive", "sequential", "sequential:triton", "pipelined:1", "pipelined:2", "pipelined:3",
                                       "pipelined:5"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_matches_reference(world, strategy):

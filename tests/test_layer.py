@@ -35,7 +35,7 @@ def check_against_reference(cfg, strategy, x, g, indices=None, seed=0, aux_coef=
     return layer, out
 
 
-@pytest.mark.parametrize("strategy", ["naive", "sequential"])
+@pytest.mark.parametrize("strategy", ["naive", "sequential", "sequential:triton"])
 @pytest.mark.parametrize("case", CASES)
 def test_world1_routing_cases(strategy, case):
     tokens = case_tokens(case, 1, base=29)
@@ -44,7 +44,7 @@ def test_world1_routing_cases(strategy, case):
     check_against_reference(SMALL, strategy, xs[0], gs[0], None if idx is None else idx[0])
 
 
-@pytest.mark.parametrize("strategy", ["naive", "sequential"])
+@pytest.mark.parametrize("strategy", ["naive", "sequential", "sequential:triton"])
 @pytest.mark.parametrize(
     "changes",
     [dict(activation="gelu"), dict(activation="relu"), dict(renormalize=True, route_scale=2.5),
@@ -57,7 +57,7 @@ def test_world1_config_variants(strategy, changes):
     check_against_reference(cfg, strategy, xs[0], gs[0])
 
 
-@pytest.mark.parametrize("strategy", ["naive", "sequential"])
+@pytest.mark.parametrize("strategy", ["naive", "sequential", "sequential:triton"])
 @pytest.mark.parametrize("capacity_factor", [0.25, 0.6, 1.0, 4.0])
 def test_capacity_drops_exactly_the_policy(strategy, capacity_factor):
     """The reference's capacity mask is the policy written as a loop; the layer must agree,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from interlace.comm import all_to_all, all_to_all_counts
+from interlace.ops import grouped_gemm
 from interlace.ops.activation import activation_fused
 from interlace.ops.grouped_mm import grouped_mm
 from interlace.ops.routing_index import build_dispatch_index, expert_major_index
@@ -28,10 +29,34 @@ def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: 
     return grouped_mm(act, w_down, offs)
 
 
+EXPERT_BACKENDS = ("torch", "triton")
+
+
+def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, w_down, offs, activation):
+    """Expert FFN of rows ``x[src_row[q]]`` (expert-major order) → (num_rows, N).
+
+    ``torch``: a gather kernel, then torch._grouped_mm + SwiGLU kernel + torch._grouped_mm.
+    ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load.
+    """
+    if backend == "triton" and grouped_gemm.supports(x, w_up):
+        return grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation)
+    return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
+
+
 @register_strategy
 class SequentialStrategy(Strategy):
     name = "sequential"
     fused_routing = True
+
+    def __init__(self, config, ep, expert_backend: str = "torch"):
+        super().__init__(config, ep)
+        if expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}")
+        self.expert_backend = expert_backend
+
+    @classmethod
+    def parse_arg(cls, arg: str) -> dict:
+        return {"expert_backend": arg}
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         cfg, ep = self.config, self.ep
@@ -44,8 +69,13 @@ class SequentialStrategy(Strategy):
         if ep.world == 1:
             # Host sync only with a capacity: the number of kept rows sizes the buffers.
             rows = T * k if capacity is None else int(expert_end[-1])
-            x_send = DispatchRows.apply(x, assignment_of_row[:rows], row_of_assignment)
-            y = expert_ffn(x_send, w_up, w_down, expert_end, cfg.activation)
+            if self.expert_backend == "triton" and grouped_gemm.supports(x, w_up):
+                # The dispatch gather is fused into the first GEMM: rows read x[assignment // k].
+                y = grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows,
+                                                       expert_end, cfg.activation)
+            else:
+                x_send = DispatchRows.apply(x, assignment_of_row[:rows], row_of_assignment)
+                y = expert_ffn(x_send, w_up, w_down, expert_end, cfg.activation)
             return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)
 
         recv_counts = all_to_all_counts(kept, ep)
@@ -62,10 +92,9 @@ class SequentialStrategy(Strategy):
         x_recv = all_to_all(x_send, out_splits, in_splits, ep)
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
-        x_grouped = PermuteRows.apply(x_recv, src_row, inverse)
+        y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
+                                        offs, cfg.activation)
         del x_recv
-        y_grouped = expert_ffn(x_grouped, w_up, w_down, offs, cfg.activation)
-        del x_grouped
         y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
         del y_grouped
         y = all_to_all(y_recv, in_splits, out_splits, ep)
