@@ -22,6 +22,7 @@ Backward (interim): :class:`TritonExpertFFN` differentiates by recomputing the b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,14 @@ class GemmConfig:
 
 # Tuning: one config per kernel for Hopper-class GPUs, a tiny one for the CPU interpreter.
 # (Per-shape tuning tables keyed by shape class and tokens-per-expert bucket are future work.)
-GEMM0_CONFIG = GemmConfig(128, 128, 64, 8, 3)
-GEMM1_CONFIG = GemmConfig(128, 128, 64, 8, 4)
+def _config_from_env(name: str, default: GemmConfig) -> GemmConfig:
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages`` overrides a config (for tuning experiments)."""
+    value = os.environ.get(name)
+    return GemmConfig(*(int(v) for v in value.split(","))) if value else default
+
+
+GEMM0_CONFIG = _config_from_env("INTERLACE_GEMM0", GemmConfig(128, 128, 64, 8, 3))
+GEMM1_CONFIG = _config_from_env("INTERLACE_GEMM1", GemmConfig(128, 128, 64, 8, 4))
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 4, 1)
 PROGRAMS_PER_SM = 1
 
