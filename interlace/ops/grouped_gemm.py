@@ -50,8 +50,9 @@ def _config_from_env(name: str, default: GemmConfig) -> GemmConfig:
     return GemmConfig(*(int(v) for v in value.split(","))) if value else default
 
 
-GEMM0_CONFIG = _config_from_env("INTERLACE_GEMM0", GemmConfig(128, 128, 64, 8, 3))
-GEMM1_CONFIG = _config_from_env("INTERLACE_GEMM1", GemmConfig(128, 128, 64, 8, 4))
+# Chosen from a handful tried on an H100 (docs/benchmarks.md, run 9); 5 stages of GEMM0 failed.
+GEMM0_CONFIG = _config_from_env("INTERLACE_GEMM0", GemmConfig(128, 128, 64, 8, 4))
+GEMM1_CONFIG = _config_from_env("INTERLACE_GEMM1", GemmConfig(128, 256, 64, 8, 3))
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 4, 1)
 PROGRAMS_PER_SM = 1
 
