@@ -23,25 +23,27 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, out_ptr, total, K, BLOCK: tl.constexpr):
+def _gate_up_block(h_ptr, total, K, BLOCK: tl.constexpr):
+    """This program's block of the (M, K) output: flat offsets, mask, (m, c), gate and up in fp32."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     m = offs // K
     c = offs % K
     gate = tl.load(h_ptr + m * 2 * K + c, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + m * 2 * K + K + c, mask=mask, other=0.0).to(tl.float32)
+    return offs, mask, m, c, gate, up
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, out_ptr, total, K, BLOCK: tl.constexpr):
+    offs, mask, m, c, gate, up = _gate_up_block(h_ptr, total, K, BLOCK)
     act = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < total
-    m = offs // K
-    c = offs % K
-    gate = tl.load(h_ptr + m * 2 * K + c, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + m * 2 * K + K + c, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, m, c, gate, up = _gate_up_block(h_ptr, total, K, BLOCK)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig

@@ -115,6 +115,16 @@ def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedu
 
 
 @triton.jit
+def _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
+    """Work item → (expert, its rows, their mask, column block) of the tile schedule."""
+    tile = work // n_blocks
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.load(tile_end_ptr + tile)
+    return e, rows, rmask, work % n_blocks
+
+
+@triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -127,17 +137,10 @@ def _gemm0_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
     up_width = 2 * K if ACTIVATION == 0 else K
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for work in range(pid, num_tiles * n_blocks, num_programs):
-        tile = work // n_blocks
-        nb = work % n_blocks
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        r0 = tl.load(tile_start_ptr + tile)
-        r1 = tl.load(tile_end_ptr + tile)
-        rows = r0 + offs_m
-        rmask = rows < r1
+        e, rows, rmask, nb = _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
         if HAS_GATHER:
             src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
         else:
@@ -185,17 +188,10 @@ def _gemm1_kernel(
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(N, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for work in range(pid, num_tiles * n_blocks, num_programs):
-        tile = work // n_blocks
-        nb = work % n_blocks
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        r0 = tl.load(tile_start_ptr + tile)
-        r1 = tl.load(tile_end_ptr + tile)
-        rows = r0 + offs_m
-        rmask = rows < r1
+        e, rows, rmask, nb = _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < N
