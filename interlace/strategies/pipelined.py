@@ -158,8 +158,11 @@ class PipelinedStrategy(Strategy):
             return self.degree
         if tokens not in self._chosen:
             from interlace.perf.planner import choose_degree  # no import cycle at module load
+            from interlace.perf.profile import Profile, load_profile
 
             try:
+                if not isinstance(self._profile, Profile):  # read the JSON once, not per token count
+                    self._profile = load_profile(self.ep.world, path=self._profile)
                 self._chosen[tokens] = choose_degree(self.config, tokens, self.ep.world, self._profile,
                                                      max_degree=self.max_degree).degree
             except FileNotFoundError as err:

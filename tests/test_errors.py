@@ -1,0 +1,63 @@
+"""Bad input fails early with a clear ValueError/TypeError (before any kernel runs)."""
+
+import pytest
+import torch
+
+from interlace import MoEConfig, MoELayer
+
+BASE = dict(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    "changes,error,match",
+    [
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=5), ValueError, "top_k"),
+        (dict(activation="swish"), ValueError, "activation"),
+        (dict(router="hash"), ValueError, "router"),
+        (dict(dtype=torch.int8), TypeError, "dtype"),
+        (dict(router_dtype=torch.bfloat16), TypeError, "router_dtype"),
+        (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+        (dict(capacity_factor=-1.5), ValueError, "capacity_factor"),
+        (dict(capacity_factor=float("nan")), ValueError, "capacity_factor"),
+        (dict(hidden=0), ValueError, "positive"),
+        (dict(num_experts=2.5), TypeError, "num_experts"),
+        (dict(route_scale=0.0), ValueError, "route_scale"),
+        (dict(aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
+    ],
+)
+def test_bad_config(changes, error, match):
+    with pytest.raises(error, match=match):
+        MoEConfig(**{**BASE, **changes})
+
+
+def test_bad_inputs():
+    layer = MoELayer(MoEConfig(**BASE), device="cpu")
+    with pytest.raises(ValueError, match="hidden"):
+        layer(torch.randn(3, 17))
+    with pytest.raises(TypeError, match="dtype"):
+        layer(torch.randn(3, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="is on meta"):
+        layer(torch.randn(3, 16, device="meta"))
+    with pytest.raises(TypeError, match="tensor"):
+        layer([[0.0] * 16])
+    with pytest.raises(ValueError, match="shape"):
+        layer(torch.randn(3, 16), expert_indices=torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        layer(torch.randn(3, 16), expert_indices=torch.zeros(3, 2))
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer(torch.randn(3, 16), expert_indices=torch.full((3, 2), 4, dtype=torch.long))
+
+
+def test_bad_strategy_and_options():
+    cfg = MoEConfig(**BASE)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        MoELayer(cfg, strategy="fancy", device="cpu")
+    with pytest.raises(TypeError, match="takes no options"):
+        MoELayer(cfg, strategy="naive", strategy_options={"degree": 2}, device="cpu")
+    with pytest.raises(ValueError, match="expert_backend"):
+        MoELayer(cfg, strategy="sequential:cutlass", device="cpu")
+    with pytest.raises(ValueError, match="degree"):
+        MoELayer(cfg, strategy="pipelined", strategy_options={"degree": 0}, device="cpu")
+    with pytest.raises(TypeError, match="MoEConfig"):
+        MoELayer(dict(BASE), device="cpu")
