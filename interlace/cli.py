@@ -11,6 +11,7 @@ commands:
   bench          the BENCHMARKS.md harness (launch with torchrun --nproc-per-node W for W GPUs)
   profile        microbenchmarks → the performance profile the pipelined strategy plans with
   pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice
+  tune-experts   measure kernel configs of the Triton expert GEMMs and write the tuning tables
 """
 
 
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         from interlace.perf.evaluate import main as eval_main
 
         return eval_main(rest)
+    if command == "tune-experts":
+        from interlace.ops.tune_experts import main as tune_main
+
+        return tune_main(rest)
     if command == "demo":
         from interlace.demo import main as demo_main
 

@@ -24,35 +24,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.rows import _INTERPRET, use_triton
+from interlace.ops.rows import use_triton
+from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# Tuning: one config per kernel for Hopper-class GPUs, a tiny one for the CPU interpreter.
-# (Per-shape tuning tables keyed by shape class and tokens-per-expert bucket are future work.)
-def _config_from_env(name: str, default: GemmConfig) -> GemmConfig:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages`` overrides a config (for tuning experiments)."""
+def _config_from_env(name: str) -> GemmConfig | None:
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages`` forces a config (tuning experiments)."""
     value = os.environ.get(name)
-    return GemmConfig(*(int(v) for v in value.split(","))) if value else default
+    return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
 
-# Chosen from a handful tried on an H100 (docs/benchmarks.md, run 9); 5 stages of GEMM0 failed.
-GEMM0_CONFIG = _config_from_env("INTERLACE_GEMM0", GemmConfig(128, 128, 64, 8, 4))
-GEMM1_CONFIG = _config_from_env("INTERLACE_GEMM1", GemmConfig(128, 256, 64, 8, 3))
+# Defaults where no tuning table covers the device (lookup warns once): chosen from a handful
+# tried on an H100 (docs/benchmarks.md, run 9); 5 stages of GEMM0 failed there.
+GEMM0_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
+GEMM1_DEFAULT = GemmConfig(128, 256, 64, 8, 3)
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 4, 1)
 PROGRAMS_PER_SM = 1
 
@@ -218,16 +210,36 @@ def _num_programs(device: torch.device, work_bound: int) -> int:
     return max(1, min(work_bound, sms * PROGRAMS_PER_SM))
 
 
+@lru_cache(maxsize=None)
+def _device_identity(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
+    """(GEMM0 config, GEMM1 config, where they came from) for this call's shape."""
+    forced0, forced1 = _config_from_env("INTERLACE_GEMM0"), _config_from_env("INTERLACE_GEMM1")
+    if not x.is_cuda:
+        return forced0 or INTERPRETER_CONFIG, forced1 or INTERPRETER_CONFIG, "interpreter"
+    name, sms = _device_identity(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    E, N, K = w_down.shape
+    shape = ShapeClass(N, K, E, activation)
+    per_expert = num_rows / max(E, 1)
+    c0, src0 = (forced0, "env") if forced0 else lookup("expert_gemm0", name, sms, shape, per_expert, GEMM0_DEFAULT)
+    c1, src1 = (forced1, "env") if forced1 else lookup("expert_gemm1", name, sms, shape, per_expert, GEMM1_DEFAULT)
+    return c0, c1, f"gemm0 {src0}; gemm1 {src1}"
+
+
 def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
                       w_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor, activation: str,
-                      store_h: bool = False):
+                      store_h: bool = False, configs: tuple[GemmConfig, GemmConfig] | None = None):
     """Expert FFN over ``num_rows`` expert-major rows, row r reading ``x[gather[r] // divisor]``
-    (or ``x[r]`` without ``gather``). Returns ``(y (num_rows, N), h or None)``."""
+    (or ``x[r]`` without ``gather``). Returns ``(y (num_rows, N), h or None)``. ``configs``
+    forces the two kernels' configs (the tuner); by default they come from the tuning tables."""
     N = x.shape[1]
     K = w_down.shape[2]
     up_width = w_up.shape[1]
-    c0 = INTERPRETER_CONFIG if _INTERPRET and not x.is_cuda else GEMM0_CONFIG
-    c1 = INTERPRETER_CONFIG if _INTERPRET and not x.is_cuda else GEMM1_CONFIG
+    c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
     act = alloc.empty((num_rows, K), x.dtype, x.device)
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)

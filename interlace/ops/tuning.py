@@ -1,0 +1,110 @@
+"""Kernel configurations by shape: measured tables, nearest-bucket lookup, a warned fallback.
+
+A table is a JSON file (in ``interlace/tuning/`` or ``$INTERLACE_TUNING_DIR``) for one
+(kernel, device name, SM count, Triton version). Each entry gives the best measured config for
+a shape class — hidden N, FFN K, experts per rank, activation — and a rows-per-expert bucket
+(powers of two). Lookup takes the entry of the same shape class with the nearest bucket (in
+log2), else the nearest shape class; with no table for this device and Triton version it
+returns the kernel's default and warns once, naming what is missing — never a silent fallback.
+``interlace tune-experts`` measures and writes the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import triton
+
+PACKAGED_DIR = Path(__file__).resolve().parent.parent / "tuning"
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    hidden: int
+    ffn: int
+    experts: int
+    activation: str
+
+    def distance(self, other: "ShapeClass") -> float:
+        return (abs(math.log(self.hidden / other.hidden)) + abs(math.log(self.ffn / other.ffn))
+                + abs(math.log(self.experts / other.experts)) + (10.0 if self.activation != other.activation else 0.0))
+
+
+def rows_bucket(rows_per_expert: float) -> int:
+    """Power-of-two bucket of the mean rows per expert."""
+    return 1 << max(0, round(math.log2(max(rows_per_expert, 1.0))))
+
+
+def table_key(kernel: str, device_name: str, sm_count: int, triton_version: str | None = None) -> str:
+    version = triton_version or triton.__version__
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kernel}-{device_name}-sm{sm_count}-triton{version}")
+
+
+def tuning_dirs() -> list[Path]:
+    dirs = [Path(os.environ["INTERLACE_TUNING_DIR"])] if os.environ.get("INTERLACE_TUNING_DIR") else []
+    return dirs + [PACKAGED_DIR]
+
+
+_TABLES: dict[str, list[dict] | None] = {}
+_WARNED: set[str] = set()
+
+
+def _load(key: str) -> list[dict] | None:
+    if key not in _TABLES:
+        _TABLES[key] = None
+        for d in tuning_dirs():
+            path = d / f"{key}.json"
+            if path.exists():
+                _TABLES[key] = json.loads(path.read_text())["entries"]
+                break
+    return _TABLES[key]
+
+
+def lookup(kernel: str, device_name: str, sm_count: int, shape: ShapeClass, rows_per_expert: float,
+           default: GemmConfig) -> tuple[GemmConfig, str]:
+    """The config for this kernel, device and shape, and where it came from."""
+    key = table_key(kernel, device_name, sm_count)
+    entries = _load(key)
+    if not entries:
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"no tuning table {key}.json in {', '.join(map(str, tuning_dirs()))}: using the default "
+                          f"{kernel} config {asdict(default)} (run `interlace tune-experts` on this GPU)",
+                          stacklevel=3)
+        return default, "default (no table)"
+    bucket = rows_bucket(rows_per_expert)
+
+    def score(entry):
+        other = ShapeClass(**entry["shape"])
+        return (shape.distance(other), abs(math.log2(entry["bucket"]) - math.log2(bucket)))
+
+    best = min(entries, key=score)
+    exact = ShapeClass(**best["shape"]) == shape and best["bucket"] == bucket
+    return GemmConfig(**best["config"]), "tuned" if exact else f"tuned, nearest {best['shape']} bucket {best['bucket']}"
+
+
+def write_table(path: Path, entries: list[dict], meta: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1))
+    _TABLES.clear()
+    return path
+
+
+def clear_cache() -> None:
+    _TABLES.clear()
+    _WARNED.clear()

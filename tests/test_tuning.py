@@ -1,0 +1,61 @@
+"""Tuning tables: nearest-bucket lookup, warned fallback, and the tuner end to end (interpreter)."""
+
+import json
+import warnings
+
+import pytest
+
+from interlace.ops import tuning
+from interlace.ops.tuning import GemmConfig, ShapeClass, lookup, rows_bucket
+
+DEFAULT = GemmConfig(1, 2, 3, 4, 5)
+
+
+@pytest.fixture()
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("INTERLACE_TUNING_DIR", str(tmp_path))
+    tuning.clear_cache()
+    yield tmp_path
+    tuning.clear_cache()
+
+
+def write(table_dir, kernel, entries):
+    key = tuning.table_key(kernel, "GPU X", 100)
+    tuning.write_table(table_dir / f"{key}.json", entries, {})
+
+
+def entry(hidden, bucket, bm):
+    return {"shape": {"hidden": hidden, "ffn": 1024, "experts": 8, "activation": "swiglu"}, "bucket": bucket,
+            "config": {"block_m": bm, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}}
+
+
+def test_missing_table_warns_once_and_uses_the_default(table_dir):
+    shape = ShapeClass(2048, 1024, 8, "swiglu")
+    with pytest.warns(UserWarning, match="no tuning table"):
+        config, source = lookup("k", "GPU X", 100, shape, 300, DEFAULT)
+    assert config == DEFAULT and source == "default (no table)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second lookup must not warn again
+        lookup("k", "GPU X", 100, shape, 300, DEFAULT)
+
+
+def test_nearest_bucket_then_nearest_shape(table_dir):
+    write(table_dir, "k", [entry(2048, 64, 16), entry(2048, 1024, 32), entry(4096, 256, 64)])
+    shape = ShapeClass(2048, 1024, 8, "swiglu")
+    assert rows_bucket(300) == 256
+    config, source = lookup("k", "GPU X", 100, shape, 1024, DEFAULT)
+    assert config.block_m == 32 and source == "tuned"
+    config, source = lookup("k", "GPU X", 100, shape, 700, DEFAULT)  # bucket 512: nearest is 1024
+    assert config.block_m == 32 and "nearest" in source
+    config, _ = lookup("k", "GPU X", 100, ShapeClass(4096, 1024, 8, "swiglu"), 100, DEFAULT)
+    assert config.block_m == 64  # same shape class wins over a closer bucket of another class
+
+
+def test_tuner_writes_tables_that_lookup_finds(table_dir):
+    from interlace.ops.tune_experts import main
+
+    main(["--configs", "qwen2-moe", "--world", "16", "--buckets", "16", "32", "--out", str(table_dir)])
+    files = sorted(p.name for p in table_dir.glob("*.json"))
+    assert len(files) == 2 and files[0].startswith("expert_gemm0-cpu-sm1")
+    entries = json.loads((table_dir / files[0]).read_text())["entries"]
+    assert {e["bucket"] for e in entries} == {16, 32} and all(e["tflops"] > 0 for e in entries)
