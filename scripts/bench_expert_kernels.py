@@ -5,7 +5,8 @@
 For every BENCHMARKS.md config, rows = tokens·k received rows spread evenly over E/world local
 experts, read through a random gather index (as after the all-to-all). Checks the Triton output
 against the torch path (bf16, relative error) and times both with triton.testing.do_bench
-(median), reporting TFLOP/s of the three expert GEMMs and the first call's compile time.
+(median), reporting TFLOP/s of the three expert GEMMs (×3 with --backward) and the first call's
+compile time.
 """
 
 import argparse
@@ -17,8 +18,8 @@ import triton
 from interlace.bench.harness import bench_config
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
-from interlace.ops.grouped_gemm import expert_ffn_triton
-from interlace.ops.rows import gather_rows
+from interlace.ops.grouped_gemm import TritonExpertFFN
+from interlace.ops.rows import PermuteRows
 from interlace.strategies.sequential import expert_ffn
 
 
@@ -27,6 +28,7 @@ def main():
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--world", type=int, default=2, help="experts per GPU = E / world")
     p.add_argument("--configs", nargs="+", default=list(PRESETS))
+    p.add_argument("--backward", action="store_true", help="time forward+backward (grads of x and weights)")
     args = p.parse_args()
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -44,25 +46,36 @@ def main():
             x = torch.randn(rows, cfg.hidden, device=dev).to(cfg.dtype)
             src = torch.randperm(rows, device=dev).to(torch.int32)
 
+            inverse = torch.empty_like(src)
+            inverse[src.long()] = torch.arange(rows, device=dev, dtype=torch.int32)
+            grad = torch.randn(rows, cfg.hidden, device=dev).to(cfg.dtype)
+            leaves = [t.detach().requires_grad_(args.backward) for t in (x, w_up, w_down)]
+
             def torch_path():
-                return expert_ffn(gather_rows(x, src), w_up, w_down, ends, cfg.activation)
+                xl, wu, wd = leaves
+                y = expert_ffn(PermuteRows.apply(xl, src, inverse), wu, wd, ends, cfg.activation)
+                if args.backward:
+                    y.backward(grad)
+                return y
 
             def triton_path():
-                return expert_ffn_triton(x, src, 1, rows, w_up, w_down, ends, cfg.activation)[0]
+                xl, wu, wd = leaves
+                y = TritonExpertFFN.apply(xl, wu, wd, src, 1, rows, ends, cfg.activation, inverse)
+                if args.backward:
+                    y.backward(grad)
+                return y
 
             t0 = time.perf_counter()
             y_tri = triton_path()
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             y_ref = torch_path()
-            err = ((y_tri.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
+            err = ((y_tri.detach().float() - y_ref.detach().float()).norm() / y_ref.detach().float().norm()).item()
             t_torch = triton.testing.do_bench(torch_path, warmup=25, rep=100, return_mode="median")
             t_tri = triton.testing.do_bench(triton_path, warmup=25, rep=100, return_mode="median")
-            flops = 2 * rows * cfg.hidden * cfg.ffn * 3
+            flops = 2 * rows * cfg.hidden * cfg.ffn * 3 * (3 if args.backward else 1)
             print(f"| {name} | {T} | {rows} | {t_torch:.3f} | {t_tri:.3f} | {flops / t_torch / 1e9:.0f} | "
                   f"{flops / t_tri / 1e9:.0f} | {t_torch / t_tri:.2f} | {err:.1e} | {first:.1f} |", flush=True)
-            del x, y_tri, y_ref
-        del w_up, w_down
         torch.cuda.empty_cache()
 
 

@@ -56,20 +56,36 @@ def test_tile_schedule_covers_every_row_once():
     assert rows == list(range(sum(counts)))  # expert-major, every row exactly once
 
 
-def test_triton_expert_ffn_backward_matches_torch():
-    counts = [3, 0, 9]
-    N, K, E = 16, 24, 3
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("mode", ["plain", "bijection", "k-way"])
+def test_triton_expert_ffn_backward_matches_reference(activation, mode):
+    counts = [3, 0, 17, 1]
+    N, K, E = 16, 40, len(counts)
+    up = 2 * K if activation == "swiglu" else K
     M = sum(counts)
-    x = torch.randn(M + 2, N, requires_grad=True)
-    w_up = (torch.randn(E, 2 * K, N) / 4).requires_grad_()
-    w_down = (torch.randn(E, N, K) / 5).requires_grad_()
-    gather = torch.randint(0, (M + 2) * 2, (M,), dtype=torch.int32)
+    w_up = (torch.randn(E, up, N) / 4).requires_grad_()
+    w_down = (torch.randn(E, N, K) / 6).requires_grad_()
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    y = TritonExpertFFN.apply(x, w_up, w_down, gather, 2, M, ends, "swiglu")
+    if mode == "plain":
+        x = torch.randn(M, N, requires_grad=True)
+        gather, divisor, ungather = None, 1, None
+    elif mode == "bijection":
+        x = torch.randn(M, N, requires_grad=True)
+        gather = torch.randperm(M).to(torch.int32)
+        divisor, ungather = 1, torch.empty(M, dtype=torch.int32)
+        ungather[gather.long()] = torch.arange(M, dtype=torch.int32)
+    else:  # each token read by up to k = 2 rows, as in the world-size-1 dispatch
+        T, divisor = 13, 2
+        x = torch.randn(T, N, requires_grad=True)
+        gather = torch.randperm(T * divisor)[:M].to(torch.int32)
+        ungather = torch.full((T, divisor), -1, dtype=torch.int32)
+        ungather.view(-1)[gather.long()] = torch.arange(M, dtype=torch.int32)
+    y = TritonExpertFFN.apply(x, w_up, w_down, gather, divisor, M, ends, activation, ungather)
     g = torch.randn_like(y)
     y.backward(g)
     x2, wu2, wd2 = (t.detach().double().requires_grad_() for t in (x, w_up, w_down))
-    y_ref, _ = reference(x2, gather, 2, wu2, wd2, counts, "swiglu")
+    y_ref, _ = reference(x2, gather, divisor, wu2, wd2, counts, activation)
     y_ref.backward(g.double())
+    assert rel_err(y, y_ref) < 1e-5
     for got, ref in ((x.grad, x2.grad), (w_up.grad, wu2.grad), (w_down.grad, wd2.grad)):
         assert rel_err(got, ref) < 1e-5

@@ -10,14 +10,19 @@ Rows are expert-major: expert e owns rows ``[offs[e-1], offs[e])``. Three kernel
   for GELU/ReLU): the A rows are read through the gather index ``g`` (``rows // divisor``), so
   the permuted token matrix is never written; gate and up accumulate in the same tile and the
   activation runs in the epilogue; the pre-activation is stored only when asked (backward).
-* ``_gemm1_kernel`` — the down projection ``act @ W_down^T``.
+* ``_gemm_kernel`` — a grouped GEMM with strided weights: the down projection
+  ``act @ W_down^T`` forward; in backward ``dy @ W_down`` with the activation's derivative in
+  the epilogue (writing d(pre-activation) from the stored pre-activation) and ``d_h @ W_up``.
+* ``_wgrad_kernel`` — per-expert weight gradients ``aᵀ b`` over the expert's rows, with the
+  same gather fused into the load of b.
 
 Both GEMM kernels are persistent: a grid of at most (SM count × programs per SM) programs walks
 the (tile, column block) work items, so no launch depends on the data. The SM count is read
 from the device, never assumed.
 
-Backward (interim): :class:`TritonExpertFFN` differentiates by recomputing the block with
-``torch._grouped_mm`` under autograd; Triton backward kernels are still to come.
+:class:`TritonExpertFFN` runs forward and backward on these kernels; gradients of the gathered
+rows are returned to the caller's rows by a gather (bijection) or a fixed-order sum (a token's
+k rows): deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -171,33 +176,90 @@ def _gemm0_kernel(
 
 
 @triton.jit
-def _gemm1_kernel(
-    a_ptr, w_ptr, out_ptr,
+def _gemm_kernel(
+    a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    N, K, num_programs,
+    COLS, RED, stride_we, stride_bk, stride_bn, num_programs,
+    EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS), B_e[k, n] at w + e·stride_we +
+    k·stride_bk + n·stride_bn. With an activation-gradient epilogue, ``a`` is d(act), B_e the
+    down projection, and the kernel writes d(pre-activation) from the stored pre-activation h."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
-    n_blocks = tl.cdiv(N, BLOCK_N)
+    n_blocks = tl.cdiv(COLS, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for work in range(pid, num_tiles * n_blocks, num_programs):
         e, rows, rmask, nb = _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
-        cmask = cols < N
-        w_base = w_ptr + e * N * K
+        cmask = cols < COLS
+        w_base = w_ptr + e * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, RED, BLOCK_K):
             kk = k0 + offs_k
-            kmask = kk < K
-            a = tl.load(a_ptr + rows64[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & cmask[None, :],
-                        other=0.0)
+            kmask = kk < RED
+            a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w_base + kk[:, None].to(tl.int64) * stride_bk + cols[None, :].to(tl.int64) * stride_bn,
+                        mask=kmask[:, None] & cmask[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
-        tl.store(out_ptr + rows64[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask[None, :])
+        omask = rmask[:, None] & cmask[None, :]
+        if EPILOGUE == 0:
+            tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+        elif EPILOGUE == 1:
+            gate = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :], mask=omask,
+                         other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+            tl.store(out_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], d_gate.to(out_ptr.dtype.element_ty),
+                     mask=omask)
+            tl.store(out_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :],
+                     (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            pre = tl.load(h_ptr + rows64[:, None] * COLS + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+            if EPILOGUE == 2:
+                cdf = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476))
+                deriv = cdf + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre)
+            else:
+                deriv = tl.where(pre > 0, 1.0, 0.0)
+            tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], (acc * deriv).to(out_ptr.dtype.element_ty),
+                     mask=omask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
+    P, Q, divisor,
+    HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
+    One program per (expert, P block, Q block); the rows of the expert are its reduction."""
+    e = tl.program_id(0)
+    pb = tl.program_id(1)
+    qb = tl.program_id(2)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + offs_r
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        if HAS_GATHER:
+            src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
+        else:
+            src = rows64
+        a = tl.load(a_ptr + rows64[:, None] * P + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :], other=0.0)
+        b = tl.load(b_ptr + src[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+    out = out_ptr + e.to(tl.int64) * P * Q
+    tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(ps < P)[:, None] & (qs < Q)[None, :])
 
 
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
@@ -232,7 +294,8 @@ def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activat
 
 def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
                       w_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor, activation: str,
-                      store_h: bool = False, configs: tuple[GemmConfig, GemmConfig] | None = None):
+                      store_h: bool = False, configs: tuple[GemmConfig, GemmConfig] | None = None,
+                      return_act: bool = False):
     """Expert FFN over ``num_rows`` expert-major rows, row r reading ``x[gather[r] // divisor]``
     (or ``x[r]`` without ``gather``). Returns ``(y (num_rows, N), h or None)``. ``configs``
     forces the two kernels' configs (the tuner); by default they come from the tuning tables."""
@@ -244,7 +307,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)
     if num_rows == 0:
-        return y, h
+        return (y, h, act) if return_act else (y, h)
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
     work0 = sched0.max_tiles * triton.cdiv(K, c0.block_n)
     p0 = _num_programs(x.device, work0)
@@ -254,14 +317,64 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
-    sched1 = sched0 if c1.block_m == c0.block_m else tile_schedule(ends, num_rows, c1.block_m)
-    work1 = sched1.max_tiles * triton.cdiv(N, c1.block_n)
-    p1 = _num_programs(x.device, work1)
-    _gemm1_kernel[(p1,)](
-        act, w_down, y, sched1.expert, sched1.start, sched1.end, sched1.count, N, K, p1,
-        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, num_warps=c1.num_warps, num_stages=c1.num_stages,
+    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, stride_we=N * K, stride_bk=1, stride_bn=K,
+                 epilogue=0, config=c1, schedule=sched0 if c1.block_m == c0.block_m else None)
+    return (y, h, act) if return_act else (y, h)
+
+
+def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, stride_we, stride_bk, stride_bn, epilogue, config,
+                 schedule=None):
+    sched = schedule or tile_schedule(ends, num_rows, config.block_m)
+    p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
+    _gemm_kernel[(p,)](
+        a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
+        cols, red, stride_we, stride_bk, stride_bn, p, EPILOGUE=epilogue,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return y, h
+
+
+def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
+    E = out.shape[0]
+    if E == 0:
+        return out
+    _wgrad_kernel[(E, triton.cdiv(P, config.block_m), triton.cdiv(Q, config.block_n))](
+        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor,
+        HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, config=None):
+    """Gradients of :func:`expert_ffn_triton` from dy (R, N) in expert-major order.
+
+    Returns ``(dx_rows (R, N), dw_up, dw_down)``: ``dx_rows[r]`` is the gradient of the input
+    row that row r read (``x[gather[r] // divisor]``); summing or permuting it back to x is the
+    caller's (deterministic) job. Four kernels: d(pre-activation) with the activation's
+    derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into its load).
+    """
+    R, N = dy.shape
+    E, up_width, _ = w_up.shape
+    K = w_down.shape[2]
+    c = config or (GEMM0_DEFAULT if dy.is_cuda else INTERPRETER_CONFIG)
+    d_h = alloc.empty((R, up_width), dy.dtype, dy.device)
+    dx_rows = alloc.empty((R, N), dy.dtype, dy.device)
+    dw_up = alloc.empty(w_up.shape, w_up.dtype, w_up.device)
+    dw_down = alloc.empty(w_down.shape, w_down.dtype, w_down.device)
+    if R == 0:
+        return dx_rows, dw_up.zero_(), dw_down.zero_()
+    dy = dy.contiguous()
+    sched = tile_schedule(ends, R, c.block_m)
+    # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
+    _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, stride_we=N * K, stride_bk=K, stride_bn=1,
+                 epilogue=1 + _ACTIVATION_ID[activation], config=c, schedule=sched)
+    _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c)  # dW_down[e] = dyᵀ act
+    # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
+    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, stride_we=up_width * N, stride_bk=N,
+                 stride_bn=1, epilogue=0, config=c, schedule=sched)
+    _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c)  # dW_up[e] = d_hᵀ x[g]
+    return dx_rows, dw_up, dw_down
 
 
 def supports(x: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -270,25 +383,34 @@ def supports(x: torch.Tensor, w_up: torch.Tensor) -> bool:
 
 
 class TritonExpertFFN(torch.autograd.Function):
-    """Forward: the Triton kernels above. Backward (interim): recompute with torch ops."""
+    """The expert block on the Triton kernels, forward and backward.
+
+    ``ungather`` maps the gradients of the rows back onto x: with ``divisor == 1`` it is the
+    inverse of the bijection ``gather`` (dx = dx_rows[ungather]); with ``divisor == k`` it is
+    ``row_of_assignment`` (T, k) and dx[t] = Σ_j dx_rows[row[t, j]] (no atomics either way).
+    """
 
     @staticmethod
-    def forward(ctx, x, w_up, w_down, gather, divisor, num_rows, ends, activation):
-        y, _ = expert_ffn_triton(x, gather, divisor, num_rows, w_up, w_down, ends, activation)
-        ctx.save_for_backward(x, w_up, w_down, gather, ends)
+    def forward(ctx, x, w_up, w_down, gather, divisor, num_rows, ends, activation, ungather):
+        needs_grad = any(ctx.needs_input_grad[:3])
+        y, h, act = expert_ffn_triton(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
+                                      store_h=needs_grad, return_act=True)
+        if needs_grad:
+            ctx.save_for_backward(x, w_up, w_down, gather, ends, h, act, ungather)
         ctx.divisor, ctx.activation = divisor, activation
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        from interlace.ops.activation import activation_fused
-        from interlace.ops.grouped_mm import grouped_mm
+        from interlace.ops.rows import combine_rows, gather_rows
 
-        x, w_up, w_down, gather, ends = ctx.saved_tensors
-        with torch.enable_grad():
-            xl, wu, wd = (t.detach().requires_grad_() for t in (x, w_up, w_down))
-            xg = xl.index_select(0, torch.div(gather.long(), ctx.divisor, rounding_mode="floor")) \
-                if gather is not None else xl
-            y = grouped_mm(activation_fused(grouped_mm(xg, wu, ends), ctx.activation), wd, ends)
-            dx, dwu, dwd = torch.autograd.grad(y, (xl, wu, wd), grad)
-        return dx, dwu, dwd, None, None, None, None, None
+        x, w_up, w_down, gather, ends, h, act, ungather = ctx.saved_tensors
+        dx_rows, dw_up, dw_down = expert_ffn_triton_backward(grad, x, gather, ctx.divisor, w_up, w_down, ends,
+                                                             ctx.activation, h, act)
+        if gather is None:
+            dx = dx_rows
+        elif ctx.divisor == 1:
+            dx = gather_rows(dx_rows, ungather)
+        else:
+            dx = combine_rows(dx_rows, ungather, None, x.dtype)
+        return dx, dw_up, dw_down, None, None, None, None, None, None

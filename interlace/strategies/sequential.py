@@ -39,7 +39,7 @@ def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, 
     ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load.
     """
     if backend == "triton" and grouped_gemm.supports(x, w_up):
-        return grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation)
+        return grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse)
     return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
 
 
@@ -72,7 +72,7 @@ class SequentialStrategy(Strategy):
             if self.expert_backend == "triton" and grouped_gemm.supports(x, w_up):
                 # The dispatch gather is fused into the first GEMM: rows read x[assignment // k].
                 y = grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows,
-                                                       expert_end, cfg.activation)
+                                                       expert_end, cfg.activation, row_of_assignment)
             else:
                 x_send = DispatchRows.apply(x, assignment_of_row[:rows], row_of_assignment)
                 y = expert_ffn(x_send, w_up, w_down, expert_end, cfg.activation)
