@@ -323,8 +323,9 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="shrink every config (hidden/ffn ÷ 16) for CPU smoke runs")
     args = p.parse_args(argv)
     for s in args.strategies:
-        if s not in STRATEGIES:
-            p.error(f"unknown strategy {s!r}; available: {', '.join(sorted(STRATEGIES))}")
+        if s.partition(":")[0] not in STRATEGIES:
+            p.error(f"unknown strategy {s!r}; available: {', '.join(sorted(STRATEGIES))} "
+                    f"(with an argument as name:arg, e.g. pipelined:4, sequential:triton)")
     if "naive" not in args.strategies:
         args.strategies = ["naive"] + args.strategies  # speedups and checks are against naive
     if args.warmup < 5 or args.iters < 20:
