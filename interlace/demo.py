@@ -68,7 +68,7 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
         return ((a.double() - b).norm() / b.norm()).item()
 
     rows = []
-    for strategy in ("naive", "sequential"):
+    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3"):
         layer = MoELayer(cfg, strategy=strategy, seed=seed, device="cpu")
         x = xs[rank].clone().requires_grad_()
         t0 = time.perf_counter()
