@@ -86,19 +86,19 @@ def test_calibration_recovers_chunk_cost_and_interference():
     cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
     prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
     skey = shape_key(cfg, 2)
-    truth = dict(alpha=0.4, beta=2e-5, chunk=0.35, kappa=0.6)
+    truth = dict(alpha=0.4, beta=5e-6, chunk=0.35, kappa=0.6)
     points = []
     for T in (3000, 12000, 40000):
         for r in (1, 2, 4):
             sim, overlapped = model_terms(prof, cfg, T, 2, r)
-            ms = sim + truth["alpha"] + truth["beta"] * T
+            ms = sim + truth["alpha"] + truth["beta"] * T * 4  # the fixed line is over rows T·k
             if r > 1:
                 ms += (r - 1) * (prof.host_ms["index"] + truth["chunk"]) + truth["kappa"] * overlapped
             points.append((T, 4, r, ms))
     prof.shapes[skey].calibration = points
     calibrate(prof, skey)
     shape = prof.shapes[skey]
-    assert shape.fixed.alpha == pytest.approx(0.4, rel=1e-6) and shape.fixed.beta == pytest.approx(2e-5, rel=1e-6)
+    assert shape.fixed.alpha == pytest.approx(0.4, rel=1e-6) and shape.fixed.beta == pytest.approx(5e-6, rel=1e-6)
     assert shape.chunk_ms == pytest.approx(0.35, rel=1e-6) and shape.interference == pytest.approx(0.6, rel=1e-6)
     for T, _, r, ms in points:
         assert predict_layer_ms(prof, cfg, T, 2, r) == pytest.approx(ms, rel=1e-9)

@@ -2,14 +2,14 @@
 
 The layer time for degree r is predicted as
 
-    simulate_ops(ops of the r-chunk pipeline) + fixed(T) + (r − 1)·(h_index + chunk_ms)
+    simulate_ops(ops of the r-chunk pipeline) + fixed(T·k) + (r − 1)·(h_index + chunk_ms)
         + interference · (all-to-all time that overlaps compute)
 
 where the op list mirrors what ``PipelinedStrategy`` issues after its host sync — per chunk a
 re-layout index and dispatch gather, all dispatch all-to-alls, then per chunk the expert
 stage and its combine all-to-all, then the combines — each op with its host issue cost and its
 device time from the profile's curves (all-to-all: bytes per rank; expert stage: rows; gathers:
-bytes over the measured gather bandwidth). ``fixed(T)`` is the per-shape-class α_f + β_f·T fit
+bytes over the measured gather bandwidth). ``fixed`` is the per-shape-class α_f + β_f·(T·k) fit
 of what this model leaves out of a measured ``sequential`` call (routing, the count exchange,
 the host sync); ``h_index`` the host cost of one more chunk's counting sort before the sync;
 ``chunk_ms`` and ``interference`` are fitted by :func:`calibrate` from the layer measured at
@@ -113,7 +113,7 @@ def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: 
     if include_fixed:
         _, shape = prof.shape(shape_key(cfg, world))
         # The fixed line is fitted over a few token counts: never let it extrapolate below 0.
-        total += max(shape.fixed(tokens), 0.0)
+        total += max(shape.fixed(tokens * cfg.top_k), 0.0)
         total += (r - 1) * (prof.host_ms["index"] + shape.chunk_ms) + shape.interference * overlapped
     return total
 
@@ -134,7 +134,7 @@ def calibrate(prof: Profile, skey: str) -> None:
         xs, ys = [], []
         for T, k, ms in ones:
             cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
-            xs.append(T)
+            xs.append(T * k)
             ys.append(ms - model_terms(prof, cfg, T, prof.world, 1)[0])
         if len(set(xs)) > 1:
             beta, alpha = np.polyfit(xs, ys, 1)
@@ -148,7 +148,7 @@ def calibrate(prof: Profile, skey: str) -> None:
         cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
         sim, overlapped = model_terms(prof, cfg, T, prof.world, r)
         rows.append([r - 1, overlapped])
-        target.append(ms - sim - max(shape.fixed(T), 0.0) - (r - 1) * prof.host_ms["index"])
+        target.append(ms - sim - max(shape.fixed(T * k), 0.0) - (r - 1) * prof.host_ms["index"])
     if rows:
         shape.chunk_ms, shape.interference = _nonneg_lstsq(np.array(rows, dtype=float), np.array(target))
     # How far the calibrated model is from its own calibration points (RMS relative error):

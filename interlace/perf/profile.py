@@ -91,7 +91,7 @@ class ShapeProfile:
 
     expert: SizeCurve  # received rows of one chunk → device ms of its expert stage
     expert_host_ms: float
-    fixed: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))
+    fixed: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))  # over dispatched rows T·k
     chunk_ms: float = 0.0
     interference: float = 0.0
     calibration: list = field(default_factory=list)
