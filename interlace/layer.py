@@ -74,10 +74,6 @@ class MoELayer(nn.Module):
         self.strategy = make_strategy(strategy, config, self.ep, **(strategy_options or {}))
         self.last_aux_loss: torch.Tensor | None = None
 
-    @property
-    def strategy_name(self) -> str:
-        return self.strategy.name
-
     def set_strategy(self, name: str, **options) -> None:
         """Switch the strategy; parameters are untouched. Call it on every rank alike."""
         self.strategy = make_strategy(name, self.config, self.ep, **options)

@@ -135,3 +135,13 @@ def test_presets_are_valid_and_cited():
         cfg = preset(name)
         assert cfg.source and cfg.activation == "swiglu"
     assert preset("dsv3-like").num_experts == 256 and preset("mixtral-8x7b").ffn == 14336
+
+
+def test_sigmoid_router_bias_update_moves_load_towards_balance():
+    cfg = SMALL.with_(router="sigmoid")
+    layer = MoELayer(cfg, device="cpu")
+    load = torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6])
+    layer.router.update_bias(load, rate=0.5)
+    assert layer.router.expert_bias[0] < 0 < layer.router.expert_bias[1]  # hot expert down, idle ones up
+    with pytest.raises(ValueError, match="sigmoid"):
+        MoELayer(SMALL, device="cpu").router.update_bias(load)

@@ -18,10 +18,6 @@ def poison(enabled: bool) -> None:
     _POISON = enabled
 
 
-def poisoned() -> bool:
-    return _POISON
-
-
 def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype, device=device)
     if _POISON:
