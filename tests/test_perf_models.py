@@ -39,28 +39,20 @@ def random_params(rng):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_exact_solver_matches_brute_force_over_eqs_9_12(seed):
+@pytest.mark.parametrize("solver,simulator", [(optimal_degree_eqs_9_12, simulate_eqs_9_12),
+                                              (pipemoe_theorem1, simulate_shared_link)],
+                         ids=["exact-eqs-9-12", "pipemoe-theorem1-shared-link"])
+def test_solver_matches_brute_force_over_its_simulator(seed, solver, simulator):
     rng = random.Random(seed)
     for _ in range(500):
         p = random_params(rng)
         r_max = rng.choice([1, 2, 5, 16, 64])
-        choice = optimal_degree_eqs_9_12(*p, r_max=r_max)
-        r_b, t_b = brute(simulate_eqs_9_12, *p, r_max)
+        choice = solver(*p, r_max=r_max)
+        r_b, t_b = brute(simulator, *p, r_max)
         assert math.isclose(choice.time, t_b, rel_tol=1e-9), (p, choice, r_b, t_b)
-        a, b = p[0] + p[1] * p[4] / choice.degree, p[2] + p[3] * p[5] / choice.degree
         r = choice.degree
-        assert math.isclose(simulate_eqs_9_12([a] * r, [b] * r, [a] * r), choice.time, rel_tol=1e-9)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_pipemoe_theorem1_matches_brute_force_over_shared_link(seed):
-    rng = random.Random(100 + seed)
-    for _ in range(500):
-        p = random_params(rng)
-        r_max = rng.choice([1, 2, 5, 16, 64])
-        choice = pipemoe_theorem1(*p, r_max=r_max)
-        r_b, t_b = brute(simulate_shared_link, *p, r_max)
-        assert math.isclose(choice.time, t_b, rel_tol=1e-9), (p, choice, r_b, t_b)
+        a, b = p[0] + p[1] * p[4] / r, p[2] + p[3] * p[5] / r
+        assert math.isclose(simulator([a] * r, [b] * r, [a] * r), choice.time, rel_tol=1e-9)
 
 
 def test_closed_form_of_eqs_9_12():
