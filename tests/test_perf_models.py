@@ -79,6 +79,16 @@ def test_alpha_beta_fit_recovers_parameters_from_noisy_data():
         assert fit.r2 > 0.99
 
 
+def test_fit_and_solvers_survive_noise_that_slopes_downwards():
+    fit = fit_alpha_beta([1e3, 1e4, 1e5], [0.30, 0.25, 0.20])
+    assert fit.beta == 0.0 and 0.2 < fit.alpha < 0.3
+    for solver in (optimal_degree_eqs_9_12, pipemoe_theorem1):
+        for params in [(0.01, -1e-9, 0.02, 1e-12, 1e6, 1e10), (0.01, 1e-9, 0.02, -1e-12, 1e6, 1e10),
+                       (0.0, 1e-9, 0.0, 1e-12, 1e6, 1e10)]:
+            choice = solver(*params, r_max=16)
+            assert 1 <= choice.degree <= 16 and math.isfinite(choice.time)
+
+
 def test_size_curve_interpolates_measurements_and_extrapolates_with_the_line():
     sizes = [1e3, 1e4, 1e5, 1e6]
     times = [0.02, 0.025, 0.06, 0.45]

@@ -40,7 +40,7 @@ def fit_alpha_beta(xs, ts, relative: bool = True) -> AlphaBeta:
 
     With ``relative=True`` each point is weighted by 1/t, i.e. the fit minimises relative
     rather than absolute error, so microsecond-scale small sizes are not drowned by the
-    millisecond-scale large ones. α is clamped at 0 (a negative start-up cost is noise).
+    millisecond-scale large ones. α and β are clamped at 0 (negative costs are noise).
     """
     x = np.asarray(xs, dtype=np.float64)
     t = np.asarray(ts, dtype=np.float64)
@@ -52,6 +52,9 @@ def fit_alpha_beta(xs, ts, relative: bool = True) -> AlphaBeta:
     if alpha < 0:
         alpha = 0.0
         beta = float(np.sum(w * w * x * t) / np.sum(w * w * x * x))
+    if beta < 0:
+        # Time that falls with size is noise (seen with host timers on a busy CPU): a flat line.
+        alpha, beta = float(np.sum(w * w * t) / np.sum(w * w)), 0.0
     pred = alpha + beta * x
     ss_res = float(np.sum((t - pred) ** 2))
     ss_tot = float(np.sum((t - t.mean()) ** 2))

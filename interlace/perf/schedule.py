@@ -77,6 +77,14 @@ def _chunk_times(alpha_a, beta_a, alpha_e, beta_e, n_d, n_e, r):
     return alpha_a + beta_a * n_d / r, alpha_e + beta_e * n_e / r
 
 
+def _sqrt_ratio(num: float, den: float) -> float:
+    """Continuous minimiser sqrt(num/den) of c + den·r + num/r: ∞ without a start-up cost
+    (den ≤ 0), 0 when the size term vanishes or has the wrong sign (num ≤ 0)."""
+    if den <= 0:
+        return math.inf
+    return math.sqrt(num / den) if num > 0 else 0.0
+
+
 def _convex_integer_min(f, r_star: float, feasible: list[int]) -> tuple[int, float] | None:
     """Minimum of a convex f over the feasible integers (a union of runs): per run, the
     continuous minimiser clamped into the run, rounded both ways."""
@@ -119,8 +127,8 @@ def optimal_degree_eqs_9_12(alpha_a, beta_a, alpha_e, beta_e, n_d, n_e, r_max: i
     rs = range(2, r_max + 1)
     comm_ok = [r for r in rs if a_b(r)[0] >= a_b(r)[1]]
     comp_ok = [r for r in rs if a_b(r)[1] > a_b(r)[0]]
-    r_comm = math.sqrt((beta_a * n_d + beta_e * n_e) / alpha_a) if alpha_a > 0 else math.inf
-    r_comp = math.sqrt(2 * beta_a * n_d / alpha_e) if alpha_e > 0 else math.inf
+    r_comm = _sqrt_ratio(beta_a * n_d + beta_e * n_e, alpha_a)
+    r_comp = _sqrt_ratio(2 * beta_a * n_d, alpha_e)
     for name, f, r_star, ok in (("comm-bound", f_comm, r_comm, comm_ok), ("compute-bound", f_comp, r_comp, comp_ok)):
         found = _convex_integer_min(f, r_star, ok)
         if found and found[1] < best.time - 1e-15:
@@ -162,7 +170,7 @@ def pipemoe_theorem1(alpha_a, beta_a, alpha_e, beta_e, n_d, n_e, r_max: int = 64
     if ok2:
         candidates.append((ok2[0], f2(ok2[0]), "Q1: comm hides compute (f2)"))
     ok3 = [r for r in rs if not q1(r) and q2(r)]
-    r3 = math.sqrt(2 * beta_a * n_d / alpha_e) if alpha_e > 0 else math.inf
+    r3 = _sqrt_ratio(2 * beta_a * n_d, alpha_e)
     found = _convex_integer_min(f3, r3, ok3)
     if found:
         candidates.append((found[0], found[1], "not Q1, Q2: compute-bound (f3)"))
