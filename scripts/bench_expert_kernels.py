@@ -1,15 +1,24 @@
-"""Single-GPU check and timing of the expert block: torch path vs interlace's Triton grouped GEMMs.
+"""Single-GPU check and timing of the whole expert block: torch path vs interlace's Triton kernels.
 
-    python scripts/bench_expert_kernels.py [--tokens 4096 16384] [--world 2]
+    python scripts/bench_expert_kernels.py [--tokens 4096 16384] [--world 2] [--configs ...] [--json F]
 
-For every BENCHMARKS.md config, rows = tokens·k received rows spread evenly over E/world local
-experts, read through a random gather index (as after the all-to-all). Checks the Triton output
-against the torch path (bf16, relative error) and times both with triton.testing.do_bench
-(median), reporting TFLOP/s of the three expert GEMMs (×3 with --backward) and the first call's
-compile time.
+The block is what ``sequential`` runs at world size 1 on one GPU's share of a W-GPU layer:
+T tokens routed to k of the E/W local experts ("balanced": every expert gets T·k/(E/W) rows,
+tokens in random order), dispatch gather, GEMM0 + activation, GEMM1, weighted top-k combine
+(fp32, deterministic). torch path = gather kernel + ``torch._grouped_mm`` + SwiGLU kernel +
+``torch._grouped_mm`` + combine; Triton path = interlace's persistent GEMM0 with the gather
+fused into its A load and the activation in its epilogue, GEMM1, the same combine kernel.
+
+Correctness: forward and backward (dx, dW_up, dW_down, d routing weights) of both bf16 paths
+against an fp32 per-expert loop, fresh random inputs; a Triton error more than 2× the torch
+path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians of forward
+(no grad) and forward+backward; TFLOP/s of the three expert GEMMs (×3 with backward); the
+backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
+Triton forward+backward call of the row (compiles on the first row of a config set).
 """
 
 import argparse
+import json
 import time
 
 import torch
@@ -18,9 +27,81 @@ import triton
 from interlace.bench.harness import bench_config
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
-from interlace.ops.grouped_gemm import TritonExpertFFN
-from interlace.ops.rows import PermuteRows
+from interlace.ops.activation import activation_reference
+from interlace.ops.grouped_gemm import TritonExpertFFN, choose_configs
+from interlace.ops.routing_index import build_dispatch_index
+from interlace.ops.rows import CombineRows, DispatchRows
 from interlace.strategies.sequential import expert_ffn
+
+
+def balanced_routing(T: int, k: int, E: int, dev):
+    """(T, k) expert ids, each expert chosen T·k/E times (±1), distinct per token, tokens shuffled;
+    fp32 routing weights (softmax of random logits)."""
+    perm = torch.randperm(T, device=dev)
+    idx = ((perm[:, None] * k + torch.arange(k, device=dev)[None, :]) % E).to(torch.int32)
+    weights = torch.softmax(torch.randn(T, k, device=dev), dim=-1)
+    return idx, weights
+
+
+def block(backend: str, x, w_up, w_down, weights, index, activation: str):
+    """The expert block x (T, N) → (T, N) on one backend (``index`` from build_dispatch_index)."""
+    row_of_assignment, assignment_of_row, ends, rows = index
+    k = row_of_assignment.shape[1]
+    if backend == "triton":
+        y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row, k, rows, ends, activation, row_of_assignment)
+    else:
+        y = expert_ffn(DispatchRows.apply(x, assignment_of_row, row_of_assignment), w_up, w_down, ends, activation)
+    return CombineRows.apply(y, weights, row_of_assignment, x.dtype)
+
+
+def reference_block(x, w_up, w_down, weights, index, activation: str):
+    """fp32 per-expert loop with autograd (the leaves are fp32 copies)."""
+    row_of_assignment, assignment_of_row, ends, rows = index
+    k = row_of_assignment.shape[1]
+    ys, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        xs = x[assignment_of_row[start:end].long() // k]
+        ys.append(activation_reference(xs @ w_up[e].t(), activation) @ w_down[e].t())
+        start = end
+    y = torch.cat(ys)
+    return (y[row_of_assignment.long()] * weights[..., None]).sum(1)
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(cfg, x, w_up, w_down, weights, index, grad):
+    """Max relative errors vs fp32 of (out, dx, dW_up, dW_down, d weights) for torch and triton."""
+    leaves32 = [t.detach().float().requires_grad_() for t in (x, w_up, w_down, weights)]
+    ref = reference_block(*leaves32, index, cfg.activation)
+    ref.backward(grad.float())
+    refs = [ref] + [t.grad for t in leaves32]
+    del leaves32
+    errs = {}
+    for backend in ("torch", "triton"):
+        leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down)] + [weights.detach().requires_grad_()]
+        out = block(backend, *leaves, index, cfg.activation)
+        out.backward(grad)
+        errs[backend] = [rel(got, want) for got, want in zip([out] + [t.grad for t in leaves], refs)]
+    return errs
+
+
+def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
+    """(fwd ms, fwd+bwd ms) medians."""
+    def fwd():
+        with torch.no_grad():
+            return block(backend, x, w_up, w_down, weights, index, cfg.activation)
+
+    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
+
+    def fwd_bwd():
+        block(backend, *leaves, index, cfg.activation).backward(grad)
+
+    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    return t_f, t_fb
 
 
 def main():
@@ -28,55 +109,82 @@ def main():
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     p.add_argument("--world", type=int, default=2, help="experts per GPU = E / world")
     p.add_argument("--configs", nargs="+", default=list(PRESETS))
-    p.add_argument("--backward", action="store_true", help="time forward+backward (grads of x and weights)")
+    p.add_argument("--no-backward", action="store_true", help="forward only (no check or timing of backward)")
+    p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
     dev = torch.device("cuda")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| config | tokens | rows | torch ms | triton ms | torch TFLOP/s | triton TFLOP/s | speedup | rel err | first call s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    results = []
     for name in args.configs:
         cfg = bench_config(name, small=False)
         E_local = cfg.num_experts // args.world
         w_up, w_down = init_expert_weights(cfg, range(E_local), 0, dev)
         for T in args.tokens:
-            rows = T * cfg.top_k
-            counts = torch.full((E_local,), rows // E_local, dtype=torch.int32)
-            counts[: rows % E_local] += 1
-            ends = counts.cumsum(0).to(torch.int32).to(dev)
-            x = torch.randn(rows, cfg.hidden, device=dev).to(cfg.dtype)
-            src = torch.randperm(rows, device=dev).to(torch.int32)
-
-            inverse = torch.empty_like(src)
-            inverse[src.long()] = torch.arange(rows, device=dev, dtype=torch.int32)
-            grad = torch.randn(rows, cfg.hidden, device=dev).to(cfg.dtype)
-            leaves = [t.detach().requires_grad_(args.backward) for t in (x, w_up, w_down)]
-
-            def torch_path():
-                xl, wu, wd = leaves
-                y = expert_ffn(PermuteRows.apply(xl, src, inverse), wu, wd, ends, cfg.activation)
-                if args.backward:
-                    y.backward(grad)
-                return y
-
-            def triton_path():
-                xl, wu, wd = leaves
-                y = TritonExpertFFN.apply(xl, wu, wd, src, 1, rows, ends, cfg.activation, inverse)
-                if args.backward:
-                    y.backward(grad)
-                return y
-
-            t0 = time.perf_counter()
-            y_tri = triton_path()
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            y_ref = torch_path()
-            err = ((y_tri.detach().float() - y_ref.detach().float()).norm() / y_ref.detach().float().norm()).item()
-            t_torch = triton.testing.do_bench(torch_path, warmup=25, rep=100, return_mode="median")
-            t_tri = triton.testing.do_bench(triton_path, warmup=25, rep=100, return_mode="median")
-            flops = 2 * rows * cfg.hidden * cfg.ffn * 3 * (3 if args.backward else 1)
-            print(f"| {name} | {T} | {rows} | {t_torch:.3f} | {t_tri:.3f} | {flops / t_torch / 1e9:.0f} | "
-                  f"{flops / t_tri / 1e9:.0f} | {t_torch / t_tri:.2f} | {err:.1e} | {first:.1f} |", flush=True)
+            row = {"config": name, "tokens": T, "rows": T * cfg.top_k}
+            try:
+                idx, weights = balanced_routing(T, cfg.top_k, E_local, dev)
+                roa, aor, _, ends = build_dispatch_index(idx, E_local, None)
+                index = (roa, aor, ends, T * cfg.top_k)
+                x = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
+                grad = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
+                row["configs"] = choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2]
+                leaves = [t.detach().requires_grad_(not args.no_backward) for t in (x, w_up, w_down, weights)]
+                t0 = time.perf_counter()
+                out = block("triton", *leaves, index, cfg.activation)
+                if not args.no_backward:
+                    out.backward(grad)
+                torch.cuda.synchronize()
+                row["first_s"] = time.perf_counter() - t0
+                del out, leaves
+                if not args.no_backward:
+                    errs = check(cfg, x, w_up, w_down, weights, index, grad)
+                    row["err_torch"], row["err_triton"] = errs["torch"], errs["triton"]
+                    row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
+                flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
+                for backend in ("torch", "triton"):
+                    if args.no_backward:
+                        def fwd(b=backend):
+                            with torch.no_grad():
+                                return block(b, x, w_up, w_down, weights, index, cfg.activation)
+                        row[backend] = (triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"), None)
+                    else:
+                        row[backend] = time_backend(backend, cfg, x, w_up, w_down, weights, index, grad)
+                row["flops"] = flops
+            except Exception as err:  # report the row and go on with the others
+                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                print(f"{name} {T}: {row['error']}", flush=True)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+        del w_up, w_down
         torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print_table(results)
+
+
+def print_table(results):
+    print("\n| config | tokens | torch fwd ms | triton fwd ms | fwd speedup | torch TFLOP/s | triton TFLOP/s | "
+          "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | max err torch | "
+          "max err triton | check | first s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['config']} | {r['tokens']} | error: {r['error'][:80]} |")
+            continue
+        (tf, tfb), (xf, xfb), F = r["torch"], r["triton"], r["flops"]
+        cells = [r["config"], r["tokens"], f"{tf:.3f}", f"{xf:.3f}", f"{tf / xf:.2f}", f"{F / tf / 1e9:.0f}",
+                 f"{F / xf / 1e9:.0f}"]
+        if tfb is not None:
+            bwd_tflops = 2 * F / max(xfb - xf, 1e-9) / 1e9
+            cells += [f"{tfb:.3f}", f"{xfb:.3f}", f"{tfb / xfb:.2f}", f"{bwd_tflops:.0f}",
+                      f"{bwd_tflops / (F / xf / 1e9):.2f}", f"{max(r['err_torch']):.1e}", f"{max(r['err_triton']):.1e}",
+                      "ok" if r["ok"] else "FAIL"]
+        else:
+            cells += ["-"] * 8
+        cells.append(f"{r['first_s']:.1f}")
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 if __name__ == "__main__":

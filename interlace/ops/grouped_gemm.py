@@ -18,7 +18,15 @@ Rows are expert-major: expert e owns rows ``[offs[e-1], offs[e])``. Three kernel
 
 Both GEMM kernels are persistent: a grid of at most (SM count × programs per SM) programs walks
 the (tile, column block) work items, so no launch depends on the data. The SM count is read
-from the device, never assumed.
+from the device, never assumed. Work items are visited in groups of ``group_m`` row tiles
+(an L2 swizzle over the column blocks): the programs running at one time share a few column
+blocks of one expert's weights instead of streaming all of them once per row tile.
+
+On Hopper and newer the weights (the B operand) are read through TMA tensor descriptors
+(``tl.make_tensor_descriptor`` over the (E·rows, cols) weight matrix; Triton's allocator holds
+their scratch); the A operand's rows are gathered, so A stays a pipelined ``tl.load``. The
+pointer path (the same kernels with ``USE_TMA=False``) serves the interpreter and older GPUs;
+``INTERLACE_TMA=0/1`` forces either.
 
 :class:`TritonExpertFFN` runs forward and backward on these kernels; gradients of the gathered
 rows are returned to the caller's rows by a gather (bijection) or a fixed-order sum (a token's
@@ -41,7 +49,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages`` forces a config (tuning experiments)."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m]`` forces a config (tuning experiments)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -112,32 +120,47 @@ def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedu
 
 
 @triton.jit
-def _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
-    """Work item → (expert, its rows, their mask, column block) of the tile schedule."""
-    tile = work // n_blocks
+def _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+               BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Work item → (expert, its rows, their mask, column block) of the tile schedule.
+
+    Items come in groups of GROUP_M consecutive row tiles × all column blocks, column block
+    major inside a group (the Triton tutorials' L2 swizzle), so concurrent programs share the
+    weight column blocks they read."""
+    per_group = GROUP_M * n_blocks
+    first_tile = (work // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
+    tile = first_tile + (work % per_group) % group_size
+    nb = (work % per_group) // group_size
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
     rmask = rows < tl.load(tile_end_ptr + tile)
-    return e, rows, rmask, work % n_blocks
+    return e, rows, rmask, nb
 
 
 @triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    N, K, divisor, num_programs,
+    N, K, E, divisor, num_programs,
     ACTIVATION: tl.constexpr,  # 0 swiglu, 1 gelu, 2 relu
-    HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N)."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
     up_width = 2 * K if ACTIVATION == 0 else K
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if USE_TMA:
+        # Block rows past an expert's K gate (or up) rows belong to masked output columns.
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
     for work in range(pid, num_tiles * n_blocks, num_programs):
-        e, rows, rmask, nb = _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                        BLOCK_M, GROUP_M)
         if HAS_GATHER:
             src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
         else:
@@ -145,6 +168,7 @@ def _gemm0_kernel(
         cols = nb * BLOCK_N + offs_n
         cmask = cols < K
         w_base = w_ptr + e * up_width * N
+        w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if ACTIVATION == 0:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -152,13 +176,18 @@ def _gemm0_kernel(
             kk = k0 + offs_k
             kmask = kk < N
             a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            wg = tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None],
-                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc_g = tl.dot(a, wg, acc_g)
-            if ACTIVATION == 0:
-                wu = tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None],
+            if USE_TMA:
+                acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
+                if ACTIVATION == 0:
+                    acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
+            else:
+                wg = tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None],
                              mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc_u = tl.dot(a, wu, acc_u)
+                acc_g = tl.dot(a, wg, acc_g)
+                if ACTIVATION == 0:
+                    wu = tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None],
+                                 mask=kmask[:, None] & cmask[None, :], other=0.0)
+                    acc_u = tl.dot(a, wu, acc_u)
         if ACTIVATION == 0:
             act = acc_g * tl.sigmoid(acc_g) * acc_u
         elif ACTIVATION == 1:
@@ -179,31 +208,56 @@ def _gemm0_kernel(
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    COLS, RED, stride_we, stride_bk, stride_bn, num_programs,
+    COLS, RED, E, num_programs,
+    B_TRANS: tl.constexpr,  # B_e stored (COLS, RED) row-major (a weight used as Wᵀ); else (RED, COLS)
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS), B_e[k, n] at w + e·stride_we +
-    k·stride_bk + n·stride_bn. With an activation-gradient epilogue, ``a`` is d(act), B_e the
-    down projection, and the kernel writes d(pre-activation) from the stored pre-activation h."""
+    """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
+    weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
+    activation-gradient epilogue, ``a`` is d(act), B_e the down projection, and the kernel
+    writes d(pre-activation) from the stored pre-activation h."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if B_TRANS:
+        stride_bk = 1
+        stride_bn = RED
+    else:
+        stride_bk = COLS
+        stride_bn = 1
+    if USE_TMA:
+        # A block that runs past expert e's matrix reads the next expert's rows: they meet zero
+        # A columns (RED) or land in masked output columns (COLS); past the last expert TMA reads 0.
+        if B_TRANS:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * COLS, RED], strides=[RED, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
     for work in range(pid, num_tiles * n_blocks, num_programs):
-        e, rows, rmask, nb = _tile_work(work, n_blocks, tile_expert_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M)
+        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                        BLOCK_M, GROUP_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < COLS
-        w_base = w_ptr + e * stride_we
+        w_base = w_ptr + e * RED * COLS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, RED, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < RED
             a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(w_base + kk[:, None].to(tl.int64) * stride_bk + cols[None, :].to(tl.int64) * stride_bn,
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if USE_TMA:
+                if B_TRANS:
+                    b = w_desc.load([(e * COLS + nb * BLOCK_N).to(tl.int32), k0]).T
+                else:
+                    b = w_desc.load([(e * RED + k0).to(tl.int32), nb * BLOCK_N])
+            else:
+                b = tl.load(w_base + kk[:, None].to(tl.int64) * stride_bk + cols[None, :].to(tl.int64) * stride_bn,
+                            mask=kmask[:, None] & cmask[None, :], other=0.0)
             acc = tl.dot(a, b, acc)
         omask = rmask[:, None] & cmask[None, :]
         if EPILOGUE == 0:
@@ -278,6 +332,38 @@ def _device_identity(index: int) -> tuple[str, int]:
     return props.name, props.multi_processor_count
 
 
+@lru_cache(maxsize=None)
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_allocator(size: int, alignment: int, stream):
+    """Scratch for in-kernel tensor descriptors (128 bytes per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def use_tma(*weights: torch.Tensor) -> bool:
+    """Weights through TMA descriptors: Hopper or newer (``INTERLACE_TMA=0/1`` forces it off or
+    on, the interpreter included), contiguous weights on 16-byte aligned rows and bases."""
+    forced = os.environ.get("INTERLACE_TMA")
+    if forced == "0":
+        return False
+    w = weights[0]
+    ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0
+             for t in weights)
+    if forced == "1":
+        return ok and use_triton(w)
+    return ok and w.is_cuda and _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
+
+
+def _ensure_allocator() -> None:
+    """Triton needs an allocator for in-kernel descriptors; install ours unless one is set."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_allocator)
+
+
 def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
     """(GEMM0 config, GEMM1 config, where they came from) for this call's shape."""
     forced0, forced1 = _config_from_env("INTERLACE_GEMM0"), _config_from_env("INTERLACE_GEMM1")
@@ -300,7 +386,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     (or ``x[r]`` without ``gather``). Returns ``(y (num_rows, N), h or None)``. ``configs``
     forces the two kernels' configs (the tuner); by default they come from the tuning tables."""
     N = x.shape[1]
-    K = w_down.shape[2]
+    E, N_w, K = w_down.shape
     up_width = w_up.shape[1]
     c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
     act = alloc.empty((num_rows, K), x.dtype, x.device)
@@ -308,28 +394,32 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     y = alloc.empty((num_rows, N), x.dtype, x.device)
     if num_rows == 0:
         return (y, h, act) if return_act else (y, h)
+    tma = use_tma(w_up, w_down)
+    if tma:
+        _ensure_allocator()
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
     work0 = sched0.max_tiles * triton.cdiv(K, c0.block_n)
     p0 = _num_programs(x.device, work0)
     _gemm0_kernel[(p0,)](
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
-        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, divisor, p0,
-        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h,
-        BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, num_warps=c0.num_warps, num_stages=c0.num_stages,
+        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0,
+        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
+        BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m,
+        num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
-    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, stride_we=N * K, stride_bk=1, stride_bn=K,
-                 epilogue=0, config=c1, schedule=sched0 if c1.block_m == c0.block_m else None)
+    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
+                 schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
     return (y, h, act) if return_act else (y, h)
 
 
-def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, stride_we, stride_bk, stride_bn, epilogue, config,
-                 schedule=None):
+def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
+    """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
     _gemm_kernel[(p,)](
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
-        cols, red, stride_we, stride_bk, stride_bn, p, EPILOGUE=epilogue,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -365,14 +455,17 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     if R == 0:
         return dx_rows, dw_up.zero_(), dw_down.zero_()
     dy = dy.contiguous()
+    tma = use_tma(w_up, w_down)
+    if tma:
+        _ensure_allocator()
     sched = tile_schedule(ends, R, c.block_m)
     # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
-    _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, stride_we=N * K, stride_bk=K, stride_bn=1,
-                 epilogue=1 + _ACTIVATION_ID[activation], config=c, schedule=sched)
+    _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
+                 epilogue=1 + _ACTIVATION_ID[activation], config=c, schedule=sched, tma=tma)
     _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c)  # dW_down[e] = dyᵀ act
     # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
-    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, stride_we=up_width * N, stride_bk=N,
-                 stride_bn=1, epilogue=0, config=c, schedule=sched)
+    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c,
+                 schedule=sched, tma=tma)
     _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c)  # dW_up[e] = d_hᵀ x[g]
     return dx_rows, dw_up, dw_down
 

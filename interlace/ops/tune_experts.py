@@ -24,11 +24,13 @@ from interlace.ops import tuning
 from interlace.ops.grouped_gemm import GEMM0_DEFAULT, GEMM1_DEFAULT, INTERPRETER_CONFIG, expert_ffn_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
-GEMM0_CANDIDATES = [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3), GemmConfig(64, 128, 64, 4, 4),
-                    GemmConfig(128, 64, 64, 4, 4), GemmConfig(64, 64, 64, 4, 4)]
-GEMM1_CANDIDATES = [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 128, 64, 8, 4),
-                    GemmConfig(64, 128, 64, 4, 4), GemmConfig(64, 256, 64, 8, 3)]
-INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1)]
+# A small candidate set (each config compiles once, a few seconds): GEMM0 holds two fp32
+# accumulators (gate and up), so its tile is half as wide as GEMM1's.
+GEMM0_CANDIDATES = [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 128, 64, 8, 4, 16),
+                    GemmConfig(128, 64, 64, 4, 4)]
+GEMM1_CANDIDATES = [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3, 16),
+                    GemmConfig(128, 128, 64, 8, 4)]
+INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 
 
 def _time_ms(fn, cuda: bool) -> float:
@@ -56,10 +58,11 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates0
         rows = bucket * shape.experts
         ends = torch.arange(1, shape.experts + 1, device=device, dtype=torch.int32) * bucket
         x = torch.randn(rows, shape.hidden, device=device).to(dtype)
+        gather = torch.randperm(rows, device=device).to(torch.int32)  # rows are gathered in real use
         flops = 2 * rows * shape.hidden * shape.ffn * (3 if shape.activation == "swiglu" else 2)
 
         def run(c0, c1):
-            return expert_ffn_triton(x, None, 1, rows, w_up, w_down, ends, shape.activation, configs=(c0, c1))
+            return expert_ffn_triton(x, gather, 1, rows, w_up, w_down, ends, shape.activation, configs=(c0, c1))
 
         def best_of(cands, make):
             timed = []
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2, help="experts per GPU = E / world")
     p.add_argument("--buckets", nargs="+", type=int, default=[64, 256, 1024, 4096],
                    help="rows per expert to tune for (powers of two)")
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help="instead of --buckets: per preset, the buckets of these tokens per GPU (T·k / experts per GPU)")
     p.add_argument("--out", default=None, help="folder for the tables (default: $INTERLACE_TUNING_DIR or "
                                                 "the package's tuning folder)")
     args = p.parse_args(argv)
@@ -107,23 +112,27 @@ def main(argv=None) -> int:
         if shape in shapes:
             continue
         shapes.append(shape)
-        print(f"tuning {preset}: {shape}", flush=True)
-        e0, e1, f = tune_shape(shape, cfg.dtype, device, args.buckets,
+        buckets = args.buckets if not args.tokens else sorted(
+            {tuning.rows_bucket(t * cfg.top_k / shape.experts) for t in args.tokens})
+        print(f"tuning {preset}: {shape} buckets {buckets}", flush=True)
+        e0, e1, f = tune_shape(shape, cfg.dtype, device, buckets,
                                GEMM0_CANDIDATES if cuda else INTERPRETER_CANDIDATES,
                                GEMM1_CANDIDATES if cuda else INTERPRETER_CANDIDATES)
         all0 += e0
         all1 += e1
         failures += f
+    seconds = time.perf_counter() - start
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tuning_seconds": round(seconds, 1),
             "device": name, "sm_count": sms, "triton": triton.__version__, "torch": torch.__version__,
-            "defaults": {"gemm0": GEMM0_DEFAULT.__dict__, "gemm1": GEMM1_DEFAULT.__dict__}}
+            "defaults": {"gemm0": GEMM0_DEFAULT.__dict__, "gemm1": GEMM1_DEFAULT.__dict__},
+            "command": "interlace tune-experts " + " ".join(argv if argv is not None else sys.argv[1:])}
     for kernel, entries in (("expert_gemm0", all0), ("expert_gemm1", all1)):
         path = tuning.write_table(out / f"{tuning.table_key(kernel, name, sms)}.json", entries, meta)
         print(f"wrote {path}")
     for line in failures:
         print(f"skipped {line}")
-    print(f"tuning took {time.perf_counter() - start:.1f} s for {len(shapes)} shape classes × "
-          f"{len(args.buckets)} buckets")
+    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(all0)} (shape, bucket) entries")
     return 0
 
 

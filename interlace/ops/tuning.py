@@ -31,6 +31,7 @@ class GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 8  # row tiles per L2 swizzle group of the persistent GEMMs
 
 
 @dataclass(frozen=True)
