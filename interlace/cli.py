@@ -12,6 +12,7 @@ commands:
   profile        microbenchmarks → the performance profile the pipelined strategy plans with
   pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice
   tune-experts   measure kernel configs of the Triton expert GEMMs and write the tuning tables
+  plan           rank layouts, MoE strategies and all-to-all forms for a model on a cluster (no GPU)
 """
 
 
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from interlace.ops.tune_experts import main as tune_main
 
         return tune_main(rest)
+    if command == "plan":
+        from interlace.plan.cli import main as plan_main
+
+        return plan_main(rest)
     if command == "demo":
         from interlace.demo import main as demo_main
 
