@@ -103,3 +103,18 @@ def all_to_all_async(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], 
     """
     return dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
 
+
+# torch ≥ 2.13 renames the single-tensor collectives; older releases (the device's 2.11) only
+# have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``out`` (G·M, ...) = the ``x`` (M, ...) of every rank of ``group``, in rank order."""
+    return _all_gather_single(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """``out`` (M, ...) = Σ over ranks of block ``rank`` of ``x`` (G·M, ...)."""
+    return _reduce_scatter_single(out, x, group=group, async_op=async_op)

@@ -33,16 +33,35 @@ def init_expert_weights(
     return torch.stack(ups), torch.stack(downs)
 
 
+def shard_ffn(w_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig, lo: int, hi: int):
+    """Tensor-parallel shard ``[lo, hi)`` of the FFN dimension K of every expert.
+
+    ``w_up`` (E, up_width, N) → (E, up_width·(hi−lo)/K, N): for SwiGLU the gate rows [lo, hi)
+    then the up rows [K+lo, K+hi), so the shard is again "gate rows first, then up rows".
+    ``w_down`` (E, N, K) → (E, N, hi−lo). Activations are elementwise, so
+    ``Σ_shards w_down_s · act(w_up_s · x)`` is the full expert's output.
+    """
+    K = config.ffn
+    if (lo, hi) == (0, K):
+        return w_up, w_down
+    rows = [w_up[:, lo:hi]] + ([w_up[:, K + lo:K + hi]] if config.gated else [])
+    return torch.cat(rows, dim=1).contiguous(), w_down[:, :, lo:hi].contiguous()
+
+
 class GroupedExperts(nn.Module):
     """Experts ``first .. first + num_local - 1`` of the layer.
 
-    Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K).
+    Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K); with a
+    tensor-parallel slice ``ffn_slice=(lo, hi)`` of K, the :func:`shard_ffn` slices of them.
     """
 
-    def __init__(self, config: MoEConfig, first: int, num_local: int, seed: int, device: torch.device):
+    def __init__(self, config: MoEConfig, first: int, num_local: int, seed: int, device: torch.device,
+                 ffn_slice: tuple[int, int] | None = None):
         super().__init__()
         self.first = first
         self.num_local = num_local
+        self.ffn_slice = ffn_slice or (0, config.ffn)
         w_up, w_down = init_expert_weights(config, range(first, first + num_local), seed, device)
+        w_up, w_down = shard_ffn(w_up, w_down, config, *self.ffn_slice)
         self.w_up = nn.Parameter(w_up)
         self.w_down = nn.Parameter(w_down)

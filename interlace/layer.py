@@ -8,8 +8,9 @@ from torch import nn
 from interlace.comm import ExpertParallel, check_same_across_ranks
 from interlace.config import MoEConfig
 from interlace.experts import GroupedExperts
+from interlace.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
-from interlace.strategies import make_strategy
+from interlace.strategies import STRATEGIES, make_strategy
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -42,6 +43,10 @@ class MoELayer(nn.Module):
             broadcasting and a single-process reference can rebuild the same weights.
         device: where parameters live (default: the current CUDA device, else CPU).
         strategy_options: keyword options of the strategy (e.g. ``{"degree": "auto"}``).
+        mesh: an :class:`interlace.mesh.MoEMesh` instead of ``group``: experts over its EP
+            group, each expert's FFN dimension sharded over its TP group (strategy
+            ``"tp_ep:O0"`` … ``"tp_ep:O3"`` for tp > 1). ``MoEMesh.build`` gives the groups
+            their own high-priority communicators.
 
     Forward: ``x`` (..., N) in ``config.dtype`` → (..., N). ``expert_indices`` (T, k) may
     force the choice of experts (tests, benchmarks); the weights still come from the router.
@@ -57,26 +62,44 @@ class MoELayer(nn.Module):
         seed: int = 0,
         device: torch.device | str | None = None,
         strategy_options: dict | None = None,
+        mesh: MoEMesh | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
-        self.ep = ExpertParallel.build(group, config.num_experts)
+        if mesh is not None and group is not None:
+            raise ValueError("give the expert-parallel group= or a mesh=, not both")
+        self.mesh = mesh if mesh is not None else MoEMesh.from_groups(None, group)
+        ffn_slice = self.mesh.shard_ffn(config.ffn)
+        self.ep = ExpertParallel.build(self.mesh.ep_group, config.num_experts)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig")
         check_same_across_ranks(seed, self.ep, "seed")
+        if self.mesh.tp > 1:
+            tp_view = ExpertParallel(self.mesh.tp_group, self.mesh.tp_rank, self.mesh.tp, config.num_experts)
+            check_same_across_ranks(config.fingerprint(), tp_view, "MoEConfig")
+            check_same_across_ranks(seed, tp_view, "seed")
         self.router = Router(config, seed, device)
-        self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device)
-        self.strategy = make_strategy(strategy, config, self.ep, **(strategy_options or {}))
+        self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device, ffn_slice)
+        self.strategy = self._make_strategy(strategy, strategy_options or {})
         self.last_aux_loss: torch.Tensor | None = None
 
     def set_strategy(self, name: str, **options) -> None:
         """Switch the strategy; parameters are untouched. Call it on every rank alike."""
-        self.strategy = make_strategy(name, self.config, self.ep, **options)
+        self.strategy = self._make_strategy(name, options)
+
+    def _make_strategy(self, name: str, options: dict):
+        cls = STRATEGIES.get(name.partition(":")[0])
+        if getattr(cls, "uses_mesh", False):
+            options = {"mesh": self.mesh, **options}
+        elif self.mesh.tp > 1:
+            raise ValueError(f"strategy {name!r} does not shard experts over a tensor-parallel group "
+                             f"(mesh tp={self.mesh.tp}); use 'tp_ep:O0' .. 'tp_ep:O3'")
+        return make_strategy(name, self.config, self.ep, **options)
 
     def _check_input(self, x: torch.Tensor) -> None:
         cfg = self.config
@@ -106,5 +129,6 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts} ({self.ep.num_local}/rank), "
+        return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts} ({self.ep.num_local}/rank, "
+                f"tp={self.mesh.tp}), "
                 f"top_k={c.top_k}, activation={c.activation}, router={c.router}, strategy={self.strategy.name}")
