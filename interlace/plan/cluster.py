@@ -20,6 +20,11 @@ from pathlib import Path
 from interlace.plan.primitives import Compute, Group, Link
 
 GIB = 1024 ** 3
+# Host time per extra chunk of interlace's pipelined strategy (forward): the median of
+# (ms at degree r − ms at degree 1)/(r − 1) over the host-bound (T = 3000) raw layer timings of run 7
+# kept in the shipped profile (0.8–1.0 ms for r = 2 and 4). The op microbenchmarks see only 0.23 ms
+# of it (host_ms index + prep + combine); the rest is autograd, NCCL wrappers and stream waits.
+CHUNK_HOST_US = 900.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,10 @@ class Cluster:
         dtype: ``bf16`` or ``fp16`` (GPUs without bf16, e.g. Turing, train in fp16).
         host_op_us: host time to issue one GPU op (kernel or collective).
         sync_us: one host sync (the all-to-all split sizes) including the count exchange.
+        chunk_host_us: host time of one more chunk's bookkeeping (counting sort, re-layout index,
+            gathers, autograd and NCCL wrappers) in a chunked schedule. This is interlace's own
+            Python, so every preset uses the value measured on the 2×H200 node (see
+            ``CHUNK_HOST_US``).
         source: where the numbers come from.
     """
 
@@ -52,6 +61,7 @@ class Cluster:
     dtype: str = "bf16"
     host_op_us: float = 8.0
     sync_us: float = 40.0
+    chunk_host_us: float = CHUNK_HOST_US
     source: str = ""
 
     def __post_init__(self):
@@ -81,7 +91,8 @@ class Cluster:
         return {"name": self.name, "gpu": self.gpu, "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
                 "memory_gib": self.memory_gib, "compute": self.compute.to_json(), "intra": self.intra.to_json(),
                 "inter": self.inter.to_json() if self.inter else None, "hbm": self.hbm.to_json(),
-                "dtype": self.dtype, "host_op_us": self.host_op_us, "sync_us": self.sync_us, "source": self.source}
+                "dtype": self.dtype, "host_op_us": self.host_op_us, "sync_us": self.sync_us,
+                "chunk_host_us": self.chunk_host_us, "source": self.source}
 
     @staticmethod
     def from_json(d: dict) -> "Cluster":
@@ -93,7 +104,7 @@ class Cluster:
                        Compute.from_json(d["compute"]), Link.from_json(d["intra"]),
                        Link.from_json(d["inter"]) if d.get("inter") else None, Link.from_json(d["hbm"]),
                        d.get("dtype", "bf16"), float(d.get("host_op_us", 8.0)), float(d.get("sync_us", 40.0)),
-                       d.get("source", ""))
+                       float(d.get("chunk_host_us", CHUNK_HOST_US)), d.get("source", ""))
 
 
 # ----------------------------------------------------------------------------- presets
@@ -148,7 +159,7 @@ def _presets() -> dict[str, Cluster]:
                  source="H200 HBM3e 4.8 TB/s spec; measured device copy 4084 GB/s read+write "
                  "(../shared/HARDWARE.md) = 2042 GB/s of bytes copied"),
             host_op_us=10.0, sync_us=40.0,
-            source="the measured 2×H200 node (../shared/HARDWARE.md, 2026-11-21)"),
+            source="the measured 2×H200 node: ../shared/HARDWARE.md (2026-11-21) and the shipped profile"),
         "h800x8": _hopper_sxm("h800x8", "NVIDIA H800 SXM (80 GB HBM3)", 1, Link(
             "nvlink", 200.0, latency_us=12.0, peak_efficiency=0.8,
             source="MoNTA Table 5: H800 200 GB/s one direction; r_max 0.8 as MoNTA's 8-card AllGather (0.803)"),

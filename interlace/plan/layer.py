@@ -61,6 +61,7 @@ class ClusterMachine:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.host_ms = cluster.host_op_us * 1e-3
+        self.chunk_host_ms = cluster.chunk_host_us * 1e-3
 
     def a2a(self, volume, g: Group):
         return P.all_to_all_ms(self.cluster.intra, self.cluster.inter, volume, g)
@@ -115,9 +116,15 @@ class ProfileMachine(ClusterMachine):
         from interlace.plan.cluster import cluster_preset
 
         base = cluster_preset("h200x2")
+        h = profile.host_ms
+        from interlace.plan.cluster import CHUNK_HOST_US
+
+        chunk_us = max(CHUNK_HOST_US, 1e3 * (h.get("index", 0.0) + h.get("prep", 0.0) + h.get("combine", 0.0)))
         self.cluster = Cluster(f"profile:{profile.key}", profile.key, w, 1, base.memory_gib, base.compute,
-                               intra, None, hbm, host_op_us=profile.a2a_host_ms * 1e3, sync_us=0.0)
+                               intra, None, hbm, host_op_us=profile.a2a_host_ms * 1e3, sync_us=0.0,
+                               chunk_host_us=chunk_us)
         self.host_ms = profile.a2a_host_ms
+        self.chunk_host_ms = chunk_us * 1e-3
 
     def a2a(self, volume, g: Group):
         if g.size <= 1 or volume <= 0:
@@ -146,8 +153,7 @@ class ProfileMachine(ClusterMachine):
         from interlace.perf.profile import shape_key
 
         _, shape = self.profile.shape(shape_key(cfg, self.profile.world))
-        h = self.profile.host_ms
-        return max(shape.fixed(tokens * cfg.top_k), 0.0), h["index"] + h["prep"] + h["combine"]
+        return max(shape.fixed(tokens * cfg.top_k), 0.0), 0.0  # the fitted line includes the host sync
 
 
 # ----------------------------------------------------------------------------- op lists
@@ -212,8 +218,8 @@ def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) ->
     h = m.host_ms
     ops: list[Op] = []
 
-    def add(name, stream, gpu, after=()):
-        ops.append(Op(name, stream, h, gpu, tuple(after)))
+    def add(name, stream, gpu, after=(), extra_host=0.0):
+        ops.append(Op(name, stream, h + extra_host, gpu, tuple(after)))
         return len(ops) - 1
 
     def dispatch(tokens, after):
@@ -223,9 +229,11 @@ def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) ->
             return [add("A2A", "a2a", m.a2a(rows * B, plan.ep_group), after)] if plan.ep > 1 else list(after)
         n = plan.form_chunks if plan.form in ("O2", "O3") else 1
         ends = []
-        for _ in range(n):
-            a = add("A2A", "a2a", m.a2a(rows * B / (t * n), plan.ep_group), after) if plan.ep > 1 else None
-            g = add("AG", "tp", m.ag(rows * B / n, plan.tp_group), [a] if a is not None else after)
+        for j in range(n):
+            extra = m.chunk_host_ms if j else 0.0
+            a = add("A2A", "a2a", m.a2a(rows * B / (t * n), plan.ep_group), after, extra) if plan.ep > 1 else None
+            g = add("AG", "tp", m.ag(rows * B / n, plan.tp_group), [a] if a is not None else after,
+                    0.0 if a is not None else extra)
             ends.append(add("D2D", "compute", m.copy(rows * B / n), [g]) if plan.form == "O3" else g)
         if plan.form == "O2":  # one re-layout copy after the last all-gather
             ends = [add("D2D", "compute", m.copy(rows * B), ends)]
@@ -249,7 +257,11 @@ def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) ->
         return add("AG", "tp", m.ag(tokens * B, plan.tp_group), [u])
 
     chunks = [T] if plan.strategy != "pipelined" else _split(T, plan.degree)
-    waits = [dispatch(tc, []) for tc in chunks]
+    waits = []
+    for c, tc in enumerate(chunks):
+        if c:  # one more chunk's bookkeeping (counting sort, index, gather) on the host
+            add("prep", "compute", 0.0, [], m.chunk_host_ms)
+        waits.append(dispatch(tc, []))
     experts = []
     for tc, w in zip(chunks, waits):
         experts.append(add("expert", "compute", expert_factor * m.expert(cfg, tc * cfg.top_k, t, e_local), w))
