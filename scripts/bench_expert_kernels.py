@@ -28,7 +28,7 @@ from interlace.bench.harness import bench_config
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
 from interlace.ops.activation import activation_reference
-from interlace.ops.grouped_gemm import TritonExpertFFN, choose_configs
+from interlace.ops.grouped_gemm import TritonExpertFFN, choose_backward_configs, choose_configs
 from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.rows import CombineRows, DispatchRows
 from interlace.strategies.sequential import expert_ffn
@@ -127,7 +127,8 @@ def main():
                 index = (roa, aor, ends, T * cfg.top_k)
                 x = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
                 grad = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
-                row["configs"] = choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2]
+                row["configs"] = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
+                                  + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
                 leaves = [t.detach().requires_grad_(not args.no_backward) for t in (x, w_up, w_down, weights)]
                 t0 = time.perf_counter()
                 out = block("triton", *leaves, index, cfg.activation)

@@ -6,7 +6,7 @@ import torch
 
 from helpers import rel_err
 from interlace.ops.activation import activation_reference
-from interlace.ops.grouped_gemm import TritonExpertFFN, expert_ffn_triton, tile_schedule
+from interlace.ops.grouped_gemm import TritonExpertFFN, expert_ffn_triton, tile_schedule, use_tma
 
 
 def reference(x, gather, divisor, w_up, w_down, counts, activation):
@@ -59,8 +59,24 @@ def test_tile_schedule_covers_every_row_once():
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
 @pytest.mark.parametrize("mode", ["plain", "bijection", "k-way"])
 def test_triton_expert_ffn_backward_matches_reference(activation, mode):
-    counts = [3, 0, 17, 1]
-    N, K, E = 16, 40, len(counts)
+    check_forward_backward(activation, mode, [3, 0, 17, 1])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_tma_descriptors_and_swizzled_order_match_reference(activation, monkeypatch):
+    """The Hopper path (weights through tensor descriptors, run by the interpreter), with L2
+    swizzle groups of 2 row tiles (7 tiles: groups and a partial last one) and the flattened
+    persistent loop, forward and backward."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_ACT", "INTERLACE_BWD_DX", "INTERLACE_WGRAD"):
+        monkeypatch.setenv(name, "16,16,16,4,1,2,1")
+    w = torch.randn(2, 32, 16)
+    assert use_tma(w) and not use_tma(w[:, :, :15])  # 60-byte rows cannot be a descriptor's
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+def check_forward_backward(activation, mode, counts, N=16, K=40):
+    E = len(counts)
     up = 2 * K if activation == "swiglu" else K
     M = sum(counts)
     w_up = (torch.randn(E, up, N) / 4).requires_grad_()
@@ -75,7 +91,7 @@ def test_triton_expert_ffn_backward_matches_reference(activation, mode):
         divisor, ungather = 1, torch.empty(M, dtype=torch.int32)
         ungather[gather.long()] = torch.arange(M, dtype=torch.int32)
     else:  # each token read by up to k = 2 rows, as in the world-size-1 dispatch
-        T, divisor = 13, 2
+        T, divisor = (M + 1) // 2 + 3, 2
         x = torch.randn(T, N, requires_grad=True)
         gather = torch.randperm(T * divisor)[:M].to(torch.int32)
         ungather = torch.full((T, divisor), -1, dtype=torch.int32)

@@ -54,8 +54,14 @@ def test_nearest_bucket_then_nearest_shape(table_dir):
 def test_tuner_writes_tables_that_lookup_finds(table_dir):
     from interlace.ops.tune_experts import main
 
-    main(["--configs", "qwen2-moe", "--world", "16", "--buckets", "16", "32", "--out", str(table_dir)])
+    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--out", str(table_dir)])  # 1 expert, 16 rows
     files = sorted(p.name for p in table_dir.glob("*.json"))
-    assert len(files) == 2 and files[0].startswith("expert_gemm0-cpu-sm1")
-    entries = json.loads((table_dir / files[0]).read_text())["entries"]
-    assert {e["bucket"] for e in entries} == {16, 32} and all(e["tflops"] > 0 for e in entries)
+    kernels = ["expert_bwd_act", "expert_bwd_dx", "expert_gemm0", "expert_gemm1", "expert_wgrad"]
+    assert [f.split("-cpu-sm1")[0] for f in files] == kernels
+    for f in files:
+        entries = json.loads((table_dir / f).read_text())["entries"]
+        assert {e["bucket"] for e in entries} == {16} and all(e["tflops"] > 0 for e in entries)
+    # what the tuner wrote is what lookup returns for that shape and bucket
+    entry = json.loads((table_dir / files[2]).read_text())["entries"][0]
+    config, source = lookup("expert_gemm0", "cpu", 1, ShapeClass(**entry["shape"]), 16, DEFAULT)
+    assert source == "tuned" and config == GemmConfig(**entry["config"])

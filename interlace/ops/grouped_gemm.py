@@ -49,7 +49,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m]`` forces a config (tuning experiments)."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten]]`` forces a config (tuning experiments)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -58,6 +58,11 @@ def _config_from_env(name: str) -> GemmConfig | None:
 # tried on an H100 (docs/benchmarks.md, run 9); 5 stages of GEMM0 failed there.
 GEMM0_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
 GEMM1_DEFAULT = GemmConfig(128, 256, 64, 8, 3)
+# Backward: the d(pre-activation) GEMM (its epilogue reads both halves of h), the dx GEMM, the
+# per-expert weight-gradient kernel. Untuned guesses until a table covers the device.
+BWD_ACT_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
+BWD_DX_DEFAULT = GemmConfig(128, 256, 64, 8, 3)
+WGRAD_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 4, 1)
 PROGRAMS_PER_SM = 1
 
@@ -146,6 +151,7 @@ def _gemm0_kernel(
     ACTIVATION: tl.constexpr,  # 0 swiglu, 1 gelu, 2 relu
     HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N)."""
     pid = tl.program_id(0)
@@ -158,7 +164,8 @@ def _gemm0_kernel(
         # Block rows past an expert's K gate (or up) rows belong to masked output columns.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    for work in range(pid, num_tiles * n_blocks, num_programs):
+    # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
+    for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
         e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                         BLOCK_M, GROUP_M)
         if HAS_GATHER:
@@ -213,6 +220,7 @@ def _gemm_kernel(
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
@@ -238,7 +246,8 @@ def _gemm_kernel(
         else:
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-    for work in range(pid, num_tiles * n_blocks, num_programs):
+    # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
+    for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
         e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
                                         BLOCK_M, GROUP_M)
         rows64 = rows.to(tl.int64)
@@ -288,12 +297,23 @@ def _wgrad_kernel(
     a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
     P, Q, divisor,
     HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_P: tl.constexpr,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
-    One program per (expert, P block, Q block); the rows of the expert are its reduction."""
-    e = tl.program_id(0)
-    pb = tl.program_id(1)
-    qb = tl.program_id(2)
+
+    One program per (expert, P block, Q block), expert-major, and inside an expert grouped by
+    GROUP_P P blocks (L2 swizzle) so that running programs share the a and b column blocks they
+    stream; the rows of the expert are the reduction."""
+    pid = tl.program_id(0)
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_q = tl.cdiv(Q, BLOCK_Q)
+    e = pid // (n_p * n_q)
+    r = pid % (n_p * n_q)
+    per_group = GROUP_P * n_q
+    first_p = (r // per_group) * GROUP_P
+    group_size = tl.minimum(n_p - first_p, GROUP_P)
+    pb = first_p + (r % per_group) % group_size
+    qb = (r % per_group) // group_size
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(ends_ptr + e)
     ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -364,18 +384,40 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_tma_allocator)
 
 
-def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
-    """(GEMM0 config, GEMM1 config, where they came from) for this call's shape."""
-    forced0, forced1 = _config_from_env("INTERLACE_GEMM0"), _config_from_env("INTERLACE_GEMM1")
+def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
+    """Configs of ``kernels`` ((table name, env override, default) each) for this call's shape,
+    and where they came from: the env override, the tuning table, or the warned default."""
+    forced = [_config_from_env(env) for _, env, _ in kernels]
     if not x.is_cuda:
-        return forced0 or INTERPRETER_CONFIG, forced1 or INTERPRETER_CONFIG, "interpreter"
+        return [f or INTERPRETER_CONFIG for f in forced], "interpreter"
     name, sms = _device_identity(x.device.index if x.device.index is not None else torch.cuda.current_device())
     E, N, K = w_down.shape
     shape = ShapeClass(N, K, E, activation)
     per_expert = num_rows / max(E, 1)
-    c0, src0 = (forced0, "env") if forced0 else lookup("expert_gemm0", name, sms, shape, per_expert, GEMM0_DEFAULT)
-    c1, src1 = (forced1, "env") if forced1 else lookup("expert_gemm1", name, sms, shape, per_expert, GEMM1_DEFAULT)
-    return c0, c1, f"gemm0 {src0}; gemm1 {src1}"
+    configs, sources = [], []
+    for (table, _, default), f in zip(kernels, forced):
+        c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default)
+        configs.append(c)
+        sources.append(f"{table.removeprefix('expert_')} {src}")
+    return configs, "; ".join(sources)
+
+
+FORWARD_KERNELS = (("expert_gemm0", "INTERLACE_GEMM0", GEMM0_DEFAULT), ("expert_gemm1", "INTERLACE_GEMM1", GEMM1_DEFAULT))
+BACKWARD_KERNELS = (("expert_bwd_act", "INTERLACE_BWD_ACT", BWD_ACT_DEFAULT),
+                    ("expert_bwd_dx", "INTERLACE_BWD_DX", BWD_DX_DEFAULT),
+                    ("expert_wgrad", "INTERLACE_WGRAD", WGRAD_DEFAULT))
+
+
+def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
+    """(GEMM0 config, GEMM1 config, where they came from) for this call's shape."""
+    (c0, c1), source = _choose(FORWARD_KERNELS, x, w_down, num_rows, activation)
+    return c0, c1, source
+
+
+def choose_backward_configs(dy: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
+    """(d(pre-activation) GEMM, dx GEMM, weight-gradient kernel) configs and their source."""
+    (ca, cd, cw), source = _choose(BACKWARD_KERNELS, dy, w_down, num_rows, activation)
+    return ca, cd, cw, source
 
 
 def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
@@ -404,7 +446,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
-        BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m,
+        BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
         num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
@@ -420,7 +462,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=bool(config.flatten), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -428,26 +470,27 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
     E = out.shape[0]
     if E == 0:
         return out
-    _wgrad_kernel[(E, triton.cdiv(P, config.block_m), triton.cdiv(Q, config.block_n))](
+    _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
         a, b, gather if gather is not None else ends, out, ends, P, Q, divisor,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
-def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, config=None):
+def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None):
     """Gradients of :func:`expert_ffn_triton` from dy (R, N) in expert-major order.
 
     Returns ``(dx_rows (R, N), dw_up, dw_down)``: ``dx_rows[r]`` is the gradient of the input
     row that row r read (``x[gather[r] // divisor]``); summing or permuting it back to x is the
     caller's (deterministic) job. Four kernels: d(pre-activation) with the activation's
     derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into its load).
+    ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs (the tuner).
     """
     R, N = dy.shape
     E, up_width, _ = w_up.shape
     K = w_down.shape[2]
-    c = config or (GEMM0_DEFAULT if dy.is_cuda else INTERPRETER_CONFIG)
+    c_act, c_dx, c_w = configs if configs is not None else choose_backward_configs(dy, w_down, R, activation)[:3]
     d_h = alloc.empty((R, up_width), dy.dtype, dy.device)
     dx_rows = alloc.empty((R, N), dy.dtype, dy.device)
     dw_up = alloc.empty(w_up.shape, w_up.dtype, w_up.device)
@@ -458,15 +501,15 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     tma = use_tma(w_up, w_down)
     if tma:
         _ensure_allocator()
-    sched = tile_schedule(ends, R, c.block_m)
+    sched = tile_schedule(ends, R, c_act.block_m)
     # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
     _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
-                 epilogue=1 + _ACTIVATION_ID[activation], config=c, schedule=sched, tma=tma)
-    _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c)  # dW_down[e] = dyᵀ act
+                 epilogue=1 + _ACTIVATION_ID[activation], config=c_act, schedule=sched, tma=tma)
+    _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w)  # dW_down[e] = dyᵀ act
     # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
-    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c,
-                 schedule=sched, tma=tma)
-    _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c)  # dW_up[e] = d_hᵀ x[g]
+    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c_dx,
+                 schedule=sched if c_dx.block_m == c_act.block_m else None, tma=tma)
+    _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w)  # dW_up[e] = d_hᵀ x[g]
     return dx_rows, dw_up, dw_down
 
 

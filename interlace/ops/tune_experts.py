@@ -1,18 +1,19 @@
-"""``interlace tune-experts``: measure kernel configs of the Triton expert GEMMs per shape class
+"""``interlace tune-experts``: measure kernel configs of the Triton expert kernels per shape class
 and rows-per-expert bucket, and write the tables :mod:`interlace.ops.tuning` looks up.
 
-For every preset (experts per GPU = E / --world) and every bucket, each candidate config of
-GEMM0 (with its default GEMM1) and then of GEMM1 (with the best GEMM0) is timed on balanced
-rows with ``triton.testing.do_bench`` (median; on the CPU interpreter, a host timer). Failing
-configs (too much shared memory, …) are skipped and reported. Prints the chosen configs, their
-TFLOP/s and the time the tuning took.
+For every preset (experts per GPU = E / --world) and every bucket, on balanced gathered rows:
+each candidate of GEMM0 (with GEMM1's default), then of GEMM1 (with the best GEMM0), then of
+the backward's three kernels (d(pre-activation) GEMM, dx GEMM, weight gradients; one at a time,
+the others at their defaults) is timed with ``triton.testing.do_bench`` (median; on the CPU
+interpreter, a host timer). A candidate whose output differs from the default config's (relative
+error > 1e-2) or that fails to compile or run is skipped and reported. Prints the chosen configs,
+their TFLOP/s and the time the tuning took.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,67 +22,110 @@ import torch
 import triton
 
 from interlace.ops import tuning
-from interlace.ops.grouped_gemm import GEMM0_DEFAULT, GEMM1_DEFAULT, INTERPRETER_CONFIG, expert_ffn_triton
+from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, expert_ffn_triton,
+                                        expert_ffn_triton_backward)
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
-# A small candidate set (each config compiles once, a few seconds): GEMM0 holds two fp32
-# accumulators (gate and up), so its tile is half as wide as GEMM1's.
-GEMM0_CANDIDATES = [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 128, 64, 8, 4, 16),
-                    GemmConfig(128, 64, 64, 4, 4)]
-GEMM1_CANDIDATES = [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3, 16),
-                    GemmConfig(128, 128, 64, 8, 4)]
+# Small candidate sets (each config compiles once, a few seconds); the first is the default.
+# GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
+# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten.
+CANDIDATES = {
+    "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
+                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1)],
+    "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
+                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1)],
+    "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
+                       GemmConfig(128, 128, 64, 8, 4, 8, 1)],
+    "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
+                      GemmConfig(128, 128, 64, 8, 4)],
+    "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
+                     GemmConfig(128, 128, 64, 8, 3, 16)],
+}
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
+KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]
+BACKWARD_NAMES = {k for k, _, _ in BACKWARD_KERNELS}
 
 
 def _time_ms(fn, cuda: bool) -> float:
     if cuda:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    t0 = time.perf_counter()  # the interpreter: one host-timed call (the tests only need the plumbing)
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates0, candidates1, show=True):
-    """Entries (one per bucket) for both kernels: {"shape", "bucket", "config", "tflops"}."""
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates: dict, show=True):
+    """Entries per kernel (one per bucket): {"shape", "bucket", "config", "ms", "tflops"}, failures."""
     from interlace.config import MoEConfig
     from interlace.experts import init_expert_weights
 
     cfg = MoEConfig(hidden=shape.hidden, ffn=shape.ffn, num_experts=shape.experts, top_k=1,
                     activation=shape.activation, dtype=dtype)
     w_up, w_down = init_expert_weights(cfg, range(shape.experts), 0, device)
-    entries0, entries1, failures = [], [], []
+    entries = {k: [] for k in KERNELS}
+    failures = []
     cuda = device.type == "cuda"
     for bucket in buckets:
         rows = bucket * shape.experts
         ends = torch.arange(1, shape.experts + 1, device=device, dtype=torch.int32) * bucket
         x = torch.randn(rows, shape.hidden, device=device).to(dtype)
+        dy = torch.randn(rows, shape.hidden, device=device).to(dtype)
         gather = torch.randperm(rows, device=device).to(torch.int32)  # rows are gathered in real use
         flops = 2 * rows * shape.hidden * shape.ffn * (3 if shape.activation == "swiglu" else 2)
+        chosen = {k: candidates[k][0] for k in KERNELS}
 
-        def run(c0, c1):
-            return expert_ffn_triton(x, gather, 1, rows, w_up, w_down, ends, shape.activation, configs=(c0, c1))
+        def forward():
+            return expert_ffn_triton(x, gather, 1, rows, w_up, w_down, ends, shape.activation, store_h=True,
+                                     configs=(chosen["expert_gemm0"], chosen["expert_gemm1"]), return_act=True)
 
-        def best_of(cands, make):
-            timed = []
-            for c in cands:
+        _, h, act = forward()
+
+        def backward():
+            return expert_ffn_triton_backward(dy, x, gather, 1, w_up, w_down, ends, shape.activation, h, act,
+                                              configs=tuple(chosen[k] for k, _, _ in BACKWARD_KERNELS))
+
+        for kernel in KERNELS:
+            run = backward if kernel in BACKWARD_NAMES else forward
+            want, timed = None, []
+            for c in candidates[kernel]:
+                chosen[kernel] = c
                 try:
-                    timed.append((_time_ms(make(c), cuda), c))
-                except Exception as err:  # a config the compiler or the GPU rejects
-                    failures.append(f"{shape} bucket {bucket} {c}: {type(err).__name__}")
-            return min(timed, key=lambda tc: tc[0])
+                    outs = [t.clone() for t in run() if t is not None]
+                    if want is None:  # the first candidate (the default) is the reference
+                        want = outs
+                    err = max(_rel(got, ref) for got, ref in zip(outs, want))
+                    if err > 1e-2:
+                        raise ValueError(f"relative error {err:.1e} against the default config")
+                    timed.append((_time_ms(run, cuda), c))
+                except Exception as err:  # a config the compiler, the GPU or the check rejects
+                    failures.append(f"{shape} bucket {bucket} {kernel} {c}: {type(err).__name__} {str(err)[:120]}")
+            if not timed:  # every candidate failed: keep the default, write no entry
+                chosen[kernel] = candidates[kernel][0]
+                continue
+            t, c = min(timed, key=lambda tc: tc[0])
+            chosen[kernel] = c
+            work = flops * (2 if run is backward else 1)
+            entries[kernel].append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
+                                    "ms": t, "tflops": work / t / 1e9})
+            if show:
+                print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
+                      f"{'fwd' if run is forward else 'bwd'} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms)", flush=True)
+    return entries, failures
 
-        t0, c0 = best_of(candidates0, lambda c: (lambda: run(c, candidates1[0])))
-        t1, c1 = best_of(candidates1, lambda c: (lambda: run(c0, c)))
-        for entries, c, t in ((entries0, c0, t0), (entries1, c1, t1)):
-            entries.append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
-                            "block_ms": t, "tflops": flops / t / 1e9})
-        if show:
-            print(f"  {shape} rows/expert {bucket}: gemm0 {tuple(c0.__dict__.values())} gemm1 "
-                  f"{tuple(c1.__dict__.values())} → {flops / t1 / 1e9:.0f} TFLOP/s ({t1:.3f} ms)", flush=True)
-    return entries0, entries1, failures
+
+def write_tables(out: Path, name: str, sms: int, found: dict, seconds: float, argv) -> list[Path]:
+    defaults = {k: d.__dict__ for k, _, d in FORWARD_KERNELS + BACKWARD_KERNELS}
+    meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "tuning_seconds": round(seconds, 1), "device": name, "sm_count": sms, "triton": triton.__version__,
+            "torch": torch.__version__, "defaults": defaults,
+            "command": "interlace tune-experts " + " ".join(argv if argv is not None else sys.argv[1:])}
+    return [tuning.write_table(out / f"{tuning.table_key(kernel, name, sms)}.json", found[kernel], meta)
+            for kernel in KERNELS]
 
 
 def main(argv=None) -> int:
@@ -104,8 +148,8 @@ def main(argv=None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
     out = Path(args.out) if args.out else tuning.tuning_dirs()[0]
     start = time.perf_counter()
-    all0, all1, failures = [], [], []
-    shapes = []
+    found = {k: [] for k in KERNELS}
+    failures, shapes, paths = [], [], []
     for preset in args.configs:
         cfg = bench_config(preset, small=not cuda)
         shape = ShapeClass(cfg.hidden, cfg.ffn, cfg.num_experts // args.world, cfg.activation)
@@ -115,24 +159,19 @@ def main(argv=None) -> int:
         buckets = args.buckets if not args.tokens else sorted(
             {tuning.rows_bucket(t * cfg.top_k / shape.experts) for t in args.tokens})
         print(f"tuning {preset}: {shape} buckets {buckets}", flush=True)
-        e0, e1, f = tune_shape(shape, cfg.dtype, device, buckets,
-                               GEMM0_CANDIDATES if cuda else INTERPRETER_CANDIDATES,
-                               GEMM1_CANDIDATES if cuda else INTERPRETER_CANDIDATES)
-        all0 += e0
-        all1 += e1
+        cands = CANDIDATES if cuda else {k: INTERPRETER_CANDIDATES for k in KERNELS}
+        entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands)
+        for k in KERNELS:
+            found[k] += entries[k]
         failures += f
-    seconds = time.perf_counter() - start
-    meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "tuning_seconds": round(seconds, 1),
-            "device": name, "sm_count": sms, "triton": triton.__version__, "torch": torch.__version__,
-            "defaults": {"gemm0": GEMM0_DEFAULT.__dict__, "gemm1": GEMM1_DEFAULT.__dict__},
-            "command": "interlace tune-experts " + " ".join(argv if argv is not None else sys.argv[1:])}
-    for kernel, entries in (("expert_gemm0", all0), ("expert_gemm1", all1)):
-        path = tuning.write_table(out / f"{tuning.table_key(kernel, name, sms)}.json", entries, meta)
+        seconds = time.perf_counter() - start
+        paths = write_tables(out, name, sms, found, seconds, argv)  # after every shape: an interrupted run keeps them
+    for path in paths:
         print(f"wrote {path}")
     for line in failures:
         print(f"skipped {line}")
-    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(all0)} (shape, bucket) entries")
+    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(found[KERNELS[0]])} "
+          f"(shape, bucket) entries, {len(KERNELS)} kernels")
     return 0
 
 

@@ -32,6 +32,7 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8  # row tiles per L2 swizzle group of the persistent GEMMs
+    flatten: int = 0  # 1: software-pipeline across the persistent loop's work items
 
 
 @dataclass(frozen=True)
