@@ -157,7 +157,6 @@ def main():
             results.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
-        del w_up, w_down
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
