@@ -136,12 +136,40 @@ def main():
     ep2_low = MoEMesh.build(tp=1, ep=2, high_priority=False)
     meshes = [(tp2, FORMS), (ep2, ("sequential",))]
     report = {"device": torch.cuda.get_device_name(), "world": env.world, "torch": torch.__version__,
-              "commit": os.environ.get("INTERLACE_COMMIT", "?"), "high_priority": [tp2.high_priority, ep2.high_priority],
+              "commit": os.environ.get("INTERLACE_COMMIT", "?"),
+              "high_priority": [tp2.high_priority, ep2.high_priority],
               "checks": [], "times": [], "priority": []}
 
     def log(msg):
         if env.rank == 0:
             print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    def save():  # after every section, so a run cut short still leaves its measurements
+        if env.rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "tp_ep.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
+    # Communication priority: the MoE all-to-all against a concurrent DP-style all-reduce.
+    cfg, T = preset("qwen2-moe"), max(args.tokens)
+    buf = torch.randn(256 << 20, device=env.device).to(torch.bfloat16)  # 512 MiB
+    x = torch.randn(T, cfg.hidden, device=env.device).to(cfg.dtype)
+    with torch.no_grad():
+        ar_ms = reduce_max(env, statistics.median(time_cuda(lambda: dist.all_reduce(buf), 3, 10, env)))
+    report["allreduce_ms"] = ar_ms
+    for label, mesh in (("normal", ep2_low), ("high", ep2)):
+        layer = MoELayer(cfg, mesh=mesh, strategy="sequential", seed=0, device=env.device)
+        alone = time_layer(env, layer, x)
+        busy = time_with_allreduce(env, layer, x, buf)
+        report["priority"].append({"config": "qwen2-moe", "tokens": T, "stream_priority": label,
+                                   "high_priority_effective": mesh.high_priority, "alone_ms": alone,
+                                   "with_allreduce_ms": busy})
+        log(f"priority {label}: alone {alone:.3f} ms, with 512 MiB all-reduce {busy:.3f} ms "
+            f"(all-reduce alone {ar_ms:.3f})")
+        del layer
+    buf = None  # free 512 MiB
+    torch.cuda.empty_cache()
+    save()
 
     for name in args.configs:
         cfg = preset(name)
@@ -168,28 +196,11 @@ def main():
                     log(f"time {name} T={T} {row['mesh']} {strategy}: {ms:.3f} ms")
             del layer
             torch.cuda.empty_cache()
+        save()
 
-    # Communication priority: the MoE all-to-all against a concurrent DP-style all-reduce.
-    cfg, T = preset("qwen2-moe"), max(args.tokens)
-    buf = torch.randn(256 << 20, device=env.device).to(torch.bfloat16)  # 512 MiB
-    x = torch.randn(T, cfg.hidden, device=env.device).to(cfg.dtype)
-    with torch.no_grad():
-        ar_ms = reduce_max(env, statistics.median(time_cuda(lambda: dist.all_reduce(buf), 3, 10, env)))
-    report["allreduce_ms"] = ar_ms
-    for label, mesh in (("normal", ep2_low), ("high", ep2)):
-        layer = MoELayer(cfg, mesh=mesh, strategy="sequential", seed=0, device=env.device)
-        alone = time_layer(env, layer, x)
-        busy = time_with_allreduce(env, layer, x, buf)
-        report["priority"].append({"config": "qwen2-moe", "tokens": T, "stream_priority": label,
-                                   "high_priority_effective": mesh.high_priority, "alone_ms": alone,
-                                   "with_allreduce_ms": busy})
-        log(f"priority {label}: alone {alone:.3f} ms, with 512 MiB all-reduce {busy:.3f} ms (all-reduce alone {ar_ms:.3f})")
-        del layer
-
+    report["elapsed_s"] = time.time() - t0
+    save()
     if env.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tp_ep.json"), "w") as f:
-            json.dump(report, f, indent=1)
         print("\n| config | tokens | mesh | strategy | median ms | distinct tokens | TFLOP/s |")
         print("|---|---|---|---|---|---|---|")
         for r in report["times"]:
