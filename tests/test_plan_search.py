@@ -79,6 +79,8 @@ def test_search_stable_explained_and_fast_on_1024_gpus():
 def test_plan_rejects_what_does_not_fit():
     r = plan_cluster(cluster_preset("h200x2"), MODEL_PRESETS["mixtral-8x7b"], TrainSetup(seq=4096, global_batch=8))
     assert not r.ranked and r.rejected and "GiB" in r.rejected[0][1]
+    needs = [need for _, _, need in r.rejected]
+    assert needs == sorted(needs)  # closest to fitting first
     r = plan_cluster(cluster_preset("h200x2"), MODEL_PRESETS["qwen2-moe"], TrainSetup(seq=4096, global_batch=8, zero=1))
     assert r.ranked
 

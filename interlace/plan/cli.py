@@ -37,16 +37,23 @@ def format_table(result: PlanResult, top: int) -> str:
         lines.append(f"| {i} | {c.layout.label()} | {form} | {c.strategy} | {c.time.layer_ms:.3f} | "
                      f"{c.time.step_ms:.1f} | {c.memory.total / 1024 ** 3:.1f} | {c.why} |")
     if not result.ranked:
-        closest = sorted(result.rejected, key=lambda r: r[1])[:3]
-        lines.append("no layout fits: " + "; ".join(f"{lay.label()}: {why}" for lay, why in closest)
-                     + " (try --zero 3, --recompute full, a smaller micro-batch or more GPUs)")
+        lines.append("no layout fits: " + "; ".join(f"{lay.label()}: {why}" for lay, why, _ in result.rejected[:3])
+                     + f" (try {', '.join(_remedies(result.setup))} or more GPUs)")
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 
 
-def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top: int) -> PlanResult:
+def _remedies(setup: TrainSetup) -> list[str]:
+    tips = [] if setup.zero == 3 else ["--zero 3"]
+    tips += [] if setup.recompute == "full" else ["--recompute full"]
+    tips += [] if setup.micro_batch == 1 else ["a smaller --micro-batch"]
+    return tips
+
+
+def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top: int,
+              strategies=("sequential", "pipelined", "fused")) -> PlanResult:
     cluster, model = load_cluster(cluster_spec), load_model(model_spec)
-    planner = Planner(cluster, model, setup)
+    planner = Planner(cluster, model, setup, strategies)
     result = planner.run()
     print(format_table(result, top))
     if out is not None:
@@ -75,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     ap.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
     ap.add_argument("--recompute", default="selective", choices=RECOMPUTE)
+    ap.add_argument("--strategies", nargs="+", default=["sequential", "pipelined", "fused"],
+                    help="MoE strategies to consider (sequential, pipelined, fused)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default="plan-out", help="directory for the JSON and PNG ('' for none)")
     args = ap.parse_args(argv)
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
                  else [(args.model, args.cluster)])
         for m, c in pairs:
             t0 = time.perf_counter()
-            plan_once(m, c, setup, out, args.top)
+            plan_once(m, c, setup, out, args.top, args.strategies)
             print(f"planned in {time.perf_counter() - t0:.2f} s\n")
     except ValueError as err:
         print(f"interlace plan: {err}", file=sys.stderr)

@@ -23,9 +23,11 @@ MoNTA's Algorithm 1/2 (:mod:`interlace.plan.monta`) fed with the links' efficien
 
 Strategies: ``sequential`` (dispatch → experts → combine), ``pipelined:r`` (PipeMoE: r token
 chunks, the dispatch of chunk i+1 beside the experts of chunk i; with O0/O1) and ``fused``
-(modelled only, no interlace kernel yet: COMET-style fine-grained overlap hiding 86.5% of the
-shorter of communication and compute, COMET §5.3). Backward (training) repeats the op list with
-twice the expert time (input and weight gradients).
+(``interlace.strategies.fused``, EP only; not yet measured, so modelled as COMET's fine-grained
+overlap hiding 86.5% of the shorter of communication and compute, COMET §5.3). Backward
+(training) repeats the op list with twice the expert time (input and weight gradients); fused's
+backward recomputes the forward through ``sequential`` and differentiates that, as the strategy
+does today.
 
 Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
 :class:`ProfileMachine` (a measured ``interlace profile``; for TP = 1 the calibrated planner of
@@ -34,7 +36,7 @@ Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from interlace.config import MoEConfig
 from interlace.perf.schedule import Op, simulate_ops
@@ -288,6 +290,11 @@ def simulate_layer(m: ClusterMachine, plan: LayerPlan, backward: bool = False) -
             ops[i] = Op(o.name, o.stream, o.host, o.gpu, (0,))
     total, ends = simulate_ops(ops)
     if plan.strategy == "fused":
+        if backward:  # interlace's fused backward recomputes the forward through sequential's graph
+            seq = replace(plan, strategy="sequential")
+            recompute = simulate_layer(m, seq)[0]
+            total, ops, ends = simulate_layer(m, seq, backward=True)
+            return recompute + total, ops, [e + recompute for e in ends]
         comm = sum(o.gpu for o in ops if o.stream != "compute")
         comp = sum(o.gpu for o in ops[1:] if o.stream == "compute")
         total = dev + host + max(comm, comp) + (1 - FUSED_HIDDEN) * min(comm, comp)

@@ -109,7 +109,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                                                       source="MoNTA 2x70B: two Llama-2-70B-shaped experts"),
                              80, 64, 8, 128, 32000,
                              source="MoNTA §Evaluation (2x70B, h = 8192, EP = 2, one expert per node); "
-                             "Llama-2-70B shapes (80 layers, 64 heads, 8 KV heads, FFN 28672); top-1 assumed"),
+                             "Llama-2-70B shapes (80 layers, 64 heads, 8 KV heads, FFN 28672); top-1 assumed. "
+                             "With Adam state (16 B/parameter) this 125B model does not fit 16×80 GB even with "
+                             "ZeRO-3; MoNTA does not say how it fit it"),
 }
 assert set(PRESETS) <= set(MODEL_PRESETS)
 

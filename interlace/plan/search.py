@@ -91,14 +91,14 @@ class PlanResult:
     model: ModelSpec
     setup: TrainSetup
     ranked: list[Candidate]
-    rejected: list[tuple[Layout, str]]
+    rejected: list[tuple[Layout, str, float]]  # (layout, reason, bytes needed), closest to fitting first
     layouts: int
     notes: list[str] = field(default_factory=list)
 
     def to_json(self, top: int = 100) -> dict:
         return {"cluster": self.cluster.name, "model": self.model.name, "setup": asdict(self.setup),
                 "layouts_enumerated": self.layouts, "rejected": len(self.rejected),
-                "rejected_examples": [(lay.label(), why) for lay, why in self.rejected[:20]],
+                "rejected_closest": [(lay.label(), why) for lay, why, _ in self.rejected[:20]],
                 "candidates": len(self.ranked), "ranked": [c.row() for c in self.ranked[:top]], "notes": self.notes}
 
 
@@ -131,7 +131,12 @@ def enumerate_layouts(cluster: Cluster, model: ModelSpec, setup: TrainSetup) -> 
 class Planner:
     """Evaluates layouts on one cluster, caching layer simulations shared between layouts."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainSetup):
+    def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainSetup,
+                 strategies=("sequential", "pipelined", "fused")):
+        unknown = set(strategies) - {"sequential", "pipelined", "fused"}
+        if unknown or not strategies:
+            raise ValueError(f"strategies must be among sequential, pipelined, fused; got {list(strategies)}")
+        self.strategies = tuple(strategies)
         self.cluster, self.setup = cluster, setup
         self.model = with_dtype(model, cluster.dtype)
         self.machine = ClusterMachine(cluster)
@@ -181,7 +186,9 @@ class Planner:
             if lay.ep > 1 or lay.tp > 1:
                 if f in ("O0", "O1"):
                     opts += [(f, f"pipelined:{r}") for r in PIPELINE_DEGREES]
-                opts.append((f, "fused"))
+                if lay.tp == 1 and "fused" in self.strategies:
+                    opts.append((f, "fused"))  # the fused kernels are EP-only
+        opts = [(f, st) for f, st in opts if st.partition(":")[0] in self.strategies]
         return opts
 
     def explain(self, plan: LayerPlan, fwd: float, mem: MemoryEstimate, lay: Layout) -> str:
@@ -202,11 +209,12 @@ class Planner:
         for lay in layouts:
             if self.setup.global_batch < self.setup.micro_batch * lay.ep_dim * lay.dp:
                 rejected.append((lay, f"global batch {self.setup.global_batch} < {lay.ep_dim * lay.dp} "
-                                      f"data-parallel replicas × micro-batch"))
+                                      f"data-parallel replicas × micro-batch", float("inf")))
                 continue
             mem0 = self.memory(lay, "O0")
             if mem0.total > budget:
-                rejected.append((lay, f"needs {mem0.total / 1024 ** 3:.1f} GiB > {budget / 1024 ** 3:.1f} usable"))
+                rejected.append((lay, f"needs {mem0.total / 1024 ** 3:.1f} GiB > {budget / 1024 ** 3:.1f} usable",
+                                 mem0.total))
                 continue
             m = self.microbatches(lay)
             sync = self.grad_sync_ms(lay)
@@ -217,18 +225,20 @@ class Planner:
                 plan, fwd, bwd = self.layer(lay, form, strategy)
                 st = StepTime(fwd, bwd, self.model.n_moe / lay.pp, m + lay.pp - 1, sync)
                 ranked.append(Candidate(lay, plan.form, plan.form_chunks, strategy, st, mem, ""))
+        rejected.sort(key=lambda r: (r[2], r[0].tp, r[0].ep, r[0].cp, r[0].pp, r[0].ep_cp))  # closest first
         ranked.sort(key=lambda c: (round(c.time.step_ms, 9), round(c.memory.total), c.layout.tp, c.layout.ep,
                                    c.layout.cp, c.layout.pp, c.layout.ep_cp, c.form, c.strategy))
         for c in ranked[:100]:  # explanations only for what is shown
             plan, fwd, _ = self.layer(c.layout, c.form, c.strategy)
             c.why = self.explain(plan, fwd, c.memory, c.layout)
         notes = ["times are the MoE layers only (attention and dense layers are not modelled)",
-                 "fused is a model (COMET-style overlap), not an interlace kernel yet"]
+                 "fused (EP only) is predicted from COMET's reported overlap, not yet from measurements"]
         if not ranked:
-            notes.append("no layout fits the GPU memory; see rejected_examples")
+            notes.append("no layout fits the GPU memory; see rejected_closest")
         return PlanResult(self.cluster, self.model, self.setup, ranked, rejected, len(layouts), notes)
 
 
-def plan_cluster(cluster: Cluster, model: ModelSpec, setup: TrainSetup | None = None) -> PlanResult:
-    return Planner(cluster, model, setup or TrainSetup()).run()
+def plan_cluster(cluster: Cluster, model: ModelSpec, setup: TrainSetup | None = None,
+                 strategies=("sequential", "pipelined", "fused")) -> PlanResult:
+    return Planner(cluster, model, setup or TrainSetup(), strategies).run()
 
