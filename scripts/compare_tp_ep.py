@@ -1,6 +1,8 @@
 """Predicted vs measured TP×EP layer times: ``python scripts/compare_tp_ep.py [docs/data/tp_ep_measured.json]``.
 
-Reads the measured medians written by ``scripts/device_tp_ep.py`` (run 15) and prints, per row, the
+Reads the measured medians written by ``scripts/device_tp_ep.py`` (run 15: its "times" list of
+{"config", "tokens", "mesh": "tp2xep1", "strategy": "tp_ep:O2-4" | "sequential", "median_ms"},
+forward only) and prints, per row, the
 planner's prediction (``interlace.plan.layer.predict_layer_ms`` with the shipped 2×H200 profile,
 or ``--cluster h200x2`` for the profile-free cluster description), the ratio and the median
 |predicted/measured − 1|. Rows are found leniently: a list of records (or a dict holding one
@@ -32,7 +34,7 @@ def _get(rec: dict, *names, default=None):
 
 def records(data) -> list[dict]:
     if isinstance(data, dict):
-        for key in ("rows", "results", "records", "layer", "timings"):
+        for key in ("times", "rows", "results", "records", "timings"):
             if isinstance(data.get(key), list):
                 return data[key]
         return [v for v in data.values() if isinstance(v, dict)]
@@ -65,7 +67,10 @@ def main(argv=None) -> int:
         name = _get(rec, "config", "preset", "model")
         if ms is None or name is None or _get(rec, "priority", default=None) is not None:
             continue
-        tokens, tp, ep = int(_get(rec, "tokens", "T")), int(_get(rec, "tp", default=1)), int(_get(rec, "ep", default=1))
+        mesh = re.fullmatch(r"tp(\d+)xep(\d+)", str(_get(rec, "mesh", default="")))
+        tp = int(mesh[1]) if mesh else int(_get(rec, "tp", default=1))
+        ep = int(mesh[2]) if mesh else int(_get(rec, "ep", default=1))
+        tokens = int(_get(rec, "tokens", "T"))
         form, strategy = form_and_strategy(rec)
         backward = str(_get(rec, "mode", default="fwd")) in ("fwdbwd", "fwd+bwd", "train")
         pred = predict_layer_ms(preset(name), tokens, tp, ep, form, strategy, args.cluster, backward=backward)

@@ -92,3 +92,22 @@ def test_cli(tmp_path, capsys):
     data = json.loads((tmp_path / "qwen3-30b-a3b-a800x16.json").read_text())
     assert data["ranked"] and data["ranked"][0]["layer_ms"] > 0
     assert plan_main(["--model", "nope", "--cluster", "a800x16", "--out", ""]) == 2
+
+
+def test_compare_tp_ep_script(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "compare_tp_ep.py"
+    spec = importlib.util.spec_from_file_location("compare_tp_ep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    measured = {"times": [
+        {"config": "qwen2-moe", "tokens": 4096, "mesh": "tp2xep1", "strategy": "tp_ep:O2-4", "median_ms": 2.0},
+        {"config": "qwen2-moe", "tokens": 4096, "mesh": "tp1xep2", "strategy": "sequential", "median_ms": 1.8}],
+        "priority": [{"config": "qwen2-moe", "tokens": 4096, "alone_ms": 3.0}]}
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    assert mod.main([str(tmp_path / "m.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| qwen2-moe | 4096 | 2 | 1 | O2:4 | sequential | 2.000 |" in out and "over 2 rows" in out
+    assert mod.main([str(tmp_path / "missing.json")]) == 2
