@@ -348,12 +348,14 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
         if tp == 1 and strat in ("sequential", "pipelined") and ep == src.world:
             from interlace.perf.planner import predict_layer_ms as calibrated
 
-            fwd = calibrated(src, config, tokens, ep, r)
             if not backward:
-                return fwd
-            m = ProfileMachine(src)
-            plan = make_plan(m, config, tokens, tp, ep, form, strategy)
-            return fwd + simulate_layer(m, plan, backward=True)[0]
+                return calibrated(src, config, tokens, ep, r)
+            try:  # the run-time planner's own forward + backward model, where it has one
+                return calibrated(src, config, tokens, ep, r, mode="fwdbwd")
+            except TypeError:
+                m = ProfileMachine(src)
+                plan = make_plan(m, config, tokens, tp, ep, form, strategy)
+                return calibrated(src, config, tokens, ep, r) + simulate_layer(m, plan, backward=True)[0]
         m = ProfileMachine(src)
     else:
         m = ClusterMachine(src)

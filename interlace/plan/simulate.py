@@ -69,7 +69,7 @@ def write_timeline_png(rows, path, title: str) -> str:
                      if all(r[0] in ("compute", "a2a", "tp") for r in rows) else str)
     colors = {"A2A": "tab:red", "AG": "tab:blue", "RS": "tab:cyan", "AR": "tab:purple", "D2D": "tab:olive",
               "expert": "tab:green", "unpermute": "tab:gray", "route+sync": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(streams)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(streams)))
     for stream, name, start, end in rows:
         y = streams.index(stream)
         kind = name.split(":", 1)[1]
@@ -79,7 +79,7 @@ def write_timeline_png(rows, path, title: str) -> str:
     ax.set_xlabel("ms (forward, then backward, of one MoE layer)")
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, ncol=len(colors), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(handles, list(colors), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
