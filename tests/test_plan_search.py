@@ -111,3 +111,14 @@ def test_compare_tp_ep_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| qwen2-moe | 4096 | 2 | 1 | O2:4 | sequential | 2.000 |" in out and "over 2 rows" in out
     assert mod.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_cluster_model_against_run7_layer_times():
+    import statistics
+
+    from interlace.plan.validate import SHIPPED, score
+
+    errors = score(cluster_preset("h200x2"), json.loads(SHIPPED.read_text()))
+    assert set(errors) == {1, 2, 4}
+    assert statistics.median(abs(e) for e in errors[1]) < 0.15  # 7.6% when written
+    assert statistics.median(abs(e) for es in errors.values() for e in es) < 0.2  # 12.3% when written
