@@ -52,6 +52,22 @@ def reference_grads(cfg, seed, xs, grads, indices=None, aux_coef=0.0):
     return outs, dxs, rw.grad, wu.grad, wd.grad
 
 
+def assert_grads_match(layer, x, refs, rank: int, tokens: int, where: str, tol: float) -> None:
+    """dx, the router's gradient (summed over ranks: it is replicated) and this rank's expert
+    gradients of ``layer`` against ``refs = reference_grads(...)`` (after ``backward``)."""
+    _, dxs, drw, dwu, dwd = refs
+    if tokens:
+        assert rel_err(x.grad, dxs[rank]) < tol, where + " dx"
+    router_grad = layer.router.weight.grad.clone()
+    if dist.is_initialized():
+        dist.all_reduce(router_grad)
+    assert rel_err(router_grad, drw) < tol, where + " router grad"
+    lo, hi = layer.ep.first_expert, layer.ep.first_expert + layer.ep.num_local
+    for got, ref, what in ((layer.experts.w_up.grad, dwu, "w_up"), (layer.experts.w_down.grad, dwd, "w_down")):
+        ref = torch.zeros_like(got) if ref is None else ref[lo:hi]
+        assert rel_err(got, ref) < tol, f"{where} {what} grad"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,47 @@
+"""Per-tile building blocks of the expert GEMM kernels, shared by the kernel families.
+
+``gate_up_tile`` is GEMM0's main loop for one (BLOCK_M × BLOCK_N) tile whose A rows are given
+as row pointers (so the caller decides where rows come from: a gather from the token matrix,
+a peer-filled receive buffer, ...), gate and up accumulated in the same tile for SwiGLU;
+``activation_epilogue`` turns the accumulators into the activation in fp32.
+ACTIVATION: 0 SwiGLU, 1 GELU (exact, erf), 2 ReLU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_tile(a_rows, rmask, w_base, cols, cmask, N, K, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(acc_gate, acc_up) of A[rows] @ W[cols]^T over the N reduction; W row-major (up_width, N)
+    at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < N
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & cmask[None, :]
+        acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
+                       acc_g)
+        if ACTIVATION == 0:
+            acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
+                                      other=0.0), acc_u)
+    if ACTIVATION != 0:
+        acc_u = acc_g
+    return acc_g, acc_u
+
+
+@triton.jit
+def activation_epilogue(acc_g, acc_u, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+    elif ACTIVATION == 1:
+        act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
+    else:
+        act = tl.maximum(acc_g, 0.0)
+    return act

@@ -1,0 +1,59 @@
+"""Readiness flags between programs and ranks: bounded acquire waits and release publishes.
+
+A flag holds the epoch (call counter) of the last call that published it; a waiter waits for
+``flag >= epoch``. Waits are bounded: after ``max_spins`` polls the first timed-out wait of a
+call writes an error record and the kernel goes on (its output is then garbage, but nothing
+hangs); the host raises from the record (:func:`describe_error`), naming rank, what was
+awaited and the flag's value.
+
+Error record (8 int32): [set, rank, kind, source/peer rank, expert or slice, tile, flag, epoch].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+WAIT_LAYER0 = 1  # a GEMM0 tile waiting for its dispatched rows
+WAIT_LAYER1 = 2  # the combine waiting for an N-slice of returned expert outputs
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, tile):
+    """Acquire-spin (system scope) until ``*flag_ptr >= epoch``; False after ``max_spins``."""
+    flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (flag < epoch) & (spins < max_spins):
+        flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+    ok = flag >= epoch
+    if not ok:
+        if tl.atomic_cas(error_ptr, 0, 1) == 0:
+            tl.store(error_ptr + 1, rank)
+            tl.store(error_ptr + 2, kind)
+            tl.store(error_ptr + 3, peer)
+            tl.store(error_ptr + 4, what)
+            tl.store(error_ptr + 5, tile)
+            tl.store(error_ptr + 6, flag)
+            tl.store(error_ptr + 7, epoch)
+    return ok
+
+
+@triton.jit
+def publish_flag(flag_ptr, epoch):
+    """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+def describe_error(record: list[int]) -> str | None:
+    """Human-readable message of an error record, or None if no wait timed out."""
+    if not record or record[0] == 0:
+        return None
+    _, rank, kind, peer, what, tile, flag, epoch = record[:8]
+    if kind == WAIT_LAYER0:
+        waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
+    else:
+        waited = f"expert outputs from rank {peer} for N-slice {what}"
+    return (f"rank {rank}: timed out waiting for {waited} (flag value {flag}, expected epoch {epoch}); "
+            f"a peer did not run the same layer call, or crashed")

@@ -1,0 +1,131 @@
+"""Layer1 of the fused strategy (COMET): GEMM1 → return → top-k combine in one launch.
+
+**GEMM programs** (``pid >= n_comm``) compute the down projection ``y = h @ W_down^T``
+*column-wise*: work items are (N-slice, row tile) with the slice outer, so slice 0 of every
+row is finished first. A tile's epilogue stores its (≤BLOCK_M × BLOCK_N1) block of ``y``
+straight into the **home rank's** ``ret`` buffer at the rows' positions in the home's dispatch
+order (a peer store over NVLink; for the home itself a local store), then counts the tile on a
+per-(home, slice) counter (acq_rel); the last tile of a (home, slice) resets the counter and
+releases the home's flag ``flags1[this rank, slice]`` with the epoch. GEMM programs never wait.
+
+**Combine programs** (``pid < n_comm``) run on every rank as the home of its tokens: for each
+(slice, token block) task they acquire-wait until every rank this rank sent rows to has
+published that slice, then reduce each token's top-k rows in fp32 in slot order with the
+routing weights (deterministic, no atomics) and store the slice of the output.
+
+Zero rows never deadlock: a home only waits on ranks it sent rows to (known from the counts),
+and exactly those ranks have tiles for it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from interlace.ops.flags import WAIT_LAYER1, publish_flag, wait_flag
+
+
+@triton.jit
+def _gemm1_combine_kernel(
+    h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K)
+    ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
+    ret_table, flags1_table,  # (W,) int64 peer addresses
+    recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, tiles_from_source,
+    out_ptr, weight_ptr, row_of_assignment_ptr, sent_rows_ptr,  # home side: (T, N) out, (T, k) weights/rows
+    epoch_ptr, error_ptr,
+    me, W, N, K, cap, num_local, T,
+    n_comm, n_programs, pid_base, max_spins,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0) + pid_base
+    epoch = tl.load(epoch_ptr)
+    n_slices = tl.cdiv(N, BLOCK_N)
+    if pid >= n_comm:
+        # ---- GEMM program: y slices, stored at the home rank, slice-major order ----
+        g = pid - n_comm
+        n_gemm = n_programs - n_comm
+        n_tiles = tl.load(recv_num_tiles)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        for work in range(g, n_slices * n_tiles, n_gemm):
+            sl = work // n_tiles
+            tile = work % n_tiles
+            seg = tl.load(recv_tile_seg + tile)
+            i = tl.load(recv_tile_idx + tile)
+            e = seg % num_local
+            s = (me + seg // num_local) % W
+            rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
+            h_rows = (s * cap + tl.load(recv_off + seg) + i * BLOCK_M + offs_m).to(tl.int64)
+            cols = sl * BLOCK_N + offs_n
+            cmask = cols < N
+            w_base = w_ptr + e.to(tl.int64) * N * K
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                kmask = kk < K
+                a = tl.load(h_ptr + h_rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & cmask[None, :],
+                            other=0.0)
+                acc = tl.dot(a, b, acc)
+            ret_rows = (tl.load(recv_ret_row0 + seg) + i * BLOCK_M + offs_m).to(tl.int64)
+            dst = tl.load(ret_table + s).to(tl.pointer_type(h_ptr.dtype.element_ty))
+            tl.store(dst + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+            # Count the tile; the last of (home s, slice) publishes. acq_rel + sys scope: this
+            # program's peer stores are released, and the last arriver acquires everyone's.
+            tl.debug_barrier()
+            counter = counters_ptr + s * n_slices + sl
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+            if done == tl.load(tiles_from_source + s) - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
+                publish_flag(flags + me * n_slices + sl, epoch)
+    else:
+        # ---- combine program: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32 ----
+        n_tb = tl.cdiv(T, BLOCK_T)
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_n = tl.arange(0, BLOCK_N)
+        for task in range(pid, n_slices * n_tb, n_comm):
+            sl = task // n_tb
+            tb = task % n_tb
+            for d in range(0, W):
+                if tl.load(sent_rows_ptr + d) > 0:
+                    wait_flag(flags1_ptr + d * n_slices + sl, epoch, max_spins, error_ptr, me, WAIT_LAYER1, d, sl, -1)
+            t = tb * BLOCK_T + offs_t
+            tmask = t < T
+            cols = sl * BLOCK_N + offs_n
+            cmask = cols < N
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                row = tl.load(row_of_assignment_ptr + t * TOP_K + j, mask=tmask, other=-1)
+                wt = tl.load(weight_ptr + t * TOP_K + j, mask=tmask, other=0.0).to(tl.float32)
+                kept = tmask & (row >= 0)
+                y = tl.load(ret_ptr + row.to(tl.int64)[:, None] * N + cols[None, :], mask=kept[:, None] & cmask[None, :],
+                            other=0.0)
+                acc += wt[:, None] * y.to(tl.float32)
+            tl.store(out_ptr + t.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=tmask[:, None] & cmask[None, :])
+
+
+def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
+                  config, max_spins: int, role: str = "all"):
+    """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only)."""
+    spec = buf.spec
+    N, K = spec.hidden, w_down.shape[2]
+    if not 0 < n_comm < n_programs:
+        raise ValueError(f"layer1 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    v = buf.views
+    _gemm1_combine_kernel[(grid,)](
+        h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
+        plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],
+        plan.recv_tiles[2], plan.tiles_from_source,
+        out, topk_weight, row_of_assignment, plan.sent_rows,
+        buf.epoch, buf.error,
+        buf.rank, spec.world, N, K, spec.cap, spec.num_local, out.shape[0],
+        n_comm, n_programs, pid_base, max_spins,
+        TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
+        BLOCK_T=config.block_t, num_warps=config.num_warps, num_stages=config.num_stages,
+    )

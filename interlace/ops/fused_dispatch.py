@@ -1,0 +1,140 @@
+"""Layer0 of the fused strategy (COMET): dispatch → GEMM0 in one launch, thread-block specialized.
+
+Programs ``0 .. n_comm-1`` are **communication** programs: they walk this rank's send tiles
+(rows for other ranks' experts, see :mod:`interlace.ops.fused_plan`), read the rows straight
+from the token matrix through the dispatch index, store them into the owner's ``recv`` region
+(peer stores over NVLink with torch symmetric memory), and release the tile's flag on the
+owner. They never wait, so every wait below ends as long as all ranks launch the layer.
+
+Programs ``n_comm ..`` are **GEMM** programs: a persistent loop over (row tile, column block)
+work items of this rank's receive tiles, **local rows first** (their A rows come straight from
+the token matrix through the dispatch index; no copy), then the tiles of the other sources,
+each after an acquire-wait on its flag. The epilogue applies the activation (SwiGLU: gate and
+up accumulate in the same tile) and stores ``h`` (W·cap, K) at the rows' region positions.
+
+``n_comm`` is a run-time argument (the split is profiled per shape, never compiled in). The
+grid never exceeds the SM count, one program per SM, so all programs are co-resident.
+``pid_base`` and a partial grid let tests and the staged transport run the two roles as
+separate launches (producers before consumers) with the very same code.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from interlace.ops.expert_tile import activation_epilogue, gate_up_tile
+from interlace.ops.flags import WAIT_LAYER0, publish_flag, wait_flag
+
+ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2}
+
+
+@triton.jit
+def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr):
+    """dst[dst_row0 + r] = x[assign[row0 + r] // TOP_K] for r < nrows (all N columns)."""
+    for r0 in range(0, BLOCK_M, COPY_ROWS):
+        r = r0 + tl.arange(0, COPY_ROWS)
+        rmask = r < nrows
+        tok = (tl.load(assign_ptr + row0 + r, mask=rmask, other=0) // TOP_K).to(tl.int64)
+        dst_rows = (dst_row0 + r).to(tl.int64)
+        for c0 in range(0, N, COPY_COLS):
+            cols = c0 + tl.arange(0, COPY_COLS)
+            m = rmask[:, None] & (cols < N)[None, :]
+            v = tl.load(x_ptr + tok[:, None] * N + cols[None, :], mask=m)
+            tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _dispatch_gemm0_kernel(
+    x_ptr, assign_ptr,  # (T, N) tokens; (R,) int32 dispatch row → assignment t·k + j
+    w_ptr, h_ptr,  # (E_l, up_width, N) up projection; out (W·cap, K)
+    recv_ptr, flags0_ptr,  # this rank's recv (W, cap, N) and flags0 (W, E_l, TPS)
+    recv_table, flags0_table,  # (W,) int64 peer addresses of recv and flags0
+    send_count, send_row0, send_dst_off, send_tile_seg, send_tile_idx, send_num_tiles,
+    recv_count, recv_off, recv_local_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
+    epoch_ptr, error_ptr,
+    me, W, N, K, cap, num_local, TPS,
+    n_comm, n_programs, pid_base, max_spins,
+    TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+):
+    pid = tl.program_id(0) + pid_base
+    epoch = tl.load(epoch_ptr)
+    if pid < n_comm:
+        # ---- communication program: push this rank's rows to their experts' owners ----
+        for task in range(pid, tl.load(send_num_tiles), n_comm):
+            seg = tl.load(send_tile_seg + task)
+            i = tl.load(send_tile_idx + task)
+            d = seg // num_local
+            e = seg % num_local
+            nrows = tl.minimum(BLOCK_M, tl.load(send_count + seg) - i * BLOCK_M)
+            row0 = tl.load(send_row0 + seg) + i * BLOCK_M
+            dst_row0 = me * cap + tl.load(send_dst_off + seg) + i * BLOCK_M
+            dst = tl.load(recv_table + d).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
+            flags = tl.load(flags0_table + d).to(tl.pointer_type(tl.int32))
+            publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
+    else:
+        # ---- GEMM program: h = act(A @ W_gate^T) * (A @ W_up^T), local tiles first ----
+        g = pid - n_comm
+        n_gemm = n_programs - n_comm
+        n_blocks = tl.cdiv(K, BLOCK_N)
+        up_width = 2 * K if ACTIVATION == 0 else K
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        for work in range(g, tl.load(recv_num_tiles) * n_blocks, n_gemm):
+            tile = work // n_blocks
+            nb = work % n_blocks
+            seg = tl.load(recv_tile_seg + tile)
+            i = tl.load(recv_tile_idx + tile)
+            j = seg // num_local  # j-th source in the order me, me+1, ...
+            e = seg % num_local
+            s = (me + j) % W
+            rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
+            h_rows = (s * cap + tl.load(recv_off + seg) + i * BLOCK_M + offs_m).to(tl.int64)
+            if j == 0:
+                local = tl.load(assign_ptr + tl.load(recv_local_row0 + seg) + i * BLOCK_M + offs_m, mask=rmask,
+                                other=0)
+                a_rows = x_ptr + (local // TOP_K).to(tl.int64) * N
+            else:
+                wait_flag(flags0_ptr + (s * num_local + e) * TPS + i, epoch, max_spins, error_ptr, me, WAIT_LAYER0,
+                          s, e, i)
+                a_rows = recv_ptr + h_rows * N
+            cols = nb * BLOCK_N + offs_n
+            cmask = cols < K
+            w_base = w_ptr + e.to(tl.int64) * up_width * N
+            acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, cols, cmask, N, K, ACTIVATION, BLOCK_M, BLOCK_N,
+                                        BLOCK_K)
+            act = activation_epilogue(acc_g, acc_u, ACTIVATION)
+            tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+
+def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: int, n_programs: int,
+                   config, max_spins: int, role: str = "all"):
+    """Launch layer0 on this rank. ``role``: ``"all"`` (one launch, both roles),
+    ``"comm"`` or ``"gemm"`` (one role only: simulated ranks and the staged transport)."""
+    spec = buf.spec
+    N = spec.hidden
+    K = w_up.shape[1] // (2 if activation == "swiglu" else 1)
+    if not 0 < n_comm < n_programs:
+        raise ValueError(f"layer0 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    v = buf.views
+    _dispatch_gemm0_kernel[(grid,)](
+        x, assign, w_up, h, v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
+        plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],
+        plan.send_tiles[2],
+        plan.recv_count, plan.recv_off, plan.recv_local_row0, plan.recv_tiles[0], plan.recv_tiles[1],
+        plan.recv_tiles[2],
+        buf.epoch, buf.error,
+        buf.rank, spec.world, N, K, spec.cap, spec.num_local, spec.tiles_per_segment,
+        n_comm, n_programs, pid_base, max_spins,
+        TOP_K=spec.top_k, ACTIVATION=ACTIVATIONS[activation],
+        BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+

@@ -1,0 +1,325 @@
+"""``fused``: COMET's fine-grained overlap — dispatch fused into GEMM0, GEMM1 fused into combine.
+
+Per call, on every rank (no host sync anywhere, so the layer is CUDA-graph capturable):
+
+1. counting sort of the routing (``build_dispatch_index``) and **one all-gather** of every
+   rank's kept rows per expert (a device collective; nothing is read back to the host);
+2. the index plan on the device (:mod:`interlace.ops.fused_plan`);
+3. layer0 (:mod:`interlace.ops.fused_dispatch`): communication programs push rows into the
+   experts' owners' symmetric buffers while GEMM programs compute local tiles, then remote
+   tiles as their flags arrive;
+4. layer1 (:mod:`interlace.ops.fused_combine`): GEMM1 column-wise with its tiles stored at the
+   home ranks, and combine programs reducing each token's top-k rows per N-slice as slices land.
+
+Transports (:class:`interlace.transport.PeerBuffer`): ``symmetric`` on CUDA (torch symmetric
+memory), ``staged`` on other process groups (gloo in CI: the same kernels, with collectives
+moving the staged regions between the kernel phases).
+
+Backward (for now): the layer's backward **recomputes** the forward through the ``sequential``
+strategy's autograd graph (NCCL all-to-all, grouped GEMMs) and differentiates that — correct
+and deterministic, but not fused and not overlapped: fwd+bwd costs one extra forward.
+
+Options: ``max_tokens`` (tokens per rank the buffers are sized for; default: the first call's
+largest T over ranks — that first call's all-reduce is the one host sync this strategy makes),
+``n_comm`` / ``n_comm1`` (communication/combine programs of layer0/layer1: an int, or "auto"
+for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait),
+``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from interlace.ops import alloc
+from interlace.ops.flags import describe_error
+from interlace.ops.fused_combine import gemm1_combine
+from interlace.ops.fused_dispatch import dispatch_gemm0
+from interlace.ops.fused_plan import build_plan
+from interlace.ops.routing_index import build_dispatch_index
+from interlace.ops.rows import _INTERPRET
+from interlace.strategies.base import Strategy, register_strategy
+from interlace.strategies.sequential import SequentialStrategy
+from interlace.transport.peer_buffer import BufferSpec, PeerBuffer
+
+
+@dataclass(frozen=True)
+class FusedKernelConfig:
+    """Tile sizes of the two fused kernels (tuning configs live beside the kernels' users)."""
+
+    block_m: int = 128  # row tile of both layers (= the unit of layer0 readiness)
+    block_n: int = 128  # layer0 GEMM column block (over K)
+    block_n1: int = 128  # layer1 N-slice (= the unit of layer1 readiness)
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    copy_rows: int = 16  # rows per load/store step of a communication program
+    copy_cols: int = 512
+    block_t: int = 32  # tokens per combine task
+
+
+GPU_CONFIG = FusedKernelConfig()
+# Under the interpreter each op costs the same whatever its size: wide blocks, few programs.
+INTERPRETER_CONFIG = FusedKernelConfig(16, 32, 32, 32, 4, 1, 16, 64, 16)
+DEFAULT_SPINS = 1 << 26  # ~seconds of polling: far beyond any healthy wait, short of a hang
+
+
+def default_split(num_programs: int) -> tuple[int, int]:
+    """Untuned (n_comm, n_comm1): about 1/8 of the programs move data. ``interlace tune`` measures."""
+    n = max(1, num_programs // 8)
+    return n, n
+
+
+@dataclass
+class FusedCall:
+    """One rank's state of one call between the kernel phases."""
+
+    x: torch.Tensor
+    topk_weight: torch.Tensor
+    row_of_assignment: torch.Tensor
+    assignment_of_row: torch.Tensor
+    plan: object
+    h: torch.Tensor
+    out: torch.Tensor
+
+
+class FusedEngine:
+    """The fused layer of one rank over one :class:`PeerBuffer` (any transport).
+
+    :meth:`prepare` → :meth:`layer0` → :meth:`layer1`; each layer takes ``role`` ``"all"``
+    (one launch, GPU) or runs its two program roles as separate launches (``"comm"``,
+    ``"gemm"``): simulated ranks in one process and the staged transport call those in
+    producer-before-consumer order across ranks.
+    """
+
+    def __init__(self, cfg, buf: PeerBuffer, kernel: FusedKernelConfig, n_programs: int, n_comm: int,
+                 n_comm1: int, max_spins: int = DEFAULT_SPINS):
+        self.cfg, self.buf, self.kernel = cfg, buf, kernel
+        self.n_programs, self.n_comm, self.n_comm1, self.max_spins = n_programs, n_comm, n_comm1, max_spins
+
+    def dispatch_index(self, topk_idx: torch.Tensor):
+        cfg = self.cfg
+        T = topk_idx.shape[0]
+        if T > self.buf.spec.max_tokens:
+            raise ValueError(f"{T} tokens exceed the fused buffers' max_tokens={self.buf.spec.max_tokens}; "
+                             f"build the strategy with strategy_options={{'max_tokens': ...}}")
+        return build_dispatch_index(topk_idx, cfg.num_experts, cfg.capacity(T))
+
+    def prepare(self, x, topk_weight, index, counts_all) -> FusedCall:
+        """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``."""
+        row_of_assignment, assignment_of_row, _, _ = index
+        spec = self.buf.spec
+        plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m)
+        K = self.cfg.ffn
+        h = alloc.empty((spec.world * spec.cap, K), x.dtype, x.device)
+        out = alloc.empty(x.shape, x.dtype, x.device)
+        return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out)
+
+    def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all") -> None:
+        dispatch_gemm0(call.x, call.assignment_of_row, w_up, call.h, self.buf, call.plan,
+                       activation=self.cfg.activation, n_comm=self.n_comm, n_programs=self.n_programs,
+                       config=self.kernel, max_spins=self.max_spins, role=role)
+
+    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all") -> None:
+        gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
+                      n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
+                      max_spins=self.max_spins, role=role)
+
+
+def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
+    """All ranks of a simulated world (one process), each phase of every rank before the next."""
+    indices = [eng.dispatch_index(t) for eng, t in zip(engines, topk_idxs)]
+    counts_all = torch.stack([ix[2] for ix in indices]).to(torch.int32)
+    for eng in engines:
+        eng.buf.advance_epoch()
+    calls = [eng.prepare(x, w, ix, counts_all) for eng, x, w, ix in zip(engines, xs, topk_weights, indices)]
+    for phase in (("layer0", "comm"), ("layer0", "gemm"), ("layer1", "gemm"), ("layer1", "comm")):
+        for eng, call, wu, wd in zip(engines, calls, w_ups, w_downs):
+            if phase[0] == "layer0":
+                eng.layer0(call, wu, phase[1])
+            else:
+                eng.layer1(call, wd, phase[1])
+    for eng in engines:
+        check_error_record(eng.buf)
+    return [c.out for c in calls]
+
+
+def check_error_record(buf: PeerBuffer) -> None:
+    """Raise if a wait of this rank timed out (reads the record: a host sync)."""
+    message = describe_error(buf.error.tolist())
+    if message:
+        buf.error.zero_()
+        raise RuntimeError(message)
+
+
+class _FusedMoE(torch.autograd.Function):
+    """Forward: the fused kernels. Backward: recompute through ``sequential`` and differentiate."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
+        ctx.strategy = strategy
+        ctx.save_for_backward(x, topk_weight, w_up, w_down, topk_idx)
+        return strategy._forward(x, topk_idx, topk_weight, w_up, w_down)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, topk_weight, w_up, w_down, topk_idx = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, topk_weight, w_up, w_down)]
+        with torch.enable_grad():
+            out = ctx.strategy.recompute(inputs[0], topk_idx, *inputs[1:])
+            need = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, need, grad, allow_unused=True))
+        return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
+
+
+@register_strategy
+class FusedStrategy(Strategy):
+    name = "fused"
+    fused_routing = True
+
+    def __init__(self, config, ep, max_tokens: int | None = None, n_comm: int | str = "auto",
+                 n_comm1: int | str = "auto", max_spins: int = DEFAULT_SPINS, transport: str = "auto",
+                 symm_backend: str | None = None, kernel: FusedKernelConfig | None = None):
+        super().__init__(config, ep)
+        if transport not in ("auto", "symmetric", "staged"):
+            raise ValueError(f"transport must be 'auto', 'symmetric' or 'staged', got {transport!r}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        for name, v in (("n_comm", n_comm), ("n_comm1", n_comm1)):
+            if v != "auto" and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or 'auto', got {v!r}")
+        self.max_tokens, self.transport, self.symm_backend = max_tokens, transport, symm_backend
+        self._n_comm_opt, self._n_comm1_opt, self.max_spins = n_comm, n_comm1, max_spins
+        self.kernel = kernel
+        self.buf: PeerBuffer | None = None
+        self.engine: FusedEngine | None = None
+        self.split_source = "unset"  # "option", "tuned" or "default": where n_comm came from
+        self._recompute = SequentialStrategy(config, ep)
+        self._pending_error: tuple | None = None
+
+    # -- set-up (first call) ---------------------------------------------------------------
+    def _setup(self, x: torch.Tensor) -> None:
+        cfg, ep = self.config, self.ep
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            # First call only: agree on a size for the symmetric buffers (a host sync).
+            t = torch.tensor([x.shape[0]], dtype=torch.int64, device=ep.collective_device())
+            if ep.world > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
+            max_tokens = max(1, int(t.item()))
+        on_gpu = x.is_cuda
+        kernel = self.kernel or (GPU_CONFIG if on_gpu and not _INTERPRET else INTERPRETER_CONFIG)
+        spec = BufferSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, kernel.block_m,
+                          kernel.block_n1, cfg.dtype)
+        transport = self.transport
+        if transport == "auto":
+            transport = "symmetric" if on_gpu and ep.world > 1 else "staged"
+        if ep.world == 1:
+            transport = "local"
+        if transport == "symmetric":
+            self.buf = PeerBuffer.symmetric(spec, ep.group, x.device, self.symm_backend)
+        elif transport == "staged":
+            self.buf = PeerBuffer.staged(spec, ep.group, x.device)
+        else:
+            from interlace.transport.peer_buffer import simulated_world
+
+            self.buf = simulated_world(spec, x.device)[0]
+        self.transport_used = transport
+        n_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
+        n_comm, n_comm1 = self._resolve_split(n_programs, x.shape[0])
+        self.engine = FusedEngine(cfg, self.buf, kernel, n_programs, n_comm, n_comm1, self.max_spins)
+
+    def _resolve_split(self, n_programs: int, tokens: int) -> tuple[int, int]:
+        from interlace.ops.fused_tuning import lookup_split
+
+        tuned = None
+        if "auto" in (self._n_comm_opt, self._n_comm1_opt):
+            tuned = lookup_split(self.config, tokens, self.ep.world, n_programs)
+        default = tuned or default_split(n_programs)
+        n_comm = default[0] if self._n_comm_opt == "auto" else self._n_comm_opt
+        n_comm1 = default[1] if self._n_comm1_opt == "auto" else self._n_comm1_opt
+        self.split_source = "option" if "auto" not in (self._n_comm_opt, self._n_comm1_opt) else (
+            "tuned" if tuned else "default")
+        if not (0 < n_comm < n_programs and 0 < n_comm1 < n_programs):
+            raise ValueError(f"n_comm={n_comm}, n_comm1={n_comm1} must be in [1, {n_programs - 1}] "
+                             f"({n_programs} programs on this device)")
+        return n_comm, n_comm1
+
+    @property
+    def split(self) -> tuple[int, int] | None:
+        """(n_comm, n_comm1) in use, once set up; ``split_source`` says where they came from."""
+        return None if self.engine is None else (self.engine.n_comm, self.engine.n_comm1)
+
+    # -- calls --------------------------------------------------------------------------------
+    def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
+        if self.engine is None:
+            self._setup(x)
+        self._raise_pending_error()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down)):
+            return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
+        return self._forward(x, topk_idx, topk_weight, w_up, w_down)
+
+    def recompute(self, x, topk_idx, topk_weight, w_up, w_down):
+        return self._recompute(x, topk_idx, topk_weight, w_up, w_down)
+
+    def _forward(self, x, topk_idx, topk_weight, w_up, w_down):
+        eng, buf, ep = self.engine, self.buf, self.ep
+        index = eng.dispatch_index(topk_idx)
+        kept = index[2]
+        counts_all = torch.empty(ep.world * kept.numel(), dtype=torch.int32, device=kept.device)
+        if ep.world > 1:
+            # Device collective, no host sync; also orders this call after every rank's
+            # previous call (buffers are reused only once all peers are done with them).
+            dist.all_gather_into_tensor(counts_all, kept.to(torch.int32), group=ep.group)
+        else:
+            counts_all.copy_(kept)
+        counts_all = counts_all.view(ep.world, -1)
+        buf.advance_epoch()
+        call = eng.prepare(x, topk_weight, index, counts_all)
+        if buf.kind == "symmetric" and not _INTERPRET:
+            eng.layer0(call, w_up)
+            eng.layer1(call, w_down)
+            self._record_error_check()
+        else:
+            eng.layer0(call, w_up, "comm")
+            buf.exchange_dispatch()
+            eng.layer0(call, w_up, "gemm")
+            eng.layer1(call, w_down, "gemm")
+            if buf.kind == "staged":
+                buf.exchange_return(self._owner_of_rows(kept, topk_idx.shape[0]), int(kept.sum()))
+            eng.layer1(call, w_down, "comm")
+            check_error_record(buf)
+        return call.out
+
+    def _owner_of_rows(self, kept: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Staged transport: rank owning the expert of each dispatch row (R,) int64."""
+        owner = torch.arange(kept.numel(), device=kept.device) // self.ep.num_local
+        return torch.repeat_interleave(owner, kept.long())
+
+    def _record_error_check(self) -> None:
+        # No host sync: copy the error record to pinned memory behind the kernels; the next
+        # call raises if that copy has landed and shows a timed-out wait.
+        if self._pending_error is None:
+            host = torch.zeros(8, dtype=torch.int32, pin_memory=True)
+            self._pending_error = (host, torch.cuda.Event())
+        host, event = self._pending_error
+        host.copy_(self.buf.error, non_blocking=True)
+        event.record()
+
+    def _raise_pending_error(self) -> None:
+        if self._pending_error is None:
+            return
+        host, event = self._pending_error
+        if event.query():
+            message = describe_error(host.tolist())
+            if message:
+                self.buf.error.zero_()
+                host.zero_()
+                raise RuntimeError(message)
+
+    def synchronize_and_check(self) -> None:
+        """Wait for this rank's work and raise if any wait timed out (tests, stress runs)."""
+        if self.buf is not None:
+            check_error_record(self.buf)
