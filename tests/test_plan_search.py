@@ -122,3 +122,26 @@ def test_cluster_model_against_run7_layer_times():
     assert set(errors) == {1, 2, 4}
     assert statistics.median(abs(e) for e in errors[1]) < 0.15  # 7.6% when written
     assert statistics.median(abs(e) for es in errors.values() for e in es) < 0.2  # 12.3% when written
+
+
+@pytest.mark.parametrize("form", ["O0", "O1", "O2", "O3"])
+def test_form_messages_match_monta_and_the_op_lists(form):
+    from interlace.plan.layer import ClusterMachine, form_messages, layer_ops, make_plan
+
+    cfg = preset("mixtral-8x7b")
+    T, tp, ep, n = 4096, 8, 2, 4
+    I = T * cfg.top_k * cfg.hidden * 2  # noqa: E741
+    msgs = form_messages(cfg, T, tp, ep, form, n)
+    a2a = [v for _, p, _, v in msgs if p == "A2A"]
+    if form == "O0":
+        assert a2a == [I, I]  # the plain all-to-all carries the TP duplicates
+    else:
+        chunks = n if form in ("O2", "O3") else 1
+        assert a2a == [I / (tp * chunks)] * (2 * chunks)  # MoNTA: 1/t of the volume (Eq. 8)
+        assert [v for ph, p, _, v in msgs if p == "AG" and ph == "dispatch"] == [I / chunks] * chunks  # Eq. 9
+    c = cluster_preset("a800x16")
+    m = ClusterMachine(c)
+    plan = make_plan(m, cfg, T, tp, ep, form + (f":{n}" if form in ("O2", "O3") else ""), "sequential",
+                     c.group(tp, 1), c.group(ep, tp))
+    ops = [o for o in layer_ops(m, plan) if o.name in ("A2A", "AG", "RS", "AR", "D2D")]
+    assert sorted(o.name for o in ops) == sorted(p for _, p, _, _ in msgs)

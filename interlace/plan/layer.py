@@ -212,6 +212,42 @@ def monta_chunks(m: ClusterMachine, plan: LayerPlan, form: str, i_minimal: float
     return find_chunks(inp, form).chunks
 
 
+def form_messages(cfg: MoEConfig, tokens: int, tp: int, ep: int, form: str, chunks: int = 1) -> list[tuple]:
+    """The table above as data: (phase, primitive, group, volume bytes) per collective or copy of
+    one forward call (O2/O3: ``chunks`` entries per chunked primitive). Volumes are what
+    :mod:`interlace.plan.primitives` takes: bytes a rank sends (A2A), gathered output (AG),
+    reduce-scatter input (RS), all-reduce buffer (AR), bytes copied (D2D)."""
+    B = cfg.hidden * _bpe(cfg)
+    rows = tokens * cfg.top_k
+    I = rows * B  # noqa: E741  (MoNTA's I: this rank's dispatched bytes)
+    msgs = []
+    if form == "O0" or tp == 1:
+        for phase in ("dispatch", "combine"):
+            if ep > 1:
+                msgs.append((phase, "A2A", "EP", I))
+        if tp > 1:
+            msgs.append(("combine", "AR", "TP", tokens * B))
+        return msgs
+    n = chunks if form in ("O2", "O3") else 1
+    for _ in range(n):
+        if ep > 1:
+            msgs.append(("dispatch", "A2A", "EP", I / (tp * n)))
+        msgs.append(("dispatch", "AG", "TP", I / n))
+        if form == "O3":
+            msgs.append(("dispatch", "D2D", "-", I / n))
+    if form == "O2":
+        msgs.append(("dispatch", "D2D", "-", I))
+        msgs.append(("combine", "D2D", "-", I))
+    for _ in range(n):
+        if form == "O3":
+            msgs.append(("combine", "D2D", "-", I / n))
+        msgs.append(("combine", "RS", "TP", I / n))
+        if ep > 1:
+            msgs.append(("combine", "A2A", "EP", I / (tp * n)))
+    msgs.append(("combine", "AG", "TP", tokens * B))
+    return msgs
+
+
 def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) -> list[Op]:
     """The op list of one layer call (forward, or backward with ``expert_factor`` 2)."""
     cfg, T, t = plan.cfg, plan.tokens, plan.tp
