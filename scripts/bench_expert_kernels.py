@@ -15,6 +15,8 @@ path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians o
 (no grad) and forward+backward; TFLOP/s of the three expert GEMMs (×3 with backward); the
 backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
+``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
+four backward kernels).
 """
 
 import argparse
@@ -28,7 +30,8 @@ from interlace.bench.harness import bench_config
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
 from interlace.ops.activation import activation_reference
-from interlace.ops.grouped_gemm import TritonExpertFFN, choose_backward_configs, choose_configs
+from interlace.ops.grouped_gemm import (TritonExpertFFN, backward_steps, choose_backward_configs,
+                                        choose_configs, expert_ffn_triton)
 from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.rows import CombineRows, DispatchRows
 from interlace.strategies.sequential import expert_ffn
@@ -104,6 +107,27 @@ def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
     return t_f, t_fb
 
 
+def breakdown(cfg, x, w_up, w_down, index):
+    """{kernel: (ms, TFLOP/s)} of the Triton path's GEMM kernels, timed one by one."""
+    row_of_assignment, assignment_of_row, ends, rows = index
+    k = row_of_assignment.shape[1]
+
+    def forward(store_h=False):
+        return expert_ffn_triton(x, assignment_of_row, k, rows, w_up, w_down, ends, cfg.activation,
+                                 store_h=store_h, return_act=True)
+
+    _, h, act = forward(store_h=True)
+    dy = torch.randn(rows, cfg.hidden, device=x.device).to(x.dtype)
+    fwd_flops = 2 * rows * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
+    steps = [("fwd_gemms", fwd_flops, forward)]
+    steps += backward_steps(dy, x, assignment_of_row, k, w_up, w_down, ends, cfg.activation, h, act)[1]
+    out = {}
+    for name, flops, launch in steps:
+        ms = triton.testing.do_bench(launch, warmup=10, rep=50, return_mode="median")
+        out[name] = (ms, flops / ms / 1e9)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
@@ -111,6 +135,7 @@ def main():
     p.add_argument("--configs", nargs="+", default=list(PRESETS))
     p.add_argument("--no-backward", action="store_true", help="forward only (no check or timing of backward)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--breakdown", action="store_true", help="also time the Triton path's kernels one by one")
     args = p.parse_args()
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -151,6 +176,8 @@ def main():
                     else:
                         row[backend] = time_backend(backend, cfg, x, w_up, w_down, weights, index, grad)
                 row["flops"] = flops
+                if args.breakdown:
+                    row["kernels"] = breakdown(cfg, x, w_up, w_down, index)
             except Exception as err:  # report the row and go on with the others
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 print(f"{name} {T}: {row['error']}", flush=True)
@@ -185,6 +212,15 @@ def print_table(results):
             cells += ["-"] * 8
         cells.append(f"{r['first_s']:.1f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    rows = [r for r in results if "kernels" in r]
+    if rows:
+        names = list(rows[0]["kernels"])
+        print("\nTriton kernels one by one, ms (TFLOP/s):\n")
+        print("| config | tokens | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in rows:
+            print(f"| {r['config']} | {r['tokens']} | "
+                  + " | ".join(f"{r['kernels'][n][0]:.3f} ({r['kernels'][n][1]:.0f})" for n in names) + " |")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ GEMM1_DEFAULT = GemmConfig(128, 256, 64, 8, 3)
 # Backward: the d(pre-activation) GEMM (its epilogue reads both halves of h), the dx GEMM, the
 # per-expert weight-gradient kernel. Untuned guesses until a table covers the device.
 BWD_ACT_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
-BWD_DX_DEFAULT = GemmConfig(128, 256, 64, 8, 3)
+BWD_DX_DEFAULT = GemmConfig(128, 256, 64, 8, 4)
 WGRAD_DEFAULT = GemmConfig(128, 128, 64, 8, 4)
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 4, 1)
 PROGRAMS_PER_SM = 1
@@ -483,10 +483,19 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
 
     Returns ``(dx_rows (R, N), dw_up, dw_down)``: ``dx_rows[r]`` is the gradient of the input
     row that row r read (``x[gather[r] // divisor]``); summing or permuting it back to x is the
-    caller's (deterministic) job. Four kernels: d(pre-activation) with the activation's
-    derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into its load).
-    ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs (the tuner).
+    caller's (deterministic) job. Four kernels (:func:`backward_steps`): d(pre-activation) with
+    the activation's derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into
+    its load). ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs.
     """
+    outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs)
+    for _, _, launch in steps:
+        launch()
+    return outputs
+
+
+def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None):
+    """The backward's outputs ``(dx_rows, dw_up, dw_down)`` (allocated, not yet written) and its
+    kernels in order as ``(name, FLOPs, launch)`` (the bench times them one by one)."""
     R, N = dy.shape
     E, up_width, _ = w_up.shape
     K = w_down.shape[2]
@@ -496,21 +505,27 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     dw_up = alloc.empty(w_up.shape, w_up.dtype, w_up.device)
     dw_down = alloc.empty(w_down.shape, w_down.dtype, w_down.device)
     if R == 0:
-        return dx_rows, dw_up.zero_(), dw_down.zero_()
+        return (dx_rows, dw_up.zero_(), dw_down.zero_()), []
     dy = dy.contiguous()
     tma = use_tma(w_up, w_down)
     if tma:
         _ensure_allocator()
     sched = tile_schedule(ends, R, c_act.block_m)
-    # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
-    _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
-                 epilogue=1 + _ACTIVATION_ID[activation], config=c_act, schedule=sched, tma=tma)
-    _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w)  # dW_down[e] = dyᵀ act
-    # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
-    _launch_gemm(d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c_dx,
-                 schedule=sched if c_dx.block_m == c_act.block_m else None, tma=tma)
-    _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w)  # dW_up[e] = d_hᵀ x[g]
-    return dx_rows, dw_up, dw_down
+    sched_dx = sched if c_dx.block_m == c_act.block_m else tile_schedule(ends, R, c_dx.block_m)
+    steps = [
+        # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
+        ("d_pre_act", 2 * R * N * K, lambda: _launch_gemm(
+            dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False, epilogue=1 + _ACTIVATION_ID[activation],
+            config=c_act, schedule=sched, tma=tma)),
+        ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w)),  # dyᵀ act
+        # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
+        ("dx", 2 * R * up_width * N, lambda: _launch_gemm(
+            d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c_dx,
+            schedule=sched_dx, tma=tma)),
+        ("dw_up", 2 * R * up_width * N,  # d_hᵀ x[g]
+         lambda: _launch_wgrad(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w)),
+    ]
+    return (dx_rows, dw_up, dw_down), steps
 
 
 def supports(x: torch.Tensor, w_up: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ CANDIDATES = {
                      GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                        GemmConfig(128, 128, 64, 8, 4, 8, 1)],
-    "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
+    "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4)],
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 3, 16)],
