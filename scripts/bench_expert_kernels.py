@@ -12,7 +12,7 @@ fused into its A load and the activation in its epilogue, GEMM1, the same combin
 Correctness: forward and backward (dx, dW_up, dW_down, d routing weights) of both bf16 paths
 against an fp32 per-expert loop, fresh random inputs; a Triton error more than 2× the torch
 path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians of forward
-(no grad) and forward+backward; TFLOP/s of the three expert GEMMs (×3 with backward); the
+(no grad) and forward+backward, ≥ 20 timed calls; TFLOP/s of the three expert GEMMs (×3 with backward); the
 backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
@@ -91,6 +91,19 @@ def check(cfg, x, w_up, w_down, weights, index, grad):
     return errs
 
 
+def bench_ms(fn, grad_to_none=None) -> float:
+    """``do_bench`` median over at least 20 timed calls after at least 5 warm-ups (BENCHMARKS.md)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end), 1e-3)
+    return triton.testing.do_bench(fn, warmup=max(25, 5 * est), rep=max(100, 20 * est), grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
 def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
     """(fwd ms, fwd+bwd ms) medians."""
     def fwd():
@@ -102,8 +115,8 @@ def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
     def fwd_bwd():
         block(backend, *leaves, index, cfg.activation).backward(grad)
 
-    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-    t_fb = triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+    t_f = bench_ms(fwd)
+    t_fb = bench_ms(fwd_bwd, grad_to_none=leaves)
     return t_f, t_fb
 
 
@@ -123,7 +136,7 @@ def breakdown(cfg, x, w_up, w_down, index):
     steps += backward_steps(dy, x, assignment_of_row, k, w_up, w_down, ends, cfg.activation, h, act)[1]
     out = {}
     for name, flops, launch in steps:
-        ms = triton.testing.do_bench(launch, warmup=10, rep=50, return_mode="median")
+        ms = bench_ms(launch)
         out[name] = (ms, flops / ms / 1e9)
     return out
 
@@ -172,7 +185,7 @@ def main():
                         def fwd(b=backend):
                             with torch.no_grad():
                                 return block(b, x, w_up, w_down, weights, index, cfg.activation)
-                        row[backend] = (triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"), None)
+                        row[backend] = (bench_ms(fwd), None)
                     else:
                         row[backend] = time_backend(backend, cfg, x, w_up, w_down, weights, index, grad)
                 row["flops"] = flops
