@@ -12,6 +12,7 @@ commands:
   profile        microbenchmarks → the performance profile the pipelined strategy plans with
   pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice
   tune-experts   measure kernel configs of the Triton expert GEMMs and write the tuning tables
+  tune           profile the fused strategy's communication/GEMM block split (torchrun, ≥ 2 GPUs)
   plan           rank layouts, MoE strategies and all-to-all forms for a model on a cluster (no GPU)
 """
 
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from interlace.plan.cli import main as plan_main
 
         return plan_main(rest)
+    if command == "tune":
+        from interlace.bench.tune_fused import main as tune_fused_main
+
+        return tune_fused_main(rest)
     if command == "demo":
         from interlace.demo import main as demo_main
 

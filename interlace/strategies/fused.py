@@ -42,7 +42,7 @@ from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.rows import _INTERPRET
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy
-from interlace.transport.peer_buffer import BufferSpec, PeerBuffer
+from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, shared_buffer
 
 
 @dataclass(frozen=True)
@@ -218,14 +218,8 @@ class FusedStrategy(Strategy):
             transport = "symmetric" if on_gpu and ep.world > 1 else "staged"
         if ep.world == 1:
             transport = "local"
-        if transport == "symmetric":
-            self.buf = PeerBuffer.symmetric(spec, ep.group, x.device, self.symm_backend)
-        elif transport == "staged":
-            self.buf = PeerBuffer.staged(spec, ep.group, x.device)
-        else:
-            from interlace.transport.peer_buffer import simulated_world
-
-            self.buf = simulated_world(spec, x.device)[0]
+        self.buf = shared_buffer(spec, "simulated" if transport == "local" else transport, ep.group, x.device,
+                                 self.symm_backend)
         self.transport_used = transport
         n_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
         n_comm, n_comm1 = self._resolve_split(n_programs, x.shape[0])

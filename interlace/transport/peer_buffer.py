@@ -37,7 +37,7 @@ Transports (``kind``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -133,17 +133,17 @@ class PeerBuffer:
         """One symmetric allocation + one rendezvous (a collective: call on every rank in order)."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        if backend is not None and symm_mem.get_backend(device) != backend:
+        if backend is not None:
             symm_mem.set_backend(backend)  # must precede the process's first symmetric allocation
         raw = symm_mem.empty(spec.nbytes, dtype=torch.uint8, device=device)
+        # Zeroed on the stream: a peer's first store into it follows the first call's count
+        # all-gather, which every rank reaches only after this.
         raw.zero_()
         handle = symm_mem.rendezvous(raw, group)
         rank = dist.get_rank(group)
         buf = PeerBuffer(spec, rank, raw, "symmetric", group)
         buf.handle = handle
-        buf._set_tables([int(p) for p in handle.buffer_ptrs])
-        # Peers must not see our first flags before the zeroing above is done everywhere.
-        handle.barrier()
+        buf._set_tables([handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
         return buf
 
     @staticmethod
@@ -212,6 +212,33 @@ class PeerBuffer:
                 ret = self.views["ret"]
                 r = torch.arange(rows, device=ret.device)
                 ret[:rows] = recv[dest_of_ret_row[:rows], r]
+
+
+_CACHE: dict[tuple, PeerBuffer] = {}
+
+
+def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, backend: str | None = None) -> PeerBuffer:
+    """A buffer for ``spec``, shared by every layer of the process on this group and transport.
+
+    A cached buffer is reused when it matches ``spec`` in everything but ``max_tokens`` and is
+    at least as large (layers run one after another on the stream, so they can share it);
+    otherwise a new one replaces it. Every rank makes the same decision (same specs, same
+    order), as the symmetric rendezvous requires.
+    """
+    key = (kind, id(group), str(device))
+    cached = _CACHE.get(key)
+    if cached is not None and cached.spec.max_tokens >= spec.max_tokens and \
+            replace(cached.spec, max_tokens=spec.max_tokens) == spec:
+        return cached
+    _CACHE.pop(key, None)
+    if kind == "symmetric":
+        buf = PeerBuffer.symmetric(spec, group, device, backend)
+    elif kind == "staged":
+        buf = PeerBuffer.staged(spec, group, device)
+    else:
+        buf = simulated_world(spec, device)[0]
+    _CACHE[key] = buf
+    return buf
 
 
 def simulated_world(spec: BufferSpec, device: torch.device | str = "cpu") -> list[PeerBuffer]:

@@ -1,0 +1,244 @@
+"""GPU check and measurements of the ``fused`` strategy (torchrun --nproc-per-node W).
+
+Steps (``--steps``; all by default):
+  check   every preset, bf16: fused against sequential and naive on fresh random inputs with
+          poisoned outputs, random / skewed / all-to-one-rank routing
+  stress  N calls of qwen2-moe with random token counts per rank and Zipf-skewed routing,
+          every 10th checked against naive; the error record checked at the end
+  hidden  communication hidden: 1 − (t_fused − t_fused_local) / t_transfers, where
+          t_fused_local routes every token to its own rank's experts (same rows per expert,
+          no remote traffic) and t_transfers is the same remote bytes moved alone by copy
+          engines (dispatch + return, both ranks at once)
+  split   layer time for a few (n_comm, n_comm1) splits (what `interlace tune` automates)
+Writes a JSON of everything to --out and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from interlace import MoELayer  # noqa: E402
+from interlace.bench.harness import make_routing, init_env  # noqa: E402
+from interlace.config import preset  # noqa: E402
+from interlace.ops import alloc  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def worst(env, v: float) -> float:
+    t = torch.tensor([v], device=env.device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_ms(fn, iters=20, warmup=5):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def local_routing(cfg, tokens, env):
+    El = cfg.num_experts // env.world
+    t = torch.arange(tokens, device=env.device)
+    j = torch.arange(cfg.top_k, device=env.device)
+    return env.rank * El + (t[:, None] * cfg.top_k + j[None, :]) % El
+
+
+def step_check(env, args, log):
+    rows = []
+    for name in args.configs:
+        cfg = preset(name)
+        layer = MoELayer(cfg, group=env.group, strategy="naive", seed=3, device=env.device)
+        for tokens in args.check_tokens:
+            for routing in ("random", "skewed", "one_rank"):
+                gen = torch.Generator(device=env.device).manual_seed(100 + env.rank + tokens)
+                x = torch.randn(tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+                if routing == "one_rank":
+                    idx = (torch.arange(tokens, device=env.device)[:, None] + torch.arange(cfg.top_k, device=env.device)) \
+                        % (cfg.num_experts // env.world)  # everything to rank 0's experts
+                else:
+                    idx = make_routing(cfg, routing, tokens, env, 5)
+                outs = {}
+                with torch.no_grad():
+                    for strategy in ("naive", "sequential", "fused"):
+                        layer.set_strategy(strategy, **({"max_tokens": max(args.check_tokens)} if strategy == "fused" else {}))
+                        alloc.poison(True)
+                        outs[strategy] = layer(x, expert_indices=idx).clone()
+                        alloc.poison(False)
+                        if strategy == "fused":
+                            torch.cuda.synchronize()
+                            layer.strategy.synchronize_and_check()
+                e_naive = worst(env, rel(outs["fused"], outs["naive"]))
+                e_seq = worst(env, rel(outs["fused"], outs["sequential"]))
+                rows.append(dict(config=name, tokens=tokens, routing=routing, err_vs_naive=e_naive, err_vs_seq=e_seq,
+                                 ok=e_naive < 2e-2))
+                log(f"check {name:14s} T={tokens:<6d} {routing:9s} fused vs naive {e_naive:.2e} vs sequential {e_seq:.2e}")
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def step_stress(env, args, log):
+    cfg = preset("qwen2-moe")
+    max_t = 2048
+    layer = MoELayer(cfg, group=env.group, strategy="fused", seed=4, device=env.device,
+                     strategy_options={"max_tokens": max_t})
+    rng = random.Random(env.rank * 7 + 1)
+    worst_err, checked = 0.0, 0
+    for i in range(args.stress_calls):
+        tokens = rng.randint(0, max_t)
+        x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+        idx = make_routing(cfg, "skewed", tokens, env, i) if tokens else None
+        with torch.no_grad():
+            out = layer(x, expert_indices=idx)
+            if i % 10 == 0:
+                layer.set_strategy("naive")
+                ref = layer(x, expert_indices=idx)
+                strat = layer.strategy
+                layer.set_strategy("fused", max_tokens=max_t)
+                del strat
+                if tokens:
+                    worst_err = max(worst_err, rel(out, ref))
+                checked += 1
+    torch.cuda.synchronize()
+    layer.strategy.synchronize_and_check()
+    worst_err = worst(env, worst_err)
+    log(f"stress {args.stress_calls} calls, {checked} checked against naive, worst rel err {worst_err:.2e}")
+    return dict(calls=args.stress_calls, checked=checked, worst_err=worst_err, ok=worst_err < 2e-2)
+
+
+def step_hidden(env, args, log):
+    rows = []
+    for name in args.hidden_configs:
+        cfg = preset(name)
+        for tokens in args.hidden_tokens:
+            layer = MoELayer(cfg, group=env.group, strategy="fused", seed=5, device=env.device,
+                             strategy_options={"max_tokens": tokens})
+            x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), local_routing(cfg, tokens, env)
+            with torch.no_grad():
+                t_fused = time_ms(lambda: layer(x, expert_indices=bal))
+                t_local = time_ms(lambda: layer(x, expert_indices=loc))
+                layer.set_strategy("sequential")
+                t_seq = time_ms(lambda: layer(x, expert_indices=bal))
+            # The remote bytes alone: each rank sends T·k·(W−1)/W rows and gets as many back.
+            remote_rows = tokens * cfg.top_k * (env.world - 1) // env.world
+            src = torch.randn(remote_rows, cfg.hidden, device=env.device).to(cfg.dtype)
+            buf = layer.strategy.buf if hasattr(layer.strategy, "buf") else None
+            import torch.distributed._symmetric_memory as symm_mem
+
+            peer_buf = symm_mem.empty(remote_rows * cfg.hidden, dtype=cfg.dtype, device=env.device)
+            hdl = symm_mem.rendezvous(peer_buf, env.group)
+            peer = hdl.get_buffer((env.rank + 1) % env.world, (remote_rows, cfg.hidden), cfg.dtype)
+
+            def transfers():
+                peer.copy_(src)  # dispatch
+                peer.copy_(src)  # return
+            t_tr = time_ms(transfers)
+            t_fused, t_local, t_tr, t_seq = (worst(env, v) for v in (t_fused, t_local, t_tr, t_seq))
+            hidden = 1 - (t_fused - t_local) / t_tr
+            rows.append(dict(config=name, tokens=tokens, t_fused=t_fused, t_fused_local=t_local, t_transfers=t_tr,
+                             t_sequential=t_seq, hidden=hidden))
+            log(f"hidden {name:14s} T={tokens:<6d} fused {t_fused:.3f} local-only {t_local:.3f} transfers {t_tr:.3f} "
+                f"sequential {t_seq:.3f} ms → hidden {hidden:.1%}")
+            del layer, buf, peer, peer_buf, hdl
+            torch.cuda.empty_cache()
+    return rows
+
+
+def step_split(env, args, log):
+    rows = []
+    sms = torch.cuda.get_device_properties(env.device).multi_processor_count
+    for name in args.split_configs:
+        cfg = preset(name)
+        tokens = args.split_tokens
+        layer = MoELayer(cfg, group=env.group, strategy="naive", seed=6, device=env.device)
+        x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+        idx = make_routing(cfg, "random", tokens, env, 9)
+        for n0 in args.splits:
+            for n1 in args.splits:
+                if not (n0 < sms and n1 < sms):
+                    continue
+                layer.set_strategy("fused", max_tokens=tokens, n_comm=n0, n_comm1=n1)
+                with torch.no_grad():
+                    t = worst(env, time_ms(lambda: layer(x, expert_indices=idx), iters=10, warmup=3))
+                rows.append(dict(config=name, tokens=tokens, n_comm=n0, n_comm1=n1, ms=t))
+                log(f"split {name:14s} T={tokens} n_comm={n0:3d} n_comm1={n1:3d} {t:.3f} ms")
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", nargs="+", default=["check", "stress", "hidden", "split"])
+    p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "phi3.5-moe", "qwen2-moe", "qwen3-30b-a3b",
+                                                    "dsv3-like", "flashdmoe-cfg"])
+    p.add_argument("--check-tokens", nargs="+", type=int, default=[1000, 4096])
+    p.add_argument("--stress-calls", type=int, default=1000)
+    p.add_argument("--hidden-configs", nargs="+", default=["qwen2-moe", "qwen3-30b-a3b", "flashdmoe-cfg", "mixtral-8x7b"])
+    p.add_argument("--hidden-tokens", nargs="+", type=int, default=[8192, 16384])
+    p.add_argument("--split-configs", nargs="+", default=["qwen2-moe"])
+    p.add_argument("--split-tokens", type=int, default=16384)
+    p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    args = p.parse_args()
+    env = init_env()
+    lines = []
+
+    def log(msg):
+        if env.rank == 0:
+            print(msg, flush=True)
+            lines.append(msg)
+
+    results = {}
+    steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split}
+    for s in args.steps:
+        try:
+            results[s] = steps[s](env, args, log)
+        except Exception as exc:  # keep going: the other steps' numbers are still worth having
+            import traceback
+
+            traceback.print_exc()
+            results[s] = {"error": repr(exc)}
+            log(f"{s}: FAILED {exc!r}")
+    if env.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "fused_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        print("\n# summary")
+        for line in lines:
+            if line.startswith(("hidden", "stress", "split")) or "FAILED" in line:
+                print(line)
+        bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
+        print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
