@@ -128,3 +128,119 @@ def test_shipped_profile_loads_and_plans_the_presets():
             plan = choose_degree(bench_config(name, small=False), 8192, prof.world, prof)
             assert plan.degree in plan.per_degree_ms and all(t > 0 for t in plan.per_degree_ms.values())
             assert plan.shape_used == shape_key(bench_config(name, small=False), prof.world)
+
+
+def _synthetic_points(prof, cfg, truth, mode, tokens=(1000, 3000, 12000, 40000), degrees=(1, 2, 4, 8, 16)):
+    from interlace.perf.planner import model_terms
+
+    points = []
+    for T in tokens:
+        for r in degrees:
+            sim, overlapped = model_terms(prof, cfg, T, prof.world, r, mode, host_extra=truth["host"])
+            ms = sim + truth["alpha"] + truth["beta"] * T * cfg.top_k + (r - 1) * prof.host_ms["index"]
+            if r > 1:
+                ms += truth["pipe"] + (r - 1) * truth["chunk"] + truth["kappa"] * overlapped
+            points.append((T, cfg.top_k, r, ms))
+    return points
+
+
+def test_calibration_recovers_host_cost_per_chunk_and_both_modes():
+    from interlace.perf.planner import calibrate_profile
+
+    cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
+    prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
+    shape = prof.shapes[shape_key(cfg, 2)]
+    fwd = dict(host=0.4, alpha=0.3, beta=4e-6, pipe=0.5, chunk=0.05, kappa=0.3)
+    bwd = dict(fwd, alpha=0.9, beta=9e-6, pipe=1.1, chunk=0.0, kappa=0.6)
+    shape.calibration = _synthetic_points(prof, cfg, fwd, "fwd")
+    shape.calibration_fwdbwd = _synthetic_points(prof, cfg, bwd, "fwdbwd", degrees=(1, 2, 4))
+    calibrate_profile(prof, host_grid=(0.0, 0.2, 0.4, 0.6))
+    assert prof.chunk_host_ms == pytest.approx(0.4, abs=1e-9)
+    for mode, truth in (("fwd", fwd), ("fwdbwd", bwd)):
+        cal = shape.terms(mode)
+        assert cal.fixed.alpha == pytest.approx(truth["alpha"], rel=1e-6)
+        assert cal.fixed.beta == pytest.approx(truth["beta"], rel=1e-6)
+        assert cal.pipe_ms == pytest.approx(truth["pipe"], rel=1e-6, abs=1e-9)
+        assert cal.chunk_ms == pytest.approx(truth["chunk"], rel=1e-6, abs=1e-9)
+        assert cal.interference == pytest.approx(truth["kappa"], rel=1e-6)
+        assert cal.model_error < 1e-9
+        for T, _, r, ms in shape.points(mode):
+            assert predict_layer_ms(prof, cfg, T, 2, r, mode=mode) == pytest.approx(ms, rel=1e-9)
+    # The fitted terms survive the JSON round trip.
+    again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert again.chunk_host_ms == prof.chunk_host_ms
+    assert json.dumps(again.shapes[shape_key(cfg, 2)].to_json()) == json.dumps(shape.to_json())
+
+
+def test_host_cost_per_chunk_is_hidden_when_gpu_bound_and_paid_when_host_bound():
+    from interlace.perf.planner import model_terms
+
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.02, 200, 0.02, 500)
+    # Tiny T: the layer is host-bound, each chunk's extra host time adds up.
+    small = [model_terms(prof, cfg, 64, 2, 8, host_extra=h)[0] for h in (0.5, 1.0)]
+    assert small[1] - small[0] == pytest.approx(8 * 0.5, rel=1e-6)
+    # Large T: the GPU is busy for tens of ms, the host runs ahead.
+    big = [model_terms(prof, cfg, 32768, 2, 4, host_extra=h)[0] for h in (0.0, 0.5)]
+    assert big[1] - big[0] < 0.5
+
+
+def test_backward_prediction_mirrors_the_pipeline_and_pays_weight_gradient_accumulation():
+    from interlace.perf.planner import expert_params
+
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.02, 100, 0.02, 500)
+    T = 16384
+    fwd = {r: predict_layer_ms(prof, cfg, T, 2, r) for r in (1, 2, 4)}
+    fb = {r: predict_layer_ms(prof, cfg, T, 2, r, mode="fwdbwd") for r in (1, 2, 4)}
+    expert = prof.shapes[shape_key(cfg, 2)].expert(T * 2)
+    assert fb[1] > fwd[1] + 2 * expert  # backward: twice the GEMM work, plus its all-to-alls
+    # Each chunk of a pipelined backward sums its weight gradients into fp32 (10 bytes per
+    # parameter); pipelining can hide at most the backward's all-to-all time.
+    accumulate = 10 * expert_params(cfg, 2) / (prof.copy_gbps * 1e6)
+    hidden = 2 * prof.a2a(T * 2 * 4096 * 2)
+    assert (fb[4] - fwd[4]) - (fb[1] - fwd[1]) > 4 * accumulate - hidden > 0
+    plan_fwd = choose_degree(cfg, T, 2, prof)
+    plan_fb = choose_degree(cfg, T, 2, prof, mode="fwdbwd")
+    assert plan_fb.mode == "fwdbwd" and plan_fb.per_degree_ms[1] == pytest.approx(fb[1])
+    assert plan_fwd.degree > 1 and plan_fb.degree < plan_fwd.degree
+    with pytest.raises(ValueError, match="mode"):
+        choose_degree(cfg, T, 2, prof, mode="train")
+
+
+def test_auto_degree_is_planned_per_token_count_and_mode():
+    from interlace.comm import ExpertParallel
+    from interlace.strategies.pipelined import PipelinedStrategy
+
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.02, 100, 0.02, 500)
+    # Planning needs no process group: a rank of a 2-rank group, planned on the synthetic profile.
+    strategy = PipelinedStrategy(cfg, ExpertParallel(None, 0, 2, 4), profile=prof)
+    fwd, fb = strategy.degree_for(16384, "fwd"), strategy.degree_for(16384, "fwdbwd")
+    assert (fwd, fb) == (choose_degree(cfg, 16384, 2, prof).degree,
+                         choose_degree(cfg, 16384, 2, prof, mode="fwdbwd").degree)
+    assert fwd != fb and set(strategy._chosen) == {(16384, "fwd"), (16384, "fwdbwd")}
+
+
+def test_offline_rescoring_reads_a_recorded_evaluation_table():
+    from interlace.perf.evaluate import EvalRow, default_grid, markdown, rescore, rows_from_markdown, summarize
+
+    cfg = MoEConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2)
+    prof = synthetic_profile(2, cfg, 0.02, 200, 0.02, 500)
+    grid = [p for p in default_grid() if p.name.startswith("mixtral-like")][:2]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for p in grid:
+        times = {d: 1 + float(torch.rand((), generator=gen)) * 10 for d in (1, 2, 4)}
+        rows.append(EvalRow(p.name, p.tokens, 4096, 14336, 8, p.config.top_k, p.routing, measured_ms=times,
+                            predicted_ms=dict(times), best=min(times, key=times.get)))
+    text = "intro\n\n" + markdown(rows, summarize(rows), [1, 2, 4]) + "\n"
+    parsed = rows_from_markdown(text, grid)
+    assert [r.name for r in parsed] == [p.name for p in grid]
+    for a, b in zip(parsed, rows):
+        assert a.measured_ms == pytest.approx(b.measured_ms, abs=5e-3)
+    scored = rescore(parsed, prof, 2, grid)
+    for row in scored:
+        assert row.chosen in row.measured_ms and row.regret >= 0
+        assert row.predicted_ms[row.chosen] == choose_degree(cfg.with_(top_k=row.top_k), row.tokens, 2, prof,
+                                                             degrees=[1, 2, 4]).per_degree_ms[row.chosen]

@@ -118,10 +118,10 @@ def run_eval(grid: list[GridPoint], degrees, env, profile, warmup: int, iters: i
         row.regret = good[row.chosen] / good[row.best] - 1 if row.chosen in good else float("inf")
         rows.append(row)
         if show:
-            meas = " ".join(f"{r}:{t:.2f}" for r, t in row.measured_ms.items())
+            meas = " ".join(f"{r}:{t:.2f}/{row.predicted_ms[r]:.2f}" for r, t in row.measured_ms.items())
             print(f"[{i + 1}/{len(grid)}] {row.name:38s} chosen {row.chosen:2d} best {row.best:2d} "
                   f"regret {row.regret * 100:5.1f}%  pred {plan.per_degree_ms[row.chosen]:.2f} "
-                  f"meas {good.get(row.chosen, float('nan')):.2f} | {meas}", flush=True)
+                  f"meas {good.get(row.chosen, float('nan')):.2f} | r:measured/predicted {meas}", flush=True)
         layer = None  # free the weights before the next config
         if env.cuda:
             torch.cuda.empty_cache()
@@ -173,6 +173,63 @@ def markdown(rows: list[EvalRow], summary: dict, degrees) -> str:
     return "\n".join(lines)
 
 
+def rows_from_markdown(text: str, grid: list[GridPoint] | None = None) -> list[EvalRow]:
+    """The measured per-degree times of an evaluation table written by :func:`markdown` (e.g. a
+    run recorded in docs/benchmarks.md; the first table whose rows name grid points), for
+    re-scoring a new model offline with :func:`rescore`."""
+    points = {p.name: p for p in (grid or default_grid())}
+    degrees, rows = None, []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "config" and len(cells) > 1 and cells[1].startswith("r="):
+            if rows:
+                break  # only the first evaluation table
+            degrees = [int(c[2:]) for c in cells[1:] if c.startswith("r=")]
+        elif degrees and cells[0] in points:
+            p = points[cells[0]]
+            row = EvalRow(p.name, p.tokens, p.config.hidden, p.config.ffn, p.config.num_experts, p.config.top_k,
+                          p.routing)
+            for d, c in zip(degrees, cells[1:]):
+                if c == "WRONG":
+                    row.wrong.append(d)
+                elif c != "-":
+                    row.measured_ms[d] = float(c.strip("*"))
+            rows.append(row)
+    if not rows:
+        raise ValueError("no evaluation table with grid rows found")
+    return rows
+
+
+def rescore(rows: list[EvalRow], profile, world: int = 2, grid: list[GridPoint] | None = None) -> list[EvalRow]:
+    """Re-plan measured rows with ``profile`` (no device): the chosen degree, regret and
+    predictions of the current model against the stored measurements."""
+    points = {p.name: p for p in (grid or default_grid())}
+    out = []
+    for row in rows:
+        plan = choose_degree(points[row.name].config, row.tokens, world, profile, degrees=list(row.measured_ms))
+        new = EvalRow(**{**asdict(row), "predicted_ms": dict(plan.per_degree_ms), "chosen": plan.degree,
+                         "theorem1": plan.theorem1.degree, "notes": plan.notes})
+        new.best = min(new.measured_ms, key=new.measured_ms.get)
+        new.regret = new.measured_ms[new.chosen] / new.measured_ms[new.best] - 1
+        out.append(new)
+    return out
+
+
+def error_by_degree(rows: list[EvalRow]) -> dict[int, tuple[float, float]]:
+    """Per degree: (median signed, median absolute) relative prediction error."""
+    degrees = sorted({d for r in rows for d in r.measured_ms})
+    result = {}
+    for d in degrees:
+        e = [r.predicted_ms[d] / r.measured_ms[d] - 1 for r in rows if d in r.measured_ms]
+        result[d] = (statistics.median(e), statistics.median([abs(v) for v in e]))
+    return result
+
+
+def errors_text(rows: list[EvalRow]) -> str:
+    return "\n".join(f"r={d}: median error {signed * 100:+.1f}%, median |error| {absolute * 100:.1f}%"
+                     for d, (signed, absolute) in error_by_degree(rows).items())
+
+
 def main(argv=None) -> int:
     from interlace.bench.harness import bench_config, init_env
     from interlace.perf.profile import load_profile, run_profile
@@ -185,14 +242,29 @@ def main(argv=None) -> int:
                    help="measure the grid's shape classes into the profile before evaluating")
     # Deliberately not the grid's token counts: the evaluation tests the model away from the
     # points it was calibrated on.
-    p.add_argument("--profile-tokens", nargs="+", type=int, default=[3000, 12000, 40000])
+    p.add_argument("--profile-tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000])
     p.add_argument("--also-profile", nargs="*", default=[], metavar="PRESET",
                    help="with --profile-first: also profile these presets' shape classes")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
     p.add_argument("--out", default="bench-out/pipeline-eval")
+    p.add_argument("--rescore", default=None, metavar="MARKDOWN",
+                   help="no device: re-score the first evaluation table in this file (e.g. a run in "
+                        "docs/benchmarks.md cut to its section) with --profile, refitting its calibration")
     args = p.parse_args(argv)
+    if args.rescore:
+        from interlace.perf.planner import calibrate_profile
+        from interlace.perf.profile import Profile
+
+        if not args.profile:
+            p.error("--rescore needs --profile")
+        profile = Profile.from_json(json.loads(open(args.profile).read()))
+        calibrate_profile(profile)
+        rows = rescore(rows_from_markdown(open(args.rescore).read()), profile, profile.world)
+        print(markdown(rows, summarize(rows), sorted({d for r in rows for d in r.measured_ms})))
+        print(errors_text(rows))
+        return 0
     env = init_env()
     grid = default_grid() if args.grid == "default" else tiny_grid()
     if args.limit:
@@ -212,7 +284,8 @@ def main(argv=None) -> int:
                 seen.add(key)
                 configs.append(point.config)
         tokens = args.profile_tokens if args.grid == "default" else [10, 30]
-        profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile)
+        small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,)}
+        profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile, **small)
         if env.rank == 0:
             print(f"profile saved to {profile.save(args.profile)}", flush=True)
     rows = run_eval(grid, args.degrees, env, profile, args.warmup, args.iters, show=env.rank == 0)
@@ -227,6 +300,7 @@ def main(argv=None) -> int:
             f.write(table + "\n")
         print()
         print(table)
+        print(errors_text(rows))
     if dist.is_initialized():
         dist.barrier()
     return 0

@@ -1,41 +1,58 @@
 """Run-time choice of the pipeline degree from a stored profile.
 
-The layer time for degree r is predicted as
+The layer time for degree r, forward (``mode="fwd"``) or forward + backward (``"fwdbwd"``), is
 
-    simulate_ops(ops of the r-chunk pipeline) + fixed(T·k) + (r − 1)·(h_index + chunk_ms)
-        + interference · (all-to-all time that overlaps compute)
+    simulate_ops(ops of the r-chunk pipeline, each with host issue cost and device time)
+        + fixed(T·k) + (r − 1)·h_index
+        + [r > 1]·(pipe_ms + (r − 1)·chunk_ms + interference · overlapped all-to-all time)
 
-where the op list mirrors what ``PipelinedStrategy`` issues after its host sync — per chunk a
-re-layout index and dispatch gather, all dispatch all-to-alls, then per chunk the expert
-stage and its combine all-to-all, then the combines — each op with its host issue cost and its
-device time from the profile's curves (all-to-all: bytes per rank; expert stage: rows; gathers:
-bytes over the measured gather bandwidth). ``fixed`` is the per-shape-class α_f + β_f·(T·k) fit
-of what this model leaves out of a measured ``sequential`` call (routing, the count exchange,
-the host sync); ``h_index`` the host cost of one more chunk's counting sort before the sync;
-``chunk_ms`` and ``interference`` are fitted by :func:`calibrate` from the layer measured at
-degrees 2 and 4: overlap is not free, since NCCL's kernels take SMs and memory bandwidth from
-the GEMMs they run beside.
+* The op list mirrors what the strategy issues after its host sync. Forward, per chunk: a
+  dispatch gather, the dispatch all-to-all (all queued first), the expert stage, the combine
+  all-to-all and the weighted combine. Backward is the mirror image: combine backward, the
+  output-gradient all-to-alls, each chunk's expert backward (twice the forward's GEMM work,
+  plus, for r > 1, the fp32 accumulation of that chunk's weight gradients: 10 bytes per
+  expert parameter), the input-gradient all-to-all and the dispatch backward. Device times come
+  from the profile's curves (all-to-all: bytes per rank; expert stage: rows; gathers and
+  accumulation: bytes over the measured copy bandwidth). Host costs are the measured op costs
+  plus ``Profile.chunk_host_ms``, the host time the strategy's own Python spends per chunk
+  (autograd functions, NCCL wrappers, stream waits), which no op microbenchmark sees. It sits
+  inside the simulation, so it is hidden while the GPU is busy and is the whole cost when the
+  layer is host-bound — which is why a fixed per-chunk term fitted at one size was wrong at
+  another (run 7: r = 2–4 under-predicted by 10–12% at small T, r = 1 over-predicted).
+* ``fixed`` is a line over dispatched rows fitted on degree-1 points: what the op model leaves
+  out of a ``sequential`` call (routing, count exchange, host sync). ``pipe_ms`` is the fixed
+  extra of the pipelined code path over ``sequential``'s (r = 1 *is* ``sequential``: a
+  different code path, not one chunk of the pipelined one); ``chunk_ms`` what each extra
+  chunk costs on the device beyond the model; ``interference`` the fraction of the overlapped
+  all-to-all time the compute it overlaps loses (NCCL kernels take SMs and memory bandwidth).
 
-The degree is the argmin over the allowed degrees (a brute force over ≤ 16 simulations, done
-once per distinct token count and cached by the strategy), except that degree 1 — the point
-the model is calibrated best at — is kept unless another degree is predicted faster by more
-than max(5%, twice the model's RMS error on its calibration points). PipeMoE's closed-form Theorem 1 on
-the α–β lines is reported beside it.
+All fitted terms come from the profile's own raw calibration points (:func:`calibrate_profile`):
+``chunk_host_ms`` for the machine by a 1-D search, the rest per shape class and mode by
+(non-negative) least squares on relative errors. Without forward + backward points a shape
+class predicts ``fwdbwd`` with its forward terms.
+
+The degree is the argmin over the allowed degrees (≤ 16 simulations, done once per distinct
+token count and mode and cached by the strategy), except that degree 1 — the point the
+model is calibrated best at — is kept unless another degree is predicted faster by more than
+max(5%, twice the model's RMS error on its calibration points). PipeMoE's closed-form Theorem 1
+on the α–β lines is reported beside it.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from interlace.config import MoEConfig
-from interlace.perf.models import AlphaBeta
-from interlace.perf.profile import Profile, load_profile, parse_shape_key, shape_key
+from interlace.perf.profile import MODES, Calibration, Profile, load_profile, parse_shape_key, shape_key
 from interlace.perf.schedule import DegreeChoice, Op, pipemoe_theorem1, simulate_ops
 
 DEFAULT_DEGREES = (1, 2, 3, 4, 6, 8, 12, 16)
 MIN_GAIN = 0.05  # smallest predicted gain over degree 1 that the planner acts on
+HOST_GRID_MS = tuple(0.1 * i for i in range(21))  # coarse candidates for Profile.chunk_host_ms (refined ±0.1)
 
 
 def _element_size(cfg: MoEConfig) -> int:
@@ -49,8 +66,20 @@ def _chunks(tokens: int, r: int) -> list[int]:
     return sizes + [0] * (r - len(sizes))
 
 
-def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int) -> list[Op]:
-    """The ops the pipelined strategy issues after its host sync, with modelled costs.
+def expert_params(cfg: MoEConfig, world: int) -> int:
+    """Expert weights held by one rank: up (N × K, ×2 for SwiGLU's gate) and down (K × N)."""
+    up = 2 * cfg.ffn if cfg.activation == "swiglu" else cfg.ffn
+    return (cfg.num_experts // world) * cfg.hidden * (up + cfg.ffn)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int, mode: str = "fwd",
+                 host_extra: float | None = None) -> list[Op]:
+    """The ops the layer issues after its host sync (forward, then backward for ``"fwdbwd"``).
 
     A chunk's device time is never taken below its share of the whole batch's time at the
     measured sustained rate (``max(curve(part), curve(whole)·part/whole)``): short bursts in a
@@ -58,10 +87,12 @@ def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int)
     H200: the expert stage measured 672 TFLOP/s at 3.8k rows but 589 at 80k), so splitting
     work cannot make it cheaper in total.
     """
+    _check_mode(mode)
     _, shape = prof.shape(shape_key(cfg, world))
     row_bytes = cfg.hidden * _element_size(cfg)
     bw = prof.copy_gbps * 1e6  # bytes per ms
     h = prof.host_ms
+    extra = (prof.chunk_host_ms if host_extra is None else host_extra) if r > 1 else 0.0
     total_rows = tokens * cfg.top_k
     whole_expert = shape.expert(total_rows) if total_rows else 0.0
     whole_a2a = prof.a2a(total_rows * row_bytes) if total_rows else 0.0
@@ -74,111 +105,170 @@ def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int)
 
     chunks = _chunks(tokens, r)
     ops: list[Op] = []
+
+    def add(*args, **kw) -> int:
+        ops.append(Op(*args, **kw))
+        return len(ops) - 1
+
+    # Forward: dispatch gathers, all dispatches queued, then per chunk experts → combine.
     for tc in chunks:
-        ops.append(Op("prep", "compute", h["prep"], 2 * tc * cfg.top_k * row_bytes / bw))
-    dispatch = []
-    for tc in chunks:
-        ops.append(Op("D", "comm", prof.a2a_host_ms, a2a_ms(tc * cfg.top_k), after=(len(ops) - 1,)))
-        dispatch.append(len(ops) - 1)
+        add("prep", "compute", h["prep"], 2 * tc * cfg.top_k * row_bytes / bw)
+    dispatch = [add("D", "comm", prof.a2a_host_ms, a2a_ms(tc * cfg.top_k), after=(len(ops) - 1,)) for tc in chunks]
     combine = []
     for c, tc in enumerate(chunks):
-        ops.append(Op("E", "compute", shape.expert_host_ms, expert_ms(tc * cfg.top_k), after=(dispatch[c],)))
-        ops.append(Op("C", "comm", prof.a2a_host_ms, a2a_ms(tc * cfg.top_k), after=(len(ops) - 1,)))
-        combine.append(len(ops) - 1)
+        e = add("E", "compute", shape.expert_host_ms + extra, expert_ms(tc * cfg.top_k), after=(dispatch[c],))
+        combine.append(add("C", "comm", prof.a2a_host_ms, a2a_ms(tc * cfg.top_k), after=(e,)))
     for c, tc in enumerate(chunks):
-        gpu = (tc * cfg.top_k * row_bytes + tc * row_bytes) / bw
-        ops.append(Op("K", "compute", h["combine"], gpu, after=(combine[c],)))
+        add("K", "compute", h["combine"], (tc * cfg.top_k + tc) * row_bytes / bw, after=(combine[c],))
     if r > 1:
-        ops.append(Op("cat", "compute", 0.01, 2 * tokens * row_bytes / bw))
+        add("cat", "compute", 0.01, 2 * tokens * row_bytes / bw)
+    if mode == "fwd":
+        return ops
+    # Backward, the mirror image: all output-gradient all-to-alls queued at once, each chunk's
+    # expert backward as its gradient arrives, its input-gradient all-to-all as soon as done.
+    accumulate = 10 * expert_params(cfg, world) / bw if r > 1 else 0.0  # bf16 grad + fp32 read/write
+    kb = [add("Kb", "compute", h["combine"], (tc + 2 * tc * cfg.top_k) * row_bytes / bw) for tc in chunks]
+    grads = [add("Cb", "comm", prof.a2a_host_ms, a2a_ms(tc * cfg.top_k), after=(kb[-1],)) for tc in chunks]
+    back = []
+    for c, tc in enumerate(chunks):
+        rows = tc * cfg.top_k
+        e = add("Eb", "compute", shape.expert_host_ms + extra,
+                2 * expert_ms(rows) + 2 * rows * row_bytes / bw + (accumulate if rows else 0.0), after=(grads[c],))
+        back.append(add("Db", "comm", prof.a2a_host_ms, a2a_ms(rows), after=(e,)))
+    if r > 1:
+        add("convert", "compute", 0.02, 10 * expert_params(cfg, world) / bw)  # zero-fill + fp32 → bf16
+    for c, tc in enumerate(chunks):
+        add("Pb", "compute", h["combine"], (tc * cfg.top_k + tc) * row_bytes / bw, after=(back[c],))
     return ops
 
 
 def overlapped_comm_ms(ops: list[Op], r: int) -> float:
-    """Device time of the all-to-alls that can overlap compute: all but the first dispatch
-    and the last combine (nothing to overlap with at r = 1)."""
-    comm = [op.gpu for op in ops if op.stream == "comm"]
-    return sum(comm) - comm[0] - comm[-1] if r > 1 and len(comm) >= 2 else 0.0
+    """Device time of the all-to-alls that can overlap compute: per pass, all but the first
+    and the last (nothing to overlap with at r = 1)."""
+    if r <= 1:
+        return 0.0
+    total = 0.0
+    for names in (("D", "C"), ("Cb", "Db")):
+        comm = [op.gpu for op in ops if op.name in names]
+        if len(comm) >= 2:
+            total += sum(comm) - comm[0] - comm[-1]
+    return total
 
 
-def model_terms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int) -> tuple[float, float]:
+def model_terms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int, mode: str = "fwd",
+                host_extra: float | None = None) -> tuple[float, float]:
     """(op-level simulated ms, overlappable all-to-all ms) of degree r."""
-    ops = pipeline_ops(prof, cfg, tokens, world, r)
+    ops = pipeline_ops(prof, cfg, tokens, world, r, mode, host_extra)
     total, _ = simulate_ops(ops)
     return total, overlapped_comm_ms(ops, r)
 
 
-def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
-                     include_fixed: bool = True) -> float:
-    total, overlapped = model_terms(prof, cfg, tokens, world, r)
-    if include_fixed:
-        _, shape = prof.shape(shape_key(cfg, world))
-        # The fixed line is fitted over a few token counts: never let it extrapolate below 0.
-        total += max(shape.fixed(tokens * cfg.top_k), 0.0)
-        total += (r - 1) * (prof.host_ms["index"] + shape.chunk_ms) + shape.interference * overlapped
+def _calibrated(cal: Calibration, sim: float, overlapped: float, rows: int, r: int, h_index: float) -> float:
+    # The fixed line is fitted over a few token counts: never let it extrapolate below 0.
+    total = sim + max(cal.fixed(rows), 0.0) + (r - 1) * h_index
+    if r > 1:
+        total += cal.pipe_ms + (r - 1) * cal.chunk_ms + cal.interference * overlapped
     return total
 
 
-def calibrate(prof: Profile, skey: str) -> None:
-    """Fit a shape class's calibration terms from its raw layer timings (in place).
+def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
+                     include_fixed: bool = True, mode: str = "fwd") -> float:
+    """Predicted ms of one layer call at degree r (``"fwdbwd"``: forward + backward)."""
+    sim, overlapped = model_terms(prof, cfg, tokens, world, r, mode)
+    if not include_fixed:
+        return sim
+    _, shape = prof.shape(shape_key(cfg, world))
+    return _calibrated(shape.terms(mode), sim, overlapped, tokens * cfg.top_k, r, prof.host_ms["index"])
 
-    Degree-1 points give ``fixed`` (α_f + β_f·T, least squares). Higher-degree points give,
-    by non-negative least squares on ``measured − model − fixed − (r−1)·h_index =
-    (r−1)·chunk_ms + interference·overlapped_comm``, the two remaining terms.
-    """
-    import numpy as np
 
-    shape = prof.shapes[skey]
+def _nonneg_lstsq(A, b) -> np.ndarray:
+    """Least squares with non-negative unknowns, by trying every subset of free columns
+    (A has at most a few columns)."""
+    A = np.asarray(A, dtype=float)
+    b = np.asarray(b, dtype=float)
+    n = A.shape[1]
+    best, best_err = np.zeros(n), float(b @ b)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            x_sub = np.linalg.lstsq(A[:, cols], b, rcond=None)[0]
+            if np.any(x_sub < 0):
+                continue
+            x = np.zeros(n)
+            x[list(cols)] = x_sub
+            err = float(np.sum((A @ x - b) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = x, err
+    return best
+
+
+def _shape_cfg(prof: Profile, skey: str, top_k: int) -> MoEConfig:
     n, k_ffn, e_local, act = parse_shape_key(skey)
-    ones = [(T, k, ms) for T, k, r, ms in shape.calibration if r == 1]
+    return MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=top_k, activation=act)
+
+
+def _fit_terms(prof: Profile, skey: str, points, mode: str, host_extra: float) -> tuple[Calibration, list[float]]:
+    """Calibration terms of one shape class and mode from its raw points ``(T, k, r, ms)``,
+    and the relative errors of the calibrated model on them."""
+    h_index = prof.host_ms["index"]
+    sims = {}
+    for T, k, r, _ in points:
+        sims[(T, k, r)] = model_terms(prof, _shape_cfg(prof, skey, k), T, prof.world, r, mode, host_extra)
+    cal = Calibration()
+    ones = [(T * k, ms - sims[(T, k, r)][0]) for T, k, r, ms in points if r == 1]
     if ones:
-        xs, ys = [], []
-        for T, k, ms in ones:
-            cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
-            xs.append(T * k)
-            ys.append(ms - model_terms(prof, cfg, T, prof.world, 1)[0])
-        if len(set(xs)) > 1:
+        xs = np.array([x for x, _ in ones], dtype=float)
+        ys = np.array([y for _, y in ones], dtype=float)
+        if len(set(xs.tolist())) > 1:
             beta, alpha = np.polyfit(xs, ys, 1)
-            shape.fixed = AlphaBeta(float(alpha), float(beta))
+            cal.fixed = type(cal.fixed)(float(alpha), float(beta))
         else:
-            shape.fixed = AlphaBeta(float(np.mean(ys)), 0.0)
+            cal.fixed = type(cal.fixed)(float(ys.mean()), 0.0)
     rows, target = [], []
-    for T, k, r, ms in shape.calibration:
+    for T, k, r, ms in points:
         if r == 1:
             continue
-        cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
-        sim, overlapped = model_terms(prof, cfg, T, prof.world, r)
-        rows.append([r - 1, overlapped])
-        target.append(ms - sim - max(shape.fixed(T * k), 0.0) - (r - 1) * prof.host_ms["index"])
+        sim, overlapped = sims[(T, k, r)]
+        w = 1.0 / ms  # relative errors: small layers count as much as large ones
+        rows.append([w, (r - 1) * w, overlapped * w])
+        target.append((ms - sim - max(cal.fixed(T * k), 0.0) - (r - 1) * h_index) * w)
     if rows:
-        shape.chunk_ms, shape.interference = _nonneg_lstsq(np.array(rows, dtype=float), np.array(target))
-    # How far the calibrated model is from its own calibration points (RMS relative error):
-    # the planner only leaves degree 1 for a predicted gain clearly larger than this.
-    errors = []
-    for T, k, r, ms in shape.calibration:
-        cfg = MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=k, activation=act)
-        errors.append(predict_layer_ms(prof, cfg, T, prof.world, r) / ms - 1)
-    shape.model_error = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+        cal.pipe_ms, cal.chunk_ms, cal.interference = (float(v) for v in _nonneg_lstsq(rows, target))
+    errors = [_calibrated(cal, *sims[(T, k, r)], T * k, r, h_index) / ms - 1 for T, k, r, ms in points]
+    cal.model_error = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
+    return cal, errors
 
 
-def _nonneg_lstsq(A, b) -> tuple[float, float]:
-    """Least squares for two non-negative unknowns (tries the free fit, then each alone)."""
-    import numpy as np
+def calibrate(prof: Profile, skey: str) -> None:
+    """Fit one shape class's calibration terms (both modes) from its raw points, in place,
+    with the profile's current ``chunk_host_ms``."""
+    shape = prof.shapes[skey]
+    for mode in MODES:
+        points = shape.points(mode)
+        if points:
+            shape.set_terms(mode, _fit_terms(prof, skey, points, mode, prof.chunk_host_ms)[0])
 
-    best = (0.0, 0.0)
-    best_err = float(np.sum(b * b))
-    candidates = [np.linalg.lstsq(A, b, rcond=None)[0]]
-    for j in range(2):
-        col = A[:, j]
-        denom = float(col @ col)
-        x = [0.0, 0.0]
-        x[j] = float(col @ b) / denom if denom > 0 else 0.0
-        candidates.append(np.array(x))
-    for x in candidates:
-        if np.all(x >= 0):
-            err = float(np.sum((A @ x - b) ** 2))
-            if err < best_err:
-                best, best_err = (float(x[0]), float(x[1])), err
-    return best
+
+def calibrate_profile(prof: Profile, host_grid=HOST_GRID_MS) -> None:
+    """Fit the machine's per-chunk host cost (1-D search over ``host_grid``: the value whose
+    per-shape fits leave the smallest squared relative error on all pipelined calibration
+    points), then every shape class's terms. Uses only the profile's own raw points."""
+    def total_error(h):
+        err = 0.0
+        for skey, shape in prof.shapes.items():
+            for mode in MODES:
+                pts = shape.points(mode)
+                if any(r > 1 for _, _, r, _ in pts):
+                    _, errors = _fit_terms(prof, skey, pts, mode, h)
+                    err += float(np.sum(np.square(errors)))
+        return err
+
+    if any(r > 1 for s in prof.shapes.values() for m in MODES for _, _, r, _ in s.points(m)):
+        coarse = min(host_grid, key=total_error)
+        step = min((abs(a - b) for a, b in zip(host_grid, host_grid[1:])), default=0.0) / 5
+        fine = [max(0.0, coarse + step * i) for i in range(-4, 5)] if step > 0 else [coarse]
+        prof.chunk_host_ms = float(min(fine, key=total_error))
+    for skey in prof.shapes:
+        calibrate(prof, skey)
 
 
 @dataclass
@@ -190,24 +280,29 @@ class PipelinePlan:
     profile_key: str
     shape_used: str
     notes: list[str] = field(default_factory=list)
+    mode: str = "fwd"
 
 
 def choose_degree(cfg: MoEConfig, tokens: int, world: int, profile: Profile | str | None = None,
-                  max_degree: int = 16, degrees=DEFAULT_DEGREES) -> PipelinePlan:
-    """The predicted-fastest pipeline degree for ``tokens`` tokens per rank.
+                  max_degree: int = 16, degrees=DEFAULT_DEGREES, mode: str = "fwd") -> PipelinePlan:
+    """The predicted-fastest pipeline degree for ``tokens`` tokens per rank, for a forward
+    call (``mode="fwd"``) or a training step's forward + backward (``"fwdbwd"``).
 
     Raises FileNotFoundError if no profile is stored for this machine.
     """
+    _check_mode(mode)
     prof = profile if isinstance(profile, Profile) else load_profile(world, path=profile)
     skey = shape_key(cfg, world)
     used, shape = prof.shape(skey)
     notes = [] if used == skey else [f"shape class {skey} not profiled; using nearest {used}"]
+    if mode == "fwdbwd" and not shape.points("fwdbwd"):
+        notes.append("no forward+backward calibration points: backward uses the forward's terms")
     allowed = [r for r in degrees if r <= max_degree] or [1]
-    per = {r: predict_layer_ms(prof, cfg, tokens, world, r) for r in allowed}
+    per = {r: predict_layer_ms(prof, cfg, tokens, world, r, mode=mode) for r in allowed}
     best = min(per, key=lambda r: (per[r], r))
     # Degree 1 is the calibrated baseline; leave it only for a predicted gain that beats the
     # model's own error on its calibration points (at least MIN_GAIN).
-    margin = max(MIN_GAIN, 2 * shape.model_error)
+    margin = max(MIN_GAIN, 2 * shape.terms(mode).model_error)
     if best != 1 and 1 in per and per[best] > per[1] * (1 - margin):
         notes.append(f"r={best} predicted {100 * (1 - per[best] / per[1]):.1f}% faster than r=1, "
                      f"below the {100 * margin:.1f}% margin: keeping r=1")
@@ -216,4 +311,4 @@ def choose_degree(cfg: MoEConfig, tokens: int, world: int, profile: Profile | st
     rows = tokens * cfg.top_k
     th = pipemoe_theorem1(prof.a2a.line.alpha, prof.a2a.line.beta, shape.expert.line.alpha,
                           shape.expert.line.beta, n_d, rows, r_max=max(allowed))
-    return PipelinePlan(best, per[best], per, th, prof.key, used, notes)
+    return PipelinePlan(best, per[best], per, th, prof.key, used, notes, mode)

@@ -77,16 +77,42 @@ def parse_shape_key(key: str) -> tuple[int, int, int, str]:
     return int(m[1]), int(m[2]), int(m[3]), m[4]
 
 
+MODES = ("fwd", "fwdbwd")  # forward only (eval / no grad) and a training step's forward + backward
+
+
+@dataclass
+class Calibration:
+    """Fitted terms of one shape class and mode (see :mod:`interlace.perf.planner`)."""
+
+    fixed: AlphaBeta = field(default_factory=lambda: AlphaBeta(0.0, 0.0))  # over dispatched rows T·k
+    pipe_ms: float = 0.0
+    chunk_ms: float = 0.0
+    interference: float = 0.0
+    model_error: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"fixed": self.fixed.to_json(), "pipe_ms": self.pipe_ms, "chunk_ms": self.chunk_ms,
+                "interference": self.interference, "model_error": self.model_error}
+
+    @staticmethod
+    def from_json(d: dict) -> "Calibration":
+        return Calibration(AlphaBeta.from_json(d["fixed"]), d.get("pipe_ms", 0.0), d.get("chunk_ms", 0.0),
+                           d.get("interference", 0.0), d.get("model_error", 0.0))
+
+
 @dataclass
 class ShapeProfile:
     """Measurements of one shape class and the calibrations fitted from them.
 
-    ``calibration`` holds the raw layer timings ``(tokens, top_k, degree, ms)``; the fitted
-    terms (see :func:`interlace.perf.planner.calibrate`) are: ``fixed`` (tokens → ms of a
-    degree-1 call that the op model leaves out: routing, count exchange, host sync),
-    ``chunk_ms`` (what each extra chunk costs beyond the model: stream waits, launch gaps) and
-    ``interference`` (the fraction of every overlapped all-to-all's time that the compute it
-    overlaps loses: NCCL kernels take SMs and memory bandwidth from the GEMMs).
+    ``calibration`` holds the raw forward layer timings ``(tokens, top_k, degree, ms)`` and
+    ``calibration_fwdbwd`` those of forward + backward; the fitted terms (see
+    :func:`interlace.perf.planner.calibrate_profile`) are, per mode: ``fixed`` (dispatched rows
+    → ms of a degree-1 call that the op model leaves out: routing, count exchange, host sync),
+    ``pipe_ms`` (the pipelined code path's fixed extra over ``sequential``), ``chunk_ms`` (what
+    each extra chunk costs on the device beyond the model) and ``interference`` (the fraction
+    of every overlapped all-to-all's time that the compute it overlaps loses: NCCL kernels take
+    SMs and memory bandwidth from the GEMMs). The forward terms are the flat fields (the
+    profile format of earlier versions); the forward + backward ones live in ``train``.
     """
 
     expert: SizeCurve  # received rows of one chunk → device ms of its expert stage
@@ -96,17 +122,41 @@ class ShapeProfile:
     interference: float = 0.0
     calibration: list = field(default_factory=list)
     model_error: float = 0.0  # RMS relative error of the calibrated model on ``calibration``
+    pipe_ms: float = 0.0
+    calibration_fwdbwd: list = field(default_factory=list)
+    train: Calibration | None = None  # forward + backward terms (None: use the forward ones)
+
+    def points(self, mode: str) -> list:
+        return self.calibration if mode == "fwd" else self.calibration_fwdbwd
+
+    def terms(self, mode: str) -> Calibration:
+        if mode == "fwd" or self.train is None:
+            return Calibration(self.fixed, self.pipe_ms, self.chunk_ms, self.interference, self.model_error)
+        return self.train
+
+    def set_terms(self, mode: str, cal: Calibration) -> None:
+        if mode == "fwd":
+            self.fixed, self.pipe_ms, self.chunk_ms = cal.fixed, cal.pipe_ms, cal.chunk_ms
+            self.interference, self.model_error = cal.interference, cal.model_error
+        else:
+            self.train = cal
 
     def to_json(self) -> dict:
-        return {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms,
-                "fixed": self.fixed.to_json(), "chunk_ms": self.chunk_ms, "interference": self.interference,
-                "calibration": self.calibration, "model_error": self.model_error}
+        d = {"expert": self.expert.to_json(), "expert_host_ms": self.expert_host_ms,
+             **self.terms("fwd").to_json(), "calibration": self.calibration}
+        if self.calibration_fwdbwd:
+            d["calibration_fwdbwd"] = self.calibration_fwdbwd
+        if self.train is not None:
+            d["train"] = self.train.to_json()
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "ShapeProfile":
-        return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], AlphaBeta.from_json(d["fixed"]),
-                            d.get("chunk_ms", 0.0), d.get("interference", 0.0), d.get("calibration", []),
-                            d.get("model_error", 0.0))
+        fwd = Calibration.from_json(d)
+        return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], fwd.fixed, fwd.chunk_ms,
+                            fwd.interference, d.get("calibration", []), fwd.model_error, fwd.pipe_ms,
+                            d.get("calibration_fwdbwd", []),
+                            Calibration.from_json(d["train"]) if "train" in d else None)
 
 
 @dataclass
@@ -119,18 +169,21 @@ class Profile:
     host_ms: dict  # host cost per chunk: "index" (pre-sync), "prep", "combine" (post-sync)
     shapes: dict[str, ShapeProfile] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    chunk_host_ms: float = 0.0  # fitted: the pipelined strategy's own host time per chunk
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "key": self.key, "world": self.world, "meta": self.meta,
                 "a2a": self.a2a.to_json(), "a2a_host_ms": self.a2a_host_ms, "copy_gbps": self.copy_gbps,
-                "host_ms": self.host_ms, "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+                "host_ms": self.host_ms, "chunk_host_ms": self.chunk_host_ms,
+                "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
 
     @staticmethod
     def from_json(d: dict) -> "Profile":
         if d.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}; run `interlace profile` again")
         return Profile(d["key"], d["world"], SizeCurve.from_json(d["a2a"]), d["a2a_host_ms"], d["copy_gbps"],
-                       d["host_ms"], {k: ShapeProfile.from_json(v) for k, v in d["shapes"].items()}, d.get("meta", {}))
+                       d["host_ms"], {k: ShapeProfile.from_json(v) for k, v in d["shapes"].items()}, d.get("meta", {}),
+                       d.get("chunk_host_ms", 0.0))
 
     def save(self, path: str | Path | None = None) -> Path:
         path = Path(path) if path else profile_dir() / f"{self.key}.json"
@@ -330,41 +383,42 @@ def profile_chunk_bookkeeping(timer: Timer, cfg: MoEConfig, world: int, tokens: 
     return {"index": h_index, "prep": h_prep, "combine": h_comb}, gbps
 
 
-def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10) -> float:
-    """Median per-call time of ``layer(x)`` (slowest rank), events around each call."""
-    with torch.no_grad():
-        for _ in range(warmup):
-            layer(x)
-        times = []
-        for _ in range(iters):
-            timer.sync()
-            timer.barrier()
-            if timer.cuda:
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
+def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, backward: bool = False) -> float:
+    """Median per-call time of ``layer(x)`` (with ``backward``: forward + backward of a fixed
+    random output gradient), slowest rank, events around each call."""
+    grad = torch.randn_like(x) if backward else None
+    x = x.detach().requires_grad_(backward)
+
+    def call():
+        if backward:
+            layer(x).backward(grad)
+        else:
+            with torch.no_grad():
                 layer(x)
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-            else:
-                t0 = time.perf_counter()
-                layer(x)
-                times.append((time.perf_counter() - t0) * 1e3)
-    med = statistics.median(times)
-    if timer.group is not None:
-        t = torch.tensor([med], dtype=torch.float64, device=timer.device if timer.cuda else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timer.group)
-        med = float(t.item())
-    return med
+
+    # The evaluation's own timing (interlace.bench.harness), so calibration and evaluation
+    # measure alike.
+    from interlace.bench.harness import Env, reduce_max, time_cpu, time_cuda
+
+    world = dist.get_world_size(timer.group) if timer.group is not None else 1
+    env = Env(dist.get_rank() if world > 1 else 0, world, timer.device, timer.group)
+    times = (time_cuda if timer.cuda else time_cpu)(call, warmup, iters, env)
+    return reduce_max(env, statistics.median(times))
 
 
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
-                existing: Profile | None = None, a2a_max_bytes: int = 256 << 20,
-                calibration_degrees=(2, 4)) -> Profile:
+                existing: Profile | None = None, a2a_max_bytes: int | None = None,
+                calibration_degrees=(2, 4, 8, 16), fwdbwd_degrees=(2, 4)) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
-    machine; returns the profile (``existing`` is extended, not re-measured, where it can be)."""
+    machine; returns the profile (``existing`` is extended, not re-measured, where it can be).
+
+    The all-to-all sweep reaches the largest exchange the calibration runs (so the planner
+    interpolates instead of extrapolating); the layer is timed at degree 1 and
+    ``calibration_degrees`` forward, and at 1 and ``fwdbwd_degrees`` forward + backward (empty:
+    no backward points; the planner then predicts training steps with the forward terms).
+    """
     from interlace.layer import MoELayer
-    from interlace.perf.planner import calibrate
+    from interlace.perf.planner import calibrate_profile
 
     world = dist.get_world_size(group) if group is not None else 1
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -374,7 +428,12 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
     if existing is not None and existing.key == key:
         prof = existing
     else:
-        sizes = _geom_ints(64 << 10, a2a_max_bytes, 12) if device.type == "cuda" else _geom_ints(4 << 10, 1 << 20, 4)
+        if a2a_max_bytes is None:
+            biggest = max(max(tokens) * c.top_k * c.hidden * torch.empty((), dtype=c.dtype).element_size()
+                          for c in configs)
+            a2a_max_bytes = max(256 << 20, min(biggest, 8 << 30))
+        n = max(12, round(math.log(a2a_max_bytes / (64 << 10)) / math.log(2.2)) + 1)
+        sizes = _geom_ints(64 << 10, a2a_max_bytes, n) if device.type == "cuda" else _geom_ints(4 << 10, 1 << 20, 4)
         a2a, a2a_host = profile_all_to_all(timer, world, sizes, show)
         host, gbps = profile_chunk_bookkeeping(timer, configs[0], world, max(tokens))
         prof = Profile(key, world, a2a, a2a_host, gbps, host, meta={
@@ -388,15 +447,18 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
         layer = MoELayer(cfg, group=group, strategy="pipelined", strategy_options={"degree": 1}, device=device)
         inputs = {T: torch.randn(T, cfg.hidden, device=device).to(cfg.dtype) for T in tokens}
-        for r in (1, *calibration_degrees):
+        runs = [(r, False) for r in (1, *calibration_degrees)]
+        runs += [(r, True) for r in ((1, *fwdbwd_degrees) if fwdbwd_degrees else ())]
+        for r, backward in _progress(runs, f"layer {skey}", show):
             layer.set_strategy("pipelined", degree=r)
             for T in tokens:
                 if T >= 2 * r:
-                    shape.calibration.append((T, cfg.top_k, r, time_layer_ms(layer, inputs[T], timer)))
-        calibrate(prof, skey)
+                    ms = time_layer_ms(layer, inputs[T], timer, *((2, 6) if backward else (3, 10)), backward=backward)
+                    (shape.calibration_fwdbwd if backward else shape.calibration).append((T, cfg.top_k, r, ms))
         del layer, inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    calibrate_profile(prof)
     return prof
 
 
@@ -408,7 +470,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="interlace profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg"],
                    help="presets whose shape classes to measure")
-    p.add_argument("--tokens", nargs="+", type=int, default=[3000, 12000, 40000],
+    p.add_argument("--tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000],
                    help="tokens per rank for the fixed-cost fit (the largest also sizes the expert sweep)")
     p.add_argument("--out", default=None, help="profile path (default: the profile directory)")
     args = p.parse_args(argv)

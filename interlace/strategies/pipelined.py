@@ -17,8 +17,10 @@ share the links' bandwidth anyway. Backward runs the mirror image: the combine
 gradients' all-to-alls start at once, each chunk's expert backward starts when its gradient
 has arrived, and its dispatch-gradient all-to-all leaves as soon as it is done.
 
-``degree`` r is an int, or ``"auto"``: r is chosen per token count from the stored
-performance profile (``interlace.perf``), once per distinct T, with no per-step cost. Ranks
+``degree`` r is an int, or ``"auto"``: r is chosen per token count and mode from the stored
+performance profile (``interlace.perf``): a call that builds an autograd graph (training) is
+planned on the predicted forward + backward time, one under ``no_grad``/eval on the forward
+time; once per distinct (T, mode), cached, with no per-step cost. Ranks
 must agree on r (with ``"auto"``: equal token counts); the count exchange carries every rank's
 r and a disagreement raises instead of hanging. r = 1 is exactly ``sequential``; at world
 size 1 there is nothing to overlap and the strategy runs ``sequential``.
@@ -145,31 +147,33 @@ class PipelinedStrategy(Strategy):
         self.degree = degree
         self.max_degree = max_degree
         self._profile = profile
-        self._chosen: dict[int, int] = {}
+        self._chosen: dict[tuple[int, str], int] = {}
         self._sequential = SequentialStrategy(config, ep)
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
         return {"degree": "auto" if arg == "auto" else int(arg)}
 
-    def degree_for(self, tokens: int) -> int:
-        """The pipeline degree used for a batch of ``tokens`` tokens on this rank."""
+    def degree_for(self, tokens: int, mode: str = "fwd") -> int:
+        """The pipeline degree used for a batch of ``tokens`` tokens on this rank, for a
+        forward-only call (``mode="fwd"``) or one whose backward will run (``"fwdbwd"``)."""
         if self.degree != "auto":
             return self.degree
-        if tokens not in self._chosen:
+        key = (tokens, mode)
+        if key not in self._chosen:
             from interlace.perf.planner import choose_degree  # no import cycle at module load
             from interlace.perf.profile import Profile, load_profile
 
             try:
                 if not isinstance(self._profile, Profile):  # read the JSON once, not per token count
                     self._profile = load_profile(self.ep.world, path=self._profile)
-                self._chosen[tokens] = choose_degree(self.config, tokens, self.ep.world, self._profile,
-                                                     max_degree=self.max_degree).degree
+                self._chosen[key] = choose_degree(self.config, tokens, self.ep.world, self._profile,
+                                                  max_degree=self.max_degree, mode=mode).degree
             except FileNotFoundError as err:
                 warnings.warn(f"pipelined: {err}; using degree 1 (run `interlace profile` to choose it)",
                               stacklevel=2)
-                self._chosen[tokens] = 1
-        return self._chosen[tokens]
+                self._chosen[key] = 1
+        return self._chosen[key]
 
     def __repr__(self) -> str:
         return f"PipelinedStrategy(degree={self.degree}, world={self.ep.world})"
@@ -177,7 +181,8 @@ class PipelinedStrategy(Strategy):
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         cfg, ep = self.config, self.ep
         T = x.shape[0]
-        r = self.degree_for(T)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
+        r = self.degree_for(T, "fwdbwd" if needs_grad else "fwd")
         if ep.world == 1 or r <= 1:
             return self._sequential(x, topk_idx, topk_weight, w_up, w_down)
         E = cfg.num_experts
@@ -230,7 +235,6 @@ class PipelinedStrategy(Strategy):
         w_chunks = torch.split(topk_weight, sizes)
         x_sends = [DispatchRows.apply(x_chunks[c], indices[c][1][: sum(in_splits[c])], indices[c][0])
                    for c in range(r)]
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
         plan = _ChunkPlan(in_splits, out_splits, [s for s, _, _ in relayout], [i for _, i, _ in relayout],
                           [o for _, _, o in relayout], ep.group, cfg.activation, needs_grad)
         y_backs = _PipelinedExperts.apply(w_up, w_down, plan, *x_sends)
