@@ -36,7 +36,7 @@ def _gemm1_combine_kernel(
     me, W, N, K, cap, num_local, T,
     n_comm, n_programs, pid_base, max_spins,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, SLICE_MAJOR: tl.constexpr,
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -50,8 +50,12 @@ def _gemm1_combine_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         for work in range(g, n_slices * n_tiles, n_gemm):
-            sl = work // n_tiles
-            tile = work % n_tiles
+            if SLICE_MAJOR:  # COMET's column-wise order: slice 0 of every row first
+                sl = work // n_tiles
+                tile = work % n_tiles
+            else:  # row-tile order: h rows stay in L2 across slices; slices finish at the end
+                sl = work % n_slices
+                tile = work // n_slices
             seg = tl.load(recv_tile_seg + tile)
             i = tl.load(recv_tile_idx + tile)
             e = seg % num_local
@@ -127,5 +131,6 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         buf.rank, spec.world, N, K, spec.cap, spec.num_local, out.shape[0],
         n_comm, n_programs, pid_base, max_spins,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
-        BLOCK_T=config.block_t, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_T=config.block_t, SLICE_MAJOR=config.slice_major, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

@@ -28,7 +28,8 @@ for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -58,12 +59,27 @@ class FusedKernelConfig:
     copy_rows: int = 16  # rows per load/store step of a communication program
     copy_cols: int = 512
     block_t: int = 32  # tokens per combine task
+    slice_major: bool = True  # layer1 work order: N-slice outer (COMET) or row tile outer
 
 
 GPU_CONFIG = FusedKernelConfig()
 # Under the interpreter each op costs the same whatever its size: wide blocks, few programs.
 INTERPRETER_CONFIG = FusedKernelConfig(16, 32, 32, 32, 4, 1, 16, 64, 16)
 DEFAULT_SPINS = 1 << 26  # ~seconds of polling: far beyond any healthy wait, short of a hang
+
+
+def kernel_config_from_env(base: FusedKernelConfig) -> FusedKernelConfig:
+    """``INTERLACE_FUSED="block_n1=256,slice_major=0"`` overrides fields (tuning experiments)."""
+    value = os.environ.get("INTERLACE_FUSED")
+    if not value:
+        return base
+    fields = {}
+    for item in value.split(","):
+        key, _, v = item.partition("=")
+        if not hasattr(base, key.strip()):
+            raise ValueError(f"INTERLACE_FUSED: unknown field {key!r}")
+        fields[key.strip()] = int(v)
+    return replace(base, **{k: (bool(v) if k == "slice_major" else v) for k, v in fields.items()})
 
 
 def default_split(num_programs: int) -> tuple[int, int]:
@@ -210,7 +226,7 @@ class FusedStrategy(Strategy):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
             max_tokens = max(1, int(t.item()))
         on_gpu = x.is_cuda
-        kernel = self.kernel or (GPU_CONFIG if on_gpu and not _INTERPRET else INTERPRETER_CONFIG)
+        kernel = self.kernel or kernel_config_from_env(GPU_CONFIG if on_gpu and not _INTERPRET else INTERPRETER_CONFIG)
         spec = BufferSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, kernel.block_m,
                           kernel.block_n1, cfg.dtype)
         transport = self.transport
