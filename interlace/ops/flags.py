@@ -14,8 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-WAIT_LAYER0 = 1  # a GEMM0 tile waiting for its dispatched rows
-WAIT_LAYER1 = 2  # the combine waiting for an N-slice of returned expert outputs
+# What a wait was for (stored in the error record); constexpr so kernels may read them.
+WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
+WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def describe_error(record: list[int]) -> str | None:
     if not record or record[0] == 0:
         return None
     _, rank, kind, peer, what, tile, flag, epoch = record[:8]
-    if kind == WAIT_LAYER0:
+    if kind == WAIT_LAYER0.value:
         waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
     else:
         waited = f"expert outputs from rank {peer} for N-slice {what}"
