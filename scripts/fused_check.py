@@ -170,6 +170,36 @@ def step_hidden(env, args, log):
     return rows
 
 
+def step_phases(env, args, log):
+    """Per-layer kernel times of fused (local-only and balanced routing) under kernel-config variants
+    given as INTERLACE_FUSED-style strings in --variants."""
+    rows = []
+    for name in args.hidden_configs:
+        cfg = preset(name)
+        tokens = args.split_tokens
+        layer = MoELayer(cfg, group=env.group, strategy="naive", seed=6, device=env.device)
+        x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+        routings = {"balanced": make_routing(cfg, "balanced", tokens, env, 0), "local": local_routing(cfg, tokens, env)}
+        for variant in args.variants:
+            os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
+            layer.set_strategy("fused", max_tokens=tokens)
+            layer.strategy.profile_phases = True
+            for rname, idx in routings.items():
+                with torch.no_grad():
+                    total = worst(env, time_ms(lambda: layer(x, expert_indices=idx), iters=10, warmup=3))
+                    layer(x, expert_indices=idx)
+                    ph = layer.strategy.phase_ms()
+                l0, l1 = worst(env, ph["layer0"]), worst(env, ph["layer1"])
+                rows.append(dict(config=name, tokens=tokens, variant=variant, routing=rname, total=total, layer0=l0,
+                                 layer1=l1))
+                log(f"phases {name:14s} T={tokens} {variant:34s} {rname:8s} total {total:.3f} layer0 {l0:.3f} "
+                    f"layer1 {l1:.3f} ms")
+        os.environ.pop("INTERLACE_FUSED", None)
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
 def step_split(env, args, log):
     rows = []
     sms = torch.cuda.get_device_properties(env.device).multi_processor_count
@@ -205,6 +235,8 @@ def main():
     p.add_argument("--split-configs", nargs="+", default=["qwen2-moe"])
     p.add_argument("--split-tokens", type=int, default=16384)
     p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
+    p.add_argument("--variants", nargs="+", default=["default", "slice_major=0", "block_n1=256",
+                                                     "block_n1=256,slice_major=0", "num_stages=4", "block_n=64"])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
     env = init_env()
@@ -216,7 +248,8 @@ def main():
             lines.append(msg)
 
     results = {}
-    steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split}
+    steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
+             "phases": step_phases}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
@@ -232,7 +265,7 @@ def main():
             json.dump(results, f, indent=1)
         print("\n# summary")
         for line in lines:
-            if line.startswith(("hidden", "stress", "split")) or "FAILED" in line:
+            if line.startswith(("hidden", "stress", "split", "phases")) or "FAILED" in line:
                 print(line)
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")

@@ -289,8 +289,11 @@ class FusedStrategy(Strategy):
         buf.advance_epoch()
         call = eng.prepare(x, topk_weight, index, counts_all)
         if buf.kind == "symmetric" and not _INTERPRET:
+            marks = self._phase_marks()
             eng.layer0(call, w_up)
+            marks and marks[1].record()
             eng.layer1(call, w_down)
+            marks and marks[2].record()
             self._record_error_check()
         else:
             eng.layer0(call, w_up, "comm")
@@ -302,6 +305,21 @@ class FusedStrategy(Strategy):
             eng.layer1(call, w_down, "comm")
             check_error_record(buf)
         return call.out
+
+    def _phase_marks(self):
+        """With ``profile_phases = True``: CUDA events (start, after layer0, after layer1) of the
+        last call, for :meth:`phase_ms` (debugging and the GPU check script)."""
+        if not getattr(self, "profile_phases", False):
+            return None
+        self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        self._marks[0].record()
+        return self._marks
+
+    def phase_ms(self) -> dict:
+        """(prepare excluded) layer0 and layer1 times of the last profiled call; syncs."""
+        a, b, c = self._marks
+        c.synchronize()
+        return {"layer0": a.elapsed_time(b), "layer1": b.elapsed_time(c)}
 
     def _owner_of_rows(self, kept: torch.Tensor, tokens: int) -> torch.Tensor:
         """Staged transport: rank owning the expert of each dispatch row (R,) int64."""
