@@ -244,3 +244,19 @@ def test_offline_rescoring_reads_a_recorded_evaluation_table():
         assert row.chosen in row.measured_ms and row.regret >= 0
         assert row.predicted_ms[row.chosen] == choose_degree(cfg.with_(top_k=row.top_k), row.tokens, 2, prof,
                                                              degrees=[1, 2, 4]).per_degree_ms[row.chosen]
+
+
+def test_profiling_never_extends_the_shipped_profile(tmp_path, monkeypatch):
+    from interlace.perf import profile as profile_mod
+
+    cfg = MoEConfig(hidden=64, ffn=32, num_experts=4, top_k=2)
+    shipped = synthetic_profile(1, cfg, 0.02, 100, 0.02, 500)
+    key = profile_mod.machine_key(1, torch.device("cpu"))
+    (tmp_path / "shipped").mkdir()
+    shipped.key = key
+    shipped.save(tmp_path / "shipped" / f"{key}.json")
+    monkeypatch.setattr(profile_mod, "PACKAGED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("INTERLACE_PROFILE_DIR", str(tmp_path / "user"))
+    assert profile_mod.load_profile(1, torch.device("cpu")).key == key  # run time: the shipped one is found
+    with pytest.raises(FileNotFoundError):
+        profile_mod.load_profile(1, torch.device("cpu"), packaged=False)  # `profile` / `--profile-first`

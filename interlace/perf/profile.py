@@ -209,14 +209,16 @@ class Profile:
         return best, self.shapes[best]
 
 
-def load_profile(world: int, device: torch.device | None = None, path: str | Path | None = None) -> Profile:
-    """The profile for this machine and world size (``path`` first if given)."""
+def load_profile(world: int, device: torch.device | None = None, path: str | Path | None = None,
+                 packaged: bool = True) -> Profile:
+    """The profile for this machine and world size (``path`` first if given; the profile
+    directory, then with ``packaged`` the profiles shipped in ``interlace/profiles/``)."""
     if path is not None:
         return Profile.from_json(json.loads(Path(path).read_text()))
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     key = machine_key(world, device)
-    searched = [profile_dir() / f"{key}.json", PACKAGED_DIR / f"{key}.json"]
+    searched = [profile_dir() / f"{key}.json"] + ([PACKAGED_DIR / f"{key}.json"] if packaged else [])
     for candidate in searched:
         if candidate.exists():
             return Profile.from_json(json.loads(candidate.read_text()))
@@ -476,7 +478,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     env = init_env()
     try:
-        existing = load_profile(env.world, env.device, args.out if args.out and Path(args.out).exists() else None)
+        # Extend the user's own profile, never the shipped one (that would skip every shape it has).
+        existing = load_profile(env.world, env.device, args.out if args.out and Path(args.out).exists() else None,
+                                packaged=False)
     except (FileNotFoundError, ValueError):
         existing = None
     prof = run_profile([bench_config(c, small=False) for c in args.configs], args.tokens, env.group, env.device,
