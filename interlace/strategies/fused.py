@@ -52,10 +52,10 @@ class FusedKernelConfig:
 
     block_m: int = 128  # row tile of both layers (= the unit of layer0 readiness)
     block_n: int = 128  # layer0 GEMM column block (over K)
-    block_n1: int = 128  # layer1 N-slice (= the unit of layer1 readiness)
+    block_n1: int = 256  # layer1 N-slice (= the unit of layer1 readiness); 256 beat 128 (fewer h re-reads)
     block_k: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
     copy_rows: int = 16  # rows per load/store step of a communication program
     copy_cols: int = 512
     block_t: int = 32  # tokens per combine task
