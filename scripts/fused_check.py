@@ -200,6 +200,33 @@ def step_phases(env, args, log):
     return rows
 
 
+def step_trace(env, args, log):
+    """torch.profiler kernel table of a few calls of fused and sequential (first hidden config)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = preset(args.hidden_configs[0])
+    tokens = args.split_tokens
+    layer = MoELayer(cfg, group=env.group, strategy="naive", seed=6, device=env.device)
+    x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+    idx = make_routing(cfg, "balanced", tokens, env, 0)
+    tables = {}
+    for strategy in ("fused", "sequential"):
+        layer.set_strategy(strategy, **({"max_tokens": tokens} if strategy == "fused" else {}))
+        with torch.no_grad():
+            for _ in range(3):
+                layer(x, expert_indices=idx)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    layer(x, expert_indices=idx)
+                torch.cuda.synchronize()
+        tables[strategy] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+        if env.rank == 0:
+            prof.export_chrome_trace(os.path.join(args.out, f"trace_{strategy}.json"))
+            print(f"## {strategy}\n{tables[strategy]}", flush=True)
+    return {"note": "tables printed to the log"}
+
+
 def step_split(env, args, log):
     rows = []
     sms = torch.cuda.get_device_properties(env.device).multi_processor_count
@@ -249,7 +276,7 @@ def main():
 
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
-             "phases": step_phases}
+             "phases": step_phases, "trace": step_trace}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
