@@ -6,7 +6,8 @@
    against an fp32 single-process reference (bf16 tolerance 2e-2, relative ‖·‖₂), 256 tokens,
    on each config.
 2. Time (``interlace.bench.harness.time_cuda``: CUDA events around the layer call, 5 warm-ups,
-   median of 20, a barrier before each call, slowest rank) the forward of TP=2/EP=1 (O0–O3)
+   median of 20, a barrier before each call, slowest rank) the forward, and forward+backward
+   (``--modes``), of TP=2/EP=1 (O0–O3)
    and TP=1/EP=2 (``sequential``) for mixtral-8x7b, qwen2-moe, flashdmoe-cfg at each token
    count. T is the tokens of each rank's input: with TP=2 both ranks hold the same T tokens
    (T distinct tokens per call), with EP=2 each rank holds its own (2T distinct).
@@ -92,9 +93,15 @@ def check(env, cfg, meshes, seed=3, tokens=256):
     return results
 
 
-def time_layer(env, layer, x, warmup=5, iters=20):
-    with torch.no_grad():
-        times = time_cuda(lambda: layer(x), warmup=warmup, iters=iters, env=env)
+def time_layer(env, layer, x, warmup=5, iters=20, mode="fwd"):
+    """Slowest rank's median ms of a forward (``fwd``) or forward+backward (``fwdbwd``) call."""
+    if mode == "fwd":
+        with torch.no_grad():
+            times = time_cuda(lambda: layer(x), warmup=warmup, iters=iters, env=env)
+    else:
+        xi = x.detach().requires_grad_()
+        grad = torch.randn_like(x)
+        times = time_cuda(lambda: layer(xi).backward(grad), warmup=warmup, iters=iters, env=env)
     return reduce_max(env, statistics.median(times))
 
 
@@ -125,6 +132,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     env = init_env()
@@ -185,15 +193,17 @@ def main():
             for T in args.tokens:
                 gen = torch.Generator(device=env.device).manual_seed(100 + mesh.ep_rank)  # TP ranks: same tokens
                 x = torch.randn(T, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
-                for strategy in strategies:
-                    layer.set_strategy(strategy)
-                    ms = time_layer(env, layer, x)
-                    distinct = T * mesh.ep
-                    row = {"config": name, "tokens": T, "mesh": f"tp{mesh.tp}xep{mesh.ep}", "strategy": strategy,
-                           "median_ms": ms, "distinct_tokens": distinct,
-                           "tflops": 2 * distinct * cfg.top_k * cfg.hidden * 3 * cfg.ffn / (ms * 1e-3) / 1e12}
-                    report["times"].append(row)
-                    log(f"time {name} T={T} {row['mesh']} {strategy}: {ms:.3f} ms")
+                for mode in args.modes:
+                    for strategy in strategies:
+                        layer.set_strategy(strategy)
+                        ms = time_layer(env, layer, x, mode=mode)
+                        distinct = T * mesh.ep
+                        flops = 2 * distinct * cfg.top_k * cfg.hidden * 3 * cfg.ffn * (3 if mode == "fwdbwd" else 1)
+                        row = {"config": name, "tokens": T, "mesh": f"tp{mesh.tp}xep{mesh.ep}", "strategy": strategy,
+                               "mode": mode, "median_ms": ms, "distinct_tokens": distinct,
+                               "tflops": flops / (ms * 1e-3) / 1e12}
+                        report["times"].append(row)
+                        log(f"time {name} T={T} {row['mesh']} {strategy} {mode}: {ms:.3f} ms")
             del layer
             torch.cuda.empty_cache()
         save()
@@ -201,11 +211,11 @@ def main():
     report["elapsed_s"] = time.time() - t0
     save()
     if env.rank == 0:
-        print("\n| config | tokens | mesh | strategy | median ms | distinct tokens | TFLOP/s |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| config | tokens | mesh | strategy | mode | median ms | distinct tokens | TFLOP/s |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in report["times"]:
-            print(f"| {r['config']} | {r['tokens']} | {r['mesh']} | {r['strategy']} | {r['median_ms']:.3f} | "
-                  f"{r['distinct_tokens']} | {r['tflops']:.0f} |")
+            print(f"| {r['config']} | {r['tokens']} | {r['mesh']} | {r['strategy']} | {r['mode']} | "
+                  f"{r['median_ms']:.3f} | {r['distinct_tokens']} | {r['tflops']:.0f} |")
         print(f"\nall-reduce 512 MiB alone: {ar_ms:.3f} ms")
         for p in report["priority"]:
             print(f"priority {p['stream_priority']:6s} (effective {p['high_priority_effective']}): layer alone "
