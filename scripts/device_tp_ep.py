@@ -38,6 +38,7 @@ from interlace.routing import Router
 
 CONFIGS = ("mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg")
 FORMS = ("tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3")
+TIMED_FORMS = FORMS + ("tp_ep:O2-4", "tp_ep:O3-4")  # O2/O3 with 2 (default) and 4 chunks
 TOL = 2e-2
 
 
@@ -143,6 +144,7 @@ def main():
     ep2 = MoEMesh.build(tp=1, ep=2)
     ep2_low = MoEMesh.build(tp=1, ep=2, high_priority=False)
     meshes = [(tp2, FORMS), (ep2, ("sequential",))]
+    timed = [(tp2, TIMED_FORMS), (ep2, ("sequential",))]
     report = {"device": torch.cuda.get_device_name(), "world": env.world, "torch": torch.__version__,
               "commit": os.environ.get("INTERLACE_COMMIT", "?"),
               "high_priority": [tp2.high_priority, ep2.high_priority],
@@ -188,7 +190,7 @@ def main():
                 log(f"check {name} {row['mesh']} {row['strategy']}: {'PASS' if row['ok'] else 'FAIL'} "
                     + " ".join(f"{e:.1e}" for e in row["errors"]))
             torch.cuda.empty_cache()
-        for mesh, strategies in meshes:
+        for mesh, strategies in timed:
             layer = MoELayer(cfg, mesh=mesh, strategy=strategies[0], seed=0, device=env.device)
             for T in args.tokens:
                 gen = torch.Generator(device=env.device).manual_seed(100 + mesh.ep_rank)  # TP ranks: same tokens
