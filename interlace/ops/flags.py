@@ -58,3 +58,23 @@ def describe_error(record: list[int]) -> str | None:
         waited = f"expert outputs from rank {peer} for N-slice {what}"
     return (f"rank {rank}: timed out waiting for {waited} (flag value {flag}, expected epoch {epoch}); "
             f"a peer did not run the same layer call, or crashed")
+
+
+# ---- work queues: programs claim work items with an atomic counter ----------------------
+# A queue is 3 int32 on the device: [counter A, counter B, programs done]. Items are handed
+# out in order, so "all items before mine were claimed by running programs" holds, which is
+# what makes waiting on them deadlock-free whatever the block scheduling. The last program
+# to finish resets the queue for the next launch (stream order separates launches).
+
+@triton.jit
+def claim(counter_ptr):
+    return tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def finish_queue(queue_ptr, n_programs):
+    """Count this program out; the last one resets the queue's three counters."""
+    if tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
+        tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 2, 0, sem="relaxed", scope="gpu")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from interlace.ops.flags import WAIT_LAYER1, publish_flag, wait_flag
+from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, publish_flag, wait_flag
 
 
 @triton.jit
@@ -34,7 +34,8 @@ def _gemm1_combine_kernel(
     out_ptr, weight_ptr, row_of_assignment_ptr, sent_rows_ptr,  # home side: (T, N) out, (T, k) weights/rows
     epoch_ptr, error_ptr,
     me, W, N, K, cap, num_local, T,
-    n_comm, n_programs, pid_base, max_spins,
+    queue_ptr,  # (3,) int32 work queue: [GEMM items claimed, combine tasks claimed, programs done]
+    n_comm, n_programs, pid_base, max_spins, join,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, SLICE_MAJOR: tl.constexpr,
 ):
@@ -43,13 +44,12 @@ def _gemm1_combine_kernel(
     n_slices = tl.cdiv(N, BLOCK_N)
     if pid >= n_comm:
         # ---- GEMM program: y slices, stored at the home rank, slice-major order ----
-        g = pid - n_comm
-        n_gemm = n_programs - n_comm
         n_tiles = tl.load(recv_num_tiles)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        for work in range(g, n_slices * n_tiles, n_gemm):
+        work = claim(queue_ptr)
+        while work < n_slices * n_tiles:
             if SLICE_MAJOR:  # COMET's column-wise order: slice 0 of every row first
                 sl = work // n_tiles
                 tile = work % n_tiles
@@ -86,12 +86,16 @@ def _gemm1_combine_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
                 publish_flag(flags + me * n_slices + sl, epoch)
-    else:
-        # ---- combine program: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32 ----
+            work = claim(queue_ptr)
+    if (pid < n_comm) | (join != 0):
+        # ---- combine work: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32. Tasks
+        # are claimed in slice order; GEMM programs join once every GEMM item is claimed (when
+        # ``join``), so a waiting task only waits on items running programs hold.
         n_tb = tl.cdiv(T, BLOCK_T)
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = tl.arange(0, BLOCK_N)
-        for task in range(pid, n_slices * n_tb, n_comm):
+        task = claim(queue_ptr + 1)
+        while task < n_slices * n_tb:
             sl = task // n_tb
             tb = task % n_tb
             for d in range(0, W):
@@ -111,6 +115,8 @@ def _gemm1_combine_kernel(
                 acc += wt[:, None] * y.to(tl.float32)
             tl.store(out_ptr + t.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=tmask[:, None] & cmask[None, :])
+            task = claim(queue_ptr + 1)
+    finish_queue(queue_ptr, n_programs)
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
@@ -129,7 +135,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         out, topk_weight, row_of_assignment, plan.sent_rows,
         buf.epoch, buf.error,
         buf.rank, spec.world, N, K, spec.cap, spec.num_local, out.shape[0],
-        n_comm, n_programs, pid_base, max_spins,
+        buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"),
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, SLICE_MAJOR=config.slice_major, num_warps=config.num_warps,
         num_stages=config.num_stages,

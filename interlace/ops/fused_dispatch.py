@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile
-from interlace.ops.flags import WAIT_LAYER0, publish_flag, wait_flag
+from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, publish_flag, wait_flag
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2}
 
@@ -55,7 +55,8 @@ def _dispatch_gemm0_kernel(
     recv_count, recv_off, recv_local_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
     epoch_ptr, error_ptr,
     me, W, N, K, cap, num_local, TPS,
-    n_comm, n_programs, pid_base, max_spins,
+    queue_ptr,  # (3,) int32 work queue: [send tiles claimed, GEMM items claimed, programs done]
+    n_comm, n_programs, pid_base, max_spins, join,
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
@@ -64,7 +65,9 @@ def _dispatch_gemm0_kernel(
     epoch = tl.load(epoch_ptr)
     if pid < n_comm:
         # ---- communication program: push this rank's rows to their experts' owners ----
-        for task in range(pid, tl.load(send_num_tiles), n_comm):
+        n_send = tl.load(send_num_tiles)
+        task = claim(queue_ptr)
+        while task < n_send:
             seg = tl.load(send_tile_seg + task)
             i = tl.load(send_tile_idx + task)
             d = seg // num_local
@@ -76,15 +79,18 @@ def _dispatch_gemm0_kernel(
             _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
             flags = tl.load(flags0_table + d).to(tl.pointer_type(tl.int32))
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
-    else:
-        # ---- GEMM program: h = act(A @ W_gate^T) * (A @ W_up^T), local tiles first ----
-        g = pid - n_comm
-        n_gemm = n_programs - n_comm
+            task = claim(queue_ptr)
+    if (pid >= n_comm) | (join != 0):
+        # ---- GEMM work: h = act(A @ W_gate^T) * (A @ W_up^T), local tiles first. Items are
+        # claimed in order by any program (communication programs join once nothing is left
+        # to send, when ``join``: not in split launches, where they would run ahead of peers).
         n_blocks = tl.cdiv(K, BLOCK_N)
         up_width = 2 * K if ACTIVATION == 0 else K
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
-        for work in range(g, tl.load(recv_num_tiles) * n_blocks, n_gemm):
+        n_work = tl.load(recv_num_tiles) * n_blocks
+        work = claim(queue_ptr + 1)
+        while work < n_work:
             tile = work // n_blocks
             nb = work % n_blocks
             seg = tl.load(recv_tile_seg + tile)
@@ -111,6 +117,8 @@ def _dispatch_gemm0_kernel(
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
+            work = claim(queue_ptr + 1)
+    finish_queue(queue_ptr, n_programs)
 
 
 def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: int, n_programs: int,
@@ -132,7 +140,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         plan.recv_tiles[2],
         buf.epoch, buf.error,
         buf.rank, spec.world, N, K, spec.cap, spec.num_local, spec.tiles_per_segment,
-        n_comm, n_programs, pid_base, max_spins,
+        buf.queue0, n_comm, n_programs, pid_base, max_spins, int(role == "all"),
         TOP_K=spec.top_k, ACTIVATION=ACTIVATIONS[activation],
         BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,

@@ -124,6 +124,9 @@ class PeerBuffer:
         self.error = torch.zeros(8, dtype=torch.int32, device=device)
         # Last-arriver counters of layer1, per (home rank, N-slice); local, reset by the last arriver.
         self.counters1 = torch.zeros(spec.world, spec.num_slices, dtype=torch.int32, device=device)
+        # Work queues of the layer0 / layer1 kernels (see interlace.ops.flags); local.
+        self.queue0 = torch.zeros(3, dtype=torch.int32, device=device)
+        self.queue1 = torch.zeros(3, dtype=torch.int32, device=device)
         self.tables: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] | None = None
 
