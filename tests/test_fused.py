@@ -158,3 +158,23 @@ def test_fused_gloo_four_ranks():
     from test_distributed import _check_all
 
     run_gloo(_check_all, 4, "fused", ["capacity"], ["zero_recv_rank", "uneven_and_empty_rank"], ())
+
+
+@pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])
+def test_plan_kernel_matches_reference(W, El, me):
+    """The one-program plan kernel against the plain-torch plan, ragged counts with zeros."""
+    from interlace.ops.fused_plan import build_plan_reference
+
+    gen = torch.Generator().manual_seed(W * 10 + El)
+    counts = torch.randint(0, 9, (W, W * El), generator=gen, dtype=torch.int32)
+    counts[:, 0] = 0
+    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4)
+    ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4)
+    for name in ("send_count", "send_row0", "send_dst_off", "recv_count", "recv_off", "recv_ret_row0",
+                 "recv_local_row0", "tiles_from_source", "sent_rows"):
+        assert getattr(kernel, name).tolist() == getattr(ref, name).tolist(), name
+    for side in ("send_tiles", "recv_tiles"):
+        n = int(getattr(ref, side)[2])
+        assert int(getattr(kernel, side)[2]) == n, side
+        for i in (0, 1):
+            assert getattr(kernel, side)[i][:n].tolist() == getattr(ref, side)[i][:n].tolist(), side
