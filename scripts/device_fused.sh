@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Device calls on the 2×H200 machine for the fused (COMET) strategy. Steps:
+#   tune     interlace tune (block split) for the BENCHMARKS presets → $OUT/tuning (used by later steps)
+#   bench    BENCHMARKS.md forward table: naive, sequential, fused at 4096/8192/16384 tokens
+#   fb       forward+backward rows for mixtral-8x7b and qwen2-moe
+#   check    scripts/fused_check.py: every preset against naive/sequential, 1000-call stress, hidden %
+#   timeline per-block timeline PNGs of one qwen2-moe call per rank
+# usage: bash scripts/device_fused.sh STEP [STEP ...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-bench-out}
+export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
+mkdir -p "$OUT" "$INTERLACE_TUNING_DIR"
+PRESETS="mixtral-8x7b phi3.5-moe qwen2-moe qwen3-30b-a3b dsv3-like flashdmoe-cfg"
+status=0
+for step in "$@"; do
+  case $step in
+    tune)  torchrun --nproc-per-node 2 -m interlace.bench.tune_fused --configs $PRESETS --tokens 4096 16384 \
+             --candidates 8 16 32 --iters 8 > "$OUT/tune_fused.log" 2>&1 || status=1
+           tail -3 "$OUT/tune_fused.log" ;;
+    bench) torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
+             --tokens 4096 8192 16384 --out "$OUT/bench" > "$OUT/bench_fused.log" 2>&1 || status=1 ;;
+    fb)    torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
+             --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/bench_fb" \
+             > "$OUT/bench_fused_fb.log" 2>&1 || status=1 ;;
+    check) torchrun --nproc-per-node 2 scripts/fused_check.py --steps check stress hidden --check-tokens 1000 4096 \
+             --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \
+             --out "$OUT" > "$OUT/fused_check.log" 2>&1 || status=1 ;;
+    timeline) torchrun --nproc-per-node 2 -m interlace.bench.timeline --config qwen2-moe --tokens 16384 \
+             --out "$OUT" > "$OUT/timeline.log" 2>&1 || status=1 ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
+exit $status
