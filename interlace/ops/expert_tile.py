@@ -45,3 +45,29 @@ def activation_epilogue(acc_g, acc_u, ACTIVATION: tl.constexpr):
     else:
         act = tl.maximum(acc_g, 0.0)
     return act
+
+
+@triton.jit
+def grouped_work(work, n_tiles, n_blocks, GROUP_M: tl.constexpr):
+    """Work item → (row tile, column block), GROUP_M row tiles sharing each column block in
+    turn (the L2 swizzle of the Triton matmul tutorial): a group's A rows and the weight block
+    stay in L2 instead of every tile streaming the whole weight matrix."""
+    width = GROUP_M * n_blocks
+    first = (work // width) * GROUP_M
+    size = tl.minimum(n_tiles - first, GROUP_M)
+    rem = work % width
+    return first + rem % size, rem // size
+
+
+@triton.jit
+def slice_grouped_work(work, n_tiles, n_slices, slice_group, GROUP_M: tl.constexpr):
+    """Layer1's order: N-slices in groups of ``slice_group`` (0: all), each group's items
+    swizzled as :func:`grouped_work`. slice_group = 1 is COMET's column-wise order (slice 0 of
+    every row first: the combine starts early) but re-reads A once per slice; larger groups
+    re-read A less and let the combine start later."""
+    per = tl.where(slice_group > 0, slice_group, n_slices)
+    group_items = n_tiles * per
+    g = work // group_items
+    sl0 = g * per
+    tile, s = grouped_work(work % group_items, n_tiles, tl.minimum(n_slices - sl0, per), GROUP_M)
+    return tile, sl0 + s

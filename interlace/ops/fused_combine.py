@@ -22,7 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from interlace.ops.expert_tile import slice_grouped_work
 from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, publish_flag, wait_flag
+from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
 
 
 @triton.jit
@@ -35,9 +37,11 @@ def _gemm1_combine_kernel(
     epoch_ptr, error_ptr,
     me, W, N, K, cap, num_local, T,
     queue_ptr,  # (3,) int32 work queue: [GEMM items claimed, combine tasks claimed, programs done]
-    n_comm, n_programs, pid_base, max_spins, join,
+    n_comm, n_programs, pid_base, max_spins, join, slice_group,
+    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, SLICE_MAJOR: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr,
+    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -50,12 +54,8 @@ def _gemm1_combine_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         work = claim(queue_ptr)
         while work < n_slices * n_tiles:
-            if SLICE_MAJOR:  # COMET's column-wise order: slice 0 of every row first
-                sl = work // n_tiles
-                tile = work % n_tiles
-            else:  # row-tile order: h rows stay in L2 across slices; slices finish at the end
-                sl = work % n_slices
-                tile = work // n_slices
+            t_start = timeline_now(timeline_clock, TIMELINE)
+            tile, sl = slice_grouped_work(work, n_tiles, n_slices, slice_group, GROUP_M)
             seg = tl.load(recv_tile_seg + tile)
             i = tl.load(recv_tile_idx + tile)
             e = seg % num_local
@@ -86,6 +86,9 @@ def _gemm1_combine_kernel(
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
                 publish_flag(flags + me * n_slices + sl, epoch)
+            if TIMELINE:
+                timeline_record(timeline_ptr, timeline_cap, work, epoch, pid, KIND_GEMM1, work, t_start, t_start,
+                                timeline_now(timeline_clock, TIMELINE), TIMELINE)
             work = claim(queue_ptr)
     if (pid < n_comm) | (join != 0):
         # ---- combine work: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32. Tasks
@@ -96,11 +99,13 @@ def _gemm1_combine_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         task = claim(queue_ptr + 1)
         while task < n_slices * n_tb:
+            t_start = timeline_now(timeline_clock, TIMELINE)
             sl = task // n_tb
             tb = task % n_tb
             for d in range(0, W):
                 if tl.load(sent_rows_ptr + d) > 0:
                     wait_flag(flags1_ptr + d * n_slices + sl, epoch, max_spins, error_ptr, me, WAIT_LAYER1, d, sl, -1)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
             t = tb * BLOCK_T + offs_t
             tmask = t < T
             cols = sl * BLOCK_N + offs_n
@@ -115,18 +120,23 @@ def _gemm1_combine_kernel(
                 acc += wt[:, None] * y.to(tl.float32)
             tl.store(out_ptr + t.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=tmask[:, None] & cmask[None, :])
+            if TIMELINE:  # slots after the GEMM1 items'
+                timeline_record(timeline_ptr, timeline_cap, n_slices * tl.load(recv_num_tiles) + task, epoch, pid,
+                                KIND_COMBINE, task, t_start, t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
             task = claim(queue_ptr + 1)
     finish_queue(queue_ptr, n_programs)
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
-                  config, max_spins: int, role: str = "all"):
-    """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only)."""
+                  config, max_spins: int, role: str = "all", timeline: tuple | None = None):
+    """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only).
+    ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`."""
     spec = buf.spec
     N, K = spec.hidden, w_down.shape[2]
     if not 0 < n_comm < n_programs:
         raise ValueError(f"layer1 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
     pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _gemm1_combine_kernel[(grid,)](
         h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
@@ -135,8 +145,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         out, topk_weight, row_of_assignment, plan.sent_rows,
         buf.epoch, buf.error,
         buf.rank, spec.world, N, K, spec.cap, spec.num_local, out.shape[0],
-        buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"),
+        buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"), config.slice_group,
+        tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
-        BLOCK_T=config.block_t, SLICE_MAJOR=config.slice_major, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_T=config.block_t, GROUP_M=config.group_m, num_warps=config.num_warps,
+        num_stages=config.num_stages, TIMELINE=tl_mode,
     )

@@ -23,8 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from interlace.ops.expert_tile import activation_epilogue, gate_up_tile
+from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work
 from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, publish_flag, wait_flag
+from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2}
 
@@ -57,9 +58,11 @@ def _dispatch_gemm0_kernel(
     me, W, N, K, cap, num_local, TPS,
     queue_ptr,  # (3,) int32 work queue: [send tiles claimed, GEMM items claimed, programs done]
     n_comm, n_programs, pid_base, max_spins, join,
+    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, GROUP_M: tl.constexpr,
+    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -68,6 +71,7 @@ def _dispatch_gemm0_kernel(
         n_send = tl.load(send_num_tiles)
         task = claim(queue_ptr)
         while task < n_send:
+            t_start = timeline_now(timeline_clock, TIMELINE)
             seg = tl.load(send_tile_seg + task)
             i = tl.load(send_tile_idx + task)
             d = seg // num_local
@@ -79,6 +83,9 @@ def _dispatch_gemm0_kernel(
             _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
             flags = tl.load(flags0_table + d).to(tl.pointer_type(tl.int32))
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
+            if TIMELINE:
+                timeline_record(timeline_ptr, timeline_cap, task, epoch, pid, KIND_SEND, task, t_start, t_start,
+                                timeline_now(timeline_clock, TIMELINE), TIMELINE)
             task = claim(queue_ptr)
     if (pid >= n_comm) | (join != 0):
         # ---- GEMM work: h = act(A @ W_gate^T) * (A @ W_up^T), local tiles first. Items are
@@ -91,8 +98,8 @@ def _dispatch_gemm0_kernel(
         n_work = tl.load(recv_num_tiles) * n_blocks
         work = claim(queue_ptr + 1)
         while work < n_work:
-            tile = work // n_blocks
-            nb = work % n_blocks
+            t_start = timeline_now(timeline_clock, TIMELINE)
+            tile, nb = grouped_work(work, n_work // n_blocks, n_blocks, GROUP_M)
             seg = tl.load(recv_tile_seg + tile)
             i = tl.load(recv_tile_idx + tile)
             j = seg // num_local  # j-th source in the order me, me+1, ...
@@ -108,6 +115,7 @@ def _dispatch_gemm0_kernel(
             if not is_local:
                 wait_flag(flags0_ptr + (s * num_local + e) * TPS + i, epoch, max_spins, error_ptr, me, WAIT_LAYER0,
                           s, e, i)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
             a_rows = tl.where(is_local, x_ptr + (local // TOP_K).to(tl.int64) * N, recv_ptr + h_rows * N)
             cols = nb * BLOCK_N + offs_n
             cmask = cols < K
@@ -117,20 +125,27 @@ def _dispatch_gemm0_kernel(
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
+            if TIMELINE:  # slots after the send tiles'
+                timeline_record(timeline_ptr, timeline_cap, tl.load(send_num_tiles) + work, epoch, pid,
+                                tl.where(is_local, KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE), work, t_start, t_waited,
+                                timeline_now(timeline_clock, TIMELINE), TIMELINE)
             work = claim(queue_ptr + 1)
     finish_queue(queue_ptr, n_programs)
 
 
 def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: int, n_programs: int,
-                   config, max_spins: int, role: str = "all"):
+                   config, max_spins: int, role: str = "all", timeline: tuple | None = None):
     """Launch layer0 on this rank. ``role``: ``"all"`` (one launch, both roles),
-    ``"comm"`` or ``"gemm"`` (one role only: simulated ranks and the staged transport)."""
+    ``"comm"`` or ``"gemm"`` (one role only: simulated ranks and the staged transport).
+    ``timeline``: ``(records, clock, cap, mode)`` of :class:`interlace.ops.timeline.TimelineBuffer`
+    to record every work item, or None (off: the recording is compiled out)."""
     spec = buf.spec
     N = spec.hidden
     K = w_up.shape[1] // (2 if activation == "swiglu" else 1)
     if not 0 < n_comm < n_programs:
         raise ValueError(f"layer0 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
     pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _dispatch_gemm0_kernel[(grid,)](
         x, assign, w_up, h, v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
@@ -141,9 +156,10 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         buf.epoch, buf.error,
         buf.rank, spec.world, N, K, spec.cap, spec.num_local, spec.tiles_per_segment,
         buf.queue0, n_comm, n_programs, pid_base, max_spins, int(role == "all"),
+        tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, ACTIVATION=ACTIVATIONS[activation],
         BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode,
     )
 

@@ -23,7 +23,9 @@ Options: ``max_tokens`` (tokens per rank the buffers are sized for; default: the
 largest T over ranks — that first call's all-reduce is the one host sync this strategy makes),
 ``n_comm`` / ``n_comm1`` (communication/combine programs of layer0/layer1: an int, or "auto"
 for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait),
-``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM").
+``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM"),
+``timeline`` (record every work item's start/wait/end, read by :meth:`FusedStrategy.timeline_records`;
+off by default and then compiled out of the kernels).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from interlace.ops.fused_combine import gemm1_combine
 from interlace.ops.fused_dispatch import dispatch_gemm0
 from interlace.ops.fused_plan import build_plan
 from interlace.ops.routing_index import build_dispatch_index
+from interlace.ops.timeline import CLOCK_GPU, CLOCK_LOGICAL, TimelineBuffer, layer_capacities
 from interlace.ops.rows import _INTERPRET
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy
@@ -59,17 +62,18 @@ class FusedKernelConfig:
     copy_rows: int = 16  # rows per load/store step of a communication program
     copy_cols: int = 512
     block_t: int = 32  # tokens per combine task
-    slice_major: bool = True  # layer1 work order: N-slice outer (COMET) or row tile outer
+    group_m: int = 8  # row tiles sharing a weight block in L2 (both layers)
+    slice_group: int = 4  # layer1: N-slices per group (1: COMET's column-wise order; 0: all)
 
 
 GPU_CONFIG = FusedKernelConfig()
 # Under the interpreter each op costs the same whatever its size: wide blocks, few programs.
-INTERPRETER_CONFIG = FusedKernelConfig(16, 32, 32, 32, 4, 1, 16, 64, 16)
+INTERPRETER_CONFIG = FusedKernelConfig(16, 32, 32, 32, 4, 1, 16, 64, 16, group_m=2, slice_group=1)
 DEFAULT_SPINS = 1 << 26  # ~seconds of polling: far beyond any healthy wait, short of a hang
 
 
 def kernel_config_from_env(base: FusedKernelConfig) -> FusedKernelConfig:
-    """``INTERLACE_FUSED="block_n1=256,slice_major=0"`` overrides fields (tuning experiments)."""
+    """``INTERLACE_FUSED="block_n1=256,slice_group=0"`` overrides fields (tuning experiments)."""
     value = os.environ.get("INTERLACE_FUSED")
     if not value:
         return base
@@ -79,7 +83,7 @@ def kernel_config_from_env(base: FusedKernelConfig) -> FusedKernelConfig:
         if not hasattr(base, key.strip()):
             raise ValueError(f"INTERLACE_FUSED: unknown field {key!r}")
         fields[key.strip()] = int(v)
-    return replace(base, **{k: (bool(v) if k == "slice_major" else v) for k, v in fields.items()})
+    return replace(base, **fields)
 
 
 def default_split(num_programs: int) -> tuple[int, int]:
@@ -111,9 +115,27 @@ class FusedEngine:
     """
 
     def __init__(self, cfg, buf: PeerBuffer, kernel: FusedKernelConfig, n_programs: int, n_comm: int,
-                 n_comm1: int, max_spins: int = DEFAULT_SPINS):
+                 n_comm1: int, max_spins: int = DEFAULT_SPINS, timeline: bool = False):
         self.cfg, self.buf, self.kernel = cfg, buf, kernel
         self.n_programs, self.n_comm, self.n_comm1, self.max_spins = n_programs, n_comm, n_comm1, max_spins
+        # ---- timeline (opt-in): per-work-item records, see interlace.ops.timeline ----
+        device = buf.epoch.device
+        self.timeline = TimelineBuffer(device, CLOCK_GPU if device.type == "cuda" and not _INTERPRET
+                                       else CLOCK_LOGICAL) if timeline else None
+
+    def _timeline_args(self, call: FusedCall, layer: int):
+        if self.timeline is None:
+            return None
+        n_blocks0 = -(-call.h.shape[1] // self.kernel.block_n)
+        self.timeline.ensure(*layer_capacities(call.plan, n_blocks0, self.buf.spec.num_slices, call.out.shape[0],
+                                               self.kernel.block_t))
+        return self.timeline.args(layer)
+
+    def timeline_records(self) -> list[dict]:
+        """Records of this rank's last call (host sync); see :meth:`TimelineBuffer.records`."""
+        if self.timeline is None:
+            raise RuntimeError("the timeline is off: build the strategy with timeline=True")
+        return self.timeline.records(int(self.buf.epoch.item()))
 
     def dispatch_index(self, topk_idx: torch.Tensor):
         cfg = self.cfg
@@ -136,12 +158,13 @@ class FusedEngine:
     def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all") -> None:
         dispatch_gemm0(call.x, call.assignment_of_row, w_up, call.h, self.buf, call.plan,
                        activation=self.cfg.activation, n_comm=self.n_comm, n_programs=self.n_programs,
-                       config=self.kernel, max_spins=self.max_spins, role=role)
+                       config=self.kernel, max_spins=self.max_spins, role=role,
+                       timeline=self._timeline_args(call, 0))
 
     def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all") -> None:
         gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
                       n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
-                      max_spins=self.max_spins, role=role)
+                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1))
 
 
 def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
@@ -197,8 +220,9 @@ class FusedStrategy(Strategy):
 
     def __init__(self, config, ep, max_tokens: int | None = None, n_comm: int | str = "auto",
                  n_comm1: int | str = "auto", max_spins: int = DEFAULT_SPINS, transport: str = "auto",
-                 symm_backend: str | None = None, kernel: FusedKernelConfig | None = None):
+                 symm_backend: str | None = None, kernel: FusedKernelConfig | None = None, timeline: bool = False):
         super().__init__(config, ep)
+        self.timeline = bool(timeline)
         if transport not in ("auto", "symmetric", "staged"):
             raise ValueError(f"transport must be 'auto', 'symmetric' or 'staged', got {transport!r}")
         if max_tokens is not None and max_tokens < 1:
@@ -239,7 +263,7 @@ class FusedStrategy(Strategy):
         self.transport_used = transport
         n_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
         n_comm, n_comm1 = self._resolve_split(n_programs, x.shape[0])
-        self.engine = FusedEngine(cfg, self.buf, kernel, n_programs, n_comm, n_comm1, self.max_spins)
+        self.engine = FusedEngine(cfg, self.buf, kernel, n_programs, n_comm, n_comm1, self.max_spins, self.timeline)
 
     def _resolve_split(self, n_programs: int, tokens: int) -> tuple[int, int]:
         from interlace.ops.fused_tuning import lookup_split
@@ -346,6 +370,14 @@ class FusedStrategy(Strategy):
                 self.buf.error.zero_()
                 host.zero_()
                 raise RuntimeError(message)
+
+    def timeline_records(self) -> list[dict]:
+        """With ``timeline=True``: one dict per work item of this rank's last call (layer, kind,
+        pid, sm, item, start/waited/end in ns from the call's first start); a host sync.
+        Drawn by :mod:`interlace.bench.timeline`."""
+        if self.engine is None:
+            raise RuntimeError("no call yet: the timeline holds the records of the last call")
+        return self.engine.timeline_records()
 
     def synchronize_and_check(self) -> None:
         """Wait for this rank's work and raise if any wait timed out (tests, stress runs)."""
