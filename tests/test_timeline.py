@@ -1,0 +1,117 @@
+"""The fused kernels' opt-in timeline (interlace.ops.timeline) and its Gantt chart (interlace.bench.timeline).
+
+Two ranks simulated in one process under the Triton interpreter (logical clock): every work
+item of the last call has exactly one record of the right kind, counts derived from the
+routing (not from the plan), start ≤ waited ≤ end; records of an earlier call never leak.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from interlace import MoEConfig
+from interlace.bench.timeline import covered, draw_timeline, summarize
+from interlace.experts import init_expert_weights
+from interlace.ops.timeline import KINDS
+from interlace.strategies.fused import INTERPRETER_CONFIG as KC, FusedEngine, run_simulated
+from interlace.transport.peer_buffer import BufferSpec, simulated_world
+
+from helpers import rel_err
+from test_fused import expert_reference, random_indices
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg) -> dict:
+    """Work items of rank ``me`` from every rank's kept rows per expert (W, E)."""
+    W = kept_all.shape[0]
+    tiles = lambda s, d: sum(cdiv(int(kept_all[s, d * El + e]), KC.block_m) for e in range(El))  # noqa: E731
+    local = tiles(me, me)
+    recv = sum(tiles(s, me) for s in range(W))
+    n_blocks0, n_slices = cdiv(cfg.ffn, KC.block_n), cdiv(cfg.hidden, KC.block_n1)
+    return {"send": sum(tiles(me, d) for d in range(W) if d != me), "gemm0_local": local * n_blocks0,
+            "gemm0_remote": (recv - local) * n_blocks0, "gemm1": n_slices * recv,
+            "combine": n_slices * cdiv(tokens, KC.block_t)}
+
+
+def test_timeline_records_every_work_item_of_the_last_call():
+    cfg = MoEConfig(hidden=40, ffn=40, num_experts=4, top_k=2, dtype=torch.float32)
+    W, El, n_programs, n_comm = 2, 2, 4, (1, 2)
+    spec = BufferSpec(W, El, cfg.hidden, cfg.top_k, 40, KC.block_m, KC.block_n1, cfg.dtype)
+    engines = [FusedEngine(cfg, b, KC, n_programs, *n_comm, max_spins=1 << 20, timeline=True)
+               for b in simulated_world(spec)]
+    w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), 1, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    # Call 1 is larger than call 2: its stale records stay in the buffer and must be filtered out.
+    for tokens in ([40, 33], [27, 19]):
+        idxs = random_indices(cfg, tokens, gen)
+        xs = [torch.randn(T, cfg.hidden, generator=gen) for T in tokens]
+        ws = [torch.rand(T, cfg.top_k, generator=gen) for T in tokens]
+        outs = run_simulated(engines, xs, idxs, ws, [w_up[r * El:(r + 1) * El] for r in range(W)],
+                             [w_down[r * El:(r + 1) * El] for r in range(W)])
+    for out, x, i, w in zip(outs, xs, idxs, ws):  # recording changes nothing
+        assert rel_err(out, expert_reference(x, i, w, w_up, w_down, cfg)) < 1e-5
+    kept_all = torch.stack([eng.dispatch_index(i)[2] for eng, i in zip(engines, idxs)])
+    for me, eng in enumerate(engines):
+        recs = eng.timeline_records()
+        want = expected_counts(kept_all, me, El, tokens[me], cfg)
+        assert want["send"] > 0 and want["gemm0_remote"] > 0  # the case exercises every kind
+        got = {k: sorted(r["item"] for r in recs if r["kind"] == k) for k in KINDS}
+        assert {k: len(v) for k, v in got.items()} == want
+        # One record per item: the items of a queue are exactly 0 .. n-1.
+        assert got["send"] == list(range(want["send"]))
+        assert sorted(got["gemm0_local"] + got["gemm0_remote"]) == list(range(want["gemm0_local"] +
+                                                                              want["gemm0_remote"]))
+        assert 0 in got["gemm0_local"]  # local tiles first: no wait at the head of the queue
+        assert got["gemm1"] == list(range(want["gemm1"])) and got["combine"] == list(range(want["combine"]))
+        for r in recs:
+            assert 0 <= r["start"] <= r["waited"] <= r["end"], r
+            assert r["layer"] == (0 if r["kind"] in ("send", "gemm0_local", "gemm0_remote") else 1)
+            # Separate role launches here: sends/combine only on communication programs.
+            on_comm = r["pid"] < n_comm[r["layer"]]
+            assert on_comm == (r["kind"] in ("send", "combine")) and 0 <= r["pid"] < n_programs, r
+        # Logical clock: layer0 before layer1, and the waits of remote tiles are recorded.
+        assert max(r["end"] for r in recs if r["layer"] == 0) < min(r["start"] for r in recs if r["layer"] == 1)
+        assert all(r["waited"] > r["start"] for r in recs if r["kind"] == "gemm0_remote")
+
+
+def test_timeline_off_by_default():
+    cfg = MoEConfig(hidden=16, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
+    spec = BufferSpec(1, 2, 16, 1, 8, KC.block_m, KC.block_n1, cfg.dtype)
+    eng = FusedEngine(cfg, simulated_world(spec)[0], KC, 4, 1, 1)
+    assert eng.timeline is None
+    with pytest.raises(RuntimeError, match="timeline is off"):
+        eng.timeline_records()
+
+
+def test_overlap_summary_and_png(tmp_path):
+    assert covered([(0, 10)], [(5, 20)]) == 5
+    assert covered([(0, 4), (2, 6), (10, 12)], [(1, 3), (3, 11)]) == 5 + 1
+    rng = random.Random()
+    n = rng.randrange(50, 100)
+
+    def rec(layer, kind, pid, start, wait, dur):
+        return {"layer": layer, "kind": kind, "pid": pid, "sm": pid, "item": 0, "start": start,
+                "waited": start + wait, "end": start + wait + dur}
+
+    # Sends [0, 1000) on program 0; GEMM0 on programs 1-3 from 500 ns: half the sends are covered.
+    records = [rec(0, "send", 0, 100 * i, 0, 100) for i in range(10)]
+    records += [rec(0, rng.choice(("gemm0_local", "gemm0_remote")), 1 + i % 3, 500 + 37 * i,
+                    rng.randrange(0, 20) if i else 0, rng.randrange(60, 90)) for i in range(n)]
+    records += [rec(1, "gemm1", 1 + i % 3, 5000 + 41 * i, 0, 40) for i in range(n)]
+    records += [rec(1, "combine", 0, 5000 + 41 * n + 50 * i, 5, 45) for i in range(8)]
+    s = summarize(records)
+    assert s["send_under_gemm0"] == pytest.approx(0.5)
+    assert s["combine_under_gemm1"] == 0.0
+    assert s["kinds"]["send"]["items"] == 10 and s["kinds"]["combine"]["wait"] == 40
+    path = tmp_path / "timeline_rank0.png"
+    draw_timeline(records, str(path), "synthetic", splits=(1, 1), n_programs=4)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="no timeline records"):
+        draw_timeline([], str(tmp_path / "empty.png"), "empty")
