@@ -181,34 +181,47 @@ def main():
     torch.cuda.empty_cache()
     save()
 
-    for name in args.configs:
+    def time_rows(name, mesh, strategies):
         cfg = preset(name)
-        if not args.skip_check:
-            for row in check(env, cfg, meshes):
-                row["config"] = name
-                report["checks"].append(row)
-                log(f"check {name} {row['mesh']} {row['strategy']}: {'PASS' if row['ok'] else 'FAIL'} "
-                    + " ".join(f"{e:.1e}" for e in row["errors"]))
-            torch.cuda.empty_cache()
-        for mesh, strategies in timed:
-            layer = MoELayer(cfg, mesh=mesh, strategy=strategies[0], seed=0, device=env.device)
-            for T in args.tokens:
-                gen = torch.Generator(device=env.device).manual_seed(100 + mesh.ep_rank)  # TP ranks: same tokens
-                x = torch.randn(T, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
-                for mode in args.modes:
-                    for strategy in strategies:
-                        layer.set_strategy(strategy)
-                        ms = time_layer(env, layer, x, mode=mode)
-                        distinct = T * mesh.ep
-                        flops = 2 * distinct * cfg.top_k * cfg.hidden * 3 * cfg.ffn * (3 if mode == "fwdbwd" else 1)
-                        row = {"config": name, "tokens": T, "mesh": f"tp{mesh.tp}xep{mesh.ep}", "strategy": strategy,
-                               "mode": mode, "median_ms": ms, "distinct_tokens": distinct,
-                               "tflops": flops / (ms * 1e-3) / 1e12}
-                        report["times"].append(row)
-                        log(f"time {name} T={T} {row['mesh']} {strategy} {mode}: {ms:.3f} ms")
-            del layer
-            torch.cuda.empty_cache()
+        layer = MoELayer(cfg, mesh=mesh, strategy=strategies[0], seed=0, device=env.device)
+        for T in args.tokens:
+            gen = torch.Generator(device=env.device).manual_seed(100 + mesh.ep_rank)  # TP ranks: same tokens
+            x = torch.randn(T, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+            for mode in args.modes:
+                for strategy in strategies:
+                    layer.set_strategy(strategy)
+                    ms = time_layer(env, layer, x, mode=mode)
+                    distinct = T * mesh.ep
+                    flops = 2 * distinct * cfg.top_k * cfg.hidden * 3 * cfg.ffn * (3 if mode == "fwdbwd" else 1)
+                    row = {"config": name, "tokens": T, "mesh": f"tp{mesh.tp}xep{mesh.ep}", "strategy": strategy,
+                           "mode": mode, "median_ms": ms, "distinct_tokens": distinct,
+                           "tflops": flops / (ms * 1e-3) / 1e12}
+                    report["times"].append(row)
+                    log(f"time {name} T={T} {row['mesh']} {strategy} {mode}: {ms:.3f} ms")
+        del layer
+        torch.cuda.empty_cache()
         save()
+
+    # TP=1/EP=2 sequential first (the known path), then per config: check, TP=2 forms. A Python
+    # error in one config's tp_ep section is logged and the next config still runs.
+    for name in args.configs:
+        time_rows(name, *timed[1])
+    for name in args.configs:
+        try:
+            if not args.skip_check:
+                for row in check(env, preset(name), meshes):
+                    row["config"] = name
+                    report["checks"].append(row)
+                    log(f"check {name} {row['mesh']} {row['strategy']}: {'PASS' if row['ok'] else 'FAIL'} "
+                        + " ".join(f"{e:.1e}" for e in row["errors"]))
+                torch.cuda.empty_cache()
+            time_rows(name, *timed[0])
+        except Exception as err:  # noqa: BLE001  (record and go on)
+            import traceback
+
+            traceback.print_exc()
+            report.setdefault("errors", []).append(f"{name}: {type(err).__name__}: {err}")
+            save()
 
     report["elapsed_s"] = time.time() - t0
     save()
