@@ -94,11 +94,14 @@ def test_fused_skewed_zero_experts_fp16():
         assert rel_err(out, ref) < 1e-2
 
 
-def test_fused_swizzled_work_orders():
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_fused_swizzled_work_orders(tma, monkeypatch):
     """L2-swizzled work orders (row-tile groups of 3, N-slices in groups of 2 and all at once)
-    cover every (tile, column block) exactly once: checked through the output."""
+    cover every (tile, column block) exactly once: checked through the output; weights through
+    pointers and through TMA descriptors (the interpreter emulates them)."""
     from dataclasses import replace
 
+    monkeypatch.setenv("INTERLACE_TMA", tma)
     cfg = MoEConfig(hidden=80, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))

@@ -14,10 +14,13 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_up_tile(a_rows, rmask, w_base, cols, cmask, N, K, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
     """(acc_gate, acc_up) of A[rows] @ W[cols]^T over the N reduction; W row-major (up_width, N)
-    at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU."""
+    at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU.
+    With USE_TMA the weight tiles come through the tensor descriptor ``w_desc`` over all
+    experts' (E·up_width, N) rows, this tile's first gate row being ``w_row`` (block rows past
+    the expert's K rows only feed masked output columns)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -25,12 +28,17 @@ def gate_up_tile(a_rows, rmask, w_base, cols, cmask, N, K, ACTIVATION: tl.conste
         kk = k0 + offs_k
         kmask = kk < N
         a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & cmask[None, :]
-        acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
-                       acc_g)
-        if ACTIVATION == 0:
-            acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
-                                      other=0.0), acc_u)
+        if USE_TMA:
+            acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
+            if ACTIVATION == 0:
+                acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
+        else:
+            wmask = kmask[:, None] & cmask[None, :]
+            acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
+                           acc_g)
+            if ACTIVATION == 0:
+                acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
+                                          other=0.0), acc_u)
     if ACTIVATION != 0:
         acc_u = acc_g
     return acc_g, acc_u

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import slice_grouped_work
+from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
 from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, publish_flag, wait_flag
 from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
 
@@ -40,7 +41,7 @@ def _gemm1_combine_kernel(
     n_comm, n_programs, pid_base, max_spins, join, slice_group,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
@@ -52,6 +53,10 @@ def _gemm1_combine_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
+        w_desc = w_ptr  # the pointer path ignores it
+        if USE_TMA:  # w_down (E_l·N, K) rows through TMA; rows past an expert's N feed masked columns
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
         work = claim(queue_ptr)
         while work < n_slices * n_tiles:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -70,8 +75,11 @@ def _gemm1_combine_kernel(
                 kk = k0 + offs_k
                 kmask = kk < K
                 a = tl.load(h_ptr + h_rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None], mask=kmask[:, None] & cmask[None, :],
-                            other=0.0)
+                if USE_TMA:
+                    b = w_desc.load([(e * N + sl * BLOCK_N).to(tl.int32), k0]).T
+                else:
+                    b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None],
+                                mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc)
             ret_rows = (tl.load(recv_ret_row0 + seg) + i * BLOCK_M + offs_m).to(tl.int64)
             dst = tl.load(ret_table + s).to(tl.pointer_type(h_ptr.dtype.element_ty))
@@ -138,6 +146,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
+    tma = use_tma(w_down)
+    if tma:
+        _ensure_allocator()
     _gemm1_combine_kernel[(grid,)](
         h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
         plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],
@@ -148,6 +159,6 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"), config.slice_group,
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
-        BLOCK_T=config.block_t, GROUP_M=config.group_m, num_warps=config.num_warps,
+        BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode,
     )

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work
+from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
 from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, publish_flag, wait_flag
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
@@ -61,7 +62,7 @@ def _dispatch_gemm0_kernel(
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, GROUP_M: tl.constexpr,
+    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
@@ -96,6 +97,10 @@ def _dispatch_gemm0_kernel(
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         n_work = tl.load(recv_num_tiles) * n_blocks
+        w_desc = w_ptr  # the pointer path ignores it
+        if USE_TMA:  # weights through TMA (Hopper+); A rows are gathered, so they stay tl.load
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
         work = claim(queue_ptr + 1)
         while work < n_work:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -120,8 +125,9 @@ def _dispatch_gemm0_kernel(
             cols = nb * BLOCK_N + offs_n
             cmask = cols < K
             w_base = w_ptr + e.to(tl.int64) * up_width * N
-            acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, cols, cmask, N, K, ACTIVATION, BLOCK_M, BLOCK_N,
-                                        BLOCK_K)
+            w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
+            acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, USE_TMA)
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
@@ -147,6 +153,9 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
+    tma = use_tma(w_up)
+    if tma:
+        _ensure_allocator()
     _dispatch_gemm0_kernel[(grid,)](
         x, assign, w_up, h, v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
         plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],
@@ -159,7 +168,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, ACTIVATION=ACTIVATIONS[activation],
         BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m,
+        COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode,
     )
 
