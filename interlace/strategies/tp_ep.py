@@ -163,23 +163,30 @@ class _Plan:
     offs: torch.Tensor
 
 
-def _relayout(lengths, buf_starts, dst_starts, rows, total, device):
+def _relayout(lengths, buf_starts, dst_starts, offs, rows, total, device):
     """Row index maps of a block re-layout: block b moves ``lengths[b]`` rows from buffer row
-    ``buf_starts[b]`` to expert-major row ``dst_starts[b]``. Built on the device from the
-    host-side block table (no host sync)."""
+    ``buf_starts[b]`` to expert-major row ``dst_starts[b]``. The host-side block table (and the
+    grouped GEMM's ``offs``) travel in one pinned, non-blocking copy; the maps are built on
+    the device (no host sync). Returns ``dest, src, dest_gather, offs`` (see :class:`_Plan`)."""
     n = len(lengths)
-    lengths_d = torch.tensor(lengths, dtype=torch.int64).to(device)
-    first = torch.tensor([0] + lengths[:-1], dtype=torch.int64).cumsum(0).to(device) if n else lengths_d
+    first = [0] * n
+    for b in range(1, n):
+        first[b] = first[b - 1] + lengths[b - 1]
+    host = torch.tensor(lengths + first + buf_starts + dst_starts + offs, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    lengths_d, first_d, buf_d, dst_d = (table[i * n:(i + 1) * n] for i in range(4))
     block = torch.repeat_interleave(torch.arange(n, device=device), lengths_d, output_size=rows)
-    within = torch.arange(rows, device=device) - first[block]
-    buf_row = torch.tensor(buf_starts, dtype=torch.int64).to(device)[block] + within
-    dst_row = torch.tensor(dst_starts, dtype=torch.int64).to(device)[block] + within
+    within = torch.arange(rows, device=device) - first_d[block]
+    buf_row = buf_d[block] + within
+    dst_row = dst_d[block] + within
     dest = torch.full((total,), rows, dtype=torch.int64, device=device)
     dest[buf_row] = dst_row
     src = torch.empty(rows, dtype=torch.int32, device=device)
     src[dst_row] = buf_row.to(torch.int32)
     dest_gather = torch.where(dest == rows, 0, dest).to(torch.int32)
-    return dest, src, dest_gather
+    return dest, src, dest_gather, table[4 * n:].to(torch.int32)
 
 
 def _make_plan(form, counts, mesh, num_local, chunks, device) -> _Plan:
@@ -213,8 +220,8 @@ def _make_plan(form, counts, mesh, num_local, chunks, device) -> _Plan:
                     at += n
                     filled[e_local] += n
     rows = sum(per_expert)
-    dest, src, dest_gather = _relayout(lengths, buf_starts, dst_starts, rows, sum(width), device)
-    offs = torch.tensor(per_expert, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    offs = [sum(per_expert[:e + 1]) for e in range(num_local)]  # end row of each expert
+    dest, src, dest_gather, offs = _relayout(lengths, buf_starts, dst_starts, offs, rows, sum(width), device)
     return _Plan(form, mesh.ep_group, mesh.tp_group, tp_gather, in_splits, out_splits, pad, start, width,
                  rows, dest, src, dest_gather, offs)
 
