@@ -63,6 +63,13 @@ def _four_ranks(rank, world):
     layer = MoELayer(cfg, mesh=mesh, strategy="tp_ep:O2", device="cpu")
     with pytest.raises(ValueError, match="must hold the same tokens"):
         layer(torch.randn(6 + rank, cfg.hidden))
+    # The caller's own groups give the same mesh and the same layer.
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    given = MoEMesh.from_groups(tp_groups[rank // 2], ep_groups[rank % 2])
+    assert (given.tp, given.ep, given.tp_rank, given.ep_rank) == (mesh.tp, mesh.ep, mesh.tp_rank, mesh.ep_rank)
+    x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(rank // 2))
+    assert torch.equal(MoELayer(cfg, mesh=given, strategy="tp_ep:O2", device="cpu")(x), layer(x))
 
 
 def _eight_ranks(rank, world):
