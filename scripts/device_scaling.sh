@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
+#   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused
+#   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe)
+#   hidden   fused communication-hidden percentage (scripts/fused_check.py --steps hidden)
+#   mesh     EP×TP factorisations of W for mixtral-8x7b at 8192 tokens/GPU (scripts/mesh_bench.py)
+# Weak scaling T(2)/T(W) at fixed tokens/GPU: run on each machine size, then
+#   python scripts/scaling_report.py OUT_2GPU/fwd/results.json OUT_WGPU/fwd/results.json
+# usage: bash scripts/device_scaling.sh STEP [STEP ...]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-bench-out}
+W=${W:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+mkdir -p "$OUT"
+status=0
+for step in "$@"; do
+  case $step in
+    fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
+              --tokens 4096 8192 16384 --out "$OUT/fwd" > "$OUT/fwd.log" 2>&1 || status=1 ;;
+    fb)     torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
+              --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/fb" \
+              > "$OUT/fb.log" 2>&1 || status=1 ;;
+    hidden) torchrun --nproc-per-node "$W" scripts/fused_check.py --steps hidden \
+              --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \
+              --out "$OUT" > "$OUT/hidden.log" 2>&1 || status=1 ;;
+    mesh)   torchrun --nproc-per-node "$W" scripts/mesh_bench.py --config mixtral-8x7b --tokens 8192 --out "$OUT" \
+              > "$OUT/mesh.log" 2>&1 || status=1 ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
+exit $status

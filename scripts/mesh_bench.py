@@ -1,0 +1,70 @@
+"""EP × TP inside the MoE layer on any number of GPUs (COMET Fig. 12's experiment).
+
+    torchrun --nproc-per-node W scripts/mesh_bench.py [--config mixtral-8x7b] [--tokens 8192]
+
+For every factorisation EP × TP = W (e.g. 8×1, 4×2, 2×4 on 8 GPUs) it builds the mesh
+(``MoEMesh.build``; TP ranks of one group hold the same tokens) and times the forward with each
+all-to-all form (``tp_ep:O0``…``O3``; EP-only meshes: ``sequential`` and ``fused``) with the
+harness's timing (CUDA events, 5 warm-ups, median of 20, slowest rank). Correctness of the
+forms is checked elsewhere (``scripts/device_tp_ep.py`` on GPUs, the gloo tests on CPU).
+Writes ``$OUT/mesh_bench.json`` and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from interlace import MoELayer, preset
+from interlace.bench.harness import init_env, reduce_max, time_cuda
+from interlace.mesh import MoEMesh
+
+FORMS = ("tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="mixtral-8x7b")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    env = init_env()
+    cfg = preset(args.config, router="softmax", route_scale=1.0)
+    W = env.world
+    rows = []
+    for tp in [t for t in range(1, W + 1) if W % t == 0]:
+        ep = W // tp
+        if cfg.num_experts % ep or cfg.ffn % tp:
+            continue
+        mesh = MoEMesh.build(tp=tp, ep=ep)
+        # Tokens are shared inside a TP group: seed by the EP coordinate.
+        gen = torch.Generator(device=env.device).manual_seed(1000 + mesh.ep_rank)
+        x = torch.randn(args.tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+        strategies = FORMS if tp > 1 else ("sequential", "fused")
+        for strategy in strategies:
+            layer = MoELayer(cfg, mesh=mesh, strategy=strategy, seed=7, device=env.device)
+            with torch.no_grad():
+                times = time_cuda(lambda: layer(x), warmup=5, iters=20, env=env)
+            ms = reduce_max(env, statistics.median(times))
+            rows.append(dict(config=args.config, tokens=args.tokens, world=W, ep=ep, tp=tp, strategy=strategy, ms=ms))
+            if env.rank == 0:
+                print(f"EP={ep} TP={tp} {strategy:10s} {ms:8.3f} ms", flush=True)
+            del layer
+            torch.cuda.empty_cache()
+    if env.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mesh_bench.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"\n| config | tokens/rank | GPUs | EP | TP | strategy | median ms |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['config']} | {r['tokens']} | {r['world']} | {r['ep']} | {r['tp']} | {r['strategy']} | {r['ms']:.3f} |")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
