@@ -1,6 +1,7 @@
 """``fused``: COMET's fine-grained overlap — dispatch fused into GEMM0, GEMM1 fused into combine.
 
-Per call, on every rank (no host sync anywhere, so the layer is CUDA-graph capturable):
+Per call, on every rank (no host sync anywhere after the first call; the epoch lives on the
+device, so CUDA-graph capture should work, but it has not been tried yet):
 
 1. counting sort of the routing (``build_dispatch_index``) and **one all-gather** of every
    rank's kept rows per expert (a device collective; nothing is read back to the host);
@@ -18,6 +19,12 @@ moving the staged regions between the kernel phases).
 Backward (for now): the layer's backward **recomputes** the forward through the ``sequential``
 strategy's autograd graph (NCCL all-to-all, grouped GEMMs) and differentiates that — correct
 and deterministic, but not fused and not overlapped: fwd+bwd costs one extra forward.
+
+Deadlock freedom: communication work never waits; every wait is on work that was claimed
+earlier from an in-order queue by a running program (interlace.ops.flags), so progress does
+not depend on which programs the GPU schedules first; the grid is the device's SM count (read,
+never assumed) and a peer that never runs the layer makes the bounded waits record an error
+(raised on this rank's next call, or by :meth:`FusedStrategy.synchronize_and_check`).
 
 Options: ``max_tokens`` (tokens per rank the buffers are sized for; default: the first call's
 largest T over ranks — that first call's all-reduce is the one host sync this strategy makes),

@@ -16,7 +16,7 @@ here is valid on every peer)::
     flags1  (W, S)               layer1 readiness of (expert rank, N-slice), S = ceil(N / BLOCK_N1)
 
 Flags hold the **epoch** (the call counter, kept on the device and advanced by every call),
-so nothing is ever reset between calls and CUDA-graph replay stays correct: a waiter waits
+so nothing is ever reset between calls (and a replayed CUDA graph would stay correct): a waiter waits
 for ``flag >= epoch``.
 
 Kernels get peers as *address tables*: (W,) int64 device tensors with the address of each
