@@ -71,7 +71,7 @@ class SizeCurve:
     rate of the largest measurement (``t_max · x / x_max``): the line is fitted with relative
     weights over sizes spanning many decades, so its slope is set by mid-size points and
     over-predicts large transfers (seen on 2× H200: the all-to-all line gave 13 ms for a
-    4.6 GB per-rank exchange that the layer timings put at ~9 ms).
+    4.6 GB per-rank exchange that measured 6.8 ms).
     """
 
     sizes: list[float]

@@ -14,8 +14,8 @@ The layer time for degree r, forward (``mode="fwd"``) or forward + backward (``"
   expert parameter), the input-gradient all-to-all and the dispatch backward. Device times come
   from the profile's curves (all-to-all: bytes per rank; expert stage: rows; gathers and
   accumulation: bytes over the measured copy bandwidth). Host costs are the measured op costs
-  plus ``Profile.chunk_host_ms``, the host time the strategy's own Python spends per chunk
-  (autograd functions, NCCL wrappers, stream waits), which no op microbenchmark sees. It sits
+  plus the shape class's ``chunk_host_ms``, the host time the strategy's own Python spends per
+  chunk (autograd functions, NCCL wrappers, stream waits), which no op microbenchmark sees. It sits
   inside the simulation, so it is hidden while the GPU is busy and is the whole cost when the
   layer is host-bound — which is why a fixed per-chunk term fitted at one size was wrong at
   another (run 7: r = 2–4 under-predicted by 10–12% at small T, r = 1 over-predicted).
@@ -27,8 +27,9 @@ The layer time for degree r, forward (``mode="fwd"``) or forward + backward (``"
   all-to-all time the compute it overlaps loses (NCCL kernels take SMs and memory bandwidth).
 
 All fitted terms come from the profile's own raw calibration points (:func:`calibrate_profile`):
-``chunk_host_ms`` for the machine by a 1-D search, the rest per shape class and mode by
-(non-negative) least squares on relative errors. Without forward + backward points a shape
+per shape class ``chunk_host_ms`` by a 1-D search (it differs by class: 2× H200 run 13 saw
+0.6–1.05 ms of host time per chunk), the rest per class and mode by (non-negative) least
+squares on relative errors. Without forward + backward points a shape
 class predicts ``fwdbwd`` with its forward terms.
 
 The degree is the argmin over the allowed degrees (≤ 16 simulations, done once per distinct
@@ -92,7 +93,9 @@ def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
     row_bytes = cfg.hidden * _element_size(cfg)
     bw = prof.copy_gbps * 1e6  # bytes per ms
     h = prof.host_ms
-    extra = (prof.chunk_host_ms if host_extra is None else host_extra) if r > 1 else 0.0
+    if host_extra is None:
+        host_extra = shape.chunk_host_ms if shape.chunk_host_ms is not None else prof.chunk_host_ms
+    extra = host_extra if r > 1 else 0.0
     total_rows = tokens * cfg.top_k
     whole_expert = shape.expert(total_rows) if total_rows else 0.0
     whole_a2a = prof.a2a(total_rows * row_bytes) if total_rows else 0.0
@@ -238,37 +241,36 @@ def _fit_terms(prof: Profile, skey: str, points, mode: str, host_extra: float) -
     return cal, errors
 
 
-def calibrate(prof: Profile, skey: str) -> None:
-    """Fit one shape class's calibration terms (both modes) from its raw points, in place,
-    with the profile's current ``chunk_host_ms``."""
+def calibrate(prof: Profile, skey: str, host_grid=HOST_GRID_MS) -> None:
+    """Fit one shape class's terms from its raw points, in place: its per-chunk host cost by
+    a 1-D search (coarse ``host_grid``, then refined: the value whose least-squares fits leave
+    the smallest squared relative error over both modes' points), then each mode's terms."""
     shape = prof.shapes[skey]
-    for mode in MODES:
-        points = shape.points(mode)
-        if points:
-            shape.set_terms(mode, _fit_terms(prof, skey, points, mode, prof.chunk_host_ms)[0])
+    modes = [m for m in MODES if shape.points(m)]
 
-
-def calibrate_profile(prof: Profile, host_grid=HOST_GRID_MS) -> None:
-    """Fit the machine's per-chunk host cost (1-D search over ``host_grid``: the value whose
-    per-shape fits leave the smallest squared relative error on all pipelined calibration
-    points), then every shape class's terms. Uses only the profile's own raw points."""
     def total_error(h):
-        err = 0.0
-        for skey, shape in prof.shapes.items():
-            for mode in MODES:
-                pts = shape.points(mode)
-                if any(r > 1 for _, _, r, _ in pts):
-                    _, errors = _fit_terms(prof, skey, pts, mode, h)
-                    err += float(np.sum(np.square(errors)))
-        return err
+        return sum(float(np.sum(np.square(_fit_terms(prof, skey, shape.points(m), m, h)[1]))) for m in modes)
 
-    if any(r > 1 for s in prof.shapes.values() for m in MODES for _, _, r, _ in s.points(m)):
+    if any(r > 1 for m in modes for _, _, r, _ in shape.points(m)):
         coarse = min(host_grid, key=total_error)
         step = min((abs(a - b) for a, b in zip(host_grid, host_grid[1:])), default=0.0) / 5
         fine = [max(0.0, coarse + step * i) for i in range(-4, 5)] if step > 0 else [coarse]
-        prof.chunk_host_ms = float(min(fine, key=total_error))
+        shape.chunk_host_ms = float(min(fine, key=total_error))
+    for mode in modes:
+        shape.set_terms(mode, _fit_terms(prof, skey, shape.points(mode), mode, shape.chunk_host_ms or 0.0)[0])
+
+
+def calibrate_profile(prof: Profile, host_grid=HOST_GRID_MS) -> None:
+    """Calibrate every shape class from the profile's own raw points (:func:`calibrate`);
+    ``Profile.chunk_host_ms`` becomes the median of the classes' host costs (the value for a
+    class without pipelined points)."""
+    hosts = []
     for skey in prof.shapes:
-        calibrate(prof, skey)
+        calibrate(prof, skey, host_grid)
+        if prof.shapes[skey].chunk_host_ms is not None:
+            hosts.append(prof.shapes[skey].chunk_host_ms)
+    if hosts:
+        prof.chunk_host_ms = float(np.median(hosts))
 
 
 @dataclass

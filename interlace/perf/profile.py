@@ -125,6 +125,7 @@ class ShapeProfile:
     pipe_ms: float = 0.0
     calibration_fwdbwd: list = field(default_factory=list)
     train: Calibration | None = None  # forward + backward terms (None: use the forward ones)
+    chunk_host_ms: float | None = None  # fitted host time per chunk (None: the profile's value)
 
     def points(self, mode: str) -> list:
         return self.calibration if mode == "fwd" else self.calibration_fwdbwd
@@ -148,6 +149,8 @@ class ShapeProfile:
             d["calibration_fwdbwd"] = self.calibration_fwdbwd
         if self.train is not None:
             d["train"] = self.train.to_json()
+        if self.chunk_host_ms is not None:
+            d["chunk_host_ms"] = self.chunk_host_ms
         return d
 
     @staticmethod
@@ -156,7 +159,7 @@ class ShapeProfile:
         return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], fwd.fixed, fwd.chunk_ms,
                             fwd.interference, d.get("calibration", []), fwd.model_error, fwd.pipe_ms,
                             d.get("calibration_fwdbwd", []),
-                            Calibration.from_json(d["train"]) if "train" in d else None)
+                            Calibration.from_json(d["train"]) if "train" in d else None, d.get("chunk_host_ms"))
 
 
 @dataclass
@@ -169,7 +172,7 @@ class Profile:
     host_ms: dict  # host cost per chunk: "index" (pre-sync), "prep", "combine" (post-sync)
     shapes: dict[str, ShapeProfile] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
-    chunk_host_ms: float = 0.0  # fitted: the pipelined strategy's own host time per chunk
+    chunk_host_ms: float = 0.0  # fitted host time per chunk: median of the shape classes' values
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, "key": self.key, "world": self.world, "meta": self.meta,
