@@ -197,3 +197,14 @@ def test_plan_kernel_matches_reference(W, El, me):
         assert int(getattr(kernel, side)[2]) == n, side
         for i in (0, 1):
             assert getattr(kernel, side)[i][:n].tolist() == getattr(ref, side)[i][:n].tolist(), side
+
+
+def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one():
+    from interlace.config import preset
+    from interlace.ops.fused_tuning import lookup_split
+
+    cfg = preset("qwen2-moe")
+    assert lookup_split(cfg, 15000, world=2, sm_count=132) == (16, 8)  # nearest bucket: 16384
+    assert lookup_split(cfg, 5000, world=2, sm_count=132) == (32, 16)  # nearest bucket: 4096
+    with pytest.warns(UserWarning, match="no tuned fused block split"):
+        assert lookup_split(cfg, 5000, world=2, sm_count=78) is None
