@@ -145,3 +145,17 @@ def test_form_messages_match_monta_and_the_op_lists(form):
                      c.group(tp, 1), c.group(ep, tp))
     ops = [o for o in layer_ops(m, plan) if o.name in ("A2A", "AG", "RS", "AR", "D2D")]
     assert sorted(o.name for o in ops) == sorted(p for _, p, _, _ in msgs)
+
+
+def test_tp_prediction_with_a_profile_includes_the_calibrated_fixed_cost():
+    """TP > 1 with a profile adds what the run-time planner calibrated for a sequential call at
+    the same dispatched rows (routing, count exchange, host sync): never less than without it."""
+    from interlace.config import preset
+    from interlace.perf.profile import PACKAGED_DIR, load_profile
+    from interlace.plan.layer import _profile_fixed_ms, predict_layer_ms
+
+    prof = load_profile(2, path=PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json")
+    cfg = preset("qwen2-moe")
+    fixed = _profile_fixed_ms(prof, cfg, 4096, backward=False)
+    assert fixed > 0
+    assert predict_layer_ms(cfg, 4096, 2, 1, "O1", "sequential", prof) > fixed

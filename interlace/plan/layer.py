@@ -402,4 +402,22 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
     total = simulate_layer(m, plan)[0]
     if backward:
         total += simulate_layer(m, plan, backward=True)[0]
+    if isinstance(src, Profile):
+        total += _profile_fixed_ms(src, config, tokens, backward)
     return total
+
+
+def _profile_fixed_ms(prof, config: MoEConfig, tokens: int, backward: bool) -> float:
+    """What the op model leaves out of one layer call (routing, count exchange, the host sync,
+    launch gaps), as the run-time planner calibrated it on the profile's own ``sequential``
+    points at the same dispatched rows T·k (a TP rank dispatches all of its T tokens' rows).
+    Nothing here is fitted on TP×EP measurements."""
+    from interlace.perf.planner import predict_layer_ms as calibrated
+
+    mode = "fwdbwd" if backward else "fwd"
+    try:
+        with_fixed = calibrated(prof, config, tokens, prof.world, 1, mode=mode)
+        without = calibrated(prof, config, tokens, prof.world, 1, include_fixed=False, mode=mode)
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+    return max(with_fixed - without, 0.0)
