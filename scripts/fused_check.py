@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from interlace import MoELayer  # noqa: E402
-from interlace.bench.harness import make_routing, init_env  # noqa: E402
+from interlace.bench.harness import init_env, make_routing, reduce_max, time_cuda  # noqa: E402
 from interlace.config import preset  # noqa: E402
 from interlace.ops import alloc  # noqa: E402
 
@@ -41,24 +41,15 @@ def rel(a, b):
 
 
 def worst(env, v: float) -> float:
-    t = torch.tensor([v], device=env.device, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return reduce_max(env, v)
+
+
+ENV = None  # set by main(): time_ms puts a barrier across its ranks before each timed call
 
 
 def time_ms(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``fn`` (the harness's timing: CUDA events, a barrier before each call)."""
+    return statistics.median(time_cuda(fn, warmup, iters, ENV))
 
 
 def local_routing(cfg, tokens, env):
@@ -266,7 +257,8 @@ def main():
                                                      "block_n1=256,slice_major=0", "num_stages=4", "block_n=64"])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
-    env = init_env()
+    global ENV
+    env = ENV = init_env()
     lines = []
 
     def log(msg):

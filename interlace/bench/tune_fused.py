@@ -23,29 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from interlace.bench.harness import init_env, make_routing
+from interlace.bench.harness import init_env, make_routing, reduce_max, time_cuda
 from interlace.config import preset
 from interlace.layer import MoELayer
 from interlace.ops.fused_tuning import PACKAGE_DIR, split_key, write_entries
 
 CANDIDATES = (4, 8, 12, 16, 24, 32, 48)
-
-
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def main(argv=None) -> int:
@@ -83,7 +66,8 @@ def main(argv=None) -> int:
                         {"n_comm": best["n_comm"], "n_comm1": c}
                     layer.set_strategy("fused", max_tokens=max(args.tokens), **split)
                     with torch.no_grad():
-                        timings[c] = _median_ms(lambda: layer(x, expert_indices=idx), args.warmup, args.iters)
+                        times = time_cuda(lambda: layer(x, expert_indices=idx), args.warmup, args.iters, env)
+                    timings[c] = reduce_max(env, statistics.median(times))
                     done += 1
                     if env.rank == 0:
                         print(f"[{done}/{total} {time.perf_counter() - started:6.0f}s] {name} T={tokens} {which}={c}: "

@@ -78,3 +78,17 @@ def finish_queue(queue_ptr, n_programs):
         tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(queue_ptr + 1, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(queue_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights) -> tuple[int, int, bool]:
+    """(pid_base, grid, use TMA) of a fused-kernel launch. ``role``: ``"all"`` (one launch, both
+    program roles), ``"comm"`` (programs [0, n_comm)) or ``"gemm"`` (the rest)."""
+    from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
+
+    if not 0 < n_comm < n_programs:
+        raise ValueError(f"{layer} needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    tma = use_tma(weights)
+    if tma:
+        _ensure_allocator()
+    return pid_base, grid, tma

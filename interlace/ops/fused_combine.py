@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import slice_grouped_work
-from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
-from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, publish_flag, wait_flag
+from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, launch_roles, publish_flag, wait_flag
 from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
 
 
@@ -141,14 +140,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`."""
     spec = buf.spec
     N, K = spec.hidden, w_down.shape[2]
-    if not 0 < n_comm < n_programs:
-        raise ValueError(f"layer1 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
-    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
-    tma = use_tma(w_down)
-    if tma:
-        _ensure_allocator()
     _gemm1_combine_kernel[(grid,)](
         h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
         plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],

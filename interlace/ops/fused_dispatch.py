@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work
-from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
-from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, publish_flag, wait_flag
+from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, launch_roles, publish_flag, wait_flag
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2}
@@ -148,14 +147,9 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     spec = buf.spec
     N = spec.hidden
     K = w_up.shape[1] // (2 if activation == "swiglu" else 1)
-    if not 0 < n_comm < n_programs:
-        raise ValueError(f"layer0 needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
-    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
-    tma = use_tma(w_up)
-    if tma:
-        _ensure_allocator()
     _dispatch_gemm0_kernel[(grid,)](
         x, assign, w_up, h, v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
         plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
+from interlace.ops.expert_tile import activation_epilogue
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
@@ -195,12 +196,9 @@ def _gemm0_kernel(
                     wu = tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None],
                                  mask=kmask[:, None] & cmask[None, :], other=0.0)
                     acc_u = tl.dot(a, wu, acc_u)
-        if ACTIVATION == 0:
-            act = acc_g * tl.sigmoid(acc_g) * acc_u
-        elif ACTIVATION == 1:
-            act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
-        else:
-            act = tl.maximum(acc_g, 0.0)
+        if ACTIVATION != 0:
+            acc_u = acc_g  # the epilogue ignores it; only SwiGLU has an up projection
+        act = activation_epilogue(acc_g, acc_u, ACTIVATION)
         omask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
         tl.store(out_ptr + rows64[:, None] * K + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=omask)
