@@ -1,7 +1,7 @@
 """The demo README's first command runs.
 
 * With ≥ 2 GPUs: a torchrun benchmark of the default config (qwen2-moe, 4096 and 16384
-  tokens/GPU, random routing, forward; naive vs sequential), through the harness.
+  tokens/GPU, random routing, forward; naive vs sequential vs fused), through the harness.
 * On a CPU-only machine: 2 gloo ranks on this machine run the layer forward and backward on a
   small config with every strategy, check outputs and all gradients against the fp64
   reference, and print a table. Triton kernels run under the interpreter there, so the CPU
@@ -32,7 +32,8 @@ def _gpu_demo(args) -> int:
         return subprocess.call(cmd)
     from interlace.bench.harness import main as bench_main
 
-    bench_main(["--configs", args.config, "--tokens", "4096", "16384", "--out", args.out])
+    bench_main(["--configs", args.config, "--tokens", "4096", "16384", "--strategies", "naive", "sequential",
+                "fused", "--out", args.out])
     return 0
 
 
@@ -68,7 +69,7 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
         return ((a.double() - b).norm() / b.norm()).item()
 
     rows = []
-    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3"):
+    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused"):
         layer = MoELayer(cfg, strategy=strategy, seed=seed, device="cpu")
         x = xs[rank].clone().requires_grad_()
         t0 = time.perf_counter()

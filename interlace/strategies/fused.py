@@ -269,14 +269,14 @@ class FusedStrategy(Strategy):
                                  self.symm_backend)
         self.transport_used = transport
         n_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 4
-        n_comm, n_comm1 = self._resolve_split(n_programs, x.shape[0])
+        n_comm, n_comm1 = self._resolve_split(n_programs, x.shape[0], tuned_tables=on_gpu)
         self.engine = FusedEngine(cfg, self.buf, kernel, n_programs, n_comm, n_comm1, self.max_spins, self.timeline)
 
-    def _resolve_split(self, n_programs: int, tokens: int) -> tuple[int, int]:
+    def _resolve_split(self, n_programs: int, tokens: int, tuned_tables: bool = True) -> tuple[int, int]:
         from interlace.ops.fused_tuning import lookup_split
 
         tuned = None
-        if "auto" in (self._n_comm_opt, self._n_comm1_opt):
+        if tuned_tables and "auto" in (self._n_comm_opt, self._n_comm1_opt):  # tables exist for GPUs only
             tuned = lookup_split(self.config, tokens, self.ep.world, n_programs)
         default = tuned or default_split(n_programs)
         n_comm = default[0] if self._n_comm_opt == "auto" else self._n_comm_opt
