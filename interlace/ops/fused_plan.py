@@ -13,8 +13,8 @@ form one contiguous *segment* starting at ``start_all[s, d·E_l + e]``.
   ``me, me+1, …`` — **local rows first**, so their GEMM tiles start while remote rows move.
 
 Segments are cut into row tiles of ``BLOCK_M``; tile i of a segment is the unit of readiness
-(flag ``flags0[s, e, i]``) and of the GEMMs. ``_segment_tiles_kernel`` lists the tiles of a
-segment list on the device.
+(flag ``flags0[s, e, i]``) and of the GEMMs. ``_plan_kernel`` computes everything in one launch;
+:func:`build_plan_reference` is its plain-torch twin.
 """
 
 from __future__ import annotations
@@ -29,58 +29,25 @@ from interlace.ops import alloc
 from interlace.ops.rows import use_triton
 
 
-@triton.jit
-def _segment_tiles_kernel(
-    count_ptr,  # (S,) int32 rows per segment
-    tile_seg_ptr, tile_idx_ptr,  # (max_tiles,) int32 each, out: segment and tile index in it
-    num_tiles_ptr,  # (1,) int32, out
-    S, max_tiles,
-    BLOCK_M: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    s = tl.arange(0, S_PAD)
-    counts = tl.load(count_ptr + s, mask=s < S, other=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    first = tl.cumsum(tiles, axis=0) - tiles
-    total = tl.sum(tiles, axis=0)
-    if pid == 0:
-        tl.store(num_tiles_ptr, total)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    owns = (first[None, :] <= t[:, None]) & (t[:, None] < (first + tiles)[None, :])
-    seg = tl.sum(tl.where(owns, s[None, :], 0), axis=1)
-    idx = t - tl.sum(tl.where(owns, first[None, :], 0), axis=1)
-    valid = (t < total) & (t < max_tiles)
-    tl.store(tile_seg_ptr + t, seg, mask=valid)
-    tl.store(tile_idx_ptr + t, idx, mask=valid)
-
-
 def segment_tiles(counts: torch.Tensor, max_rows: int, block_m: int):
-    """Tiles of ``block_m`` rows over segments with ``counts`` (S,) rows each, on the device.
+    """Plain-torch tiles of ``block_m`` rows over segments with ``counts`` (S,) rows each (the
+    reference plan's; the plan kernel emits the same lists on the device).
 
     Returns ``(tile_seg, tile_idx, num_tiles (1,), max_tiles)``; entries past ``num_tiles``
-    are unspecified. ``max_rows`` bounds Σ counts (sizes the lists without a host sync).
+    are unspecified. ``max_rows`` bounds Σ counts (sizes the lists).
     """
     S = counts.numel()
     max_tiles = triton.cdiv(max_rows, block_m) + S
     dev = counts.device
+    tiles = (counts.long() + block_m - 1) // block_m
+    seg = torch.repeat_interleave(torch.arange(S, device=dev), tiles)
+    first = tiles.cumsum(0) - tiles
+    idx = torch.arange(seg.numel(), device=dev) - first[seg]
     tile_seg = alloc.empty((max_tiles,), torch.int32, dev)
     tile_idx = alloc.empty((max_tiles,), torch.int32, dev)
-    num_tiles = alloc.empty((1,), torch.int32, dev)
-    if not use_triton(counts):  # plain torch twin (CPU without the interpreter)
-        tiles = (counts.long() + block_m - 1) // block_m
-        seg = torch.repeat_interleave(torch.arange(S, device=dev), tiles)
-        first = tiles.cumsum(0) - tiles
-        idx = torch.arange(seg.numel(), device=dev) - first[seg]
-        tile_seg[:seg.numel()] = seg.to(torch.int32)
-        tile_idx[:seg.numel()] = idx.to(torch.int32)
-        num_tiles.fill_(seg.numel())
-        return tile_seg, tile_idx, num_tiles, max_tiles
-    s_pad = triton.next_power_of_2(max(S, 1))
-    block_t = max(1, min(64, 8192 // s_pad))
-    _segment_tiles_kernel[(triton.cdiv(max_tiles, block_t),)](
-        counts, tile_seg, tile_idx, num_tiles, S, max_tiles,
-        BLOCK_M=block_m, S_PAD=s_pad, BLOCK_T=block_t, num_warps=4,
-    )
+    tile_seg[:seg.numel()] = seg.to(torch.int32)
+    tile_idx[:seg.numel()] = idx.to(torch.int32)
+    num_tiles = torch.full((1,), seg.numel(), dtype=torch.int32, device=dev)
     return tile_seg, tile_idx, num_tiles, max_tiles
 
 

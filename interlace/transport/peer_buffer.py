@@ -128,7 +128,6 @@ class PeerBuffer:
         self.queue0 = torch.zeros(3, dtype=torch.int32, device=device)
         self.queue1 = torch.zeros(3, dtype=torch.int32, device=device)
         self.tables: dict[str, torch.Tensor] = {}
-        self.staging: dict[str, torch.Tensor] | None = None
 
     # -- construction --------------------------------------------------------------------
     @staticmethod
