@@ -2,6 +2,7 @@
 and the planner's own logic on a synthetic profile."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -260,3 +261,63 @@ def test_profiling_never_extends_the_shipped_profile(tmp_path, monkeypatch):
     assert profile_mod.load_profile(1, torch.device("cpu")).key == key  # run time: the shipped one is found
     with pytest.raises(FileNotFoundError):
         profile_mod.load_profile(1, torch.device("cpu"), packaged=False)  # `profile` / `--profile-first`
+
+
+def test_residual_correction_reproduces_calibration_points_and_interpolates_between_them():
+    """What the fitted terms miss at the raw points is interpolated (log rows, then log r),
+    held flat outside the calibrated range, and averaged over repeated points."""
+    from interlace.perf.planner import calibrate_profile, residual_ratio
+
+    cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
+    prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
+    shape = prof.shapes[shape_key(cfg, 2)]
+    truth = dict(host=0.2, alpha=0.3, beta=4e-6, pipe=0.5, chunk=0.05, kappa=0.3)
+    clean = _synthetic_points(prof, cfg, truth, "fwd")
+    # A bump the model's form cannot describe: r = 8 at 12000 tokens is 30% slower.
+    shape.calibration = [(T, k, r, ms * (1.3 if (T, r) == (12000, 8) else 1.0)) for T, k, r, ms in clean]
+    calibrate_profile(prof, host_grid=(0.0, 0.2, 0.4))
+    for T, _, r, ms in shape.calibration:  # every calibration point is reproduced
+        assert predict_layer_ms(prof, cfg, T, 2, r) == pytest.approx(ms, rel=1e-9)
+    q = {(int(x), int(d)): v for x, d, v in shape.residuals["fwd"]}
+    # Between token counts: linear in log(rows) between the two neighbours.
+    lo, hi = q[(3000 * 4, 8)], q[(12000 * 4, 8)]
+    w = (math.log(6000) - math.log(3000)) / (math.log(12000) - math.log(3000))
+    assert residual_ratio(shape, "fwd", 6000 * 4, 8) == pytest.approx((1 - w) * lo + w * hi, rel=1e-12)
+    # Between degrees: linear in log(r) between the calibrated degrees around it.
+    w = (math.log(6) - math.log(4)) / (math.log(8) - math.log(4))
+    expect = (1 - w) * q[(12000 * 4, 4)] + w * q[(12000 * 4, 8)]
+    assert residual_ratio(shape, "fwd", 12000 * 4, 6) == pytest.approx(expect, rel=1e-12)
+    # Outside the calibrated range: held flat; no residuals for a mode: no correction.
+    assert residual_ratio(shape, "fwd", 10 ** 9, 32) == pytest.approx(q[(40000 * 4, 16)], rel=1e-12)
+    assert residual_ratio(shape, "fwdbwd", 12000 * 4, 8) == 1.0
+    # The correction is what distinguishes the 30% bump from its neighbours.
+    assert residual_ratio(shape, "fwd", 12000 * 4, 8) > 1.1 * residual_ratio(shape, "fwd", 12000 * 4, 4)
+    uncorrected = predict_layer_ms(prof, cfg, 12000, 2, 8, corrected=False)
+    assert predict_layer_ms(prof, cfg, 12000, 2, 8) == pytest.approx(uncorrected * q[(12000 * 4, 8)], rel=1e-12)
+    # JSON round trip keeps them.
+    again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert again.shapes[shape_key(cfg, 2)].residuals == shape.residuals
+
+
+def test_merging_profiles_pools_raw_points_and_refits():
+    from interlace.perf.planner import calibrate_profile
+    from interlace.perf.profile import merge_points
+
+    cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
+    truth = dict(host=0.2, alpha=0.3, beta=4e-6, pipe=0.5, chunk=0.05, kappa=0.3)
+    runs = []
+    for factor in (0.8, 1.2):  # two leases, one 20% fast and one 20% slow at every point
+        prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
+        pts = _synthetic_points(prof, cfg, truth, "fwd", tokens=(3000, 12000))
+        prof.shapes[shape_key(cfg, 2)].calibration = [(T, k, r, ms * factor) for T, k, r, ms in pts]
+        calibrate_profile(prof, host_grid=(0.0, 0.2, 0.4))
+        runs.append((prof, pts))
+    (fast, pts), (slow, _) = runs
+    merge_points(fast, [slow])
+    assert len(fast.shapes[shape_key(cfg, 2)].calibration) == 2 * len(pts)
+    for T, _, r, ms in pts:  # the pooled prediction sits between the two leases' measurements
+        assert 0.8 * ms < predict_layer_ms(fast, cfg, T, 2, r) < 1.2 * ms
+    other = synthetic_profile(4, cfg, 0.02, 200, 0.05, 450)
+    other.key = "another-machine"
+    with pytest.raises(ValueError, match="cannot merge"):
+        merge_points(fast, [other])

@@ -245,6 +245,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000])
     p.add_argument("--also-profile", nargs="*", default=[], metavar="PRESET",
                    help="with --profile-first: also profile these presets' shape classes")
+    p.add_argument("--merge-points", nargs="*", default=[], metavar="PROFILE",
+                   help="with --profile-first: pool these earlier profiles' raw layer timings into the "
+                        "fresh one (interlace.perf.profile.merge_points); the fresh-only profile is kept "
+                        "as OUT/profile_fresh.json")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
@@ -287,6 +291,13 @@ def main(argv=None) -> int:
         tokens = args.profile_tokens if args.grid == "default" else [10, 30]
         small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,)}
         profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile, **small)
+        if args.merge_points:
+            from interlace.perf.profile import Profile, merge_points
+
+            if env.rank == 0:
+                os.makedirs(args.out, exist_ok=True)
+                profile.save(os.path.join(args.out, "profile_fresh.json"))
+            merge_points(profile, [Profile.from_json(json.loads(open(f).read())) for f in args.merge_points])
         if env.rank == 0:
             print(f"profile saved to {profile.save(args.profile)}", flush=True)
     rows = run_eval(grid, args.degrees, env, profile, args.warmup, args.iters, show=env.rank == 0)

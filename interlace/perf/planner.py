@@ -32,6 +32,13 @@ per shape class ``chunk_host_ms`` by a 1-D search (it differs by class: 2× H200
 squares on relative errors. Without forward + backward points a shape
 class predicts ``fwdbwd`` with its forward terms.
 
+What the fitted terms still miss at each raw point (measured / modelled) is kept per mode and
+interpolated at prediction time (:func:`residual_ratio`: linear in log rows, then in log r,
+flat outside the calibrated range), so the calibrated model reproduces its own points and
+bends between them the way the measurements do; far from every point it is the fitted form.
+Profiles pooled from several runs (:func:`interlace.perf.profile.merge_points`) average
+the lease-to-lease drift of those points (2× H200 runs 7 and 13: ±30% on host-bound points).
+
 The degree is the argmin over the allowed degrees (≤ 16 simulations, done once per distinct
 token count and mode and cached by the strategy), except that degree 1 — the point the
 model is calibrated best at — is kept unless another degree is predicted faster by more than
@@ -42,6 +49,7 @@ on the α–β lines is reported beside it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,14 +182,51 @@ def _calibrated(cal: Calibration, sim: float, overlapped: float, rows: int, r: i
     return total
 
 
+def residual_ratio(shape, mode: str, rows: int, r: int) -> float:
+    """Measured/modelled ratio of the calibrated model at ``rows`` dispatched rows and degree
+    r, interpolated from its raw calibration points (``ShapeProfile.residuals``): piecewise
+    linear in log(rows) within a calibrated degree, then linear in log(r) between the
+    calibrated degrees around r; held flat beyond the outermost points. 1 where the shape
+    class has no residuals for ``mode`` (older profiles)."""
+    pts = shape.residuals.get(mode) if shape.residuals else None
+    if not pts or rows <= 0:
+        return 1.0
+    by_point: dict[tuple[int, float], list[float]] = {}
+    for x, d, q in pts:  # repeated points (profiles merged from several runs) are averaged
+        by_point.setdefault((int(d), math.log(max(float(x), 1.0))), []).append(float(q))
+    by_degree: dict[int, list[tuple[float, float]]] = {}
+    for (d, lx), qs in sorted(by_point.items()):
+        by_degree.setdefault(d, []).append((lx, sum(qs) / len(qs)))
+
+    def at(d: int) -> float:
+        xs = by_degree[d]
+        return float(np.interp(math.log(rows), [a for a, _ in xs], [q for _, q in xs]))
+
+    if r in by_degree:
+        return at(r)
+    lower = [d for d in by_degree if d < r]
+    upper = [d for d in by_degree if d > r]
+    if not lower or not upper:
+        return at(max(lower) if lower else min(upper))
+    a, b = max(lower), min(upper)
+    w = (math.log(r) - math.log(a)) / (math.log(b) - math.log(a))
+    return (1 - w) * at(a) + w * at(b)
+
+
 def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
-                     include_fixed: bool = True, mode: str = "fwd") -> float:
-    """Predicted ms of one layer call at degree r (``"fwdbwd"``: forward + backward)."""
+                     include_fixed: bool = True, mode: str = "fwd", corrected: bool = True) -> float:
+    """Predicted ms of one layer call at degree r (``"fwdbwd"``: forward + backward).
+
+    ``include_fixed=False``: the op-level simulation alone; ``corrected=False``: without the
+    residual correction interpolated from the calibration points (:func:`residual_ratio`).
+    """
     sim, overlapped = model_terms(prof, cfg, tokens, world, r, mode)
     if not include_fixed:
         return sim
     _, shape = prof.shape(shape_key(cfg, world))
-    return _calibrated(shape.terms(mode), sim, overlapped, tokens * cfg.top_k, r, prof.host_ms["index"])
+    rows = tokens * cfg.top_k
+    total = _calibrated(shape.terms(mode), sim, overlapped, rows, r, prof.host_ms["index"])
+    return total * residual_ratio(shape, mode, rows, r) if corrected else total
 
 
 def _nonneg_lstsq(A, b) -> np.ndarray:
@@ -256,8 +301,12 @@ def calibrate(prof: Profile, skey: str, host_grid=HOST_GRID_MS) -> None:
         step = min((abs(a - b) for a, b in zip(host_grid, host_grid[1:])), default=0.0) / 5
         fine = [max(0.0, coarse + step * i) for i in range(-4, 5)] if step > 0 else [coarse]
         shape.chunk_host_ms = float(min(fine, key=total_error))
+    shape.residuals = {}
     for mode in modes:
-        shape.set_terms(mode, _fit_terms(prof, skey, shape.points(mode), mode, shape.chunk_host_ms or 0.0)[0])
+        cal, errors = _fit_terms(prof, skey, shape.points(mode), mode, shape.chunk_host_ms or 0.0)
+        shape.set_terms(mode, cal)
+        # What the fitted terms still miss at each raw point, for residual_ratio to interpolate.
+        shape.residuals[mode] = [[T * k, r, 1.0 / (1.0 + e)] for (T, k, r, _), e in zip(shape.points(mode), errors)]
 
 
 def calibrate_profile(prof: Profile, host_grid=HOST_GRID_MS) -> None:

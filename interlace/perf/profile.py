@@ -126,6 +126,9 @@ class ShapeProfile:
     calibration_fwdbwd: list = field(default_factory=list)
     train: Calibration | None = None  # forward + backward terms (None: use the forward ones)
     chunk_host_ms: float | None = None  # fitted host time per chunk (None: the profile's value)
+    # Per mode, the calibrated model's measured/predicted ratio at each raw point
+    # ``[rows T·k, degree, ratio]`` (:func:`interlace.perf.planner.residual_ratio` interpolates it).
+    residuals: dict = field(default_factory=dict)
 
     def points(self, mode: str) -> list:
         return self.calibration if mode == "fwd" else self.calibration_fwdbwd
@@ -151,6 +154,8 @@ class ShapeProfile:
             d["train"] = self.train.to_json()
         if self.chunk_host_ms is not None:
             d["chunk_host_ms"] = self.chunk_host_ms
+        if self.residuals:
+            d["residuals"] = self.residuals
         return d
 
     @staticmethod
@@ -159,7 +164,35 @@ class ShapeProfile:
         return ShapeProfile(SizeCurve.from_json(d["expert"]), d["expert_host_ms"], fwd.fixed, fwd.chunk_ms,
                             fwd.interference, d.get("calibration", []), fwd.model_error, fwd.pipe_ms,
                             d.get("calibration_fwdbwd", []),
-                            Calibration.from_json(d["train"]) if "train" in d else None, d.get("chunk_host_ms"))
+                            Calibration.from_json(d["train"]) if "train" in d else None, d.get("chunk_host_ms"),
+                            d.get("residuals", {}))
+
+
+@dataclass
+class TPShapeProfile:
+    """Measurements of one TP shard class (each rank holds K/tp of every local expert) for the
+    TP × EP planner (:mod:`interlace.plan.tp_profile`): the shard's expert-stage curve, raw
+    ``tp_ep:O0`` layer timings ``(tokens, top_k, ms)`` forward and forward + backward on a
+    TP = ``tp`` mesh, and the fitted line over dispatched rows T·k of what the planner's op
+    simulation of that layer leaves out (routing of all T tokens on every TP rank, the count
+    exchange over both groups, the host sync), per mode."""
+
+    tp: int
+    expert: SizeCurve
+    calibration: list = field(default_factory=list)
+    calibration_fwdbwd: list = field(default_factory=list)
+    fixed: dict = field(default_factory=dict)  # mode → AlphaBeta
+
+    def to_json(self) -> dict:
+        return {"tp": self.tp, "expert": self.expert.to_json(), "calibration": self.calibration,
+                "calibration_fwdbwd": self.calibration_fwdbwd,
+                "fixed": {m: ab.to_json() for m, ab in self.fixed.items()}}
+
+    @staticmethod
+    def from_json(d: dict) -> "TPShapeProfile":
+        return TPShapeProfile(d["tp"], SizeCurve.from_json(d["expert"]), d.get("calibration", []),
+                              d.get("calibration_fwdbwd", []),
+                              {m: AlphaBeta.from_json(v) for m, v in d.get("fixed", {}).items()})
 
 
 @dataclass
@@ -173,12 +206,16 @@ class Profile:
     shapes: dict[str, ShapeProfile] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     chunk_host_ms: float = 0.0  # fitted host time per chunk: median of the shape classes' values
+    tp_shapes: dict[str, TPShapeProfile] = field(default_factory=dict)  # interlace.plan.tp_profile
 
     def to_json(self) -> dict:
-        return {"version": PROFILE_VERSION, "key": self.key, "world": self.world, "meta": self.meta,
-                "a2a": self.a2a.to_json(), "a2a_host_ms": self.a2a_host_ms, "copy_gbps": self.copy_gbps,
-                "host_ms": self.host_ms, "chunk_host_ms": self.chunk_host_ms,
-                "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+        d = {"version": PROFILE_VERSION, "key": self.key, "world": self.world, "meta": self.meta,
+             "a2a": self.a2a.to_json(), "a2a_host_ms": self.a2a_host_ms, "copy_gbps": self.copy_gbps,
+             "host_ms": self.host_ms, "chunk_host_ms": self.chunk_host_ms,
+             "shapes": {k: v.to_json() for k, v in self.shapes.items()}}
+        if self.tp_shapes:
+            d["tp_shapes"] = {k: v.to_json() for k, v in self.tp_shapes.items()}
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "Profile":
@@ -186,7 +223,8 @@ class Profile:
             raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}; run `interlace profile` again")
         return Profile(d["key"], d["world"], SizeCurve.from_json(d["a2a"]), d["a2a_host_ms"], d["copy_gbps"],
                        d["host_ms"], {k: ShapeProfile.from_json(v) for k, v in d["shapes"].items()}, d.get("meta", {}),
-                       d.get("chunk_host_ms", 0.0))
+                       d.get("chunk_host_ms", 0.0),
+                       {k: TPShapeProfile.from_json(v) for k, v in d.get("tp_shapes", {}).items()})
 
     def save(self, path: str | Path | None = None) -> Path:
         path = Path(path) if path else profile_dir() / f"{self.key}.json"
@@ -210,6 +248,30 @@ class Profile:
 
         best = min(self.shapes, key=distance)
         return best, self.shapes[best]
+
+
+def merge_points(prof: Profile, others: list[Profile]) -> Profile:
+    """Add the raw layer timings of ``others`` (earlier runs on the same machine kind) to the
+    shape classes ``prof`` has, in place, and refit (the curves stay ``prof``'s own).
+
+    Why: a profile's layer timings drift between phases of a job and between machine leases
+    (2× H200 runs 7 and 13: the same host-bound points ±30%), and each profile's calibration
+    then carries its own lease's bias. Points pooled over several runs average that out.
+    """
+    from interlace.perf.planner import calibrate_profile
+
+    merged = []
+    for other in others:
+        if other.key != prof.key:
+            raise ValueError(f"cannot merge profile {other.key} into {prof.key}: another machine or world size")
+        for skey, shape in prof.shapes.items():
+            if skey in other.shapes:
+                shape.calibration = list(shape.calibration) + list(other.shapes[skey].calibration)
+                shape.calibration_fwdbwd = list(shape.calibration_fwdbwd) + list(other.shapes[skey].calibration_fwdbwd)
+        merged.append(other.meta.get("created", "?"))
+    prof.meta["merged_points_from"] = prof.meta.get("merged_points_from", []) + merged
+    calibrate_profile(prof)
+    return prof
 
 
 def load_profile(world: int, device: torch.device | None = None, path: str | Path | None = None,
@@ -401,6 +463,8 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, back
             with torch.no_grad():
                 layer(x)
 
+    call()  # untimed, as the evaluation's correctness call before its warm-ups
+
     # The evaluation's own timing (interlace.bench.harness), so calibration and evaluation
     # measure alike.
     from interlace.bench.harness import Env, reduce_max, time_cpu, time_cuda
@@ -413,7 +477,7 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, back
 
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
                 existing: Profile | None = None, a2a_max_bytes: int | None = None,
-                calibration_degrees=(2, 4, 8, 16), fwdbwd_degrees=(2, 4)) -> Profile:
+                calibration_degrees=(2, 3, 4, 6, 8, 12, 16), fwdbwd_degrees=(2, 4)) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be).
 
@@ -450,19 +514,25 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
-        layer = MoELayer(cfg, group=group, strategy="pipelined", strategy_options={"degree": 1}, device=device)
-        inputs = {T: torch.randn(T, cfg.hidden, device=device).to(cfg.dtype) for T in tokens}
-        runs = [(r, False) for r in (1, *calibration_degrees)]
-        runs += [(r, True) for r in ((1, *fwdbwd_degrees) if fwdbwd_degrees else ())]
-        for r, backward in _progress(runs, f"layer {skey}", show):
-            layer.set_strategy("pipelined", degree=r)
-            for T in tokens:
-                if T >= 2 * r:
-                    ms = time_layer_ms(layer, inputs[T], timer, *((2, 6) if backward else (3, 10)), backward=backward)
-                    (shape.calibration_fwdbwd if backward else shape.calibration).append((T, cfg.top_k, r, ms))
-        del layer, inputs
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        # Measured exactly as `interlace pipeline-eval` measures (interlace.perf.evaluate.run_eval):
+        # a fresh layer per token count, one untimed call per degree, then the timed calls. Run
+        # 13 timed one layer object over all token counts degree by degree, and its host-bound
+        # points (small T, many chunks) came out up to 2x slower than the evaluation's.
+        fwd_runs = [(r, False) for r in (1, *calibration_degrees)]
+        bwd_runs = [(r, True) for r in ((1, *fwdbwd_degrees) if fwdbwd_degrees else ())]
+        for T in _progress(tokens, f"layer {skey}", show):
+            layer = MoELayer(cfg, group=group, strategy="pipelined", strategy_options={"degree": 1}, device=device)
+            gen = torch.Generator(device=device).manual_seed(1234 + T)
+            x = torch.randn(T, cfg.hidden, device=device, generator=gen).to(cfg.dtype)
+            for r, backward in fwd_runs + bwd_runs:
+                if T < 2 * r:
+                    continue
+                layer.set_strategy("pipelined", degree=r)
+                ms = time_layer_ms(layer, x, timer, *((2, 6) if backward else (3, 10)), backward=backward)
+                (shape.calibration_fwdbwd if backward else shape.calibration).append((T, cfg.top_k, r, ms))
+            del layer, x
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     calibrate_profile(prof)
     return prof
 
@@ -478,6 +548,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000],
                    help="tokens per rank for the fixed-cost fit (the largest also sizes the expert sweep)")
     p.add_argument("--out", default=None, help="profile path (default: the profile directory)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="also measure the --configs' TP shard classes on a TP = this mesh "
+                        "(interlace.plan.tp_profile; the TP x EP planner uses them)")
     args = p.parse_args(argv)
     env = init_env()
     try:
@@ -488,6 +561,11 @@ def main(argv=None) -> int:
         existing = None
     prof = run_profile([bench_config(c, small=False) for c in args.configs], args.tokens, env.group, env.device,
                        show=env.rank == 0, existing=existing)
+    if args.tp:
+        from interlace.plan.tp_profile import profile_tp
+
+        profile_tp(prof, [bench_config(c, small=False) for c in args.configs], args.tokens, args.tp,
+                   show=env.rank == 0)
     if env.rank == 0:
         path = prof.save(args.out)
         print(f"profile {prof.key}: all-to-all α {prof.a2a.line.alpha * 1e3:.1f} µs, "
