@@ -56,7 +56,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("json", nargs="?", default="docs/data/tp_ep_measured.json")
     ap.add_argument("--cluster", default=None, help="predict from a cluster preset instead of the shipped profile")
+    ap.add_argument("--profile", default=None,
+                    help="predict from this profile JSON (e.g. one with TP shard classes from "
+                         "`scripts/device_tp_ep.py --profile-tp`) instead of the shipped one")
     args = ap.parse_args(argv)
+    source = args.cluster
+    if args.profile:
+        from interlace.perf.profile import load_profile
+
+        source = load_profile(2, path=args.profile)
     path = Path(args.json)
     if not path.exists():
         print(f"{path} not found (run 15 writes it)", file=sys.stderr)
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
         tokens = int(_get(rec, "tokens", "T"))
         form, strategy = form_and_strategy(rec)
         backward = str(_get(rec, "mode", default="fwd")) in ("fwdbwd", "fwd+bwd", "train")
-        pred = predict_layer_ms(preset(name), tokens, tp, ep, form, strategy, args.cluster, backward=backward)
+        pred = predict_layer_ms(preset(name), tokens, tp, ep, form, strategy, source, backward=backward)
         err = pred / float(ms) - 1
         errors.append(abs(err))
         rows.append((name, tokens, tp, ep, form, strategy, float(ms), pred, err))
@@ -85,6 +93,10 @@ def main(argv=None) -> int:
     for name, tokens, tp, ep, form, strategy, ms, pred, err in rows:
         print(f"| {name} | {tokens} | {tp} | {ep} | {form} | {strategy} | {ms:.3f} | {pred:.3f} | {100 * err:+.1f}% |")
     print(f"\nmedian |predicted/measured - 1| = {100 * statistics.median(errors):.1f}% over {len(errors)} rows")
+    for label, keep in (("TP=1", lambda row: row[2] == 1), ("TP>1", lambda row: row[2] > 1)):
+        part = [abs(row[-1]) for row in rows if keep(row)]
+        if part:
+            print(f"  {label} rows: {100 * statistics.median(part):.1f}% over {len(part)}")
     return 0
 
 

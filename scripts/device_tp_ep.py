@@ -135,6 +135,13 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--profile-tp", action="store_true",
+                    help="first measure the configs' TP=2 shard classes (interlace.plan.tp_profile) into a copy "
+                         "of --profile, save it as OUT/profile_tp.json, and compare the planner with it last")
+    ap.add_argument("--profile", default=None, help="base profile (default: the shipped 2xH200 one)")
+    ap.add_argument("--profile-tokens", type=int, nargs="+", default=[1000, 3000, 12000, 40000],
+                    help="calibration token counts of --profile-tp (deliberately not --tokens)")
+    ap.add_argument("--skip-priority", action="store_true")
     args = ap.parse_args()
     env = init_env()
     if env.world != 2 or not env.cuda:
@@ -160,14 +167,30 @@ def main():
             with open(os.path.join(args.out, "tp_ep.json"), "w") as f:
                 json.dump(report, f, indent=1)
 
+    profile_path = None
+    if args.profile_tp:
+        from interlace.perf.profile import PACKAGED_DIR, load_profile
+        from interlace.plan.tp_profile import profile_tp
+
+        prof = load_profile(2, path=args.profile or PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json")
+        profile_tp(prof, [preset(n) for n in args.configs], args.profile_tokens, tp=2, show=env.rank == 0)
+        profile_path = os.path.join(args.out, "profile_tp.json")
+        if env.rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            prof.save(profile_path)
+        log(f"TP shard classes profiled: {sorted(prof.tp_shapes)} -> {profile_path}")
+        torch.cuda.empty_cache()
+
     # Communication priority: the MoE all-to-all against a concurrent DP-style all-reduce.
     cfg, T = preset("qwen2-moe"), max(args.tokens)
     buf = torch.randn(256 << 20, device=env.device).to(torch.bfloat16)  # 512 MiB
     x = torch.randn(T, cfg.hidden, device=env.device).to(cfg.dtype)
-    with torch.no_grad():
-        ar_ms = reduce_max(env, statistics.median(time_cuda(lambda: dist.all_reduce(buf), 3, 10, env)))
+    ar_ms = float("nan")
+    if not args.skip_priority:
+        with torch.no_grad():
+            ar_ms = reduce_max(env, statistics.median(time_cuda(lambda: dist.all_reduce(buf), 3, 10, env)))
     report["allreduce_ms"] = ar_ms
-    for label, mesh in (("normal", ep2_low), ("high", ep2)):
+    for label, mesh in () if args.skip_priority else (("normal", ep2_low), ("high", ep2)):
         layer = MoELayer(cfg, mesh=mesh, strategy="sequential", seed=0, device=env.device)
         alone = time_layer(env, layer, x)
         busy = time_with_allreduce(env, layer, x, buf)
@@ -237,6 +260,12 @@ def main():
                   f"{p['alone_ms']:.3f} ms, beside the all-reduce {p['with_allreduce_ms']:.3f} ms")
         bad = [c for c in report["checks"] if not c["ok"]]
         print(f"checks: {len(report['checks']) - len(bad)} passed, {len(bad)} failed")
+        if profile_path:  # the planner's predictions from the fresh TP profile vs these measurements
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from compare_tp_ep import main as compare
+
+            print("\nplanner (profile with the TP shard classes measured above) vs these measurements:")
+            compare([os.path.join(args.out, "tp_ep.json"), "--profile", profile_path])
     barrier(env)
     dist.destroy_process_group()
 

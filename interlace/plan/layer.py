@@ -127,6 +127,9 @@ class ProfileMachine(ClusterMachine):
                                chunk_host_us=chunk_us)
         self.host_ms = profile.a2a_host_ms
         self.chunk_host_ms = chunk_us * 1e-3
+        # True: no fixed cost in the op list at TP > 1; predict_layer_ms adds the TP shard
+        # class's own fitted line instead (interlace.plan.tp_profile).
+        self.raw_fixed = False
 
     def a2a(self, volume, g: Group):
         if g.size <= 1 or volume <= 0:
@@ -146,7 +149,11 @@ class ProfileMachine(ClusterMachine):
         if rows <= 0:
             return 0.0
         from interlace.perf.profile import parse_shape_key
+        from interlace.plan.tp_profile import tp_shard_key
 
+        entry = self.profile.tp_shapes.get(tp_shard_key(cfg, tp, e_local)) if tp > 1 else None
+        if entry is not None:  # the TP shard class itself was measured
+            return entry.expert(rows)
         used, shape = self.profile.shape(f"N{cfg.hidden}-K{cfg.ffn // tp}-El{e_local}-{cfg.activation}")
         n, k, _, _ = parse_shape_key(used)
         return shape.expert(rows * cfg.hidden * (cfg.ffn // tp) / (n * k))
@@ -154,6 +161,8 @@ class ProfileMachine(ClusterMachine):
     def fixed(self, cfg: MoEConfig, tokens: int, tp: int) -> tuple[float, float]:
         from interlace.perf.profile import shape_key
 
+        if tp > 1 and self.raw_fixed:
+            return 0.0, 0.0
         _, shape = self.profile.shape(shape_key(cfg, self.profile.world))
         return max(shape.fixed(tokens * cfg.top_k), 0.0), 0.0  # the fitted line includes the host sync
 
@@ -393,6 +402,21 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
                 plan = make_plan(m, config, tokens, tp, ep, form, strategy)
                 return calibrated(src, config, tokens, ep, r) + simulate_layer(m, plan, backward=True)[0]
         m = ProfileMachine(src)
+        if tp > 1:
+            # The op list without a fixed part, plus one fixed cost per call: the TP shard
+            # class's own fitted line where it was measured (interlace.plan.tp_profile), else
+            # what `sequential` calibrated at the same dispatched rows.
+            from interlace.plan.tp_profile import tp_fixed_line, tp_shard_key
+
+            m.raw_fixed = True
+            plan = make_plan(m, config, tokens, tp, ep, form, strategy)
+            total = simulate_layer(m, plan)[0]
+            if backward:
+                total += simulate_layer(m, plan, backward=True)[0]
+            entry = src.tp_shapes.get(tp_shard_key(config, tp, config.num_experts // ep))
+            if entry is not None:
+                return total + tp_fixed_line(entry, "fwdbwd" if backward else "fwd", tokens * config.top_k)
+            return total + _profile_fixed_ms(src, config, tokens, backward)
     else:
         m = ClusterMachine(src)
     if isinstance(src, Cluster):
@@ -416,7 +440,7 @@ def _profile_fixed_ms(prof, config: MoEConfig, tokens: int, backward: bool) -> f
 
     mode = "fwdbwd" if backward else "fwd"
     try:
-        with_fixed = calibrated(prof, config, tokens, prof.world, 1, mode=mode)
+        with_fixed = calibrated(prof, config, tokens, prof.world, 1, mode=mode, corrected=False)
         without = calibrated(prof, config, tokens, prof.world, 1, include_fixed=False, mode=mode)
     except (KeyError, TypeError, ValueError):
         return 0.0
