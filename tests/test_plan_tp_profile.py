@@ -53,6 +53,21 @@ def test_fit_recovers_the_fixed_line_and_every_form_uses_the_shard_curve():
             a, b = truth["fwdbwd" if backward else "fwd"]
             expect = _raw_ms(prof, cfg, T, form, backward) + a + b * T * 2
             assert predict_layer_ms(cfg, T, 2, 1, form, "sequential", prof, backward=backward) == pytest.approx(expect)
+    # A chunked form measured 20% above its model at every calibration point: its predictions
+    # (and those of the same form at another chunk count) carry that; other forms do not.
+    from interlace.plan.tp_profile import tp_residual_ratio
+
+    for T in (1000, 3000, 12000):
+        a, b = truth["fwd"]
+        entry.calibration.append((T, 2, 1.2 * (_raw_ms(prof, cfg, T, "O2:2", False) + a + b * T * 2), "O2:2"))
+    fit_tp_shape(prof, cfg, 2, 1)
+    assert tp_residual_ratio(entry, "fwd", "O2:2", 5000 * 2) == pytest.approx(1.2)
+    assert tp_residual_ratio(entry, "fwd", "O2:4", 5000 * 2) == pytest.approx(1.2)  # nearest chunk count
+    assert tp_residual_ratio(entry, "fwd", "O3:2", 5000 * 2) == 1.0
+    a, b = truth["fwd"]
+    for form, factor in (("O2:2", 1.2), ("O2:4", 1.2), ("O1", 1.0)):
+        expect = factor * (_raw_ms(prof, cfg, 4096, form, False) + a + b * 4096 * 2)
+        assert predict_layer_ms(cfg, 4096, 2, 1, form, "sequential", prof) == pytest.approx(expect)
     # The expert stage is the shard curve, not a scaled EP class.
     m = ProfileMachine(prof)
     assert m.expert(cfg, 5000, 2, 64) == pytest.approx(curve(5000))
@@ -68,14 +83,16 @@ def _measure(rank, world):
     prof = _profile(world)
     profile_tp(prof, [cfg], [8, 24], tp=2, show=False, warmup=1, iters=2)
     entry = prof.tp_shapes[tp_shard_key(cfg, 2, 4)]
-    assert [T for T, _, _ in entry.calibration] == [8, 24] and [T for T, _, _ in entry.calibration_fwdbwd] == [8, 24]
-    assert all(ms > 0 for _, _, ms in entry.calibration + entry.calibration_fwdbwd)
+    forms = ("O0", "O1", "O2:2", "O3:2", "O2:4", "O3:4")
+    for points in (entry.calibration, entry.calibration_fwdbwd):
+        assert [(T, f) for T, _, _, f in points] == [(T, f) for T in (8, 24) for f in forms]
+        assert all(ms > 0 for _, _, ms, _ in points)
     assert set(entry.fixed) == {"fwd", "fwdbwd"}
-    # Two points, a line through both: O0 at the calibration points is reproduced exactly
-    # (unless the line dips below 0 there, which the planner clamps).
-    for T, _, ms in entry.calibration:
-        if entry.fixed["fwd"](T * 2) >= 0:
-            assert predict_layer_ms(cfg, T, 2, 1, "O0", "sequential", prof) == pytest.approx(ms, rel=1e-6)
+    # Every measured form is reproduced at its calibration points.
+    for backward, points in ((False, entry.calibration), (True, entry.calibration_fwdbwd)):
+        for T, _, ms, form in points:
+            got = predict_layer_ms(cfg, T, 2, 1, form, "sequential", prof, backward=backward)
+            assert got == pytest.approx(ms, rel=1e-6)
 
 
 def test_profile_tp_measures_the_shard_class_on_a_tp_mesh_under_gloo():

@@ -172,7 +172,7 @@ class ShapeProfile:
 class TPShapeProfile:
     """Measurements of one TP shard class (each rank holds K/tp of every local expert) for the
     TP × EP planner (:mod:`interlace.plan.tp_profile`): the shard's expert-stage curve, raw
-    ``tp_ep:O0`` layer timings ``(tokens, top_k, ms)`` forward and forward + backward on a
+    ``tp_ep`` layer timings ``(tokens, top_k, ms, form)`` forward and forward + backward on a
     TP = ``tp`` mesh, and the fitted line over dispatched rows T·k of what the planner's op
     simulation of that layer leaves out (routing of all T tokens on every TP rank, the count
     exchange over both groups, the host sync), per mode."""
@@ -182,17 +182,19 @@ class TPShapeProfile:
     calibration: list = field(default_factory=list)
     calibration_fwdbwd: list = field(default_factory=list)
     fixed: dict = field(default_factory=dict)  # mode → AlphaBeta
+    residuals: dict = field(default_factory=dict)  # mode → [[rows, form, measured/modelled], ...]
 
     def to_json(self) -> dict:
         return {"tp": self.tp, "expert": self.expert.to_json(), "calibration": self.calibration,
                 "calibration_fwdbwd": self.calibration_fwdbwd,
-                "fixed": {m: ab.to_json() for m, ab in self.fixed.items()}}
+                "fixed": {m: ab.to_json() for m, ab in self.fixed.items()}, "residuals": self.residuals}
 
     @staticmethod
     def from_json(d: dict) -> "TPShapeProfile":
         return TPShapeProfile(d["tp"], SizeCurve.from_json(d["expert"]), d.get("calibration", []),
                               d.get("calibration_fwdbwd", []),
-                              {m: AlphaBeta.from_json(v) for m, v in d.get("fixed", {}).items()})
+                              {m: AlphaBeta.from_json(v) for m, v in d.get("fixed", {}).items()},
+                              d.get("residuals", {}))
 
 
 @dataclass

@@ -406,7 +406,7 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
             # The op list without a fixed part, plus one fixed cost per call: the TP shard
             # class's own fitted line where it was measured (interlace.plan.tp_profile), else
             # what `sequential` calibrated at the same dispatched rows.
-            from interlace.plan.tp_profile import tp_fixed_line, tp_shard_key
+            from interlace.plan.tp_profile import form_key, tp_fixed_line, tp_residual_ratio, tp_shard_key
 
             m.raw_fixed = True
             plan = make_plan(m, config, tokens, tp, ep, form, strategy)
@@ -415,7 +415,11 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
                 total += simulate_layer(m, plan, backward=True)[0]
             entry = src.tp_shapes.get(tp_shard_key(config, tp, config.num_experts // ep))
             if entry is not None:
-                return total + tp_fixed_line(entry, "fwdbwd" if backward else "fwd", tokens * config.top_k)
+                mode, rows = ("fwdbwd" if backward else "fwd"), tokens * config.top_k
+                total += tp_fixed_line(entry, mode, rows)
+                if plan.strategy == "sequential":  # what the calibrated forms measured beyond that
+                    total *= tp_residual_ratio(entry, mode, form_key(plan.form, plan.form_chunks), rows)
+                return total
             return total + _profile_fixed_ms(src, config, tokens, backward)
     else:
         m = ClusterMachine(src)
