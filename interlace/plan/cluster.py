@@ -153,7 +153,7 @@ def _presets() -> dict[str, Cluster]:
             "h200x2", "NVIDIA H200 (141 GB HBM3e)", 2, 1, 139.8, _H200_COMPUTE,
             Link("nvlink", 450.0, points=_h200_nvlink_points(),
                  source=nvlink4 + "; efficiency points from the shipped profile's all-to-all curve "
-                 "(interlace/profiles/NVIDIA_H200-sm132-w2-n1-p2p.json, run 7)"),
+                 "(interlace/profiles/NVIDIA_H200-sm132-w2-n1-p2p.json)"),
             None,
             Link("hbm", 4800.0, latency_us=4.0, peak_efficiency=2042 / 4800,
                  source="H200 HBM3e 4.8 TB/s spec; measured device copy 4084 GB/s read+write "

@@ -2,7 +2,7 @@
 
     python -m interlace.plan.validate [--cluster h200x2] [--profile PATH]
 
-The shipped 2×H200 profile keeps run 7's raw layer timings (per shape class: tokens, top-k,
+Run 7's 2×H200 profile (``interlace/profiles/runs/run7-…``) keeps its raw layer timings (per shape class: tokens, top-k,
 pipeline degree r, measured ms of a forward at TP = 1 / EP = 2). This prints, per degree, the
 median |predicted/measured − 1| of :func:`interlace.plan.layer.predict_layer_ms` with a cluster
 description (no profile: the profile-free path ``interlace plan`` uses for clusters we do not
@@ -21,7 +21,7 @@ from interlace.perf.profile import PACKAGED_DIR, parse_shape_key
 from interlace.plan.cluster import load_cluster
 from interlace.plan.layer import predict_layer_ms
 
-SHIPPED = PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json"
+SHIPPED = PACKAGED_DIR / "runs" / "run7-NVIDIA_H200-sm132-w2-n1-p2p.json"  # run 7's points alone
 
 
 def score(cluster, profile_json: dict) -> dict[int, list[float]]:
