@@ -5,7 +5,8 @@
 #   bench  the BENCHMARKS.md forward table with pipelined (auto degree from that profile)
 #   fb     forward+backward rows for mixtral-8x7b and qwen2-moe
 # usage: bash scripts/device_pipeline.sh STEP [STEP ...]   (logs, JSON and the profile land under $OUT)
-# EVAL_ARGS (e.g. "--warmup 3 --iters 12") and STEP_TIMEOUT (seconds per step) are optional.
+# EVAL_ARGS (e.g. "--warmup 3 --iters 12"), BENCH_ARGS (e.g. "--interleave") and STEP_TIMEOUT (seconds
+# per step) are optional.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -14,6 +15,7 @@ export INTERLACE_PROFILE_DIR=${INTERLACE_PROFILE_DIR:-$OUT/profiles}
 mkdir -p "$OUT"
 PRESETS="mixtral-8x7b phi3.5-moe qwen2-moe qwen3-30b-a3b dsv3-like flashdmoe-cfg"
 EVAL_ARGS=${EVAL_ARGS:-}
+BENCH_ARGS=${BENCH_ARGS:-}
 T=${STEP_TIMEOUT:-0}
 run() { if [ "$T" -gt 0 ]; then timeout "$T" "$@"; else "$@"; fi; }
 status=0
@@ -24,9 +26,9 @@ for step in "$@"; do
     eval)  run torchrun --nproc-per-node 2 -m interlace.perf.evaluate --profile-first --also-profile $PRESETS \
              $EVAL_ARGS --out "$OUT/eval" > "$OUT/pipeline_eval.log" 2>&1 || status=1 ;;
     bench) run torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential pipelined \
-             --tokens 4096 16384 --out "$OUT/bench" > "$OUT/bench_pipelined.log" 2>&1 || status=1 ;;
+             --tokens 4096 16384 $BENCH_ARGS --out "$OUT/bench" > "$OUT/bench_pipelined.log" 2>&1 || status=1 ;;
     fb)    run torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential pipelined \
-             --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/bench_fb" \
+             --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd $BENCH_ARGS --out "$OUT/bench_fb" \
              > "$OUT/bench_pipelined_fb.log" 2>&1 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -145,3 +145,17 @@ def test_sigmoid_router_bias_update_moves_load_towards_balance():
     assert layer.router.expert_bias[0] < 0 < layer.router.expert_bias[1]  # hot expert down, idle ones up
     with pytest.raises(ValueError, match="sigmoid"):
         MoELayer(SMALL, device="cpu").router.update_bias(load)
+
+
+def test_bench_harness_interleaved_timing(tmp_path):
+    """--interleave times the strategies round-robin: every row still gets --iters timed calls,
+    a median and its correctness check against naive."""
+    from interlace.bench.harness import main
+
+    rows = main(["--small", "--configs", "qwen2-moe", "--tokens", "32", "--strategies", "naive", "sequential",
+                 "pipelined", "--mode", "fwdbwd", "--interleave", "--iters", "20", "--out", str(tmp_path)])
+    assert [r.strategy for r in rows] == ["naive", "sequential", "pipelined"]
+    for r in rows:
+        assert r.status == "ok" and len(r.times_ms) == 20 and r.median_ms > 0
+        assert max(r.rel_err_vs_naive.values()) < 1e-4 and not hasattr(r, "strategy_object")
+    assert (tmp_path / "results.json").exists()
