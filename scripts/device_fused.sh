@@ -20,9 +20,9 @@ for step in "$@"; do
              --candidates 8 16 32 --iters 8 > "$OUT/tune_fused.log" 2>&1 || status=1
            tail -3 "$OUT/tune_fused.log" ;;
     bench) torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
-             --tokens 4096 8192 16384 --out "$OUT/bench" > "$OUT/bench_fused.log" 2>&1 || status=1 ;;
+             --tokens 4096 8192 16384 ${BENCH_ARGS:-} --out "$OUT/bench" > "$OUT/bench_fused.log" 2>&1 || status=1 ;;
     fb)    torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
-             --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/bench_fb" \
+             --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd ${BENCH_ARGS:-} --out "$OUT/bench_fb" \
              > "$OUT/bench_fused_fb.log" 2>&1 || status=1 ;;
     check) torchrun --nproc-per-node 2 scripts/fused_check.py --steps check stress hidden --check-tokens 1000 4096 \
              --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \

@@ -164,12 +164,48 @@ def test_plan_orders_local_tiles_first():
 
 # ---- the strategy under gloo (staged transport: same kernels, collectives between phases) ----
 def test_fused_gloo_two_ranks_all_cases():
-    """Every config and routing case forward; backward (recompute through sequential) on two."""
+    """Every config and routing case forward (the fused kernels); backward on two cases with the
+    fused forward and a recompute through sequential (``fused:recompute``)."""
     from cases import CASES
     from helpers import run_gloo
     from test_distributed import CONFIGS, _check_all
 
-    run_gloo(_check_all, 2, "fused", list(CONFIGS), CASES, ("random", "uneven_and_empty_rank"))
+    run_gloo(_check_all, 2, "fused:recompute", list(CONFIGS), CASES, ("random", "uneven_and_empty_rank"))
+
+
+def _train_paths(rank, world):
+    """Default ``fused``: a training call runs sequential's graph (the fused engine is never set
+    up); ``fused:recompute`` runs the fused kernels forward; no_grad always runs them."""
+    from cases import make_inputs
+    from helpers import reference_grads
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [12] * world, seed=5)
+    refs = reference_grads(cfg, 11, xs, gs, None, aux_coef=cfg.aux_loss_coef)
+    for arg, engine_after_training in (("fused", False), ("fused:recompute", True)):
+        layer = MoELayer(cfg, strategy=arg, seed=11, device="cpu")
+        x = xs[rank].clone().requires_grad_()
+        out = layer(x)
+        out.backward(gs[rank])
+        assert rel_err(out, refs[0][rank]) < 1e-4 and rel_err(x.grad, refs[1][rank]) < 1e-4, arg
+        assert (layer.strategy.engine is not None) == engine_after_training, arg
+        with torch.no_grad():
+            assert rel_err(layer(xs[rank]), refs[0][rank]) < 1e-4
+        assert layer.strategy.engine is not None  # inference ran the fused kernels
+
+
+def test_fused_training_paths():
+    from helpers import run_gloo
+
+    from interlace import MoELayer
+
+    run_gloo(_train_paths, 2)
+    with pytest.raises(ValueError, match="train_path"):
+        MoELayer(MoEConfig(hidden=8, ffn=8, num_experts=2, top_k=1, dtype=torch.float32), strategy="fused:bogus",
+                 device="cpu")
 
 
 def test_fused_gloo_four_ranks():

@@ -69,7 +69,7 @@ def test_search_stable_explained_and_fast_on_1024_gpus():
     b = plan_cluster(cluster_preset("h100x1024"), MODEL_PRESETS["mixtral-8x7b"], setup)
     assert [c.row() for c in a.ranked[:50]] == [c.row() for c in b.ranked[:50]]
     assert a.ranked and all(c.why for c in a.ranked[:20])
-    steps = [c.time.step_ms for c in a.ranked]
+    steps = [round(c.time.step_ms, 9) for c in a.ranked]  # the ranking ties at 1e-9 ms
     assert steps == sorted(steps)
     budget = (0.92 * 80 - 2) * 1024 ** 3
     assert all(c.memory.total <= budget for c in a.ranked)

@@ -25,9 +25,9 @@ Strategies: ``sequential`` (dispatch → experts → combine), ``pipelined:r`` (
 chunks, the dispatch of chunk i+1 beside the experts of chunk i; with O0/O1) and ``fused``
 (``interlace.strategies.fused``, EP only; not yet measured, so modelled as COMET's fine-grained
 overlap hiding 86.5% of the shorter of communication and compute, COMET §5.3). Backward
-(training) repeats the op list with twice the expert time (input and weight gradients); fused's
-backward recomputes the forward through ``sequential`` and differentiates that, as the strategy
-does today.
+(training) repeats the op list with twice the expert time (input and weight gradients); a
+training call of ``fused`` runs ``sequential``'s forward and backward (the strategy's default
+``train_path``: its backward is not fused yet), so fwd + bwd of ``fused`` is that of ``sequential``.
 
 Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
 :class:`ProfileMachine` (a measured ``interlace profile``; for TP = 1 the calibrated planner of
@@ -335,11 +335,14 @@ def simulate_layer(m: ClusterMachine, plan: LayerPlan, backward: bool = False) -
             ops[i] = Op(o.name, o.stream, o.host, o.gpu, (0,))
     total, ends = simulate_ops(ops)
     if plan.strategy == "fused":
-        if backward:  # interlace's fused backward recomputes the forward through sequential's graph
+        if backward:
+            # A training call of `fused` runs sequential's forward and backward (its default
+            # train_path): callers add this to the fused forward's time, so return sequential's
+            # backward plus the difference of the two forwards.
             seq = replace(plan, strategy="sequential")
-            recompute = simulate_layer(m, seq)[0]
+            shift = simulate_layer(m, seq)[0] - simulate_layer(m, plan)[0]
             total, ops, ends = simulate_layer(m, seq, backward=True)
-            return recompute + total, ops, [e + recompute for e in ends]
+            return total + shift, ops, [e + shift for e in ends]
         comm = sum(o.gpu for o in ops if o.stream != "compute")
         comp = sum(o.gpu for o in ops[1:] if o.stream == "compute")
         total = dev + host + max(comm, comp) + (1 - FUSED_HIDDEN) * min(comm, comp)
