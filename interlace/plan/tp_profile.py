@@ -1,4 +1,4 @@
-"""Measurements of TP shard classes for the TP × EP planner (``interlace profile --tp-configs``).
+"""Measurements of TP shard classes for the TP × EP planner (``interlace profile --tp 2``).
 
 With TP = t each rank holds every local expert's K/t slice, so its grouped GEMMs form a shape
 class the EP profile never timed (flashdmoe-cfg at TP = 2: 64 experts of K = 1024 per rank), and
