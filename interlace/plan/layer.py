@@ -127,8 +127,8 @@ class ProfileMachine(ClusterMachine):
                                chunk_host_us=chunk_us)
         self.host_ms = profile.a2a_host_ms
         self.chunk_host_ms = chunk_us * 1e-3
-        # True: no fixed cost in the op list at TP > 1; predict_layer_ms adds the TP shard
-        # class's own fitted line instead (interlace.plan.tp_profile).
+        # True: no fixed cost in the op list; predict_layer_ms adds one per call instead (the TP
+        # shard class's own fitted line, interlace.plan.tp_profile, or _profile_fixed_ms).
         self.raw_fixed = False
 
     def a2a(self, volume, g: Group):
@@ -161,7 +161,7 @@ class ProfileMachine(ClusterMachine):
     def fixed(self, cfg: MoEConfig, tokens: int, tp: int) -> tuple[float, float]:
         from interlace.perf.profile import shape_key
 
-        if tp > 1 and self.raw_fixed:
+        if self.raw_fixed:
             return 0.0, 0.0
         _, shape = self.profile.shape(shape_key(cfg, self.profile.world))
         return max(shape.fixed(tokens * cfg.top_k), 0.0), 0.0  # the fitted line includes the host sync
@@ -404,14 +404,14 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
                 m = ProfileMachine(src)
                 plan = make_plan(m, config, tokens, tp, ep, form, strategy)
                 return calibrated(src, config, tokens, ep, r) + simulate_layer(m, plan, backward=True)[0]
+        # The op list without a fixed part, plus one fixed cost per call (below): the TP shard
+        # class's own fitted line where it was measured (interlace.plan.tp_profile), else what
+        # `sequential` calibrated at the same dispatched rows (_profile_fixed_ms).
         m = ProfileMachine(src)
+        m.raw_fixed = True
         if tp > 1:
-            # The op list without a fixed part, plus one fixed cost per call: the TP shard
-            # class's own fitted line where it was measured (interlace.plan.tp_profile), else
-            # what `sequential` calibrated at the same dispatched rows.
             from interlace.plan.tp_profile import form_key, tp_fixed_line, tp_residual_ratio, tp_shard_key
 
-            m.raw_fixed = True
             plan = make_plan(m, config, tokens, tp, ep, form, strategy)
             total = simulate_layer(m, plan)[0]
             if backward:
