@@ -10,6 +10,9 @@ Steps (``--steps``; all by default):
           no remote traffic) and t_transfers is the same remote bytes moved alone by copy
           engines (dispatch + return, both ranks at once)
   split   layer time for a few (n_comm, n_comm1) splits (what `interlace tune` automates)
+  graph   ``fused:graph`` (CUDA-graph replay of inference calls): six calls with fresh inputs and
+          routing each, checked against sequential; then sequential / fused / fused:graph timed
+          round-robin
 Writes a JSON of everything to --out and prints a short table last.
 """
 
@@ -241,6 +244,57 @@ def step_split(env, args, log):
     return rows
 
 
+def step_graph(env, args, log):
+    """``fused:graph``: replays with fresh inputs (and routing) on every call, each checked against
+    sequential on the same inputs with poisoned outputs; then eager vs replayed time, interleaved."""
+    rows = []
+    for name in args.graph_configs:
+        cfg = preset(name)
+        for tokens in args.graph_tokens:
+            layer = MoELayer(cfg, group=env.group, strategy="sequential", seed=6, device=env.device)
+            seq = layer.strategy
+            layer.set_strategy("fused")
+            eager = layer.strategy
+            layer.set_strategy("fused:graph")
+            graph = layer.strategy
+            worst_err = 0.0
+            with torch.no_grad():
+                for i in range(6):  # call 1 eager, call 2 captures + replays, then replays
+                    gen = torch.Generator(device=env.device).manual_seed(1000 * i + env.rank + tokens)
+                    x = torch.randn(tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+                    idx = make_routing(cfg, "skewed" if i % 2 else "balanced", tokens, env, i)
+                    layer.strategy = seq
+                    ref = layer(x, expert_indices=idx).clone()
+                    layer.strategy = graph
+                    captured = graph._graphs.get(tokens)
+                    if captured is not None:  # a replay must rewrite every row of its static output
+                        captured[2].fill_(float("nan"))
+                    alloc.poison(i != 1)  # not while capturing: the fills would be part of the graph
+                    out = layer(x, expert_indices=idx)
+                    alloc.poison(False)
+                    worst_err = max(worst_err, rel(out, ref))
+                torch.cuda.synchronize()
+                graph.synchronize_and_check()
+                x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+                times = {"sequential": [], "fused": [], "fused:graph": []}
+                for _ in range(5):
+                    for label, strat in (("sequential", seq), ("fused", eager), ("fused:graph", graph)):
+                        layer.strategy = strat
+                        layer(x)
+                for _ in range(20):
+                    for label, strat in (("sequential", seq), ("fused", eager), ("fused:graph", graph)):
+                        layer.strategy = strat
+                        times[label] += time_cuda(lambda: layer(x), 0, 1, env)
+            med = {k: worst(env, statistics.median(v)) for k, v in times.items()}
+            worst_err = worst(env, worst_err)
+            rows.append(dict(config=name, tokens=tokens, err_vs_seq=worst_err, ok=worst_err < 2e-2, **med))
+            log(f"graph {name:14s} T={tokens:<6d} replays vs sequential {worst_err:.2e}; ms sequential "
+                f"{med['sequential']:.3f} fused {med['fused']:.3f} fused:graph {med['fused:graph']:.3f}")
+            del layer, seq, eager, graph
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", nargs="+", default=["check", "stress", "hidden", "split"])
@@ -251,6 +305,8 @@ def main():
     p.add_argument("--hidden-configs", nargs="+", default=["qwen2-moe", "qwen3-30b-a3b", "flashdmoe-cfg", "mixtral-8x7b"])
     p.add_argument("--hidden-tokens", nargs="+", type=int, default=[8192, 16384])
     p.add_argument("--split-configs", nargs="+", default=["qwen2-moe"])
+    p.add_argument("--graph-configs", nargs="+", default=["qwen2-moe", "qwen3-30b-a3b", "flashdmoe-cfg", "mixtral-8x7b"])
+    p.add_argument("--graph-tokens", nargs="+", type=int, default=[4096, 8192, 16384])
     p.add_argument("--split-tokens", type=int, default=16384)
     p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--variants", nargs="+", default=["default", "slice_major=0", "block_n1=256",
@@ -268,7 +324,7 @@ def main():
 
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
-             "phases": step_phases, "trace": step_trace}
+             "phases": step_phases, "trace": step_trace, "graph": step_graph}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
@@ -284,7 +340,7 @@ def main():
             json.dump(results, f, indent=1)
         print("\n# summary")
         for line in lines:
-            if line.startswith(("hidden", "stress", "split", "phases")) or "FAILED" in line:
+            if line.startswith(("hidden", "stress", "split", "phases", "graph")) or "FAILED" in line:
                 print(line)
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")

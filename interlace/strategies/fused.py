@@ -37,7 +37,17 @@ largest T over ranks — that first call's all-reduce is the one host sync this 
 for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait),
 ``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM"),
 ``timeline`` (record every work item's start/wait/end, read by :meth:`FusedStrategy.timeline_records`;
-off by default and then compiled out of the kernels).
+off by default and then compiled out of the kernels), ``cuda_graph`` (``"fused:graph"``: inference calls
+replay a CUDA graph per token count, see below).
+
+CUDA graphs: nothing between the routing and the output needs the host (the epoch, the plan and
+every flag live on the device; the count exchange is a device collective), so with
+``cuda_graph=True`` an inference call with CUDA symmetric memory captures that part once per
+token count T (on its second call with that T; the first one runs eagerly and compiles the
+kernels) and replays it afterwards: inputs are copied into the graph's static buffers and the
+output is copied out. The graph holds the weights' addresses: it is re-captured when
+``w_up``/``w_down`` are different tensors (in-place optimizer updates need nothing). Off by
+default; the error record is still checked after every replay.
 """
 
 from __future__ import annotations
@@ -236,8 +246,11 @@ class FusedStrategy(Strategy):
     def __init__(self, config, ep, max_tokens: int | None = None, n_comm: int | str = "auto",
                  n_comm1: int | str = "auto", max_spins: int = DEFAULT_SPINS, transport: str = "auto",
                  symm_backend: str | None = None, kernel: FusedKernelConfig | None = None, timeline: bool = False,
-                 train_path: str = "sequential"):
+                 train_path: str = "sequential", cuda_graph: bool = False):
         super().__init__(config, ep)
+        self.cuda_graph = bool(cuda_graph)
+        self._graphs: dict = {}  # T → (CUDAGraph, static inputs, static output, weight addresses)
+        self._graph_seen: set = set()
         if train_path not in TRAIN_PATHS:
             raise ValueError(f"train_path must be one of {TRAIN_PATHS}, got {train_path!r}")
         self.train_path = train_path
@@ -307,6 +320,8 @@ class FusedStrategy(Strategy):
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
+        if arg == "graph":  # "fused:graph"
+            return {"cuda_graph": True}
         return {"train_path": arg}  # "fused:recompute"
 
     # -- calls --------------------------------------------------------------------------------
@@ -319,12 +334,50 @@ class FusedStrategy(Strategy):
         self._raise_pending_error()
         if training:
             return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
+        if self.cuda_graph and self._graphable():
+            return self._graph_forward(x, topk_idx, topk_weight, w_up, w_down)
         return self._forward(x, topk_idx, topk_weight, w_up, w_down)
+
+    def _graphable(self) -> bool:
+        return (self.buf.kind == "symmetric" and not _INTERPRET and self.engine.timeline is None
+                and not getattr(self, "profile_phases", False))
+
+    def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down):
+        T = x.shape[0]
+        weights = (w_up.data_ptr(), w_down.data_ptr())
+        entry = self._graphs.get(T)
+        if entry is None or entry[3] != weights:
+            if T not in self._graph_seen:  # first call with this T: eager (compiles, warms NCCL)
+                self._graph_seen.add(T)
+                return self._forward(x, topk_idx, topk_weight, w_up, w_down)
+            static = (x.clone(), topk_idx.clone(), topk_weight.clone())
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(x.device)
+            with torch.cuda.graph(graph):
+                out = self._forward_kernels(*static[:1], static[1], static[2], w_up, w_down)
+            entry = self._graphs[T] = (graph, static, out, weights)
+            # Capture records the work without running it: replay it below like any later call.
+        graph, (sx, sidx, sw), out, _ = entry
+        sx.copy_(x)
+        sidx.copy_(topk_idx)
+        sw.copy_(topk_weight)
+        graph.replay()
+        self._record_error_check()
+        return out.clone()  # the static output is overwritten by the next replay
 
     def recompute(self, x, topk_idx, topk_weight, w_up, w_down):
         return self._recompute(x, topk_idx, topk_weight, w_up, w_down)
 
     def _forward(self, x, topk_idx, topk_weight, w_up, w_down):
+        out = self._forward_kernels(x, topk_idx, topk_weight, w_up, w_down)
+        if self.buf.kind == "symmetric" and not _INTERPRET:
+            self._record_error_check()
+        else:
+            check_error_record(self.buf)
+        return out
+
+    def _forward_kernels(self, x, topk_idx, topk_weight, w_up, w_down):
+        """Everything from the routing to the output, on the device (capturable on CUDA)."""
         eng, buf, ep = self.engine, self.buf, self.ep
         index = eng.dispatch_index(topk_idx)
         kept = index[2]
@@ -344,7 +397,6 @@ class FusedStrategy(Strategy):
             marks and marks[1].record()
             eng.layer1(call, w_down)
             marks and marks[2].record()
-            self._record_error_check()
         else:
             eng.layer0(call, w_up, "comm")
             buf.exchange_dispatch()
@@ -353,7 +405,6 @@ class FusedStrategy(Strategy):
             if buf.kind == "staged":
                 buf.exchange_return(self._owner_of_rows(kept, topk_idx.shape[0]), int(kept.sum()))
             eng.layer1(call, w_down, "comm")
-            check_error_record(buf)
         return call.out
 
     def _phase_marks(self):
