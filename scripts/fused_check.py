@@ -3,16 +3,17 @@
 Steps (``--steps``; all by default):
   check   every preset, bf16: fused against sequential and naive on fresh random inputs with
           poisoned outputs, random / skewed / all-to-one-rank routing
-  stress  N calls of qwen2-moe with random token counts per rank and Zipf-skewed routing,
-          every 10th checked against naive; the error record checked at the end
+  stress  N calls of qwen2-moe with token counts per rank drawn from a few repeated values (CUDA
+          graph replays and evictions) or at random, Zipf-skewed routing, 2 in 10 checked against
+          naive; the error record checked at the end
   hidden  communication hidden: 1 − (t_fused − t_fused_local) / t_transfers, where
           t_fused_local routes every token to its own rank's experts (same rows per expert,
           no remote traffic) and t_transfers is the same remote bytes moved alone by copy
           engines (dispatch + return, both ranks at once)
   split   layer time for a few (n_comm, n_comm1) splits (what `interlace tune` automates)
-  graph   ``fused:graph`` (CUDA-graph replay of inference calls): six calls with fresh inputs and
-          routing each, checked against sequential; then sequential / fused / fused:graph timed
-          round-robin
+  graph   ``fused`` with CUDA-graph replay of inference calls (the default): six calls with fresh
+          inputs and routing each, checked against sequential; then sequential / fused:eager /
+          fused timed round-robin
 Writes a JSON of everything to --out and prints a short table last.
 """
 
@@ -99,27 +100,29 @@ def step_check(env, args, log):
 def step_stress(env, args, log):
     cfg = preset("qwen2-moe")
     max_t = 2048
-    layer = MoELayer(cfg, group=env.group, strategy="fused", seed=4, device=env.device,
-                     strategy_options={"max_tokens": max_t})
+    layer = MoELayer(cfg, group=env.group, strategy="naive", seed=4, device=env.device)
+    naive = layer.strategy
+    layer.set_strategy("fused", max_tokens=max_t)
+    fused = layer.strategy  # kept across calls: its CUDA graphs are captured, replayed and evicted
     rng = random.Random(env.rank * 7 + 1)
     worst_err, checked = 0.0, 0
     for i in range(args.stress_calls):
-        tokens = rng.randint(0, max_t)
+        # Half the calls repeat one of a few token counts (graph replays, more of them than the
+        # graph cache holds), half draw a fresh one (eager calls).
+        tokens = rng.choice((0, 1, 17, 256, 700, 1000, 1500, 1999, 2048, 64)) if i % 2 else rng.randint(0, max_t)
         x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
         idx = make_routing(cfg, "skewed", tokens, env, i) if tokens else None
         with torch.no_grad():
+            layer.strategy = fused
             out = layer(x, expert_indices=idx)
-            if i % 10 == 0:
-                layer.set_strategy("naive")
+            if i % 10 < 2:
+                layer.strategy = naive
                 ref = layer(x, expert_indices=idx)
-                strat = layer.strategy
-                layer.set_strategy("fused", max_tokens=max_t)
-                del strat
                 if tokens:
                     worst_err = max(worst_err, rel(out, ref))
                 checked += 1
     torch.cuda.synchronize()
-    layer.strategy.synchronize_and_check()
+    fused.synchronize_and_check()
     worst_err = worst(env, worst_err)
     log(f"stress {args.stress_calls} calls, {checked} checked against naive, worst rel err {worst_err:.2e}")
     return dict(calls=args.stress_calls, checked=checked, worst_err=worst_err, ok=worst_err < 2e-2)
@@ -253,7 +256,7 @@ def step_graph(env, args, log):
         for tokens in args.graph_tokens:
             layer = MoELayer(cfg, group=env.group, strategy="sequential", seed=6, device=env.device)
             seq = layer.strategy
-            layer.set_strategy("fused")
+            layer.set_strategy("fused:eager")
             eager = layer.strategy
             layer.set_strategy("fused:graph")
             graph = layer.strategy

@@ -195,8 +195,9 @@ def _train_paths(rank, world):
         with torch.no_grad():
             assert rel_err(layer(xs[rank]), refs[0][rank]) < 1e-4
         assert layer.strategy.engine is not None  # inference ran the fused kernels
-    # "fused:graph" replays CUDA graphs only with CUDA symmetric memory; elsewhere it runs eagerly.
-    layer = MoELayer(cfg, strategy="fused:graph", seed=11, device="cpu")
+    # CUDA graphs (the default) replay only with CUDA symmetric memory; elsewhere calls run eagerly.
+    assert not MoELayer(cfg, strategy="fused:eager", seed=11, device="cpu").strategy.cuda_graph
+    layer = MoELayer(cfg, strategy="fused", seed=11, device="cpu")
     assert layer.strategy.cuda_graph
     with torch.no_grad():
         for _ in range(3):

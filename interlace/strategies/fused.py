@@ -37,22 +37,26 @@ largest T over ranks — that first call's all-reduce is the one host sync this 
 for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait),
 ``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM"),
 ``timeline`` (record every work item's start/wait/end, read by :meth:`FusedStrategy.timeline_records`;
-off by default and then compiled out of the kernels), ``cuda_graph`` (``"fused:graph"``: inference calls
-replay a CUDA graph per token count, see below).
+off by default and then compiled out of the kernels), ``cuda_graph`` (default True; ``"fused:eager"``
+turns it off: inference calls replay a CUDA graph per token count, see below).
 
 CUDA graphs: nothing between the routing and the output needs the host (the epoch, the plan and
-every flag live on the device; the count exchange is a device collective), so with
-``cuda_graph=True`` an inference call with CUDA symmetric memory captures that part once per
-token count T (on its second call with that T; the first one runs eagerly and compiles the
-kernels) and replays it afterwards: inputs are copied into the graph's static buffers and the
-output is copied out. The graph holds the weights' addresses: it is re-captured when
-``w_up``/``w_down`` are different tensors (in-place optimizer updates need nothing). Off by
-default; the error record is still checked after every replay.
+every flag live on the device; the count exchange is a device collective), so an inference call
+with CUDA symmetric memory captures that part once per token count T (on its second call with
+that T; the first one runs eagerly and compiles the kernels) and replays it afterwards: inputs
+are copied into the graph's static buffers and the output is copied out. 2× H200: 1.3–1.5×
+faster than the eager fused call on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–16384
+tokens (docs/benchmarks.md, run 25), where the eager call is bound by the host's kernel launches.
+The graph holds the weights' addresses: it is re-captured when ``w_up``/``w_down`` are different
+tensors (in-place optimizer updates need nothing). At most ``MAX_GRAPHS`` token counts keep a
+graph (least recently used dropped); inside a caller's own CUDA-graph capture the kernels run
+eagerly (and are captured by the caller). The error record is checked after every replay.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -72,6 +76,7 @@ from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, shared_buffe
 
 
 TRAIN_PATHS = ("sequential", "recompute")  # what a call that builds an autograd graph runs
+MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
 
 
 @dataclass(frozen=True)
@@ -246,10 +251,10 @@ class FusedStrategy(Strategy):
     def __init__(self, config, ep, max_tokens: int | None = None, n_comm: int | str = "auto",
                  n_comm1: int | str = "auto", max_spins: int = DEFAULT_SPINS, transport: str = "auto",
                  symm_backend: str | None = None, kernel: FusedKernelConfig | None = None, timeline: bool = False,
-                 train_path: str = "sequential", cuda_graph: bool = False):
+                 train_path: str = "sequential", cuda_graph: bool = True):
         super().__init__(config, ep)
         self.cuda_graph = bool(cuda_graph)
-        self._graphs: dict = {}  # T → (CUDAGraph, static inputs, static output, weight addresses)
+        self._graphs: OrderedDict = OrderedDict()  # T → (CUDAGraph, static inputs, static output, weights)
         self._graph_seen: set = set()
         if train_path not in TRAIN_PATHS:
             raise ValueError(f"train_path must be one of {TRAIN_PATHS}, got {train_path!r}")
@@ -320,8 +325,8 @@ class FusedStrategy(Strategy):
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
-        if arg == "graph":  # "fused:graph"
-            return {"cuda_graph": True}
+        if arg in ("graph", "eager"):  # "fused:eager": no CUDA graphs
+            return {"cuda_graph": arg == "graph"}
         return {"train_path": arg}  # "fused:recompute"
 
     # -- calls --------------------------------------------------------------------------------
@@ -340,7 +345,7 @@ class FusedStrategy(Strategy):
 
     def _graphable(self) -> bool:
         return (self.buf.kind == "symmetric" and not _INTERPRET and self.engine.timeline is None
-                and not getattr(self, "profile_phases", False))
+                and not getattr(self, "profile_phases", False) and not torch.cuda.is_current_stream_capturing())
 
     def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down):
         T = x.shape[0]
@@ -350,6 +355,8 @@ class FusedStrategy(Strategy):
             if T not in self._graph_seen:  # first call with this T: eager (compiles, warms NCCL)
                 self._graph_seen.add(T)
                 return self._forward(x, topk_idx, topk_weight, w_up, w_down)
+            if entry is not None or len(self._graphs) >= MAX_GRAPHS:  # free before capturing anew
+                del self._graphs[T if entry is not None else next(iter(self._graphs))]
             static = (x.clone(), topk_idx.clone(), topk_weight.clone())
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(x.device)
@@ -357,6 +364,7 @@ class FusedStrategy(Strategy):
                 out = self._forward_kernels(*static[:1], static[1], static[2], w_up, w_down)
             entry = self._graphs[T] = (graph, static, out, weights)
             # Capture records the work without running it: replay it below like any later call.
+        self._graphs.move_to_end(T)
         graph, (sx, sidx, sw), out, _ = entry
         sx.copy_(x)
         sidx.copy_(topk_idx)
