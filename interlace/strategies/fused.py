@@ -44,9 +44,10 @@ CUDA graphs: nothing between the routing and the output needs the host (the epoc
 every flag live on the device; the count exchange is a device collective), so an inference call
 with CUDA symmetric memory captures that part once per token count T (on its second call with
 that T; the first one runs eagerly and compiles the kernels) and replays it afterwards: inputs
-are copied into the graph's static buffers and the output is copied out. 2× H200: 1.3–1.5×
+are copied into the graph's static buffers and the output is copied out. 2× H200: 1.07–1.43×
 faster than the eager fused call on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–16384
-tokens (docs/benchmarks.md, run 25), where the eager call is bound by the host's kernel launches.
+tokens (docs/benchmarks.md, run 25; the most at small T, where the eager call is bound by the
+host's kernel launches).
 The graph holds the weights' addresses: it is re-captured when ``w_up``/``w_down`` are different
 tensors (in-place optimizer updates need nothing). At most ``MAX_GRAPHS`` token counts keep a
 graph (least recently used dropped); inside a caller's own CUDA-graph capture the kernels run
