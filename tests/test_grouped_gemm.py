@@ -58,7 +58,10 @@ def test_tile_schedule_covers_every_row_once():
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
 @pytest.mark.parametrize("mode", ["plain", "bijection", "k-way"])
-def test_triton_expert_ffn_backward_matches_reference(activation, mode):
+@pytest.mark.parametrize("wgrad_gather", ["copy", "fused"])
+def test_triton_expert_ffn_backward_matches_reference(activation, mode, wgrad_gather, monkeypatch):
+    """dW_up with x's rows gathered first (default) and through the index inside the kernel."""
+    monkeypatch.setenv("INTERLACE_WGRAD_GATHER", wgrad_gather)
     check_forward_backward(activation, mode, [3, 0, 17, 1])
 
 
