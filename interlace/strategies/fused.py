@@ -50,8 +50,10 @@ tokens (docs/benchmarks.md, run 25; the most at small T, where the eager call is
 host's kernel launches).
 The graph holds the weights' addresses: it is re-captured when ``w_up``/``w_down`` are different
 tensors (in-place optimizer updates need nothing). At most ``MAX_GRAPHS`` token counts keep a
-graph (least recently used dropped); inside a caller's own CUDA-graph capture the kernels run
-eagerly (and are captured by the caller). The error record is checked after every replay.
+graph (least recently used dropped); a capture synchronizes the device once, so a workload that
+cycles through more token counts than that pays a sync per returning T — use ``"fused:eager"``
+there. Inside a caller's own CUDA-graph capture the kernels run eagerly (and are captured by
+the caller). The error record is checked after every replay.
 """
 
 from __future__ import annotations
