@@ -104,3 +104,15 @@ class SizeCurve:
     @staticmethod
     def from_json(d: dict) -> "SizeCurve":
         return SizeCurve(d["sizes"], d["times_ms"], AlphaBeta.from_json(d["fit"]))
+
+
+def interp_log_rows(points, rows: float) -> float:
+    """Piecewise-linear interpolation of ``(rows, value)`` points in log(rows), held flat
+    beyond the outermost ones; repeated rows (profiles pooled from several runs) are averaged.
+    The calibrated models' residual ratios are read this way."""
+    by_x: dict[float, list[float]] = {}
+    for x, v in points:
+        by_x.setdefault(math.log(max(float(x), 1.0)), []).append(float(v))
+    xs = sorted(by_x)
+    return float(np.interp(math.log(max(rows, 1.0)), xs, [sum(by_x[x]) / len(by_x[x]) for x in xs]))
+

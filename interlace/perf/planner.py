@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from interlace.config import MoEConfig
+from interlace.perf.models import interp_log_rows
 from interlace.perf.profile import MODES, Calibration, Profile, load_profile, parse_shape_key, shape_key
 from interlace.perf.schedule import DegreeChoice, Op, pipemoe_theorem1, simulate_ops
 
@@ -191,16 +192,12 @@ def residual_ratio(shape, mode: str, rows: int, r: int) -> float:
     pts = shape.residuals.get(mode) if shape.residuals else None
     if not pts or rows <= 0:
         return 1.0
-    by_point: dict[tuple[int, float], list[float]] = {}
-    for x, d, q in pts:  # repeated points (profiles merged from several runs) are averaged
-        by_point.setdefault((int(d), math.log(max(float(x), 1.0))), []).append(float(q))
     by_degree: dict[int, list[tuple[float, float]]] = {}
-    for (d, lx), qs in sorted(by_point.items()):
-        by_degree.setdefault(d, []).append((lx, sum(qs) / len(qs)))
+    for x, d, q in pts:
+        by_degree.setdefault(int(d), []).append((x, q))
 
     def at(d: int) -> float:
-        xs = by_degree[d]
-        return float(np.interp(math.log(rows), [a for a, _ in xs], [q for _, q in xs]))
+        return interp_log_rows(by_degree[d], rows)
 
     if r in by_degree:
         return at(r)

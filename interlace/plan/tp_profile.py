@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from interlace.config import MoEConfig
-from interlace.perf.models import AlphaBeta
+from interlace.perf.models import AlphaBeta, interp_log_rows
 
 
 def tp_shard_key(cfg: MoEConfig, tp: int, e_local: int) -> str:
@@ -63,8 +63,7 @@ def tp_residual_ratio(entry, mode: str, form: str, rows: int) -> float:
             mine = [(x, q) for x, f, q in pts if f == f"{base}:{counts[0]}"]
     if not mine or rows <= 0:
         return 1.0
-    mine.sort()
-    return float(np.interp(math.log(rows), [math.log(max(x, 1)) for x, _ in mine], [q for _, q in mine]))
+    return interp_log_rows(mine, rows)
 
 
 def _simulated_ms(m, cfg: MoEConfig, T: int, tp: int, ep: int, form: str, mode: str) -> tuple[float, str]:

@@ -364,7 +364,7 @@ class FusedStrategy(Strategy):
             graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize(x.device)
             with torch.cuda.graph(graph):
-                out = self._forward_kernels(*static[:1], static[1], static[2], w_up, w_down)
+                out = self._forward_kernels(*static, w_up, w_down)
             entry = self._graphs[T] = (graph, static, out, weights)
             # Capture records the work without running it: replay it below like any later call.
         self._graphs.move_to_end(T)
