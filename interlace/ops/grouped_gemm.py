@@ -50,7 +50,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,warp_spec]]]`` forces a config (tuning experiments)."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten]]`` forces a config (tuning experiments)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -139,21 +139,20 @@ def _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_
     tile = first_tile + (work % per_group) % group_size
     nb = (work % per_group) // group_size
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_start_ptr + tile)
-    rows = row0 + tl.arange(0, BLOCK_M)
+    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
     rmask = rows < tl.load(tile_end_ptr + tile)
-    return e, row0, rows, rmask, nb
+    return e, rows, rmask, nb
 
 
 @triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    N, K, E, divisor, num_programs, num_rows,
+    N, K, E, divisor, num_programs,
     ACTIVATION: tl.constexpr,  # 0 swiglu, 1 gelu, 2 relu
     HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N)."""
     pid = tl.program_id(0)
@@ -166,15 +165,10 @@ def _gemm0_kernel(
         # Block rows past an expert's K gate (or up) rows belong to masked output columns.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    if WARP_SPEC:
-        # Contiguous rows only (no gather): a block past the tile's end reads the next expert's
-        # rows into masked output rows; past the last row TMA reads zeros.
-        a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                              tile_end_ptr, BLOCK_M, GROUP_M)
+        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                        BLOCK_M, GROUP_M)
         if HAS_GATHER:
             src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
         else:
@@ -186,13 +180,10 @@ def _gemm0_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if ACTIVATION == 0:
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, N, BLOCK_K, warp_specialize=WARP_SPEC):
+        for k0 in range(0, N, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < N
-            if WARP_SPEC:
-                a = a_desc.load([row0, k0])
-            else:
-                a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             if USE_TMA:
                 acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
                 if ACTIVATION == 0:
@@ -222,12 +213,12 @@ def _gemm0_kernel(
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    COLS, RED, E, num_programs, num_rows,
+    COLS, RED, E, num_programs,
     B_TRANS: tl.constexpr,  # B_e stored (COLS, RED) row-major (a weight used as Wᵀ); else (RED, COLS)
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPEC: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
@@ -253,27 +244,19 @@ def _gemm_kernel(
         else:
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
-    if WARP_SPEC:
-        # A block past the tile's end reads the next expert's rows into masked output rows.
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                              tile_end_ptr, BLOCK_M, GROUP_M)
+        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                        BLOCK_M, GROUP_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < COLS
         w_base = w_ptr + e * RED * COLS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, RED, BLOCK_K, warp_specialize=WARP_SPEC):
+        for k0 in range(0, RED, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < RED
-            if WARP_SPEC:
-                a = a_desc.load([row0, k0])
-            else:
-                a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                            other=0.0)
+            a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             if USE_TMA:
                 if B_TRANS:
                     b = w_desc.load([(e * COLS + nb * BLOCK_N).to(tl.int32), k0]).T
@@ -310,9 +293,9 @@ def _gemm_kernel(
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
-    P, Q, divisor, num_rows,
+    P, Q, divisor,
     HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr, WARP_SPEC: tl.constexpr,
+    GROUP_P: tl.constexpr,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
 
@@ -335,19 +318,7 @@ def _wgrad_kernel(
     qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    if WARP_SPEC:
-        # Row blocks through TMA, warp-specialized. The descriptors end at the expert's last
-        # row, so a block running past it reads zeros, not the next expert's rows (which would
-        # enter the sum). One descriptor pair per program (each program has one expert).
-        rows_to = tl.maximum(end, 1)  # a descriptor has no empty dimension; no load happens then
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[rows_to, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[rows_to, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
-        for r0 in tl.range(start, end, BLOCK_R, warp_specialize=True):
-            acc = tl.dot(a_desc.load([r0, pb * BLOCK_P]).T, b_desc.load([r0, qb * BLOCK_Q]), acc)
-        first_tail = end
-    else:
-        first_tail = start
-    for r0 in range(first_tail, end, BLOCK_R):
+    for r0 in range(start, end, BLOCK_R):
         rows = r0 + offs_r
         rmask = rows < end
         rows64 = rows.to(tl.int64)
@@ -401,18 +372,6 @@ def use_tma(*weights: torch.Tensor) -> bool:
     if forced == "1":
         return ok and use_triton(w)
     return ok and w.is_cuda and _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
-
-
-def _tma_rows_ok(a: torch.Tensor) -> bool:
-    """A row matrix TMA can read: contiguous, 16-byte aligned base and row pitch."""
-    return a.is_contiguous() and a.data_ptr() % 16 == 0 and a.shape[-1] * a.element_size() % 16 == 0
-
-
-def _warp_spec(config: GemmConfig, tma: bool) -> bool:
-    """A warp-specialized config runs as such where the weights go through TMA; elsewhere
-    (interpreter without ``INTERLACE_TMA=1``, pre-Hopper GPUs) the same tiles run unspecialized,
-    which is what those devices' own tables would be measured on."""
-    return bool(config.warp_spec) and tma
 
 
 def _ensure_allocator() -> None:
@@ -481,21 +440,12 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
     work0 = sched0.max_tiles * triton.cdiv(K, c0.block_n)
     p0 = _num_programs(x.device, work0)
-    ws0 = _warp_spec(c0, tma)
-    if ws0 and gather is not None:
-        # Hopper has no TMA gather: the warp-specialized GEMM0 reads contiguous rows, so the
-        # permuted token matrix is written once (R·N elements) and read by TMA. A tuning choice:
-        # the table picks it only where it measured faster than the fused gather.
-        from interlace.ops.rows import gather_rows
-
-        x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
-    ws0 = ws0 and _tma_rows_ok(x)
     _gemm0_kernel[(p0,)](
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
-        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
+        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
-        WARP_SPEC=ws0, num_warps=c0.num_warps, num_stages=c0.num_stages,
+        num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
                  schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
@@ -508,10 +458,9 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
     _gemm_kernel[(p,)](
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
-        cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
+        cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), WARP_SPEC=_warp_spec(config, tma) and _tma_rows_ok(a),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=bool(config.flatten), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -519,14 +468,10 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
     E = out.shape[0]
     if E == 0:
         return out
-    ws = (_warp_spec(config, use_tma(out)) and gather is None and _tma_rows_ok(a) and _tma_rows_ok(b)
-          and a.shape[0] == b.shape[0])
-    if ws:
-        _ensure_allocator()
     _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
-        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor, a.shape[0],
+        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
-        GROUP_P=config.group_m, WARP_SPEC=ws, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

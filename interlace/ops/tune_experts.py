@@ -28,26 +28,18 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
 # GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
-# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, warp_spec.
-# The warp-specialized ones (last field 1; Hopper and newer, else they run unspecialized) have
-# 4 warps per consumer group, two groups splitting BLOCK_M, plus a producer group.
-WS = dict(group_m=8, flatten=0, warp_spec=1)
+# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten.
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
-                     GemmConfig(128, 128, 64, 4, 4, **WS), GemmConfig(128, 128, 64, 4, 3, **WS)],
+                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
-                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
-                     GemmConfig(128, 256, 64, 4, 3, **WS), GemmConfig(128, 128, 64, 4, 4, **WS)],
+                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                       GemmConfig(128, 128, 64, 8, 4, 8, 1),
-                       GemmConfig(128, 128, 64, 4, 4, **WS), GemmConfig(128, 128, 64, 4, 3, **WS)],
+                       GemmConfig(128, 128, 64, 8, 4, 8, 1)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
-                      GemmConfig(128, 128, 64, 8, 4),
-                      GemmConfig(128, 256, 64, 4, 3, **WS), GemmConfig(128, 128, 64, 4, 4, **WS)],
+                      GemmConfig(128, 128, 64, 8, 4)],
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 3, 16),
-                     GemmConfig(128, 128, 64, 4, 4, **WS), GemmConfig(128, 256, 64, 4, 3, **WS)],
+                     GemmConfig(128, 128, 64, 8, 3, 16)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]

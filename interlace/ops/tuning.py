@@ -33,10 +33,6 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8  # row tiles per L2 swizzle group of the persistent GEMMs
     flatten: int = 0  # 1: software-pipeline across the persistent loop's work items
-    # 1: both operands through TMA and the K loop warp-specialized (Hopper: one producer warp
-    # group, two consumer groups splitting BLOCK_M; num_warps counts one consumer group). The A
-    # rows must be contiguous, so a gathered A is copied first (see grouped_gemm).
-    warp_spec: int = 0
 
 
 @dataclass(frozen=True)
