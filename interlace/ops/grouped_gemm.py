@@ -210,6 +210,20 @@ def _gemm0_kernel(
 
 
 @triton.jit
+def _dswiglu_store(d_act, h_ptr, out_ptr, rows64, rmask, cols, COLS):
+    """d(gate), d(up) of SwiGLU for a (rows × cols) block of d(act) from the stored pre-activation
+    h = [gate | up] (R, 2·COLS), written to out in the same layout."""
+    omask = rmask[:, None] & (cols < COLS)[None, :]
+    gate = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :], mask=omask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_gate = d_act * up * sig * (1.0 + gate * (1.0 - sig))
+    tl.store(out_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], d_gate.to(out_ptr.dtype.element_ty), mask=omask)
+    tl.store(out_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :],
+             (d_act * gate * sig).to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -218,7 +232,7 @@ def _gemm_kernel(
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, EPI_SPLIT: tl.constexpr = False,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
@@ -270,15 +284,14 @@ def _gemm_kernel(
         if EPILOGUE == 0:
             tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
         elif EPILOGUE == 1:
-            gate = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], mask=omask, other=0.0).to(tl.float32)
-            up = tl.load(h_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :], mask=omask,
-                         other=0.0).to(tl.float32)
-            sig = tl.sigmoid(gate)
-            d_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-            tl.store(out_ptr + rows64[:, None] * (2 * COLS) + cols[None, :], d_gate.to(out_ptr.dtype.element_ty),
-                     mask=omask)
-            tl.store(out_ptr + rows64[:, None] * (2 * COLS) + COLS + cols[None, :],
-                     (acc * gate * sig).to(out_ptr.dtype.element_ty), mask=omask)
+            if EPI_SPLIT:
+                # Two column halves one after the other: half the h tiles live in registers at a time.
+                halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                offs_h = tl.arange(0, BLOCK_N // 2)
+                _dswiglu_store(halves[0], h_ptr, out_ptr, rows64, rmask, nb * BLOCK_N + offs_h, COLS)
+                _dswiglu_store(halves[1], h_ptr, out_ptr, rows64, rmask, nb * BLOCK_N + BLOCK_N // 2 + offs_h, COLS)
+            else:
+                _dswiglu_store(acc, h_ptr, out_ptr, rows64, rmask, cols, COLS)
         else:
             pre = tl.load(h_ptr + rows64[:, None] * COLS + cols[None, :], mask=omask, other=0.0).to(tl.float32)
             if EPILOGUE == 2:
@@ -460,7 +473,8 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=bool(config.flatten), EPI_SPLIT=os.environ.get("INTERLACE_EPI_SPLIT") == "1",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
