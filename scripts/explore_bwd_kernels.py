@@ -4,13 +4,12 @@
 
 Per config (one GPU's share of a 2-GPU layer, balanced routing, as scripts/bench_expert_kernels.py):
 the d(pre-activation) GEMM and the two weight-gradient kernels under each variant (a config
-``bm,bn,bk,warps,stages[,group_m[,flatten]]``, ``split`` = the SwiGLU-gradient epilogue in two
-column halves, ``plain`` = the same GEMM without that epilogue, for reference), each output
+``bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act]]]``; ``plain`` = the tuned GEMM without
+the SwiGLU-gradient epilogue, for reference: what the epilogue costs), each output
 compared with the tuned config's (relative error), ``do_bench`` medians. A table per kernel.
 """
 
 import argparse
-import os
 
 import torch
 import triton
@@ -22,8 +21,8 @@ from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.rows import gather_rows
 from interlace.ops.tuning import GemmConfig
 
-ACT_VARIANTS = ["tuned", "split", "plain", "128,128,64,8,4,8,1", "128,64,64,4,4", "64,128,64,4,4",
-                "128,128,128,8,3", "128,64,128,4,3", "128,128,64,8,3,16", "split:128,128,64,8,4,8,1"]
+ACT_VARIANTS = ["tuned", "plain", "128,128,64,8,4", "128,128,64,8,3", "128,128,128,8,3", "128,128,64,8,4,8,0,1",
+                "128,128,64,8,3,8,0,1", "128,128,128,8,3,8,0,1", "128,256,64,8,3,8,0,1"]
 WGRAD_VARIANTS = ["tuned", "128,256,64,8,3", "256,128,64,8,3", "128,128,64,8,3", "128,128,128,8,3",
                   "128,128,64,4,3", "128,128,32,4,4", "64,128,64,4,4", "128,128,64,8,3,16"]
 
@@ -66,15 +65,18 @@ def main():
             flops_act = 2 * R * cfg.hidden * K
             ref = None
             for v in ACT_VARIANTS:
-                split = v.startswith("split")
-                conf = parse(v.split(":", 1)[1] if ":" in v else ("tuned" if v in ("split", "plain") else v), c_act)
-                os.environ["INTERLACE_EPI_SPLIT"] = "1" if split else "0"
                 plain = v == "plain"
+                conf = parse("tuned" if plain else v, c_act)
                 out = torch.empty((R, K if plain else up), device=dev, dtype=cfg.dtype)
 
                 def run():
-                    gg._launch_gemm(dy, w_down, out, h, ends, R, cols=K, red=cfg.hidden, b_trans=False,
-                                    epilogue=0 if plain else 1, config=conf, tma=tma)
+                    if plain:
+                        gg._launch_gemm(dy, w_down, out, None, ends, R, cols=K, red=cfg.hidden, b_trans=False,
+                                        epilogue=0, config=conf, tma=tma)
+                    else:
+                        sched = gg.tile_schedule(ends, R, conf.block_m)
+                        gg._launch_d_pre_act(dy, w_down, out, h, ends, R, cfg.hidden, K, cfg.activation, conf,
+                                             sched, tma)
                 try:
                     out.fill_(float("nan"))
                     run()
@@ -86,7 +88,6 @@ def main():
                 except Exception as e:  # noqa: BLE001 (exploration: report and go on)
                     rows_out.append((name, T, "d_pre_act", v, conf, float("nan"), float("nan"), str(e)[:60]))
                 print(rows_out[-1], flush=True)
-            os.environ["INTERLACE_EPI_SPLIT"] = "0"
             xg = gather_rows(x, aor[:R], k)
             d_h = ref
             for kernel, a, b, P, Q in (("dw_down", dy, act, cfg.hidden, K), ("dw_up", d_h, xg, up, cfg.hidden)):
@@ -108,7 +109,6 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         rows_out.append((name, T, kernel, v, conf, float("nan"), float("nan"), str(e)[:60]))
                     print(rows_out[-1], flush=True)
-            del h, act, dy, x, xg
             torch.cuda.empty_cache()
     print("\n| config | tokens | kernel | variant | config used | ms | TFLOP/s | rel err vs tuned |")
     print("|---|---|---|---|---|---|---|---|")

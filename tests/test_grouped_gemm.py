@@ -108,3 +108,22 @@ def check_forward_backward(activation, mode, counts, N=16, K=40):
     assert rel_err(y, y_ref) < 1e-5
     for got, ref in ((x.grad, x2.grad), (w_up.grad, wu2.grad), (w_down.grad, wd2.grad)):
         assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_unfused_activation_gradient_matches_reference(activation, monkeypatch):
+    """d(pre-activation) with SwiGLU's derivative in a separate pass (``unfused_act``; GELU keeps
+    its epilogue), forward and backward against the fp64 reference."""
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1")
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+def test_swiglu_backward_into_out_uses_the_first_rows_of_h():
+    from interlace.ops.activation import swiglu_backward
+
+    h, g = torch.randn(9, 10), torch.randn(7, 5)
+    out = torch.full((7, 10), float("nan"))
+    assert swiglu_backward(h, g, out=out) is out
+    hr = h[:7].double().requires_grad_()
+    activation_reference(hr, "swiglu").backward(g.double())
+    assert rel_err(out, hr.grad) < 1e-5

@@ -68,20 +68,22 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """d(loss)/dh (M, 2K) from dh=(M, K) gradient of :func:`swiglu`'s output."""
-    M, two_k = h.shape
-    K = two_k // 2
+def swiglu_backward(h: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """d(loss)/dh (M, 2K) from the (M, K) gradient of :func:`swiglu`'s output (into ``out``
+    (M, 2K) contiguous when given; ``h`` may have more rows than ``grad``: the first M are used)."""
+    M, K = grad.shape
+    h = h[:M]
     if not use_triton(h):
         hf = h.float()
         g = grad.float()
         gate, up = hf[:, :K], hf[:, K:]
         sig = torch.sigmoid(gate)
         d_gate = g * up * sig * (1 + gate * (1 - sig))
-        return torch.cat([d_gate, g * gate * sig], dim=1).to(h.dtype)
+        dh = torch.cat([d_gate, g * gate * sig], dim=1).to(h.dtype)
+        return dh if out is None else out.copy_(dh)
     h = h.contiguous()
     grad = grad.contiguous()
-    dh = alloc.empty(h.shape, h.dtype, h.device)
+    dh = alloc.empty(h.shape, h.dtype, h.device) if out is None else out
     total = M * K
     if total:
         _swiglu_backward_kernel[(triton.cdiv(total, BLOCK),)](

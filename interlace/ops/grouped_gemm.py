@@ -50,7 +50,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten]]`` forces a config (tuning experiments)."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act]]]`` forces a config (tuning experiments)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -232,7 +232,7 @@ def _gemm_kernel(
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, EPI_SPLIT: tl.constexpr = False,
+    FLATTEN: tl.constexpr,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
@@ -284,14 +284,7 @@ def _gemm_kernel(
         if EPILOGUE == 0:
             tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
         elif EPILOGUE == 1:
-            if EPI_SPLIT:
-                # Two column halves one after the other: half the h tiles live in registers at a time.
-                halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                offs_h = tl.arange(0, BLOCK_N // 2)
-                _dswiglu_store(halves[0], h_ptr, out_ptr, rows64, rmask, nb * BLOCK_N + offs_h, COLS)
-                _dswiglu_store(halves[1], h_ptr, out_ptr, rows64, rmask, nb * BLOCK_N + BLOCK_N // 2 + offs_h, COLS)
-            else:
-                _dswiglu_store(acc, h_ptr, out_ptr, rows64, rmask, cols, COLS)
+            _dswiglu_store(acc, h_ptr, out_ptr, rows64, rmask, cols, COLS)
         else:
             pre = tl.load(h_ptr + rows64[:, None] * COLS + cols[None, :], mask=omask, other=0.0).to(tl.float32)
             if EPILOGUE == 2:
@@ -473,8 +466,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), EPI_SPLIT=os.environ.get("INTERLACE_EPI_SPLIT") == "1",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=bool(config.flatten), num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -488,6 +480,23 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
         GROUP_P=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma):
+    """d_h = act'(h) ⊙ (dy @ W_down[e]) per expert. By default the derivative runs in the GEMM's
+    epilogue. ``config.unfused_act`` (SwiGLU): the GEMM stores d(act) plainly and one elementwise
+    pass applies the derivative — on H200 the fused epilogue (two h loads, two stores per tile,
+    not overlapped with the short main loop of this K=hidden reduction) cost 25–38% of the
+    kernel, more than the pass's extra R·K round trip (run 31)."""
+    if config.unfused_act and activation == "swiglu":
+        from interlace.ops.activation import swiglu_backward
+
+        d_act = alloc.empty((R, K), dy.dtype, dy.device)
+        _launch_gemm(dy, w_down, d_act, None, ends, R, cols=K, red=N, b_trans=False, epilogue=0, config=config,
+                     schedule=sched, tma=tma)
+        return swiglu_backward(h, d_act, out=d_h)
+    return _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
+                        epilogue=1 + _ACTIVATION_ID[activation], config=config, schedule=sched, tma=tma)
 
 
 def _wgrad_gather_mode() -> str:
@@ -547,9 +556,8 @@ def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, ac
     sched_dx = sched if c_dx.block_m == c_act.block_m else tile_schedule(ends, R, c_dx.block_m)
     steps = [
         # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
-        ("d_pre_act", 2 * R * N * K, lambda: _launch_gemm(
-            dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False, epilogue=1 + _ACTIVATION_ID[activation],
-            config=c_act, schedule=sched, tma=tma)),
+        ("d_pre_act", 2 * R * N * K, lambda: _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, c_act,
+                                                               sched, tma)),
         ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w)),  # dyᵀ act
         # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
         ("dx", 2 * R * up_width * N, lambda: _launch_gemm(

@@ -33,6 +33,9 @@ class GemmConfig:
     num_stages: int
     group_m: int = 8  # row tiles per L2 swizzle group of the persistent GEMMs
     flatten: int = 0  # 1: software-pipeline across the persistent loop's work items
+    # d(pre-activation) GEMM only, SwiGLU: 1 = store d(act) and apply the derivative in a
+    # separate elementwise pass instead of the epilogue (grouped_gemm._launch_d_pre_act)
+    unfused_act: int = 0
 
 
 @dataclass(frozen=True)
