@@ -31,11 +31,9 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 # half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act.
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
-                     GemmConfig(256, 64, 64, 8, 4), GemmConfig(256, 64, 64, 8, 3)],
+                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
-                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
-                     GemmConfig(256, 128, 64, 8, 3), GemmConfig(256, 128, 64, 8, 4)],
+                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                        GemmConfig(128, 128, 64, 8, 4, 8, 1), GemmConfig(128, 128, 128, 8, 3),
                        # the SwiGLU derivative in a separate pass (unfused_act=1)
