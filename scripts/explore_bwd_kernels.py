@@ -1,18 +1,15 @@
 """Variants of the Triton backward's kernels, timed one by one on one GPU (issue 3 exploration).
 
     python scripts/explore_bwd_kernels.py [--configs mixtral-8x7b qwen2-moe dsv3-like] [--tokens 4096]
-                                          [--kernels d_pre_act wgrad]
 
 Per config (one GPU's share of a 2-GPU layer, balanced routing, as scripts/bench_expert_kernels.py):
 the d(pre-activation) GEMM and the two weight-gradient kernels under each variant (a config
 ``bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act]]]``; ``plain`` = the tuned GEMM without
-the SwiGLU-gradient epilogue, for reference: what the epilogue costs; ``plainstore:`` = a weight
-gradient written by plain stores instead of the TMA bulk store), each output
+the SwiGLU-gradient epilogue, for reference: what the epilogue costs), each output
 compared with the tuned config's (relative error), ``do_bench`` medians. A table per kernel.
 """
 
 import argparse
-import os
 
 import torch
 import triton
@@ -26,9 +23,8 @@ from interlace.ops.tuning import GemmConfig
 
 ACT_VARIANTS = ["tuned", "plain", "128,128,64,8,4", "128,128,64,8,3", "128,128,128,8,3", "128,128,64,8,4,8,0,1",
                 "128,128,64,8,3,8,0,1", "128,128,128,8,3,8,0,1", "128,256,64,8,3,8,0,1"]
-# "plainstore:" = the gradient written with plain stores instead of the TMA bulk store (Hopper)
-WGRAD_VARIANTS = ["tuned", "plainstore:tuned", "128,256,64,8,3", "plainstore:128,256,64,8,3", "128,128,64,8,4",
-                  "plainstore:128,128,64,8,4", "128,128,64,8,3", "128,128,64,4,3", "256,128,64,8,3"]
+WGRAD_VARIANTS = ["tuned", "128,256,64,8,3", "256,128,64,8,3", "128,128,64,8,3", "128,128,128,8,3",
+                  "128,128,64,4,3", "128,128,32,4,4", "64,128,64,4,4", "128,128,64,8,3,16"]
 
 
 def parse(v, tuned):
@@ -44,7 +40,6 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "dsv3-like"])
     p.add_argument("--tokens", nargs="+", type=int, default=[4096])
-    p.add_argument("--kernels", nargs="+", default=["d_pre_act", "wgrad"], choices=["d_pre_act", "wgrad"])
     args = p.parse_args()
     dev = torch.device("cuda")
     gg._ensure_allocator()
@@ -69,7 +64,7 @@ def main():
             tma = gg.use_tma(w_up, w_down)
             flops_act = 2 * R * cfg.hidden * K
             ref = None
-            for v in ACT_VARIANTS if "d_pre_act" in args.kernels else []:
+            for v in ACT_VARIANTS:
                 plain = v == "plain"
                 conf = parse("tuned" if plain else v, c_act)
                 out = torch.empty((R, K if plain else up), device=dev, dtype=cfg.dtype)
@@ -94,15 +89,12 @@ def main():
                     rows_out.append((name, T, "d_pre_act", v, conf, float("nan"), float("nan"), str(e)[:60]))
                 print(rows_out[-1], flush=True)
             xg = gather_rows(x, aor[:R], k)
-            d_h = ref if ref is not None else torch.randn(R, up, device=dev).to(cfg.dtype)
-            wgrads = (("dw_down", dy, act, cfg.hidden, K), ("dw_up", d_h, xg, up, cfg.hidden))
-            for kernel, a, b, P, Q in wgrads if "wgrad" in args.kernels else ():
+            d_h = ref
+            for kernel, a, b, P, Q in (("dw_down", dy, act, cfg.hidden, K), ("dw_up", d_h, xg, up, cfg.hidden)):
                 out = torch.empty((E, P, Q), device=dev, dtype=cfg.dtype)
                 wref = None
                 for v in WGRAD_VARIANTS:
-                    plain_store = v.startswith("plainstore:")
-                    os.environ["INTERLACE_WGRAD_TMA_STORE"] = "0" if plain_store else "1"
-                    conf = parse(v.removeprefix("plainstore:"), c_w)
+                    conf = parse(v, c_w)
 
                     def run():
                         gg._launch_wgrad(a, b, None, 1, out, ends, P, Q, conf)

@@ -299,9 +299,9 @@ def _gemm_kernel(
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
-    P, Q, divisor, E,
+    P, Q, divisor,
     HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr, TMA_STORE: tl.constexpr,
+    GROUP_P: tl.constexpr,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
 
@@ -335,19 +335,9 @@ def _wgrad_kernel(
         a = tl.load(a_ptr + rows64[:, None] * P + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :], other=0.0)
         b = tl.load(b_ptr + src[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :], other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
-    if TMA_STORE:
-        # An asynchronous bulk store: the program only waits until the tile has left shared
-        # memory, so the next program on this SM starts its reduction while the gradient is
-        # written (on many-expert shapes the (E, P, Q) write is a large share of the kernel).
-        # The (E, P, Q) descriptor clips a block at its expert's P and Q edges.
-        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E, P, Q], strides=[P * Q, Q, 1],
-                                             block_shape=[1, BLOCK_P, BLOCK_Q])
-        out_desc.store([e, pb * BLOCK_P, qb * BLOCK_Q], tl.reshape(acc.to(out_ptr.dtype.element_ty),
-                                                                   (1, BLOCK_P, BLOCK_Q)))
-    else:
-        out = out_ptr + e.to(tl.int64) * P * Q
-        tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(ps < P)[:, None] & (qs < Q)[None, :])
+    out = out_ptr + e.to(tl.int64) * P * Q
+    tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(ps < P)[:, None] & (qs < Q)[None, :])
 
 
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
@@ -484,20 +474,12 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
     E = out.shape[0]
     if E == 0:
         return out
-    tma_store = _wgrad_tma_store() and use_tma(out)
-    if tma_store:
-        _ensure_allocator()
     _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
-        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor, E,
+        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
-        GROUP_P=config.group_m, TMA_STORE=tma_store, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
-
-
-def _wgrad_tma_store() -> bool:
-    """``INTERLACE_WGRAD_TMA_STORE=0`` stores weight gradients with plain stores even on Hopper."""
-    return os.environ.get("INTERLACE_WGRAD_TMA_STORE", "1") != "0"
 
 
 def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma):
