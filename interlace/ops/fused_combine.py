@@ -40,7 +40,7 @@ def _gemm1_combine_kernel(
     n_comm, n_programs, pid_base, max_spins, join, slice_group,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, LOCAL_GPU_SCOPE: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
@@ -88,12 +88,7 @@ def _gemm1_combine_kernel(
             # program's peer stores are released, and the last arriver acquires everyone's.
             tl.debug_barrier()
             counter = counters_ptr + s * n_slices + sl
-            if LOCAL_GPU_SCOPE and s == me:
-                # Home is this GPU: a device-scope acq_rel orders these (local) stores for the
-                # last arriver, whose system-scope flag release passes them on; no system fence.
-                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            else:
-                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
             if done == tl.load(tiles_from_source + s) - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
@@ -158,7 +153,6 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"), config.slice_group,
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
-        BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, LOCAL_GPU_SCOPE=bool(config.local_gpu_scope),
-        num_warps=config.num_warps,
+        BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode,
     )

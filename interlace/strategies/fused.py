@@ -97,7 +97,6 @@ class FusedKernelConfig:
     block_t: int = 32  # tokens per combine task
     group_m: int = 8  # row tiles sharing a weight block in L2 (both layers)
     slice_group: int = 4  # layer1: N-slices per group (1: COMET's column-wise order; 0: all)
-    local_gpu_scope: int = 1  # layer1: count tiles whose home is this GPU with a device-scope atomic
 
 
 GPU_CONFIG = FusedKernelConfig()
