@@ -175,7 +175,8 @@ def test_fused_gloo_two_ranks_all_cases():
 
 def _train_paths(rank, world):
     """Default ``fused``: a training call runs sequential's graph (the fused engine is never set
-    up); ``fused:recompute`` runs the fused kernels forward; no_grad always runs them."""
+    up); ``fused:recompute`` runs the fused kernels forward, ``fused:train`` forward and backward;
+    no_grad always runs them."""
     from cases import make_inputs
     from helpers import reference_grads
     from test_distributed import CONFIGS
@@ -185,7 +186,7 @@ def _train_paths(rank, world):
     cfg = CONFIGS["swiglu"]
     xs, gs = make_inputs(cfg, [12] * world, seed=5)
     refs = reference_grads(cfg, 11, xs, gs, None, aux_coef=cfg.aux_loss_coef)
-    for arg, engine_after_training in (("fused", False), ("fused:recompute", True)):
+    for arg, engine_after_training in (("fused", False), ("fused:recompute", True), ("fused:train", True)):
         layer = MoELayer(cfg, strategy=arg, seed=11, device="cpu")
         x = xs[rank].clone().requires_grad_()
         out = layer(x)
@@ -221,6 +222,68 @@ def test_fused_gloo_four_ranks():
     from test_distributed import _check_all
 
     run_gloo(_check_all, 4, "fused", ["capacity"], ["zero_recv_rank", "uneven_and_empty_rank"], ())
+
+
+# ---- training through the fused kernels (roles swapped in the backward) ----
+def test_fused_train_gloo_two_ranks_all_cases():
+    """``fused:train``: forward and backward (dx, router, dW_up, dW_down) through the fused kernels
+    against the fp64 reference on every config and routing case (capacity drops, a rank that
+    receives nothing, an empty rank, an empty batch)."""
+    from cases import CASES
+    from helpers import run_gloo
+    from test_distributed import CONFIGS, _check_all
+
+    run_gloo(_check_all, 2, "fused:train", list(CONFIGS), CASES)
+
+
+def test_fused_train_gloo_four_ranks_and_tma_path(monkeypatch):
+    """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
+    Hopper path, run by the interpreter)."""
+    from helpers import run_gloo
+    from test_distributed import _check_all
+
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
+
+
+def test_fused_train_one_rank():
+    """World size 1 (the simulated transport)."""
+    from cases import make_inputs
+    from helpers import assert_grads_match, reference_grads
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+
+    cfg = CONFIGS["capacity"]
+    xs, gs = make_inputs(cfg, [13], seed=3)
+    refs = reference_grads(cfg, 11, xs, gs, None, aux_coef=cfg.aux_loss_coef)
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    x = xs[0].clone().requires_grad_()
+    out = layer(x)
+    out.backward(gs[0])
+    assert layer.strategy.buf.kind == "simulated" and layer.strategy.train_path == "fused"
+    assert rel_err(out, refs[0][0]) < 2e-6
+    assert_grads_match(layer, x, refs, 0, 13, "fused:train world 1", 2e-6)
+
+
+def test_owner_rows_is_an_expert_major_permutation():
+    """Two ranks, rank 1's view: sources in the order (1, 0), local rows first; every buffer row
+    gets a distinct position, valid rows expert by expert, unused capacity rows last."""
+    from interlace.strategies.fused_train import owner_rows
+    from interlace.transport.peer_buffer import BufferSpec
+
+    spec = BufferSpec(2, 2, 8, 2, 3, 4, 8, torch.float32)  # cap = 3 · min(2, 2) = 6 rows per source
+    # counts_all[s, d·2 + e]: source 0 keeps 1 row for (1, 0) and 2 for (1, 1); source 1: 3 and 0.
+    counts_all = torch.tensor([[2, 1, 1, 2], [0, 3, 3, 0]], dtype=torch.int32)
+    plan = build_plan(counts_all, 1, 2, 3, 2, 4)
+    rows = owner_rows(plan, spec, 1)
+    assert sorted(rows.pos.tolist()) == list(range(12))
+    # region 1 (local, j = 0): expert 0 rows 0..2, then region 0: expert 0 row 0 (1 row), expert 1 rows 1..2
+    want = {6: 0, 7: 1, 8: 2, 0: 3, 1: 4, 2: 5}  # buffer row → position
+    assert {r: p for r, p in enumerate(rows.pos.tolist()) if p < 6} == want
+    assert rows.ends.tolist() == [4, 6]
+    assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
+    assert rows.pos[6:].tolist() == [0, 1, 2, 9, 10, 11] and rows.pos_local.tolist() == [0, 1, 2, 9, 10, 11]
 
 
 @pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])

@@ -4,7 +4,9 @@
 as row pointers (so the caller decides where rows come from: a gather from the token matrix,
 a peer-filled receive buffer, ...), gate and up accumulated in the same tile for SwiGLU;
 ``activation_epilogue`` turns the accumulators into the activation in fp32.
-ACTIVATION: 0 SwiGLU, 1 GELU (exact, erf), 2 ReLU.
+``kmajor_tile`` is the same main loop for weights stored (reduction, output) per expert — the
+fused backward multiplies by W_down and W_up untransposed.
+ACTIVATION: 0 SwiGLU, 1 GELU (exact, erf), 2 ReLU, 3 none (the plain product; backward).
 """
 
 from __future__ import annotations
@@ -45,13 +47,37 @@ def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVA
 
 
 @triton.jit
+def kmajor_tile(a_rows, rmask, w_base, w_desc, w_row, col0, cols, cmask, RED, COLS,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """A[rows] (·, RED) @ W (RED, COLS) for one (BLOCK_M × BLOCK_N) tile; W row-major at ``w_base``.
+    With USE_TMA the weight tiles come through ``w_desc`` over all experts' (E·RED, COLS) rows,
+    this expert's first row being ``w_row`` and the tile's first column ``col0`` (block rows past
+    RED meet zero A columns)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, RED, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < RED
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if USE_TMA:
+            b = w_desc.load([w_row + k0, col0])
+        else:
+            b = tl.load(w_base + kk[:, None].to(tl.int64) * COLS + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                        other=0.0)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def activation_epilogue(acc_g, acc_u, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:
         act = acc_g * tl.sigmoid(acc_g) * acc_u
     elif ACTIVATION == 1:
         act = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
-    else:
+    elif ACTIVATION == 2:
         act = tl.maximum(acc_g, 0.0)
+    else:
+        act = acc_g
     return act
 
 

@@ -29,7 +29,7 @@ from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timel
 
 @triton.jit
 def _gemm1_combine_kernel(
-    h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K)
+    h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
     ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
     ret_table, flags1_table,  # (W,) int64 peer addresses
     recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, tiles_from_source,
@@ -40,7 +40,7 @@ def _gemm1_combine_kernel(
     n_comm, n_programs, pid_base, max_spins, join, slice_group,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) clock: interlace.ops.timeline
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr = False,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
@@ -54,8 +54,12 @@ def _gemm1_combine_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         w_desc = w_ptr  # the pointer path ignores it
         if USE_TMA:  # w_down (E_l·N, K) rows through TMA; rows past an expert's N feed masked columns
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
-                                               block_shape=[BLOCK_N, BLOCK_K])
+            if B_KMAJOR:  # (E_l·K, N): block rows past an expert's K meet zero A columns
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * K, N], strides=[N, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+            else:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_K])
         work = claim(queue_ptr)
         while work < n_slices * n_tiles:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -74,7 +78,13 @@ def _gemm1_combine_kernel(
                 kk = k0 + offs_k
                 kmask = kk < K
                 a = tl.load(h_ptr + h_rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                if USE_TMA:
+                if B_KMAJOR:
+                    if USE_TMA:
+                        b = w_desc.load([(e * K + k0).to(tl.int32), sl * BLOCK_N])
+                    else:
+                        b = tl.load(w_base + kk[:, None].to(tl.int64) * N + cols[None, :],
+                                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+                elif USE_TMA:
                     b = w_desc.load([(e * N + sl * BLOCK_N).to(tl.int32), k0]).T
                 else:
                     b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None],
@@ -135,11 +145,13 @@ def _gemm1_combine_kernel(
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
-                  config, max_spins: int, role: str = "all", timeline: tuple | None = None):
+                  config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False):
     """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only).
-    ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`."""
+    ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`. ``w_kmajor``:
+    ``w_down`` is a (E_l, K, N) matrix used as stored and ``h`` has K columns (the backward's
+    d_h @ W_up, K = up width)."""
     spec = buf.spec
-    N, K = spec.hidden, w_down.shape[2]
+    N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
@@ -153,6 +165,6 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         buf.queue1, n_comm, n_programs, pid_base, max_spins, int(role == "all"), config.slice_group,
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
-        BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, num_warps=config.num_warps,
+        BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode,
     )

@@ -20,14 +20,15 @@ separate launches (producers before consumers) with the very same code.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work
+from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
 from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, launch_roles, publish_flag, wait_flag
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
-ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2}
+ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
 
 
 @triton.jit
@@ -49,7 +50,8 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
 @triton.jit
 def _dispatch_gemm0_kernel(
     x_ptr, assign_ptr,  # (T, N) tokens; (R,) int32 dispatch row → assignment t·k + j
-    w_ptr, h_ptr,  # (E_l, up_width, N) up projection; out (W·cap, K)
+    w_ptr, h_ptr,  # (E_l, up_width, N) up projection (B_KMAJOR: (E_l, N, K)); out (W·cap, K)
+    pre_ptr,  # STORE_PRE: (W·cap, up_width) pre-activation out (the backward's input)
     recv_ptr, flags0_ptr,  # this rank's recv (W, cap, N) and flags0 (W, E_l, TPS)
     recv_table, flags0_table,  # (W,) int64 peer addresses of recv and flags0
     send_count, send_row0, send_dst_off, send_tile_seg, send_tile_idx, send_num_tiles,
@@ -62,6 +64,7 @@ def _dispatch_gemm0_kernel(
     TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
+    STORE_PRE: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     pid = tl.program_id(0) + pid_base
@@ -98,8 +101,12 @@ def _dispatch_gemm0_kernel(
         n_work = tl.load(recv_num_tiles) * n_blocks
         w_desc = w_ptr  # the pointer path ignores it
         if USE_TMA:  # weights through TMA (Hopper+); A rows are gathered, so they stay tl.load
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
-                                               block_shape=[BLOCK_N, BLOCK_K])
+            if B_KMAJOR:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+            else:
+                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_K])
         work = claim(queue_ptr + 1)
         while work < n_work:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -123,13 +130,24 @@ def _dispatch_gemm0_kernel(
             a_rows = tl.where(is_local, x_ptr + (local // TOP_K).to(tl.int64) * N, recv_ptr + h_rows * N)
             cols = nb * BLOCK_N + offs_n
             cmask = cols < K
-            w_base = w_ptr + e.to(tl.int64) * up_width * N
-            w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
-            acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, USE_TMA)
+            if B_KMAJOR:  # backward: d(act) = dy_rows @ W_down[e], W_down[e] (N, K) as stored
+                acc_g = kmajor_tile(a_rows, rmask, w_ptr + e.to(tl.int64) * N * K, w_desc, (e * N).to(tl.int32),
+                                    nb * BLOCK_N, cols, cmask, N, K, BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                acc_u = acc_g
+            else:
+                w_base = w_ptr + e.to(tl.int64) * up_width * N
+                w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
+                acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
+                                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
-            tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & cmask[None, :])
+            omask = rmask[:, None] & cmask[None, :]
+            tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=omask)
+            if STORE_PRE:  # training: gate (and up) before the activation, for the backward
+                tl.store(pre_ptr + h_rows[:, None] * up_width + cols[None, :], acc_g.to(pre_ptr.dtype.element_ty),
+                         mask=omask)
+                if ACTIVATION == 0:
+                    tl.store(pre_ptr + h_rows[:, None] * up_width + K + cols[None, :],
+                             acc_u.to(pre_ptr.dtype.element_ty), mask=omask)
             if TIMELINE:  # slots after the send tiles'
                 timeline_record(timeline_ptr, timeline_cap, tl.load(send_num_tiles) + work, epoch, pid,
                                 tl.where(is_local, KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE), work, t_start, t_waited,
@@ -139,19 +157,24 @@ def _dispatch_gemm0_kernel(
 
 
 def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: int, n_programs: int,
-                   config, max_spins: int, role: str = "all", timeline: tuple | None = None):
+                   config, max_spins: int, role: str = "all", timeline: tuple | None = None,
+                   pre: torch.Tensor | None = None, w_kmajor: bool = False):
     """Launch layer0 on this rank. ``role``: ``"all"`` (one launch, both roles),
     ``"comm"`` or ``"gemm"`` (one role only: simulated ranks and the staged transport).
     ``timeline``: ``(records, clock, cap, mode)`` of :class:`interlace.ops.timeline.TimelineBuffer`
-    to record every work item, or None (off: the recording is compiled out)."""
+    to record every work item, or None (off: the recording is compiled out).
+    ``pre`` (W·cap, up_width): also store the pre-activation there (training).
+    ``w_kmajor``: ``w_up`` is a (E_l, N, K) matrix used as stored (``activation="none"``: the
+    backward's dy_rows @ W_down)."""
     spec = buf.spec
     N = spec.hidden
-    K = w_up.shape[1] // (2 if activation == "swiglu" else 1)
+    K = w_up.shape[2] if w_kmajor else w_up.shape[1] // (2 if activation == "swiglu" else 1)
     pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _dispatch_gemm0_kernel[(grid,)](
-        x, assign, w_up, h, v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
+        x, assign, w_up, h, pre if pre is not None else h, v["recv"], v["flags0"], buf.tables["recv"],
+        buf.tables["flags0"],
         plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],
         plan.send_tiles[2],
         plan.recv_count, plan.recv_off, plan.recv_local_row0, plan.recv_tiles[0], plan.recv_tiles[1],
@@ -163,6 +186,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         TOP_K=spec.top_k, ACTIVATION=ACTIVATIONS[activation],
         BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
+        STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode,
     )
 

@@ -78,7 +78,7 @@ from interlace.strategies.sequential import SequentialStrategy
 from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, shared_buffer
 
 
-TRAIN_PATHS = ("sequential", "recompute")  # what a call that builds an autograd graph runs
+TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
 
 
@@ -136,6 +136,7 @@ class FusedCall:
     plan: object
     h: torch.Tensor
     out: torch.Tensor
+    kept: torch.Tensor | None = None  # (E,) rows kept per expert (the staged return exchange)
 
 
 class FusedEngine:
@@ -186,18 +187,23 @@ class FusedEngine:
         K = self.cfg.ffn
         h = alloc.empty((spec.world * spec.cap, K), x.dtype, x.device)
         out = alloc.empty(x.shape, x.dtype, x.device)
-        return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out)
+        return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out, index[2])
 
-    def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all") -> None:
+    def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all", pre: torch.Tensor | None = None,
+               backward: bool = False) -> None:
+        """Forward: h = act(x rows @ W_upᵀ) (and the pre-activation into ``pre``). Backward
+        (``call.x`` the weighted output-gradient rows, ``w_up`` = W_down): h = rows @ W_down."""
         dispatch_gemm0(call.x, call.assignment_of_row, w_up, call.h, self.buf, call.plan,
-                       activation=self.cfg.activation, n_comm=self.n_comm, n_programs=self.n_programs,
-                       config=self.kernel, max_spins=self.max_spins, role=role,
-                       timeline=self._timeline_args(call, 0))
+                       activation="none" if backward else self.cfg.activation, n_comm=self.n_comm,
+                       n_programs=self.n_programs, config=self.kernel, max_spins=self.max_spins, role=role,
+                       timeline=self._timeline_args(call, 0), pre=pre, w_kmajor=backward)
 
-    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all") -> None:
+    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all", backward: bool = False) -> None:
+        """Forward: out = combine(h @ W_downᵀ). Backward (``call.h`` = d_h, ``w_down`` = W_up,
+        weights 1): out = Σ_j (d_h @ W_up)[row(t, j)] = dx."""
         gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
                       n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
-                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1))
+                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward)
 
 
 def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
@@ -330,6 +336,8 @@ class FusedStrategy(Strategy):
     def parse_arg(cls, arg: str) -> dict:
         if arg in ("graph", "eager"):  # "fused:eager": no CUDA graphs
             return {"cuda_graph": arg == "graph"}
+        if arg == "train":  # "fused:train": training through the fused kernels too
+            return {"train_path": "fused"}
         return {"train_path": arg}  # "fused:recompute"
 
     # -- calls --------------------------------------------------------------------------------
@@ -340,6 +348,10 @@ class FusedStrategy(Strategy):
         if self.engine is None:
             self._setup(x)
         self._raise_pending_error()
+        if training and self.train_path == "fused":
+            from interlace.strategies.fused_train import FusedTrain
+
+            return FusedTrain.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if training:
             return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if self.cuda_graph and self._graphable():
@@ -381,14 +393,32 @@ class FusedStrategy(Strategy):
 
     def _forward(self, x, topk_idx, topk_weight, w_up, w_down):
         out = self._forward_kernels(x, topk_idx, topk_weight, w_up, w_down)
+        self._check_errors()
+        return out
+
+    def _order_after_peers(self) -> None:
+        """A one-element all-reduce (a device collective: no host sync) before a call that
+        does not start with the count exchange (the backward): no peer writes into this rank's
+        shared buffers for it until this rank is done with its previous use of them."""
+        if self.ep.world > 1:
+            dist.all_reduce(torch.zeros(1, device=self.ep.collective_device()), group=self.ep.group)
+
+    def _check_errors(self) -> None:
+        """After the kernels: a timed-out wait raises (on the symmetric transport at the next
+        call, without a host sync now)."""
         if self.buf.kind == "symmetric" and not _INTERPRET:
             self._record_error_check()
         else:
             check_error_record(self.buf)
-        return out
 
     def _forward_kernels(self, x, topk_idx, topk_weight, w_up, w_down):
         """Everything from the routing to the output, on the device (capturable on CUDA)."""
+        call, _ = self._prepare_call(x, topk_idx, topk_weight)
+        self._run_layers(call, w_up, w_down)
+        return call.out
+
+    def _prepare_call(self, x, topk_idx, topk_weight):
+        """Dispatch index, count exchange, epoch and plan of a call: ``(FusedCall, index)``."""
         eng, buf, ep = self.engine, self.buf, self.ep
         index = eng.dispatch_index(topk_idx)
         kept = index[2]
@@ -401,22 +431,32 @@ class FusedStrategy(Strategy):
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
         buf.advance_epoch()
-        call = eng.prepare(x, topk_weight, index, counts_all)
+        return eng.prepare(x, topk_weight, index, counts_all), index
+
+    def _run_layers(self, call, w0, w1, pre=None, backward=False, kept=None, between=None):
+        """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport. ``between``
+        runs after layer0 (the backward's activation derivative); ``kept`` (the dispatch
+        index's counts) is needed by the staged transport's return exchange."""
+        eng, buf = self.engine, self.buf
         if buf.kind == "symmetric" and not _INTERPRET:
             marks = self._phase_marks()
-            eng.layer0(call, w_up)
+            eng.layer0(call, w0, pre=pre, backward=backward)
             marks and marks[1].record()
-            eng.layer1(call, w_down)
+            if between is not None:
+                between()
+            eng.layer1(call, w1, backward=backward)
             marks and marks[2].record()
         else:
-            eng.layer0(call, w_up, "comm")
+            eng.layer0(call, w0, "comm", pre=pre, backward=backward)
             buf.exchange_dispatch()
-            eng.layer0(call, w_up, "gemm")
-            eng.layer1(call, w_down, "gemm")
+            eng.layer0(call, w0, "gemm", pre=pre, backward=backward)
+            if between is not None:
+                between()
+            eng.layer1(call, w1, "gemm", backward=backward)
             if buf.kind == "staged":
-                buf.exchange_return(self._owner_of_rows(kept, topk_idx.shape[0]), int(kept.sum()))
-            eng.layer1(call, w_down, "comm")
-        return call.out
+                kept = kept if kept is not None else call.kept
+                buf.exchange_return(self._owner_of_rows(kept, call.out.shape[0]), int(kept.sum()))
+            eng.layer1(call, w1, "comm", backward=backward)
 
     def _phase_marks(self):
         """With ``profile_phases = True``: CUDA events (start, after layer0, after layer1) of the

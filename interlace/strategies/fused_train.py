@@ -1,0 +1,169 @@
+"""Training through the fused (COMET) kernels: a forward that keeps what the backward needs, and
+a backward that runs the same two kernels with their roles swapped.
+
+Forward (every rank): the usual layer0 → layer1, with layer0 also storing the pre-activation
+(W·cap, up) of every row it receives. The peer buffer is shared by every layer of the process,
+so what later layers would overwrite is copied out when the call ends:
+* the expert input rows of this rank's experts, gathered **expert-major** (for dW_up);
+* the expert outputs returned to this (home) rank, (T·k, N) in dispatch order (for d weights).
+
+Backward, with dy (T, N) at every token's home rank (the dispatch of the backward is the
+forward's combine and vice versa):
+1. home: ``g[r] = w[t, j] · dy[t]`` for each dispatch row r = (t, j) and ``dw[t, j] = <y_r, dy[t]>``
+   (the combine's backward kernel, fp32 dot products);
+2. layer0: communication programs push the g rows to the experts' owners while GEMM programs
+   compute ``d_act = g_rows @ W_down[e]`` (W_down as stored, no activation), local tiles first,
+   remote tiles as their flags arrive;
+3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (measured faster than an epilogue,
+   docs/benchmarks.md run 31);
+4. layer1: ``dx_rows = d_h @ W_up[e]`` column-wise, each tile stored straight into the home's
+   return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
+   slice as they land → dx;
+5. owner: ``dW_down[e] = Σ g_rowsᵀ act`` and ``dW_up[e] = Σ d_hᵀ x_rows`` over the expert's rows,
+   by the expert kernels' weight-gradient kernel on expert-major gathers of those rows.
+
+No step reads anything back to the host on the symmetric transport (the staged transport's
+return exchange counts rows on the host, as in the forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from interlace.ops import alloc
+from interlace.ops.rows import combine_rows_backward
+
+
+@dataclass
+class OwnerRows:
+    """Where this rank's received rows go in expert-major order (device tensors, no sync).
+
+    ``pos`` (W·cap,) int64: buffer row ``s·cap + o`` → its position; a permutation of
+    [0, W·cap) whose first ``Σ rows`` entries are the valid rows, expert by expert (sources in
+    the plan's order inside an expert), the unused capacity rows after them. ``pos_local``
+    (cap,): ``pos`` of this rank's own region; ``local_row`` (cap,): the dispatch row each of
+    those holds (0 where unused). ``ends`` (E_l,) int32: inclusive expert ends.
+    """
+
+    pos: torch.Tensor
+    pos_local: torch.Tensor
+    local_row: torch.Tensor
+    ends: torch.Tensor
+
+
+def owner_rows(plan, spec, me: int) -> OwnerRows:
+    W, El, cap = spec.world, spec.num_local, spec.cap
+    dev = plan.recv_count.device
+    count = plan.recv_count.view(W, El).long()  # [j, e]: j-th source (me + j) % W
+    off = plan.recv_off.view(W, El).long()  # first row of (j, e) in that source's region
+    o = torch.arange(cap, device=dev)
+    # Inside a source's region the experts' rows follow each other in expert order.
+    e = (torch.searchsorted(off.contiguous(), o.expand(W, cap).contiguous(), right=True) - 1).clamp_(0, El - 1)
+    i = o[None, :] - off.gather(1, e)
+    valid = i < count.gather(1, e)
+    totals = count.sum(0)
+    exp_start = totals.cumsum(0) - totals
+    src_start = count.cumsum(0) - count  # rows of expert e from the sources before j
+    pos = exp_start[e] + src_start.gather(1, e) + i
+    # Buffer regions are indexed by source rank s: region s holds j = (s − me) mod W.
+    pos, valid = torch.roll(pos, shifts=me, dims=0).reshape(-1), torch.roll(valid, shifts=me, dims=0).reshape(-1)
+    unused_rank = torch.cumsum(~valid, 0) - 1
+    pos = torch.where(valid, pos, totals.sum() + unused_rank)
+    local_valid = valid[me * cap:(me + 1) * cap]
+    local_row = torch.where(local_valid, plan.recv_local_row0.view(W, El)[0].long()[e[0]] + i[0], 0)
+    return OwnerRows(pos, pos[me * cap:(me + 1) * cap], local_row, (exp_start + totals).to(torch.int32))
+
+
+def expert_major(rows: OwnerRows, buffer_rows: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """(W·cap, C) rows in buffer order → expert-major order; this rank's own region taken from
+    ``local_rows`` (cap, C) instead when given (local rows never enter the receive buffer)."""
+    out = alloc.empty(buffer_rows.shape, buffer_rows.dtype, buffer_rows.device)
+    out.index_copy_(0, rows.pos, buffer_rows)
+    if local_rows is not None:
+        out.index_copy_(0, rows.pos_local, local_rows)
+    return out
+
+
+def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src[index]`` (index clamped into range: unused entries hold 0 or −1 and are never read),
+    or unspecified rows when this rank has no rows at all."""
+    if src.shape[0] == 0:
+        return alloc.empty((index.numel(), src.shape[1]), src.dtype, src.device)
+    return src[index.clamp(0, src.shape[0] - 1)]
+
+
+def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str) -> torch.Tensor:
+    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K)."""
+    if activation == "swiglu":
+        from interlace.ops.activation import swiglu_backward
+
+        return swiglu_backward(pre, d_act)
+    from interlace.ops.activation import activation_reference
+
+    with torch.enable_grad():
+        p = pre.detach().float().requires_grad_()
+        (grad,) = torch.autograd.grad(activation_reference(p, activation), p, d_act.float())
+    return grad.to(pre.dtype)
+
+
+class FusedTrain(torch.autograd.Function):
+    """The fused layer forward and backward (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
+        buf, cfg = strategy.buf, strategy.config
+        spec = buf.spec
+        call, index = strategy._prepare_call(x, topk_idx, topk_weight)
+        pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
+        strategy._run_layers(call, w_up, w_down, pre=pre)
+        rows = owner_rows(call.plan, spec, buf.rank)
+        k = spec.top_k
+        token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
+        x_em = expert_major(rows, buf.views["recv"].view(-1, x.shape[1]), local_rows(x, token))
+        y_rows = buf.views["ret"][:x.shape[0] * k].clone()
+        ctx.strategy, ctx.activation = strategy, cfg.activation
+        ctx.save_for_backward(topk_weight, w_up, w_down, call.row_of_assignment, call.assignment_of_row, pre, call.h,
+                              x_em, y_rows, rows.pos, rows.pos_local, rows.local_row, rows.ends, index[2])
+        ctx.plan = call.plan
+        ctx.x_shape = x.shape
+        strategy._check_errors()
+        return call.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs
+        from interlace.strategies.fused import FusedCall
+
+        (topk_weight, w_up, w_down, row_of_assignment, assignment_of_row, pre, act, x_em, y_rows, pos, pos_local,
+         local_row, ends, kept) = ctx.saved_tensors
+        strategy = ctx.strategy
+        buf, spec = strategy.buf, strategy.buf.spec
+        rows = OwnerRows(pos, pos_local, local_row, ends)
+        T, N = ctx.x_shape
+        k = spec.top_k
+        grad = grad.contiguous()
+        # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
+        g_rows, d_weight = combine_rows_backward(grad, y_rows, row_of_assignment, topk_weight)
+        # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
+        # (A later layer's backward may still read the shared buffers on a peer: order first.)
+        strategy._order_after_peers()
+        buf.advance_epoch()
+        identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
+        d_act = alloc.empty(act.shape, act.dtype, act.device)
+        dx = alloc.empty((T, N), grad.dtype, grad.device)
+        ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
+        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx)
+        strategy._run_layers(call, w_down, w_up, backward=True, kept=kept,
+                             between=lambda: setattr(call, "h", activation_backward(pre, d_act, ctx.activation)))
+        # 5. owner: weight gradients over expert-major rows.
+        g_em = expert_major(rows, buf.views["recv"].view(-1, N), local_rows(g_rows, local_row))
+        d_h = call.h
+        _, _, c_w, _ = choose_backward_configs(grad, w_down, int(pos.numel()), ctx.activation)
+        dw_up = _launch_wgrad(expert_major(rows, d_h), x_em, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device),
+                              ends, w_up.shape[1], N, c_w)
+        dw_down = _launch_wgrad(g_em, expert_major(rows, act), None, 1,
+                                alloc.empty(w_down.shape, w_down.dtype, w_down.device), ends, N, w_down.shape[2], c_w)
+        strategy._check_errors()
+        return dx, d_weight, dw_up, dw_down, None, None
