@@ -197,6 +197,48 @@ def step_phases(env, args, log):
     return rows
 
 
+def step_train(env, args, log):
+    """``fused:train`` forward+backward: per-step CUDA-event times of one call (slowest rank),
+    and the fwd+bwd medians of ``sequential`` and ``fused:train`` timed round-robin."""
+    from interlace.strategies.fused_train import step_ms
+
+    rows = []
+    for name in args.hidden_configs:
+        cfg = preset(name)
+        tokens = args.split_tokens
+        idx = make_routing(cfg, "balanced", tokens, env, 0)
+        x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+        g = torch.randn_like(x)
+        layers = {s: MoELayer(cfg, group=env.group, strategy=s, seed=6, device=env.device)
+                  for s in ("sequential", "fused:train")}
+
+        def step(layer):
+            xr = x.detach().requires_grad_()
+            layer(xr, expert_indices=idx).backward(g)
+
+        for layer in layers.values():
+            for _ in range(3):
+                step(layer)
+        times = {s: [] for s in layers}
+        for _ in range(10):
+            for s, layer in layers.items():
+                times[s].append(time_ms(lambda: step(layer), iters=1, warmup=0))
+        med = {s: worst(env, sorted(v)[len(v) // 2]) for s, v in times.items()}
+        ft = layers["fused:train"].strategy
+        ft.profile_phases = True
+        step(layers["fused:train"])
+        ft.profile_phases = False
+        parts = [(k, worst(env, v)) for k, v in step_ms(ft)]
+        row = dict(config=name, tokens=tokens, sequential=med["sequential"], fused_train=med["fused:train"],
+                   steps=parts)
+        rows.append(row)
+        log(f"train {name:14s} T={tokens} sequential {med['sequential']:.3f} fused:train {med['fused:train']:.3f} ms; "
+            + ", ".join(f"{k} {v:.3f}" for k, v in parts))
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 def step_trace(env, args, log):
     """torch.profiler kernel table of a few calls of fused and sequential (first hidden config)."""
     from torch.profiler import ProfilerActivity, profile
@@ -327,7 +369,7 @@ def main():
 
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
-             "phases": step_phases, "trace": step_trace, "graph": step_graph}
+             "phases": step_phases, "trace": step_trace, "graph": step_graph, "train": step_train}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)

@@ -108,6 +108,23 @@ def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str)
     return grad.to(pre.dtype)
 
 
+def mark(strategy, name: str) -> None:
+    """With ``strategy.profile_phases``: a CUDA event after each step of the training call,
+    read by :func:`step_ms` (the GPU check script); nothing otherwise."""
+    if getattr(strategy, "profile_phases", False) and torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        strategy.__dict__.setdefault("_train_marks", []).append((name, event))
+
+
+def step_ms(strategy) -> list[tuple[str, float]]:
+    """(step, ms since the previous mark) of the marks recorded so far, then cleared (syncs)."""
+    marks = strategy.__dict__.pop("_train_marks", [])
+    if marks:
+        marks[-1][1].synchronize()
+    return [(name, a.elapsed_time(b)) for (_, a), (name, b) in zip(marks, marks[1:])]
+
+
 class FusedTrain(torch.autograd.Function):
     """The fused layer forward and backward (see the module docstring)."""
 
@@ -115,9 +132,12 @@ class FusedTrain(torch.autograd.Function):
     def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
         buf, cfg = strategy.buf, strategy.config
         spec = buf.spec
+        mark(strategy, "start")
         call, index = strategy._prepare_call(x, topk_idx, topk_weight)
         pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
+        mark(strategy, "fwd prepare")
         strategy._run_layers(call, w_up, w_down, pre=pre)
+        mark(strategy, "fwd layers")
         rows = owner_rows(call.plan, spec, buf.rank)
         k = spec.top_k
         token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
@@ -128,6 +148,7 @@ class FusedTrain(torch.autograd.Function):
                               x_em, y_rows, rows.pos, rows.pos_local, rows.local_row, rows.ends, index[2])
         ctx.plan = call.plan
         ctx.x_shape = x.shape
+        mark(strategy, "fwd saves")
         strategy._check_errors()
         return call.out
 
@@ -144,10 +165,12 @@ class FusedTrain(torch.autograd.Function):
         T, N = ctx.x_shape
         k = spec.top_k
         grad = grad.contiguous()
+        mark(strategy, "bwd start")
         # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
         g_rows, d_weight = combine_rows_backward(grad, y_rows, row_of_assignment, topk_weight)
         # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
         # (A later layer's backward may still read the shared buffers on a peer: order first.)
+        mark(strategy, "bwd combine grad")
         strategy._order_after_peers()
         buf.advance_epoch()
         identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
@@ -155,15 +178,23 @@ class FusedTrain(torch.autograd.Function):
         dx = alloc.empty((T, N), grad.dtype, grad.device)
         ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
         call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx)
-        strategy._run_layers(call, w_down, w_up, backward=True, kept=kept,
-                             between=lambda: setattr(call, "h", activation_backward(pre, d_act, ctx.activation)))
+        def between():
+            mark(strategy, "bwd layer0")
+            call.h = activation_backward(pre, d_act, ctx.activation)
+            mark(strategy, "bwd act")
+
+        strategy._run_layers(call, w_down, w_up, backward=True, kept=kept, between=between)
+        mark(strategy, "bwd layer1")
         # 5. owner: weight gradients over expert-major rows.
         g_em = expert_major(rows, buf.views["recv"].view(-1, N), local_rows(g_rows, local_row))
-        d_h = call.h
+        d_h_em, act_em = expert_major(rows, call.h), expert_major(rows, act)
+        mark(strategy, "bwd gathers")
         _, _, c_w, _ = choose_backward_configs(grad, w_down, int(pos.numel()), ctx.activation)
-        dw_up = _launch_wgrad(expert_major(rows, d_h), x_em, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device),
+        dw_up = _launch_wgrad(d_h_em, x_em, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device),
                               ends, w_up.shape[1], N, c_w)
-        dw_down = _launch_wgrad(g_em, expert_major(rows, act), None, 1,
+        mark(strategy, "bwd dW_up")
+        dw_down = _launch_wgrad(g_em, act_em, None, 1,
                                 alloc.empty(w_down.shape, w_down.dtype, w_down.device), ends, N, w_down.shape[2], c_w)
+        mark(strategy, "bwd dW_down")
         strategy._check_errors()
         return dx, d_weight, dw_up, dw_down, None, None
