@@ -266,9 +266,9 @@ def test_fused_train_one_rank():
     assert_grads_match(layer, x, refs, 0, 13, "fused:train world 1", 2e-6)
 
 
-def test_owner_rows_is_an_expert_major_permutation():
-    """Two ranks, rank 1's view: sources in the order (1, 0), local rows first; every buffer row
-    gets a distinct position, valid rows expert by expert, unused capacity rows last."""
+def test_owner_rows_runs_per_source_and_expert():
+    """Two ranks, rank 1's view: sources in the order (1, 0), local rows first; each expert's
+    rows from each source are one run of buffer rows (the weight-gradient kernel's segments)."""
     from interlace.strategies.fused_train import owner_rows
     from interlace.transport.peer_buffer import BufferSpec
 
@@ -277,13 +277,10 @@ def test_owner_rows_is_an_expert_major_permutation():
     counts_all = torch.tensor([[2, 1, 1, 2], [0, 3, 3, 0]], dtype=torch.int32)
     plan = build_plan(counts_all, 1, 2, 3, 2, 4)
     rows = owner_rows(plan, spec, 1)
-    assert sorted(rows.pos.tolist()) == list(range(12))
-    # region 1 (local, j = 0): expert 0 rows 0..2, then region 0: expert 0 row 0 (1 row), expert 1 rows 1..2
-    want = {6: 0, 7: 1, 8: 2, 0: 3, 1: 4, 2: 5}  # buffer row → position
-    assert {r: p for r, p in enumerate(rows.pos.tolist()) if p < 6} == want
-    assert rows.ends.tolist() == [4, 6]
+    starts, counts = rows.segments.tolist()
+    assert starts == [[6, 9], [0, 1]]  # region 1 (this rank) at row 6, then region 0
+    assert counts == [[3, 0], [1, 2]]
     assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
-    assert rows.pos[6:].tolist() == [0, 1, 2, 9, 10, 11] and rows.pos_local.tolist() == [0, 1, 2, 9, 10, 11]
 
 
 @pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])

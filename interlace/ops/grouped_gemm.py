@@ -297,13 +297,36 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, end, ps, qs, P, Q, divisor,
+                HAS_GATHER: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc += a[start:end, ps]ᵀ b[src(start:end), qs] (the reduction of one run of rows)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + offs_r
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        if HAS_GATHER:
+            src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
+        else:
+            src = rows64
+        a = tl.load(a_ptr + rows64[:, None] * P + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :], other=0.0)
+        b = tl.load(b_ptr + src[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+    return acc
+
+
+@triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
-    P, Q, divisor,
+    P, Q, divisor, E,
     HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr,
+    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
+
+    The rows of expert e: ``[ends[e-1], ends[e])`` (``NUM_SEG == 0``), or NUM_SEG runs
+    ``[start, start + count)`` with ``ends_ptr`` a (2, NUM_SEG, E) int32 table of starts then
+    counts (the fused training path: an expert's rows from each source rank).
 
     One program per (expert, P block, Q block), expert-major, and inside an expert grouped by
     GROUP_P P blocks (L2 swizzle) so that running programs share the a and b column blocks they
@@ -318,23 +341,19 @@ def _wgrad_kernel(
     group_size = tl.minimum(n_p - first_p, GROUP_P)
     pb = first_p + (r % per_group) % group_size
     qb = (r % per_group) // group_size
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-    end = tl.load(ends_ptr + e)
     ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rows = r0 + offs_r
-        rmask = rows < end
-        rows64 = rows.to(tl.int64)
-        if HAS_GATHER:
-            src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
-        else:
-            src = rows64
-        a = tl.load(a_ptr + rows64[:, None] * P + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :], other=0.0)
-        b = tl.load(b_ptr + src[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc)
+    if NUM_SEG == 0:
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, tl.load(ends_ptr + e), ps, qs, P, Q, divisor,
+                          HAS_GATHER, BLOCK_R)
+    else:
+        for sg in tl.static_range(NUM_SEG):
+            start = tl.load(ends_ptr + sg * E + e)
+            count = tl.load(ends_ptr + (NUM_SEG + sg) * E + e)
+            acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, start + count, ps, qs, P, Q, divisor,
+                              HAS_GATHER, BLOCK_R)
     out = out_ptr + e.to(tl.int64) * P * Q
     tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(ps < P)[:, None] & (qs < Q)[None, :])
@@ -470,14 +489,18 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     )
 
 
-def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config):
+def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None):
+    """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
+    or from ``segments`` (2, S, E) int32 (starts, then counts: S runs of rows per expert)."""
     E = out.shape[0]
     if E == 0:
         return out
+    table = ends if segments is None else segments
     _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
-        a, b, gather if gather is not None else ends, out, ends, P, Q, divisor,
+        a, b, gather if gather is not None else table, out, table, P, Q, divisor, E,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
-        GROUP_P=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_P=config.group_m, NUM_SEG=0 if segments is None else segments.shape[1],
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

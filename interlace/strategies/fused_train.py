@@ -4,7 +4,8 @@ a backward that runs the same two kernels with their roles swapped.
 Forward (every rank): the usual layer0 → layer1, with layer0 also storing the pre-activation
 (W·cap, up) of every row it receives. The peer buffer is shared by every layer of the process,
 so what later layers would overwrite is copied out when the call ends:
-* the expert input rows of this rank's experts, gathered **expert-major** (for dW_up);
+* the input rows of this rank's experts in receive-buffer order, this rank's own rows gathered
+  into its own region (for dW_up);
 * the expert outputs returned to this (home) rank, (T·k, N) in dispatch order (for d weights).
 
 Backward, with dy (T, N) at every token's home rank (the dispatch of the backward is the
@@ -20,7 +21,8 @@ forward's combine and vice versa):
    return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
    slice as they land → dx;
 5. owner: ``dW_down[e] = Σ g_rowsᵀ act`` and ``dW_up[e] = Σ d_hᵀ x_rows`` over the expert's rows,
-   by the expert kernels' weight-gradient kernel on expert-major gathers of those rows.
+   by the expert kernels' weight-gradient kernel reducing over the expert's run of rows from
+   each source (no gather: the rows stay where the kernels put them).
 
 No step reads anything back to the host on the symmetric transport (the staged transport's
 return exchange counts rows on the host, as in the forward).
@@ -38,52 +40,33 @@ from interlace.ops.rows import combine_rows_backward
 
 @dataclass
 class OwnerRows:
-    """Where this rank's received rows go in expert-major order (device tensors, no sync).
+    """This rank's received rows by expert (device tensors, no sync).
 
-    ``pos`` (W·cap,) int64: buffer row ``s·cap + o`` → its position; a permutation of
-    [0, W·cap) whose first ``Σ rows`` entries are the valid rows, expert by expert (sources in
-    the plan's order inside an expert), the unused capacity rows after them. ``pos_local``
-    (cap,): ``pos`` of this rank's own region; ``local_row`` (cap,): the dispatch row each of
-    those holds (0 where unused). ``ends`` (E_l,) int32: inclusive expert ends.
+    ``segments`` (2, W, E_l) int32: for each source (in the plan's order, this rank first) and
+    local expert, the first buffer row ``s·cap + offset`` of its rows, then their count — the
+    runs the weight-gradient kernel reduces over. ``local_row`` (cap,) int64: the dispatch row
+    each row of this rank's own region holds (0 where unused: that region is filled from this
+    rank's own rows, which never pass through the receive buffer).
     """
 
-    pos: torch.Tensor
-    pos_local: torch.Tensor
+    segments: torch.Tensor
     local_row: torch.Tensor
-    ends: torch.Tensor
 
 
 def owner_rows(plan, spec, me: int) -> OwnerRows:
     W, El, cap = spec.world, spec.num_local, spec.cap
     dev = plan.recv_count.device
-    count = plan.recv_count.view(W, El).long()  # [j, e]: j-th source (me + j) % W
-    off = plan.recv_off.view(W, El).long()  # first row of (j, e) in that source's region
+    count = plan.recv_count.view(W, El)  # [j, e]: j-th source (me + j) % W
+    off = plan.recv_off.view(W, El)  # first row of (j, e) inside that source's region
+    source = (torch.arange(W, device=dev, dtype=torch.int32) + me) % W
+    segments = torch.stack([source[:, None] * cap + off, count]).to(torch.int32).contiguous()
+    # This rank's region (j = 0): rows [off, off + count) of expert e hold dispatch rows from local_row0.
     o = torch.arange(cap, device=dev)
-    # Inside a source's region the experts' rows follow each other in expert order.
-    e = (torch.searchsorted(off.contiguous(), o.expand(W, cap).contiguous(), right=True) - 1).clamp_(0, El - 1)
-    i = o[None, :] - off.gather(1, e)
-    valid = i < count.gather(1, e)
-    totals = count.sum(0)
-    exp_start = totals.cumsum(0) - totals
-    src_start = count.cumsum(0) - count  # rows of expert e from the sources before j
-    pos = exp_start[e] + src_start.gather(1, e) + i
-    # Buffer regions are indexed by source rank s: region s holds j = (s − me) mod W.
-    pos, valid = torch.roll(pos, shifts=me, dims=0).reshape(-1), torch.roll(valid, shifts=me, dims=0).reshape(-1)
-    unused_rank = torch.cumsum(~valid, 0) - 1
-    pos = torch.where(valid, pos, totals.sum() + unused_rank)
-    local_valid = valid[me * cap:(me + 1) * cap]
-    local_row = torch.where(local_valid, plan.recv_local_row0.view(W, El)[0].long()[e[0]] + i[0], 0)
-    return OwnerRows(pos, pos[me * cap:(me + 1) * cap], local_row, (exp_start + totals).to(torch.int32))
-
-
-def expert_major(rows: OwnerRows, buffer_rows: torch.Tensor, local_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """(W·cap, C) rows in buffer order → expert-major order; this rank's own region taken from
-    ``local_rows`` (cap, C) instead when given (local rows never enter the receive buffer)."""
-    out = alloc.empty(buffer_rows.shape, buffer_rows.dtype, buffer_rows.device)
-    out.index_copy_(0, rows.pos, buffer_rows)
-    if local_rows is not None:
-        out.index_copy_(0, rows.pos_local, local_rows)
-    return out
+    e = (torch.searchsorted(off[0].long().contiguous(), o, right=True) - 1).clamp_(0, El - 1)
+    i = o - off[0].long()[e]
+    valid = i < count[0].long()[e]
+    local_row = torch.where(valid, plan.recv_local_row0.view(W, El)[0].long()[e] + i, 0)
+    return OwnerRows(segments, local_row)
 
 
 def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -139,13 +122,16 @@ class FusedTrain(torch.autograd.Function):
         strategy._run_layers(call, w_up, w_down, pre=pre)
         mark(strategy, "fwd layers")
         rows = owner_rows(call.plan, spec, buf.rank)
-        k = spec.top_k
+        k, me, cap = spec.top_k, buf.rank, spec.cap
+        # The expert input rows, in buffer order: the peers' rows as received, this rank's own
+        # rows gathered into its (otherwise unused) region.
+        x_rows = buf.views["recv"].view(-1, x.shape[1]).clone()
         token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
-        x_em = expert_major(rows, buf.views["recv"].view(-1, x.shape[1]), local_rows(x, token))
+        x_rows[me * cap:(me + 1) * cap] = local_rows(x, token)
         y_rows = buf.views["ret"][:x.shape[0] * k].clone()
         ctx.strategy, ctx.activation = strategy, cfg.activation
         ctx.save_for_backward(topk_weight, w_up, w_down, call.row_of_assignment, call.assignment_of_row, pre, call.h,
-                              x_em, y_rows, rows.pos, rows.pos_local, rows.local_row, rows.ends, index[2])
+                              x_rows, y_rows, rows.segments, rows.local_row, index[2])
         ctx.plan = call.plan
         ctx.x_shape = x.shape
         mark(strategy, "fwd saves")
@@ -157,11 +143,10 @@ class FusedTrain(torch.autograd.Function):
         from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs
         from interlace.strategies.fused import FusedCall
 
-        (topk_weight, w_up, w_down, row_of_assignment, assignment_of_row, pre, act, x_em, y_rows, pos, pos_local,
-         local_row, ends, kept) = ctx.saved_tensors
+        (topk_weight, w_up, w_down, row_of_assignment, assignment_of_row, pre, act, x_rows, y_rows, segments,
+         local_row, kept) = ctx.saved_tensors
         strategy = ctx.strategy
         buf, spec = strategy.buf, strategy.buf.spec
-        rows = OwnerRows(pos, pos_local, local_row, ends)
         T, N = ctx.x_shape
         k = spec.top_k
         grad = grad.contiguous()
@@ -185,16 +170,18 @@ class FusedTrain(torch.autograd.Function):
 
         strategy._run_layers(call, w_down, w_up, backward=True, kept=kept, between=between)
         mark(strategy, "bwd layer1")
-        # 5. owner: weight gradients over expert-major rows.
-        g_em = expert_major(rows, buf.views["recv"].view(-1, N), local_rows(g_rows, local_row))
-        d_h_em, act_em = expert_major(rows, call.h), expert_major(rows, act)
-        mark(strategy, "bwd gathers")
-        _, _, c_w, _ = choose_backward_configs(grad, w_down, int(pos.numel()), ctx.activation)
-        dw_up = _launch_wgrad(d_h_em, x_em, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device),
-                              ends, w_up.shape[1], N, c_w)
+        # 5. owner: weight gradients, reducing each expert's rows from every source where they
+        # lie. This rank's own g rows go into its unused region of the receive buffer (no peer
+        # writes there, and the next call's writes wait for _order_after_peers / the count exchange).
+        recv = buf.views["recv"]
+        recv[buf.rank].copy_(local_rows(g_rows, local_row))
+        mark(strategy, "bwd local rows")
+        _, _, c_w, _ = choose_backward_configs(grad, w_down, int(x_rows.shape[0]), ctx.activation)
+        dw_up = _launch_wgrad(call.h, x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
+                              w_up.shape[1], N, c_w, segments=segments)
         mark(strategy, "bwd dW_up")
-        dw_down = _launch_wgrad(g_em, act_em, None, 1,
-                                alloc.empty(w_down.shape, w_down.dtype, w_down.device), ends, N, w_down.shape[2], c_w)
+        dw_down = _launch_wgrad(recv.view(-1, N), act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device),
+                                None, N, w_down.shape[2], c_w, segments=segments)
         mark(strategy, "bwd dW_down")
         strategy._check_errors()
         return dx, d_weight, dw_up, dw_down, None, None
