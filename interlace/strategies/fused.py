@@ -16,13 +16,17 @@ Transports (:class:`interlace.transport.PeerBuffer`): ``symmetric`` on CUDA (tor
 memory), ``staged`` on other process groups (gloo in CI: the same kernels, with collectives
 moving the staged regions between the kernel phases).
 
-Training (a call that builds an autograd graph): the backward is not fused yet. ``train_path``
-says what such a call runs: ``"sequential"`` (default) runs the ``sequential`` strategy's
-forward and its backward on the same graph — training steps cost what ``sequential`` costs
-(2× H200 runs 16–17: the fused forward followed by a recompute was 0.73–0.83× of
-``sequential`` per step); ``"recompute"`` (``"fused:recompute"``) runs the fused kernels
-forward, saves only the layer's inputs, and recomputes the forward through ``sequential`` in
-the backward (activation checkpointing: less activation memory, one extra forward of time).
+Training (a call that builds an autograd graph). ``train_path`` says what such a call runs:
+* ``"sequential"`` (default) runs the ``sequential`` strategy's forward and backward — the
+  fastest measured (2× H200, docs/benchmarks.md run 36: ``"fused"`` below is 0.72–1.01× of it);
+* ``"fused"`` (``"fused:train"``) runs the fused kernels forward *and* backward
+  (:mod:`interlace.strategies.fused_train`: the backward's dispatch is the forward's combine and
+  vice versa, the same two kernels with their roles swapped, weight gradients by the expert
+  kernels' weight-gradient kernel). Its backward GEMMs are the Triton kernels, slower than
+  CUTLASS's on the GEMM-bound shapes, and it keeps more activation memory;
+* ``"recompute"`` (``"fused:recompute"``) runs the fused kernels forward, saves only the
+  layer's inputs, and recomputes the forward through ``sequential`` in the backward
+  (activation checkpointing: less activation memory, one extra forward of time).
 ``no_grad`` / inference calls always run the fused kernels.
 
 Deadlock freedom: communication work never waits; every wait is on work that was claimed
