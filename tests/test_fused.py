@@ -246,6 +246,39 @@ def test_fused_train_gloo_four_ranks_and_tma_path(monkeypatch):
     run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 
+def _two_layers(rank, world):
+    """Two fused:train layers sharing one peer buffer (forward 1, forward 2, backward 2,
+    backward 1), three steps with fresh tokens, against the same two layers on ``sequential``:
+    what a layer's backward needs must survive the other layer's use of the buffer."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+
+    cfg = CONFIGS["swiglu"]
+    options = {"sequential": {}, "fused:train": {"max_tokens": 32}}
+    stacks = {s: [MoELayer(cfg, strategy=s, seed=seed, device="cpu", strategy_options=options[s]) for seed in (11, 12)]
+              for s in options}
+    for step in range(3):
+        xs, gs = make_inputs(cfg, [9 + 4 * r + step for r in range(world)], seed=step)
+        got = {}
+        for s, (a, b) in stacks.items():
+            x = xs[rank].clone().requires_grad_()
+            out = b(a(x))
+            out.backward(gs[rank])
+            got[s] = [out, x.grad] + [p.grad.clone() for p in (*a.parameters(), *b.parameters())]
+            for p in (*a.parameters(), *b.parameters()):
+                p.grad = None
+        for i, (want, have) in enumerate(zip(got["sequential"], got["fused:train"])):
+            assert rel_err(have, want) < 1e-5, (rank, step, i)
+
+
+def test_fused_train_two_layers_share_the_buffer():
+    from helpers import run_gloo
+
+    run_gloo(_two_layers, 2)
+
+
 def test_fused_train_one_rank():
     """World size 1 (the simulated transport)."""
     from cases import make_inputs
