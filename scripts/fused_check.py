@@ -239,6 +239,41 @@ def step_train(env, args, log):
     return rows
 
 
+def step_train_check(env, args, log):
+    """Two stacked ``fused:train`` layers (one shared peer buffer: forward 1, forward 2,
+    backward 2, backward 1) for ``--stress-calls`` // 100 steps with fresh tokens, token counts
+    and routing, each step's output, dx and weight gradients against the same two layers on
+    ``sequential``."""
+    rows = []
+    for name in args.configs:
+        cfg = preset(name)
+        stacks = {s: [MoELayer(cfg, group=env.group, strategy=s, seed=seed, device=env.device,
+                               strategy_options={"max_tokens": max(args.check_tokens)} if s != "sequential" else {})
+                      for seed in (21, 22)] for s in ("sequential", "fused:train")}
+        worst_err = 0.0
+        for step in range(max(1, args.stress_calls // 100)):
+            tokens = random.Random(step * 31 + env.rank).choice(args.check_tokens)
+            x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+            g = torch.randn_like(x)
+            got = {}
+            for s, (a, b) in stacks.items():
+                xr = x.clone().requires_grad_()
+                out = b(a(xr))
+                out.backward(g)
+                got[s] = [out, xr.grad] + [p.grad.clone() for p in (*a.parameters(), *b.parameters())]
+                for p in (*a.parameters(), *b.parameters()):
+                    p.grad = None
+            err = max(rel(h, w) for h, w in zip(got["fused:train"], got["sequential"]))
+            worst_err = max(worst_err, worst(env, err))
+        ok = worst_err < 2e-2
+        rows.append(dict(config=name, steps=max(1, args.stress_calls // 100), worst=worst_err, ok=ok))
+        log(f"train_check {name:14s} two layers, {rows[-1]['steps']} steps: worst rel err vs sequential "
+            f"{worst_err:.2e} {'ok' if ok else 'FAIL'}")
+        del stacks
+        torch.cuda.empty_cache()
+    return rows
+
+
 def step_trace(env, args, log):
     """torch.profiler kernel table of a few calls of fused and sequential (first hidden config)."""
     from torch.profiler import ProfilerActivity, profile
@@ -369,7 +404,8 @@ def main():
 
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
-             "phases": step_phases, "trace": step_trace, "graph": step_graph, "train": step_train}
+             "phases": step_phases, "trace": step_trace, "graph": step_graph, "train": step_train,
+             "train_check": step_train_check}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
