@@ -2,7 +2,8 @@
 # Device calls on the 2×H200 machine for the fused (COMET) strategy. Steps:
 #   tune     interlace tune (block split) for the BENCHMARKS presets → $OUT/tuning (used by later steps)
 #   bench    BENCHMARKS.md forward table: naive, sequential, fused at 4096/8192/16384 tokens
-#   fb       forward+backward rows for mixtral-8x7b and qwen2-moe
+#   fb       forward+backward rows for mixtral-8x7b and qwen2-moe (fused: sequential's training path;
+#            fused:train: the fused kernels backward too)
 #   check    scripts/fused_check.py: every preset against naive/sequential, 1000-call stress, hidden %
 #   timeline per-block timeline PNGs of one qwen2-moe call per rank
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
@@ -21,10 +22,11 @@ for step in "$@"; do
            tail -3 "$OUT/tune_fused.log" ;;
     bench) torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
              --tokens 4096 8192 16384 ${BENCH_ARGS:-} --out "$OUT/bench" > "$OUT/bench_fused.log" 2>&1 || status=1 ;;
-    fb)    torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
+    fb)    torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused fused:train \
              --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd ${BENCH_ARGS:-} --out "$OUT/bench_fb" \
              > "$OUT/bench_fused_fb.log" 2>&1 || status=1 ;;
-    check) torchrun --nproc-per-node 2 scripts/fused_check.py --steps check stress hidden --check-tokens 1000 4096 \
+    check) torchrun --nproc-per-node 2 scripts/fused_check.py --steps check stress hidden train_check \
+             --check-tokens 1000 4096 \
              --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \
              --out "$OUT" > "$OUT/fused_check.log" 2>&1 || status=1 ;;
     timeline) torchrun --nproc-per-node 2 -m interlace.bench.timeline --config qwen2-moe --tokens 16384 \
