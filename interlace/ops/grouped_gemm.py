@@ -50,7 +50,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act]]]`` forces a config (tuning experiments)."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma]]]]`` forces a config."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -139,20 +139,21 @@ def _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_
     tile = first_tile + (work % per_group) % group_size
     nb = (work % per_group) // group_size
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    rows = tl.load(tile_start_ptr + tile) + tl.arange(0, BLOCK_M)
+    row0 = tl.load(tile_start_ptr + tile)
+    rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < tl.load(tile_end_ptr + tile)
-    return e, rows, rmask, nb
+    return e, row0, rows, rmask, nb
 
 
 @triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    N, K, E, divisor, num_programs,
+    N, K, E, divisor, num_programs, num_rows,
     ACTIVATION: tl.constexpr,  # 0 swiglu, 1 gelu, 2 relu
     HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False,
 ):
     """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N)."""
     pid = tl.program_id(0)
@@ -165,10 +166,15 @@ def _gemm0_kernel(
         # Block rows past an expert's K gate (or up) rows belong to masked output columns.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
+    if A_TMA:
+        # Contiguous rows (no gather): a block past the tile's end reads the next expert's
+        # rows into masked output rows; past the last row TMA reads zeros.
+        a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                                        BLOCK_M, GROUP_M)
+        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                              tile_end_ptr, BLOCK_M, GROUP_M)
         if HAS_GATHER:
             src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
         else:
@@ -183,7 +189,10 @@ def _gemm0_kernel(
         for k0 in range(0, N, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < N
-            a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if A_TMA:
+                a = a_desc.load([row0, k0])
+            else:
+                a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             if USE_TMA:
                 acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
                 if ACTIVATION == 0:
@@ -227,12 +236,12 @@ def _dswiglu_store(d_act, h_ptr, out_ptr, rows64, rmask, cols, COLS):
 def _gemm_kernel(
     a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    COLS, RED, E, num_programs,
+    COLS, RED, E, num_programs, num_rows,
     B_TRANS: tl.constexpr,  # B_e stored (COLS, RED) row-major (a weight used as Wᵀ); else (RED, COLS)
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
@@ -258,10 +267,14 @@ def _gemm_kernel(
         else:
             w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
+    if A_TMA:
+        # A block past the tile's end reads the next expert's rows into masked output rows.
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
-                                        BLOCK_M, GROUP_M)
+        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                              tile_end_ptr, BLOCK_M, GROUP_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < COLS
@@ -270,7 +283,11 @@ def _gemm_kernel(
         for k0 in range(0, RED, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < RED
-            a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if A_TMA:
+                a = a_desc.load([row0, k0])
+            else:
+                a = tl.load(a_ptr + rows64[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
             if USE_TMA:
                 if B_TRANS:
                     b = w_desc.load([(e * COLS + nb * BLOCK_N).to(tl.int32), k0]).T
@@ -399,6 +416,11 @@ def use_tma(*weights: torch.Tensor) -> bool:
     return ok and w.is_cuda and _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
 
 
+def _tma_rows_ok(a: torch.Tensor) -> bool:
+    """A row matrix TMA can read: contiguous, 16-byte aligned base and row pitch."""
+    return a.is_contiguous() and a.data_ptr() % 16 == 0 and a.shape[-1] * a.element_size() % 16 == 0
+
+
 def _ensure_allocator() -> None:
     """Triton needs an allocator for in-kernel descriptors; install ours unless one is set."""
     from triton.runtime import _allocation
@@ -465,12 +487,21 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
     work0 = sched0.max_tiles * triton.cdiv(K, c0.block_n)
     p0 = _num_programs(x.device, work0)
+    a_tma = bool(c0.a_tma) and tma
+    if a_tma and gather is not None:
+        # Hopper has no TMA gather: a TMA-fed GEMM0 reads contiguous rows, so the permuted
+        # token matrix is written once (R·N elements). A tuning choice: the table picks it only
+        # where it measured faster than the gather fused into the A load.
+        from interlace.ops.rows import gather_rows
+
+        x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
+    a_tma = a_tma and _tma_rows_ok(x)
     _gemm0_kernel[(p0,)](
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
-        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0,
+        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
-        num_warps=c0.num_warps, num_stages=c0.num_stages,
+        A_TMA=a_tma, num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
                  schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
@@ -483,9 +514,10 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
     _gemm_kernel[(p,)](
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
-        cols, red, w.shape[0], p, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
+        cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), num_warps=config.num_warps, num_stages=config.num_stages,
+        FLATTEN=bool(config.flatten), A_TMA=bool(config.a_tma) and tma and _tma_rows_ok(a),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 

@@ -28,20 +28,24 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
 # GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
-# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act.
+# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act, a_tma.
+A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous first)
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1)],
+                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
+                     GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
-                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1)],
+                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
+                     GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                        GemmConfig(128, 128, 64, 8, 4, 8, 1), GemmConfig(128, 128, 128, 8, 3),
                        # the SwiGLU derivative in a separate pass (unfused_act=1)
                        # (a plain store holds no h tile in registers: wider tiles fit)
                        GemmConfig(128, 128, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1),
-                       GemmConfig(128, 256, 64, 8, 4, 8, 0, 1)],
+                       GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
-                      GemmConfig(128, 128, 64, 8, 4)],
+                      GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
+                      GemmConfig(128, 256, 64, 8, 3, **A)],
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 3, 16)],
 }

@@ -36,6 +36,9 @@ class GemmConfig:
     # d(pre-activation) GEMM only, SwiGLU: 1 = store d(act) and apply the derivative in a
     # separate elementwise pass instead of the epilogue (grouped_gemm._launch_d_pre_act)
     unfused_act: int = 0
+    # 1: the A rows through a TMA descriptor too (Hopper; contiguous rows only: a gathered A is
+    # copied contiguous first). Else A is a pipelined tl.load.
+    a_tma: int = 0
 
 
 @dataclass(frozen=True)
