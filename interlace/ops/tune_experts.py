@@ -2,9 +2,10 @@
 and rows-per-expert bucket, and write the tables :mod:`interlace.ops.tuning` looks up.
 
 For every preset (experts per GPU = E / --world) and every bucket, on balanced gathered rows:
-each candidate of GEMM0 (with GEMM1's default), then of GEMM1 (with the best GEMM0), then of
-the backward's three kernels (d(pre-activation) GEMM, dx GEMM, weight gradients; one at a time,
-the others at their defaults) is timed with ``triton.testing.do_bench`` (median; on the CPU
+each candidate of GEMM0 (with GEMM1's default: the forward timed), then of GEMM1 (with the best
+GEMM0), then of the backward's three kernels (d(pre-activation) GEMM, dx GEMM, weight gradients;
+one at a time, the others at their defaults; each timed on its own steps of the backward after
+one whole backward) is timed with ``triton.testing.do_bench`` (median; on the CPU
 interpreter, a host timer). A candidate whose output differs from the default config's (relative
 error > 1e-2) or that fails to compile or run is skipped and reported. Prints the chosen configs,
 their TFLOP/s and the time the tuning took.
@@ -22,8 +23,8 @@ import torch
 import triton
 
 from interlace.ops import tuning
-from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, expert_ffn_triton,
-                                        expert_ffn_triton_backward)
+from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, backward_steps,
+                                        expert_ffn_triton, expert_ffn_triton_backward)
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
@@ -52,6 +53,10 @@ CANDIDATES = {
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]
 BACKWARD_NAMES = {k for k, _, _ in BACKWARD_KERNELS}
+# The backward steps (grouped_gemm.backward_steps) a backward kernel's config runs: a candidate is
+# timed on those alone (timing the whole backward buried a 20% kernel difference in its noise:
+# docs/benchmarks.md, run 38).
+BACKWARD_STEPS = {"expert_bwd_act": ("d_pre_act",), "expert_bwd_dx": ("dx",), "expert_wgrad": ("dw_down", "dw_up")}
 
 
 def _time_ms(fn, cuda: bool) -> float:
@@ -97,6 +102,16 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             return expert_ffn_triton_backward(dy, x, gather, 1, w_up, w_down, ends, shape.activation, h, act,
                                               configs=tuple(chosen[k] for k, _, _ in BACKWARD_KERNELS))
 
+        def kernel_steps(kernel):
+            """The backward once (its intermediates), then a function running ``kernel``'s steps."""
+            _, steps = backward_steps(dy, x, gather, 1, w_up, w_down, ends, shape.activation, h, act,
+                                      configs=tuple(chosen[k] for k, _, _ in BACKWARD_KERNELS))
+            for _, _, launch in steps:
+                launch()
+            mine = [launch for name, _, launch in steps if name in BACKWARD_STEPS[kernel]]
+            work = sum(f for name, f, _ in steps if name in BACKWARD_STEPS[kernel])
+            return (lambda: [launch() for launch in mine]), work
+
         for kernel in KERNELS:
             run = backward if kernel in BACKWARD_NAMES else forward
             want, timed = None, []
@@ -109,20 +124,21 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                     err = max(_rel(got, ref) for got, ref in zip(outs, want))
                     if err > 1e-2:
                         raise ValueError(f"relative error {err:.1e} against the default config")
-                    timed.append((_time_ms(run, cuda), c))
+                    timed_fn, work = kernel_steps(kernel) if run is backward else (run, flops)
+                    timed.append((_time_ms(timed_fn, cuda), c, work))
                 except Exception as err:  # a config the compiler, the GPU or the check rejects
                     failures.append(f"{shape} bucket {bucket} {kernel} {c}: {type(err).__name__} {str(err)[:120]}")
             if not timed:  # every candidate failed: keep the default, write no entry
                 chosen[kernel] = candidates[kernel][0]
                 continue
-            t, c = min(timed, key=lambda tc: tc[0])
+            t, c, work = min(timed, key=lambda tc: tc[0])
             chosen[kernel] = c
-            work = flops * (2 if run is backward else 1)
             entries[kernel].append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
                                     "ms": t, "tflops": work / t / 1e9})
             if show:
+                what = "forward" if run is forward else "+".join(BACKWARD_STEPS[kernel])
                 print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
-                      f"{'fwd' if run is forward else 'bwd'} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms)", flush=True)
+                      f"{what} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms)", flush=True)
     return entries, failures
 
 
