@@ -24,9 +24,15 @@ blocks of one expert's weights instead of streaming all of them once per row til
 
 On Hopper and newer the weights (the B operand) are read through TMA tensor descriptors
 (``tl.make_tensor_descriptor`` over the (E·rows, cols) weight matrix; Triton's allocator holds
-their scratch); the A operand's rows are gathered, so A stays a pipelined ``tl.load``. The
-pointer path (the same kernels with ``USE_TMA=False``) serves the interpreter and older GPUs;
-``INTERLACE_TMA=0/1`` forces either.
+their scratch). The A operand is a pipelined ``tl.load`` (GEMM0 gathers its rows in that load),
+or, where the tuning table says ``a_tma`` (measured faster on the larger shapes, run 38), a TMA
+descriptor too: GEMM0 then reads a contiguous copy of the gathered rows (Hopper has no TMA
+gather). The pointer path (the same kernels with ``USE_TMA=False``) serves the interpreter and
+older GPUs; ``INTERLACE_TMA=0/1`` forces either.
+
+The d(pre-activation) GEMM applies the activation's derivative in its epilogue, or (SwiGLU,
+``unfused_act`` in the table) stores d(act) and leaves the derivative to one elementwise pass:
+the epilogue's two h loads and two stores after a short main loop cost more (run 31).
 
 :class:`TritonExpertFFN` runs forward and backward on these kernels; gradients of the gathered
 rows are returned to the caller's rows by a gather (bijection) or a fixed-order sum (a token's
