@@ -153,9 +153,9 @@ class FusedTrain(torch.autograd.Function):
         mark(strategy, "bwd start")
         # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
         g_rows, d_weight = combine_rows_backward(grad, y_rows, row_of_assignment, topk_weight)
-        # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
-        # (A later layer's backward may still read the shared buffers on a peer: order first.)
         mark(strategy, "bwd combine grad")
+        # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
+        # A later layer's backward may still read the shared buffers on a peer: order first.
         strategy._order_after_peers()
         buf.advance_epoch()
         identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
@@ -163,6 +163,7 @@ class FusedTrain(torch.autograd.Function):
         dx = alloc.empty((T, N), grad.dtype, grad.device)
         ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
         call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx)
+
         def between():
             mark(strategy, "bwd layer0")
             call.h = activation_backward(pre, d_act, ctx.activation)
@@ -176,7 +177,7 @@ class FusedTrain(torch.autograd.Function):
         recv = buf.views["recv"]
         recv[buf.rank].copy_(local_rows(g_rows, local_row))
         mark(strategy, "bwd local rows")
-        _, _, c_w, _ = choose_backward_configs(grad, w_down, int(x_rows.shape[0]), ctx.activation)
+        _, _, c_w, _ = choose_backward_configs(grad, w_down, T * k, ctx.activation)  # ≈ rows received
         dw_up = _launch_wgrad(call.h, x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
                               w_up.shape[1], N, c_w, segments=segments)
         mark(strategy, "bwd dW_up")
