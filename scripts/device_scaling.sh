@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused
-#   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe)
+#   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
 #   hidden   fused communication-hidden percentage (scripts/fused_check.py --steps hidden)
 #   mesh     EP×TP factorisations of W for mixtral-8x7b at 8192 tokens/GPU (scripts/mesh_bench.py)
 # Weak scaling T(2)/T(W) at fixed tokens/GPU: run on each machine size, then
@@ -18,8 +18,8 @@ for step in "$@"; do
   case $step in
     fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
               --tokens 4096 8192 16384 --out "$OUT/fwd" > "$OUT/fwd.log" 2>&1 || status=1 ;;
-    fb)     torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
-              --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --out "$OUT/fb" \
+    fb)     torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused fused:train \
+              --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --interleave --out "$OUT/fb" \
               > "$OUT/fb.log" 2>&1 || status=1 ;;
     hidden) torchrun --nproc-per-node "$W" scripts/fused_check.py --steps hidden \
               --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \
