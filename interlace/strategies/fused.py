@@ -437,10 +437,9 @@ class FusedStrategy(Strategy):
         buf.advance_epoch()
         return eng.prepare(x, topk_weight, index, counts_all), index
 
-    def _run_layers(self, call, w0, w1, pre=None, backward=False, kept=None, between=None):
+    def _run_layers(self, call, w0, w1, pre=None, backward=False, between=None):
         """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport. ``between``
-        runs after layer0 (the backward's activation derivative); ``kept`` (the dispatch
-        index's counts) is needed by the staged transport's return exchange."""
+        runs after layer0 (the backward's activation derivative)."""
         eng, buf = self.engine, self.buf
         if buf.kind == "symmetric" and not _INTERPRET:
             marks = self._phase_marks()
@@ -458,8 +457,7 @@ class FusedStrategy(Strategy):
                 between()
             eng.layer1(call, w1, "gemm", backward=backward)
             if buf.kind == "staged":
-                kept = kept if kept is not None else call.kept
-                buf.exchange_return(self._owner_of_rows(kept, call.out.shape[0]), int(kept.sum()))
+                buf.exchange_return(self._owner_of_rows(call.kept, call.out.shape[0]), int(call.kept.sum()))
             eng.layer1(call, w1, "comm", backward=backward)
 
     def _phase_marks(self):

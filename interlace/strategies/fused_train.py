@@ -162,14 +162,14 @@ class FusedTrain(torch.autograd.Function):
         d_act = alloc.empty(act.shape, act.dtype, act.device)
         dx = alloc.empty((T, N), grad.dtype, grad.device)
         ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
-        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx)
+        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx, kept)
 
         def between():
             mark(strategy, "bwd layer0")
             call.h = activation_backward(pre, d_act, ctx.activation)
             mark(strategy, "bwd act")
 
-        strategy._run_layers(call, w_down, w_up, backward=True, kept=kept, between=between)
+        strategy._run_layers(call, w_down, w_up, backward=True, between=between)
         mark(strategy, "bwd layer1")
         # 5. owner: weight gradients, reducing each expert's rows from every source where they
         # lie. This rank's own g rows go into its unused region of the receive buffer (no peer
