@@ -44,6 +44,7 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
     from interlace import MoEConfig, MoELayer, reference_moe
     from interlace.experts import init_expert_weights
     from interlace.routing import Router
+    from interlace.transport import release_shared_buffers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -85,6 +86,7 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
                 err(layer.experts.w_up.grad, wu.grad[lo:hi]), err(layer.experts.w_down.grad, wd.grad[lo:hi])]
         rows.append((strategy, ms, errs))
     queue.put((rank, rows))
+    release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ from interlace.bench.harness import barrier, init_env, reduce_max, time_cuda
 from interlace.experts import init_expert_weights, shard_ffn
 from interlace.mesh import MoEMesh
 from interlace.routing import Router
+from interlace.transport import release_shared_buffers
 
 CONFIGS = ("mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg")
 FORMS = ("tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3")
@@ -267,6 +268,7 @@ def main():
             print("\nplanner (profile with the TP shard classes measured above) vs these measurements:")
             compare([os.path.join(args.out, "tp_ep.json"), "--profile", profile_path])
     barrier(env)
+    release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
 
 

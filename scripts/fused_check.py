@@ -35,6 +35,7 @@ from interlace import MoELayer  # noqa: E402
 from interlace.bench.harness import init_env, make_routing, reduce_max, time_cuda  # noqa: E402
 from interlace.config import preset  # noqa: E402
 from interlace.ops import alloc  # noqa: E402
+from interlace.transport import release_shared_buffers  # noqa: E402
 
 
 def rel(a, b):
@@ -432,6 +433,7 @@ def main():
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")
     dist.barrier()
+    release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from cases import CASES, case_indices, case_tokens  # noqa: E402
 from interlace import MoEConfig, MoELayer, reference_moe  # noqa: E402
 from interlace.experts import init_expert_weights  # noqa: E402
 from interlace.routing import Router  # noqa: E402
+from interlace.transport import release_shared_buffers  # noqa: E402
 
 TOL = 2e-2  # bf16 layer vs fp32 reference, relative ‖·‖₂
 CONFIGS = {
@@ -128,6 +129,7 @@ def main():
     if rank == 0:
         print(f"\ngpu_check: {checks * world - int(total_fail)} passed, {int(total_fail)} failed "
               f"({world} ranks, {torch.cuda.get_device_name()})")
+    release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
     sys.exit(1 if int(total_fail) else 0)
 

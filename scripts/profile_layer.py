@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from interlace import MoELayer
 from interlace.bench.harness import bench_config
+from interlace.transport import release_shared_buffers
 
 
 def main():
@@ -60,6 +61,7 @@ def main():
                       f"host issue {statistics.median(issue):.3f} ms (per call; profiled 5 calls below)")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
                 prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}_{strategy}.json"))
+    release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
 
 

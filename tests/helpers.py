@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import gc
 import os
 import socket
 import traceback
@@ -14,6 +16,7 @@ import torch.multiprocessing as mp
 from interlace import MoEConfig, reference_moe
 from interlace.experts import init_expert_weights
 from interlace.routing import Router
+from interlace.transport import release_shared_buffers
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,6 +79,7 @@ def free_port() -> int:
 
 def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
     try:
@@ -85,6 +89,11 @@ def _entry(rank, world, port, fn, args):
         traceback.print_exc()
         raise
     finally:
+        # Let nothing hold the group past destroy_process_group: the fused strategy's cached
+        # buffer did. (A fused:train test process once aborted in CI with "terminate called
+        # without an active exception"; where it aborted was not recorded, hence faulthandler.)
+        release_shared_buffers()
+        gc.collect()
         dist.destroy_process_group()
 
 

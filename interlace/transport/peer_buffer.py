@@ -243,6 +243,17 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     return buf
 
 
+def release_shared_buffers() -> int:
+    """Drop every buffer :func:`shared_buffer` holds (and with it the process groups they
+    reference); returns how many. Call it before ``dist.destroy_process_group()``: a cached
+    buffer otherwise keeps its group alive until interpreter exit, where tearing down a
+    group's worker threads can abort the process (seen with gloo). Layers that still hold a
+    buffer keep it; the next new layer makes a fresh one."""
+    n = len(_CACHE)
+    _CACHE.clear()
+    return n
+
+
 def simulated_world(spec: BufferSpec, device: torch.device | str = "cpu") -> list[PeerBuffer]:
     """W ranks' buffers in one process, each rank's tables pointing at the others' tensors."""
     device = torch.device(device)
