@@ -95,3 +95,17 @@ def _degree_disagreement(rank, world):
 
 def test_pipeline_degree_disagreement_raises_instead_of_hanging():
     run_gloo(_degree_disagreement, 2)
+
+
+def _every_strategy(rank, world, strategies, config_names, cases):
+    for strategy in strategies:
+        _check_all(rank, world, strategy, config_names, cases)
+
+
+def test_gloo_eight_ranks_every_strategy():
+    """EP=8 (the size of the 8-GPU runs): every strategy family, forward and backward, on a
+    config with two experts per rank and one with one expert per rank and capacity drops,
+    including a rank that receives nothing and an empty rank."""
+    strategies = ["naive", "sequential", "pipelined:2", "fused", "fused:train"]
+    run_gloo(_every_strategy, 8, strategies, ["sigmoid-gelu", "capacity"],
+             ["random", "zero_recv_rank", "uneven_and_empty_rank"])
