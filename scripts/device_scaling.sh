@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
+#   profile  `interlace profile` at this world size into $OUT/profiles (pipelined's chosen degree
+#            needs a profile for W; only W = 2 ships one); later steps read it from there
+#   tune     the fused strategy's block split at this world size into $OUT/tuning (only W = 2
+#            ships a table; without one the fused rows run the default split, with a warning)
 #   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused
 #   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
 #   hidden   fused communication-hidden percentage (scripts/fused_check.py --steps hidden)
@@ -13,9 +17,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench-out}
 W=${W:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 mkdir -p "$OUT"
+export INTERLACE_PROFILE_DIR=${INTERLACE_PROFILE_DIR:-$OUT/profiles}
+export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
 status=0
 for step in "$@"; do
   case $step in
+    profile) torchrun --nproc-per-node "$W" -m interlace.cli profile > "$OUT/profile.log" 2>&1 || status=1 ;;
+    tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 --candidates 8 16 32 \
+              --iters 8 > "$OUT/tune.log" 2>&1 || status=1 ;;
     fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
               --tokens 4096 8192 16384 --out "$OUT/fwd" > "$OUT/fwd.log" 2>&1 || status=1 ;;
     fb)     torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused fused:train \
