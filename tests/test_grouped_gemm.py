@@ -129,6 +129,27 @@ def test_swiglu_backward_into_out_uses_the_first_rows_of_h():
     assert rel_err(out, hr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("interpret", [True, False])
+def test_swiglu_backward_regions_writes_only_the_used_rows(interpret, monkeypatch):
+    """The fused backward's derivative over W regions of which only the first used[s] rows hold
+    data: those rows match the reference (a full region, an empty one, a partial one; a block
+    of the kernel spans a region boundary), and the rows past them are not written."""
+    import interlace.ops.activation as act
+
+    monkeypatch.setattr(act, "use_triton", lambda t: interpret)
+    region, K = 7, 150  # 7·150 elements per region: blocks of 1024 cross region boundaries
+    used = torch.tensor([7, 0, 3, 5], dtype=torch.int32)
+    h, g = torch.randn(4 * region, 2 * K), torch.randn(4 * region, K)
+    out = act.swiglu_backward_regions(h, g, used, region)
+    hr = h.double().requires_grad_()
+    activation_reference(hr, "swiglu").backward(g.double())
+    rows = (torch.arange(region)[None, :] < used[:, None].long()).reshape(-1)
+    assert rel_err(out[rows], hr.grad[rows]) < 1e-5
+    assert torch.isnan(out[~rows]).all(), "rows past used[s] must stay untouched"
+    with pytest.raises(ValueError, match="4 regions of 6 rows"):
+        act.swiglu_backward_regions(h, g, used, 6)
+
+
 @pytest.mark.parametrize("mode", ["plain", "k-way"])
 def test_tma_fed_rows_match_reference(mode, monkeypatch):
     """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied

@@ -42,7 +42,7 @@ def _swiglu_kernel(h_ptr, out_ptr, total, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constexpr):
+def _swiglu_backward_block(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constexpr):
     offs, mask, m, c, gate, up = _gate_up_block(h_ptr, total, K, BLOCK)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
@@ -51,6 +51,22 @@ def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constex
     d_up = g * silu
     tl.store(dh_ptr + m * 2 * K + c, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
     tl.store(dh_ptr + m * 2 * K + K + c, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK: tl.constexpr):
+    _swiglu_backward_block(h_ptr, grad_ptr, dh_ptr, total, K, BLOCK)
+
+
+@triton.jit
+def _swiglu_backward_regions_kernel(h_ptr, grad_ptr, dh_ptr, used_ptr, region_rows, K, BLOCK: tl.constexpr):
+    """Program (b, r): block b of region r's first ``used[r]`` rows (the rest are not touched;
+    programs past them return at once)."""
+    r = tl.program_id(1)
+    total = tl.load(used_ptr + r).to(tl.int64) * K
+    if tl.program_id(0).to(tl.int64) * BLOCK < total:
+        row0 = r.to(tl.int64) * region_rows
+        _swiglu_backward_block(h_ptr + row0 * 2 * K, grad_ptr + row0 * K, dh_ptr + row0 * 2 * K, total, K, BLOCK)
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -89,6 +105,29 @@ def swiglu_backward(h: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | Non
         _swiglu_backward_kernel[(triton.cdiv(total, BLOCK),)](
             h, grad, dh, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
+    return dh
+
+
+def swiglu_backward_regions(h: torch.Tensor, grad: torch.Tensor, used: torch.Tensor, region_rows: int) -> torch.Tensor:
+    """:func:`swiglu_backward` over the first ``used[r]`` rows of each region ``r`` of
+    ``region_rows`` rows (``used`` (R,) int32 on the device: no host sync). Rows past them in
+    the returned (R·region_rows, 2K) gradient are unspecified (never read by the caller)."""
+    M, K = grad.shape
+    R = used.numel()
+    if M != R * region_rows or h.shape[0] != M:
+        raise ValueError(f"swiglu_backward_regions: {R} regions of {region_rows} rows, got h {tuple(h.shape)} "
+                         f"and grad {tuple(grad.shape)}")
+    h, grad = h.contiguous(), grad.contiguous()
+    dh = alloc.empty(h.shape, h.dtype, h.device)
+    if not use_triton(h):
+        # (the plain-torch path, for CPU without the interpreter, may sync: nonzero)
+        rows = torch.arange(region_rows, device=h.device)[None, :] < used.to(h.device).long()[:, None]
+        rows = rows.reshape(-1).nonzero()[:, 0]
+        dh[rows] = swiglu_backward(h[rows], grad[rows])
+        return dh
+    if M and K:
+        grid = (triton.cdiv(region_rows * K, BLOCK), R)
+        _swiglu_backward_regions_kernel[grid](h, grad, dh, used, region_rows, K, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return dh
 
 

@@ -77,11 +77,16 @@ def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return src[index.clamp(0, src.shape[0] - 1)]
 
 
-def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str) -> torch.Tensor:
-    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K)."""
+def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str,
+                        used: torch.Tensor | None = None) -> torch.Tensor:
+    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K). With ``used`` (W,)
+    int32, the rows are W regions of M / W rows of which only the first ``used[s]`` hold data:
+    SwiGLU's derivative then touches only those (the other rows come back unspecified)."""
     if activation == "swiglu":
-        from interlace.ops.activation import swiglu_backward
+        from interlace.ops.activation import swiglu_backward, swiglu_backward_regions
 
+        if used is not None:
+            return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel())
         return swiglu_backward(pre, d_act)
     from interlace.ops.activation import activation_reference
 
@@ -164,9 +169,13 @@ class FusedTrain(torch.autograd.Function):
         ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
         call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx, kept)
 
+        # Rows received from each source (buffer region s = source s): the derivative skips the
+        # rest of each region, about half of it with balanced routing.
+        used = torch.roll(ctx.plan.recv_count.view(spec.world, -1).sum(1, dtype=torch.int32), buf.rank)
+
         def between():
             mark(strategy, "bwd layer0")
-            call.h = activation_backward(pre, d_act, ctx.activation)
+            call.h = activation_backward(pre, d_act, ctx.activation, used)
             mark(strategy, "bwd act")
 
         strategy._run_layers(call, w_down, w_up, backward=True, between=between)
