@@ -8,6 +8,9 @@ all-to-all form (``tp_ep:O0``…``O3``; EP-only meshes: ``sequential`` and ``fus
 harness's timing (CUDA events, 5 warm-ups, median of 20, slowest rank). Correctness of the
 forms is checked elsewhere (``scripts/device_tp_ep.py`` on GPUs, the gloo tests on CPU).
 Writes ``$OUT/mesh_bench.json`` and prints a table last.
+
+Without CUDA (gloo, as the CI test runs it) it times host wall time on the ``--small`` shape:
+a check that the script runs at any world size, not a measurement.
 """
 
 from __future__ import annotations
@@ -20,21 +23,25 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from interlace import MoELayer, preset
-from interlace.bench.harness import init_env, reduce_max, time_cuda
+from interlace import MoELayer
+from interlace.bench.harness import bench_config, init_env, reduce_max, time_cpu, time_cuda
 from interlace.mesh import MoEMesh
 
 FORMS = ("tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="mixtral-8x7b")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
+    ap.add_argument("--small", action="store_true", help="the config's hidden and ffn / 16 (CPU runs)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     env = init_env()
-    cfg = preset(args.config, router="softmax", route_scale=1.0)
+    cfg = bench_config(args.config, small=args.small)
+    timer = time_cuda if env.cuda else time_cpu
     W = env.world
     rows = []
     for tp in [t for t in range(1, W + 1) if W % t == 0]:
@@ -49,13 +56,14 @@ def main():
         for strategy in strategies:
             layer = MoELayer(cfg, mesh=mesh, strategy=strategy, seed=7, device=env.device)
             with torch.no_grad():
-                times = time_cuda(lambda: layer(x), warmup=5, iters=20, env=env)
+                times = timer(lambda: layer(x), warmup=args.warmup, iters=args.iters, env=env)
             ms = reduce_max(env, statistics.median(times))
             rows.append(dict(config=args.config, tokens=args.tokens, world=W, ep=ep, tp=tp, strategy=strategy, ms=ms))
             if env.rank == 0:
                 print(f"EP={ep} TP={tp} {strategy:10s} {ms:8.3f} ms", flush=True)
             del layer
-            torch.cuda.empty_cache()
+            if env.cuda:
+                torch.cuda.empty_cache()
     if env.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mesh_bench.json"), "w") as f:
@@ -64,6 +72,7 @@ def main():
         for r in rows:
             print(f"| {r['config']} | {r['tokens']} | {r['world']} | {r['ep']} | {r['tp']} | {r['strategy']} | {r['ms']:.3f} |")
     dist.barrier()
+    return rows
 
 
 if __name__ == "__main__":
