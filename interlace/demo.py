@@ -70,9 +70,10 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
         return ((a.double() - b).norm() / b.norm()).item()
 
     rows = []
-    # fused:recompute: the fused kernels forward (a plain "fused" training call runs sequential's
-    # graph, since its backward is not fused yet), recomputed through sequential for the backward.
-    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused:recompute"):
+    # A plain "fused" training call runs sequential's forward and backward (the fastest measured);
+    # fused:train runs the fused kernels both ways, fused:recompute the fused forward recomputed
+    # through sequential for the backward.
+    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused:train", "fused:recompute"):
         layer = MoELayer(cfg, strategy=strategy, seed=seed, device="cpu")
         x = xs[rank].clone().requires_grad_()
         t0 = time.perf_counter()
