@@ -299,6 +299,29 @@ def test_fused_train_one_rank():
     assert_grads_match(layer, x, refs, 0, 13, "fused:train world 1", 2e-6)
 
 
+def test_fused_train_second_backward_through_one_forward_raises():
+    """The backward writes SwiGLU's gradient over the saved pre-activation: a second backward
+    through the same forward (retain_graph) must raise, not use the overwritten rows; a fresh
+    forward trains again."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [11], seed=4)
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    x = xs[0].clone().requires_grad_()
+    out = layer(x)
+    out.backward(gs[0], retain_graph=True)
+    first = x.grad.clone()
+    with pytest.raises(RuntimeError, match="backward ran twice through one forward"):
+        out.backward(gs[0])
+    x.grad = None
+    layer(x).backward(gs[0])
+    assert torch.equal(x.grad, first)
+
+
 def test_owner_rows_runs_per_source_and_expert():
     """Two ranks, rank 1's view: sources in the order (1, 0), local rows first; each expert's
     rows from each source are one run of buffer rows (the weight-gradient kernel's segments)."""

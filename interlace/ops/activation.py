@@ -108,22 +108,27 @@ def swiglu_backward(h: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | Non
     return dh
 
 
-def swiglu_backward_regions(h: torch.Tensor, grad: torch.Tensor, used: torch.Tensor, region_rows: int) -> torch.Tensor:
+def swiglu_backward_regions(h: torch.Tensor, grad: torch.Tensor, used: torch.Tensor, region_rows: int,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`swiglu_backward` over the first ``used[r]`` rows of each region ``r`` of
     ``region_rows`` rows (``used`` (R,) int32 on the device: no host sync). Rows past them in
-    the returned (R·region_rows, 2K) gradient are unspecified (never read by the caller)."""
+    the returned (R·region_rows, 2K) gradient are unspecified (never read by the caller).
+    ``out`` may be ``h`` itself: each element pair is read before it is written, by the same
+    program."""
     M, K = grad.shape
     R = used.numel()
     if M != R * region_rows or h.shape[0] != M:
         raise ValueError(f"swiglu_backward_regions: {R} regions of {region_rows} rows, got h {tuple(h.shape)} "
                          f"and grad {tuple(grad.shape)}")
-    h, grad = h.contiguous(), grad.contiguous()
-    dh = alloc.empty(h.shape, h.dtype, h.device)
+    if not (h.is_contiguous() and grad.is_contiguous() and (out is None or (out.is_contiguous()
+                                                                           and out.shape == h.shape))):
+        raise ValueError("swiglu_backward_regions: h, grad and out must be contiguous, out shaped like h")
+    dh = alloc.empty(h.shape, h.dtype, h.device) if out is None else out
     if not use_triton(h):
         # (the plain-torch path, for CPU without the interpreter, may sync: nonzero)
         rows = torch.arange(region_rows, device=h.device)[None, :] < used.to(h.device).long()[:, None]
         rows = rows.reshape(-1).nonzero()[:, 0]
-        dh[rows] = swiglu_backward(h[rows], grad[rows])
+        dh[rows] = swiglu_backward(h[rows], grad[rows])  # h[rows] is a copy: safe when dh is h
         return dh
     if M and K:
         grid = (triton.cdiv(region_rows * K, BLOCK), R)

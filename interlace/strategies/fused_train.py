@@ -16,7 +16,8 @@ forward's combine and vice versa):
    compute ``d_act = g_rows @ W_down[e]`` (W_down as stored, no activation), local tiles first,
    remote tiles as their flags arrive;
 3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (measured faster than an epilogue,
-   docs/benchmarks.md run 31);
+   docs/benchmarks.md run 31), over the rows each source sent, written over ``pre`` (so one
+   backward per forward: a second one through the same graph raises);
 4. layer1: ``dx_rows = d_h @ W_up[e]`` column-wise, each tile stored straight into the home's
    return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
    slice as they land → dx;
@@ -81,12 +82,13 @@ def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str,
                         used: torch.Tensor | None = None) -> torch.Tensor:
     """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K). With ``used`` (W,)
     int32, the rows are W regions of M / W rows of which only the first ``used[s]`` hold data:
-    SwiGLU's derivative then touches only those (the other rows come back unspecified)."""
+    SwiGLU's derivative then touches only those (the other rows come back unspecified) and
+    is written over ``pre`` (the caller's last use of it: a capacity-sized buffer saved)."""
     if activation == "swiglu":
         from interlace.ops.activation import swiglu_backward, swiglu_backward_regions
 
         if used is not None:
-            return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel())
+            return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel(), out=pre)
         return swiglu_backward(pre, d_act)
     from interlace.ops.activation import activation_reference
 
@@ -139,6 +141,7 @@ class FusedTrain(torch.autograd.Function):
                               x_rows, y_rows, rows.segments, rows.local_row, index[2])
         ctx.plan = call.plan
         ctx.x_shape = x.shape
+        ctx.pre_consumed = False
         mark(strategy, "fwd saves")
         strategy._check_errors()
         return call.out
@@ -155,6 +158,11 @@ class FusedTrain(torch.autograd.Function):
         T, N = ctx.x_shape
         k = spec.top_k
         grad = grad.contiguous()
+        if ctx.pre_consumed:
+            raise RuntimeError(
+                "fused:train: backward ran twice through one forward (retain_graph=True). The first "
+                "backward overwrote the saved pre-activation with its gradient, to save memory; run "
+                "the forward again for a second backward, or use train_path='sequential'")
         mark(strategy, "bwd start")
         # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
         g_rows, d_weight = combine_rows_backward(grad, y_rows, row_of_assignment, topk_weight)
@@ -164,10 +172,12 @@ class FusedTrain(torch.autograd.Function):
         strategy._order_after_peers()
         buf.advance_epoch()
         identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
-        d_act = alloc.empty(act.shape, act.dtype, act.device)
         dx = alloc.empty((T, N), grad.dtype, grad.device)
         ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
-        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan, d_act, dx, kept)
+        # call.h: layer0's output d_act (W·cap, K), then d_h (W·cap, up) written over pre. Only
+        # the call holds d_act, so it is freed as soon as the derivative has read it.
+        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan,
+                         alloc.empty(act.shape, act.dtype, act.device), dx, kept)
 
         # Rows received from each source (buffer region s = source s): the derivative skips the
         # rest of each region, about half of it with balanced routing.
@@ -175,7 +185,8 @@ class FusedTrain(torch.autograd.Function):
 
         def between():
             mark(strategy, "bwd layer0")
-            call.h = activation_backward(pre, d_act, ctx.activation, used)
+            call.h = activation_backward(pre, call.h, ctx.activation, used)
+            ctx.pre_consumed = call.h is pre
             mark(strategy, "bwd act")
 
         strategy._run_layers(call, w_down, w_up, backward=True, between=between)
