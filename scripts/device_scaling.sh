@@ -22,7 +22,8 @@ export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
 status=0
 for step in "$@"; do
   case $step in
-    profile) torchrun --nproc-per-node "$W" -m interlace.cli profile > "$OUT/profile.log" 2>&1 || status=1 ;;
+    profile) torchrun --nproc-per-node "$W" -m interlace.cli profile --configs mixtral-8x7b phi3.5-moe qwen2-moe \
+              qwen3-30b-a3b dsv3-like flashdmoe-cfg > "$OUT/profile.log" 2>&1 || status=1 ;;
     tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 --candidates 8 16 32 \
               --iters 8 > "$OUT/tune.log" 2>&1 || status=1 ;;
     fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
