@@ -79,6 +79,9 @@ def test_profile_and_eval_commands_end_to_end(tmp_path):
         assert set(row["measured_ms"]) == {"1", "2"} and row["chosen"] in (1, 2)
     prof = json.loads((tmp_path / "profile.json").read_text())
     assert prof["world"] == 2 and len(prof["shapes"]) == 1 and prof["a2a"]["fit"]["beta"] >= 0
+    # The fused forward beside sequential's at each profiled token count (auto's fused choice).
+    (shape,) = prof["shapes"].values()
+    assert [p[:2] for p in shape["fused"]] == [[10, 2], [30, 2]] and all(p[2] > 0 and p[3] > 0 for p in shape["fused"])
 
 
 def test_calibration_recovers_chunk_cost_and_interference():
@@ -129,6 +132,8 @@ def test_shipped_profile_loads_and_plans_the_presets():
             plan = choose_degree(bench_config(name, small=False), 8192, prof.world, prof)
             assert plan.degree in plan.per_degree_ms and all(t > 0 for t in plan.per_degree_ms.values())
             assert plan.shape_used == shape_key(bench_config(name, small=False), prof.world)
+            # Measured fused/sequential pairs (run 26) for auto's forward-only choice.
+            assert prof.shapes[plan.shape_used].fused, f"{path.name}: no fused pairs for {name}"
 
 
 def _synthetic_points(prof, cfg, truth, mode, tokens=(1000, 3000, 12000, 40000), degrees=(1, 2, 4, 8, 16)):

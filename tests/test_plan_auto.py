@@ -1,11 +1,17 @@
-"""Strategy "auto" on 2 gloo ranks: picks from the shipped profile (or sequential without one),
-and its output and gradients equal the fp64 reference."""
+"""Strategy "auto": picks from the shipped profile (or sequential without one) and its output
+and gradients equal the fp64 reference on 2 gloo ranks; fused is chosen for forward-only calls
+only where the profile measured it faster (pairs timed by `interlace profile` or added from
+`interlace bench` results)."""
 
+import json
+
+import pytest
 import torch
 
 from helpers import reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
-from interlace.perf.profile import PACKAGED_DIR
+from interlace.perf.profile import PACKAGED_DIR, Profile, add_fused_points, shape_key
+from test_pipeline_planning import synthetic_profile
 
 PROFILE = PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json"
 CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
@@ -29,14 +35,105 @@ def _auto_matches_reference(rank, world, tmp):
         out.backward(gs[rank])
         outs, dxs, *_ = reference_grads(CFG, 3, xs, gs)
         assert rel_err(out, outs[rank]) < 2e-6 and rel_err(x.grad, dxs[rank]) < 2e-6
-        choice = layer.strategy.choices[tokens]
+        choice = layer.strategy.choices[(tokens, "fwdbwd")]  # a training call
         if profile is None:
             assert choice == "sequential"
             assert any("auto:" in str(w.message) for w in caught)
         else:
             assert choice == "sequential" or choice.startswith("pipelined:")
-            assert layer.strategy.notes[tokens]
+            assert layer.strategy.notes[(tokens, "fwdbwd")]
 
 
 def test_auto_on_gloo(tmp_path):
     run_gloo(_auto_matches_reference, 2, str(tmp_path))
+
+
+FUSED_CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+
+
+def fused_profile(speedups: dict[int, float], world: int = 2):
+    """A synthetic profile of FUSED_CFG whose fused/sequential pairs give ``speedups`` at T."""
+    prof = synthetic_profile(world, FUSED_CFG, 0.02, 100, 0.02, 500)
+    prof.shapes[shape_key(FUSED_CFG, world)].fused = [(t, 2, 1.0 / sp, 1.0) for t, sp in speedups.items()]
+    return prof
+
+
+def test_fused_speedup_interpolates_in_log_rows_and_holds_flat_outside():
+    from interlace.perf.planner import fused_speedup
+
+    shape = fused_profile({1000: 2.0, 4000: 1.0}).shapes[shape_key(FUSED_CFG, 2)]
+    assert fused_speedup(shape, 2000 * 2) == pytest.approx(1.5)  # halfway in log T
+    assert fused_speedup(shape, 10) == pytest.approx(2.0) and fused_speedup(shape, 10 ** 6) == pytest.approx(1.0)
+    shape.fused.append((1000, 2, 1.0, 1.0))  # a repeat of T=1000 at speedup 1: averaged
+    assert fused_speedup(shape, 2000) == pytest.approx(1.5)
+    shape.fused.clear()
+    assert fused_speedup(shape, 2000) is None
+
+
+def test_auto_chooses_fused_only_for_measured_forward_gains():
+    from interlace.strategies.auto import FUSED_MARGIN, choose_strategy
+
+    prof = fused_profile({1000: 2.0, 8000: 1.0})
+    spec, notes = choose_strategy(FUSED_CFG, 1000, 2, prof, mode="fwd")
+    assert spec == "fused" and any("2.00x sequential" in n for n in notes)
+    # A training call never runs fused (its train path would be sequential's anyway).
+    assert choose_strategy(FUSED_CFG, 1000, 2, prof, mode="fwdbwd")[0] != "fused"
+    # Parity, and a gain below the margin, keep the planner's pick.
+    assert choose_strategy(FUSED_CFG, 8000, 2, prof, mode="fwd")[0] != "fused"
+    prof = fused_profile({1000: 1 + FUSED_MARGIN / 2})
+    assert choose_strategy(FUSED_CFG, 1000, 2, prof, mode="fwd")[0] != "fused"
+    # No pairs for this exact shape class (a nearest class's pairs do not count).
+    spec, notes = choose_strategy(FUSED_CFG.with_(ffn=48), 1000, 2, fused_profile({1000: 2.0}), mode="fwd")
+    assert spec != "fused" and any("no measured fused" in n for n in notes)
+
+
+def _auto_runs_fused_for_inference(rank, world, path):
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(40, FUSED_CFG.hidden, generator=g) for _ in range(world)]
+    gs = [torch.randn(40, FUSED_CFG.hidden, generator=g) for _ in range(world)]
+    outs, dxs, *_ = reference_grads(FUSED_CFG, 3, xs, gs)
+    layer = MoELayer(FUSED_CFG, strategy="auto", seed=3, device="cpu", strategy_options={"profile": path})
+    with torch.no_grad():
+        out = layer(xs[rank])
+    assert layer.strategy.choices[(40, "fwd")] == "fused"
+    assert rel_err(out, outs[rank]) < 2e-6
+    x = xs[rank].clone().requires_grad_()
+    out = layer(x)
+    out.backward(gs[rank])
+    assert layer.strategy.choices[(40, "fwdbwd")] != "fused"
+    assert rel_err(out, outs[rank]) < 2e-6 and rel_err(x.grad, dxs[rank]) < 2e-6
+
+
+def test_auto_runs_fused_for_inference_on_gloo(tmp_path):
+    path = tmp_path / "profile.json"
+    fused_profile({10: 3.0, 100: 3.0}).save(path)
+    run_gloo(_auto_runs_fused_for_inference, 2, str(path))
+
+
+def test_fused_pairs_from_bench_results():
+    from interlace.bench.harness import bench_config
+
+    cfg = bench_config("qwen2-moe", small=False)
+    prof = synthetic_profile(2, cfg, 0.02, 100, 0.02, 500)
+
+    def row(config, tokens, strategy, ms, status="ok", mode="fwd"):
+        return dict(config=config, tokens=tokens, strategy=strategy, median_ms=ms, status=status, mode=mode,
+                    routing="random")
+
+    results = {"meta": {"world": 2, "date": "d", "device": "D", "commit": "c", "small": False},
+               "rows": [row("qwen2-moe", 4096, "sequential", 2.0), row("qwen2-moe", 4096, "fused", 1.0),
+                        row("qwen2-moe", 8192, "fused", 1.5),  # no sequential beside it
+                        row("qwen2-moe", 16384, "sequential", 4.0), row("qwen2-moe", 16384, "fused", 9.0, "failed"),
+                        row("qwen2-moe", 2048, "sequential", 9.0, mode="fwdbwd"),
+                        row("qwen2-moe", 2048, "fused", 1.0, mode="fwdbwd"),
+                        row("mixtral-8x7b", 4096, "sequential", 6.0), row("mixtral-8x7b", 4096, "fused", 5.0)]}
+    lines = add_fused_points(prof, results)
+    assert prof.shapes[shape_key(cfg, 2)].fused == [(4096, cfg.top_k, 1.0, 2.0)]
+    assert any("8192: left out (no sequential" in ln for ln in lines)
+    assert any("mixtral-8x7b T=4096: left out (shape class" in ln for ln in lines)
+    assert prof.meta["fused_points_from"] == ["d D commit c"]
+    # The pairs survive the JSON round trip; results of another world size are refused.
+    again = Profile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert again.shapes[shape_key(cfg, 2)].fused == [[4096, cfg.top_k, 1.0, 2.0]]
+    with pytest.raises(ValueError, match="world size 4"):
+        add_fused_points(prof, {"meta": {"world": 4}, "rows": []})

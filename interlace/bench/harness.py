@@ -395,7 +395,7 @@ def main(argv=None) -> list[Row]:
         "device": torch.cuda.get_device_name() if env.cuda else platform.processor() or "cpu",
         "sm_count": torch.cuda.get_device_properties(env.device).multi_processor_count if env.cuda else None,
         "world": env.world, "torch": torch.__version__,
-        "command": " ".join(sys.argv), "ceilings": ceilings,
+        "command": " ".join(sys.argv), "small": args.small, "ceilings": ceilings,
     }
     if env.rank == 0:
         print(f"# interlace bench — {meta['device']} ×{env.world}, commit {meta['commit']}, torch {meta['torch']}")

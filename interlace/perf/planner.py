@@ -210,6 +210,15 @@ def residual_ratio(shape, mode: str, rows: int, r: int) -> float:
     return (1 - w) * at(a) + w * at(b)
 
 
+def fused_speedup(shape, rows: int) -> float | None:
+    """Measured sequential / fused forward time at ``rows`` dispatched rows (T·k), from the
+    shape class's raw pairs (``ShapeProfile.fused``): piecewise linear in log(rows), held flat
+    beyond the outermost pairs, repeats averaged. None without pairs (older profiles)."""
+    if not shape.fused:
+        return None
+    return interp_log_rows([(t * k, seq / fused) for t, k, fused, seq in shape.fused], rows)
+
+
 def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
                      include_fixed: bool = True, mode: str = "fwd", corrected: bool = True) -> float:
     """Predicted ms of one layer call at degree r (``"fwdbwd"``: forward + backward).

@@ -14,7 +14,11 @@ bound by the host's launch rate):
   the profile): what the op-level model does not explain at degree 1 is fitted as
   α_f + β_f·T, and what it does not explain at higher degrees as a cost per extra chunk plus
   an interference fraction of the overlapped all-to-all time
-  (:func:`interlace.perf.planner.calibrate`; refittable offline from the raw points).
+  (:func:`interlace.perf.planner.calibrate`; refittable offline from the raw points);
+* per shape class, the ``fused`` strategy's forward beside ``sequential``'s at the same token
+  counts (raw pairs; ``auto`` runs ``fused`` for inference calls where it measured faster).
+  ``interlace profile --fused-from RESULTS.json --out PROFILE.json`` adds such pairs from
+  ``interlace bench`` results instead (offline).
 
 Device time of an op is measured with the GPU held back by a sleep kernel while the host queues
 n copies, so the events see n back-to-back executions and none of the host's issue time.
@@ -129,6 +133,9 @@ class ShapeProfile:
     # Per mode, the calibrated model's measured/predicted ratio at each raw point
     # ``[rows T·k, degree, ratio]`` (:func:`interlace.perf.planner.residual_ratio` interpolates it).
     residuals: dict = field(default_factory=dict)
+    # Forward of the fused strategy beside sequential's, measured together:
+    # ``[tokens, top_k, fused ms, sequential ms]`` (:func:`interlace.perf.planner.fused_speedup`).
+    fused: list = field(default_factory=list)
 
     def points(self, mode: str) -> list:
         return self.calibration if mode == "fwd" else self.calibration_fwdbwd
@@ -156,6 +163,8 @@ class ShapeProfile:
             d["chunk_host_ms"] = self.chunk_host_ms
         if self.residuals:
             d["residuals"] = self.residuals
+        if self.fused:
+            d["fused"] = self.fused
         return d
 
     @staticmethod
@@ -165,7 +174,7 @@ class ShapeProfile:
                             fwd.interference, d.get("calibration", []), fwd.model_error, fwd.pipe_ms,
                             d.get("calibration_fwdbwd", []),
                             Calibration.from_json(d["train"]) if "train" in d else None, d.get("chunk_host_ms"),
-                            d.get("residuals", {}))
+                            d.get("residuals", {}), d.get("fused", []))
 
 
 @dataclass
@@ -477,9 +486,56 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, back
     return reduce_max(env, statistics.median(times))
 
 
+def profile_fused(shape: ShapeProfile, cfg: MoEConfig, x: torch.Tensor, group, timer: Timer) -> None:
+    """Time ``fused`` and ``sequential`` forwards (no grad, fresh layers, the same tokens ``x``)
+    back to back and keep the pair in ``shape.fused``. Collective: every rank, same order."""
+    from interlace.layer import MoELayer
+    from interlace.transport import release_shared_buffers
+
+    pair = []
+    for strategy in ("fused", "sequential"):
+        layer = MoELayer(cfg, group=group, strategy=strategy, device=x.device)
+        pair.append(time_layer_ms(layer, x, timer, 3, 10))
+        del layer
+    release_shared_buffers()  # the fused layer's peer buffer: no later layer of this size shares it
+    shape.fused.append((x.shape[0], cfg.top_k, *pair))
+
+
+def add_fused_points(prof: Profile, results: dict) -> list[str]:
+    """Add the fused / sequential forward pairs of an ``interlace bench`` results.json (its
+    ``random``-routing ``fwd`` rows where both strategies ran ok) to ``prof``'s shape classes.
+    Returns one line per pair added or left out, and why (nothing is dropped silently)."""
+    from interlace.bench.harness import bench_config
+
+    meta = results["meta"]
+    if meta["world"] != prof.world:
+        raise ValueError(f"results of world size {meta['world']} do not belong in profile {prof.key} "
+                         f"(world size {prof.world})")
+    small = meta.get("small", "--small" in meta.get("command", ""))
+    ms = {(r["config"], r["tokens"], r["strategy"]): r["median_ms"] for r in results["rows"]
+          if r.get("status") == "ok" and r["mode"] == "fwd" and r["routing"] == "random" and r.get("median_ms")}
+    lines = []
+    for name, tokens in sorted({(c, t) for c, t, s in ms if s == "fused"}):
+        cfg = bench_config(name, small)
+        skey = shape_key(cfg, prof.world)
+        seq = ms.get((name, tokens, "sequential"))
+        if seq is None:
+            lines.append(f"{name} T={tokens}: left out (no sequential row beside it)")
+        elif skey not in prof.shapes:
+            lines.append(f"{name} T={tokens}: left out (shape class {skey} not in the profile; profile it first)")
+        else:
+            prof.shapes[skey].fused.append((tokens, cfg.top_k, ms[(name, tokens, "fused")], seq))
+            lines.append(f"{name} T={tokens}: {skey} fused {ms[(name, tokens, 'fused')]:.3f} ms, "
+                         f"sequential {seq:.3f} ms")
+    prof.meta.setdefault("fused_points_from", []).append(
+        f"{meta.get('date', '?')} {meta.get('device', '?')} commit {meta.get('commit', '?')}")
+    return lines
+
+
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
                 existing: Profile | None = None, a2a_max_bytes: int | None = None,
-                calibration_degrees=(2, 3, 4, 6, 8, 12, 16), fwdbwd_degrees=(2, 4)) -> Profile:
+                calibration_degrees=(2, 3, 4, 6, 8, 12, 16), fwdbwd_degrees=(2, 4),
+                fused: bool = True) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be).
 
@@ -487,6 +543,8 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
     interpolates instead of extrapolating); the layer is timed at degree 1 and
     ``calibration_degrees`` forward, and at 1 and ``fwdbwd_degrees`` forward + backward (empty:
     no backward points; the planner then predicts training steps with the forward terms).
+    With ``fused`` (and more than one rank) the fused strategy's forward is timed beside
+    sequential's at each token count, also for shape classes ``existing`` has without them.
     """
     from interlace.layer import MoELayer
     from interlace.perf.planner import calibrate_profile
@@ -510,9 +568,15 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
         prof = Profile(key, world, a2a, a2a_host, gbps, host, meta={
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "device": str(device)})
+    fused = fused and world > 1
     for cfg in configs:
         skey = shape_key(cfg, world)
         if skey in prof.shapes:
+            if fused and not prof.shapes[skey].fused:
+                for T in _progress(tokens, f"fused {skey}", show):
+                    gen = torch.Generator(device=device).manual_seed(1234 + T)
+                    x = torch.randn(T, cfg.hidden, device=device, generator=gen).to(cfg.dtype)
+                    profile_fused(prof.shapes[skey], cfg, x, group, timer)
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
@@ -532,7 +596,10 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
                 layer.set_strategy("pipelined", degree=r)
                 ms = time_layer_ms(layer, x, timer, *((2, 6) if backward else (3, 10)), backward=backward)
                 (shape.calibration_fwdbwd if backward else shape.calibration).append((T, cfg.top_k, r, ms))
-            del layer, x
+            del layer
+            if fused:
+                profile_fused(shape, cfg, x, group, timer)
+            del x
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     calibrate_profile(prof)
@@ -553,7 +620,20 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=None,
                    help="also measure the --configs' TP shard classes on a TP = this mesh "
                         "(interlace.plan.tp_profile; the TP x EP planner uses them)")
+    p.add_argument("--no-fused", action="store_true", help="do not time the fused strategy beside sequential")
+    p.add_argument("--fused-from", nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="offline, no measurement: add the fused/sequential forward pairs of these "
+                        "`interlace bench` results to the profile --out")
     args = p.parse_args(argv)
+    if args.fused_from:
+        if not args.out:
+            p.error("--fused-from needs --out PROFILE.json (the profile to extend)")
+        prof = Profile.from_json(json.loads(Path(args.out).read_text()))
+        for path in args.fused_from:
+            for line in add_fused_points(prof, json.loads(Path(path).read_text())):
+                print(line)
+        print(f"→ {prof.save(args.out)}")
+        return 0
     env = init_env()
     try:
         # Extend the user's own profile, never the shipped one (that would skip every shape it has).
@@ -562,7 +642,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError):
         existing = None
     prof = run_profile([bench_config(c, small=False) for c in args.configs], args.tokens, env.group, env.device,
-                       show=env.rank == 0, existing=existing)
+                       show=env.rank == 0, existing=existing, fused=not args.no_fused)
     if args.tp:
         from interlace.plan.tp_profile import profile_tp
 

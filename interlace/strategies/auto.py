@@ -1,35 +1,77 @@
 """``auto``: per token count, run the strategy the planner predicts fastest on this machine.
 
-For each distinct token count T (once; cached) the strategy asks the planner with the local
-performance profile (``interlace profile``; looked up by machine key like ``pipelined``'s, or the
-``profile=`` path/object given) which of the registered strategies to run: ``sequential`` or
-``pipelined`` with a degree r (``interlace.perf.planner.choose_degree``: the calibrated op-level
-model, leaving r = 1 only for a gain larger than the model's own error). Strategies the profile
-has no measurements for (a fused kernel, say) are not chosen: the planner would only be
+For each distinct token count T and call mode (once; cached) the strategy asks the planner with
+the local performance profile (``interlace profile``; looked up by machine key like
+``pipelined``'s, or the ``profile=`` path/object given) which of the registered strategies to
+run:
+
+* ``sequential`` or ``pipelined`` with a degree r (``interlace.perf.planner.choose_degree``: the
+  calibrated op-level model, leaving r = 1 only for a gain larger than the model's own error),
+  planned on the forward + backward prediction for a call whose backward will run (autograd
+  graph) and on the forward one otherwise;
+* ``fused`` for a forward-only call where the profile *measured* the fused forward beside
+  sequential's for this exact shape class (``ShapeProfile.fused``, interpolated over T·k) and
+  the predicted time beats the best of the above by more than ``FUSED_MARGIN``. Training calls
+  never choose it: a training call of ``fused`` runs sequential's path anyway (its default
+  ``train_path``), and ``fused:train`` measured slower (docs/benchmarks.md, run 36).
+
+Strategies the profile has no measurements for are not chosen: the planner would only be
 guessing. Without a profile (e.g. CPU gloo ranks) it runs ``sequential`` and warns once.
 
 Contract (as ``pipelined:auto``): every rank of the expert-parallel group must call the layer
-with the same T, so that all ranks reach the same choice (the choice is a deterministic function
-of config, T, world size and profile). ``pipelined`` carries every rank's degree in its count
-exchange and raises on a disagreement. ``layer.strategy.choices`` records what was chosen.
+with the same T and mode, so that all ranks reach the same choice (the choice is a
+deterministic function of config, T, mode, world size and profile). ``pipelined`` carries every
+rank's degree in its count exchange and raises on a disagreement. ``layer.strategy.choices``
+records what was chosen, keyed by ``(T, mode)``.
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
+
 from interlace.strategies.base import Strategy, make_strategy, register_strategy
 
+# Smallest measured-and-interpolated gain of fused over the best alternative that auto acts on
+# (the same rows of one strategy moved by up to 17% between leases, docs/benchmarks.md run 26).
+FUSED_MARGIN = 0.05
 
-def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 16) -> tuple[str, list[str]]:
-    """(strategy spec, notes) for ``tokens`` tokens per rank; raises FileNotFoundError without a profile."""
+
+def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 16,
+                    mode: str = "fwd") -> tuple[str, list[str]]:
+    """(strategy spec, notes) for ``tokens`` tokens per rank and a ``"fwd"`` or ``"fwdbwd"``
+    call; raises FileNotFoundError without a profile."""
     if world == 1:
         return "sequential", ["world size 1: nothing to overlap"]
-    from interlace.perf.planner import choose_degree
+    from interlace.perf.planner import choose_degree, fused_speedup
+    from interlace.perf.profile import shape_key
 
-    plan = choose_degree(config, tokens, world, profile, max_degree=max_degree)
+    plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
     notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
-    return ("sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"), notes
+    spec = "sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"
+    if mode != "fwd":
+        return spec, notes
+    shape = plan_profile(profile, world).shapes.get(shape_key(config, world))
+    speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k)
+    if speedup is None:
+        notes.append("fused: no measured fused/sequential pairs for this shape class in the profile")
+        return spec, notes
+    fused_ms = plan.per_degree_ms[1] / speedup if 1 in plan.per_degree_ms else float("inf")
+    best_ms = plan.per_degree_ms[plan.degree]
+    measured_at = sorted({int(t) for t, *_ in shape.fused})
+    notes.append(f"fused: {speedup:.2f}x sequential at T={tokens} (pairs measured at T={measured_at}, held flat "
+                 f"outside), predicted {fused_ms:.3f} ms against {best_ms:.3f} ms for {spec}")
+    if fused_ms < best_ms * (1 - FUSED_MARGIN):
+        return "fused", notes
+    return spec, notes
+
+
+def plan_profile(profile, world: int):
+    """The :class:`~interlace.perf.profile.Profile` a path, object or None (machine key) names."""
+    from interlace.perf.profile import Profile, load_profile
+
+    return profile if isinstance(profile, Profile) else load_profile(world, path=profile)
 
 
 @register_strategy
@@ -41,26 +83,28 @@ class AutoStrategy(Strategy):
         super().__init__(config, ep)
         self._profile = profile
         self.max_degree = max_degree
-        self.choices: dict[int, str] = {}
-        self.notes: dict[int, list[str]] = {}
+        self.choices: dict[tuple[int, str], str] = {}
+        self.notes: dict[tuple[int, str], list[str]] = {}
         self._impls: dict[str, Strategy] = {}
         self._warned = False
 
-    def choice_for(self, tokens: int) -> str:
-        if tokens not in self.choices:
-            from interlace.perf.profile import Profile, load_profile
-
+    def choice_for(self, tokens: int, mode: str = "fwd") -> str:
+        """The strategy spec for a call of ``tokens`` tokens per rank (``mode`` ``"fwd"``: no
+        backward will run; ``"fwdbwd"``: a training call)."""
+        key = (tokens, mode)
+        if key not in self.choices:
             try:
-                if self.ep.world > 1 and not isinstance(self._profile, Profile):
-                    self._profile = load_profile(self.ep.world, path=self._profile)  # read once
-                spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree)
+                if self.ep.world > 1:
+                    self._profile = plan_profile(self._profile, self.ep.world)  # read once
+                spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,
+                                              mode)
             except FileNotFoundError as err:
                 if not self._warned:
                     warnings.warn(f"auto: {err}; running sequential (run `interlace profile` to plan)", stacklevel=2)
                     self._warned = True
                 spec, notes = "sequential", [str(err)]
-            self.choices[tokens], self.notes[tokens] = spec, notes
-        return self.choices[tokens]
+            self.choices[key], self.notes[key] = spec, notes
+        return self.choices[key]
 
     def _impl(self, spec: str) -> Strategy:
         if spec not in self._impls:
@@ -68,7 +112,9 @@ class AutoStrategy(Strategy):
         return self._impls[spec]
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
-        return self._impl(self.choice_for(x.shape[0]))(x, topk_idx, topk_weight, w_up, w_down)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
+        spec = self.choice_for(x.shape[0], "fwdbwd" if needs_grad else "fwd")
+        return self._impl(spec)(x, topk_idx, topk_weight, w_up, w_down)
 
     def __repr__(self) -> str:
         return f"AutoStrategy(choices={self.choices}, world={self.ep.world})"
