@@ -4,7 +4,8 @@
 #            needs a profile for W; only W = 2 ships one); later steps read it from there
 #   tune     the fused strategy's block split at this world size into $OUT/tuning (only W = 2
 #            ships a table; without one the fused rows run the default split, with a warning)
-#   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused
+#   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused,
+#            auto (the planner's pick with the profile step's fused/sequential pairs)
 #   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
 #   hidden   fused communication-hidden percentage (scripts/fused_check.py --steps hidden)
 #   mesh     EP×TP factorisations of W for mixtral-8x7b at 8192 tokens/GPU (scripts/mesh_bench.py)
@@ -26,7 +27,7 @@ for step in "$@"; do
               qwen3-30b-a3b dsv3-like flashdmoe-cfg > "$OUT/profile.log" 2>&1 || status=1 ;;
     tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 --candidates 8 16 32 \
               --iters 8 > "$OUT/tune.log" 2>&1 || status=1 ;;
-    fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused \
+    fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused auto \
               --tokens 4096 8192 16384 --out "$OUT/fwd" > "$OUT/fwd.log" 2>&1 || status=1 ;;
     fb)     torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused fused:train \
               --tokens 4096 16384 --configs mixtral-8x7b qwen2-moe --mode fwdbwd --interleave --out "$OUT/fb" \
