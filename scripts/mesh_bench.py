@@ -5,8 +5,10 @@
 For every factorisation EP × TP = W (e.g. 8×1, 4×2, 2×4 on 8 GPUs) it builds the mesh
 (``MoEMesh.build``; TP ranks of one group hold the same tokens) and times the forward with each
 all-to-all form (``tp_ep:O0``…``O3``; EP-only meshes: ``sequential`` and ``fused``) with the
-harness's timing (CUDA events, 5 warm-ups, median of 20, slowest rank). Correctness of the
-forms is checked elsewhere (``scripts/device_tp_ep.py`` on GPUs, the gloo tests on CPU).
+harness's timing (CUDA events, 5 warm-ups, median of 20, slowest rank). Each strategy's
+output is checked against the first one timed on the same mesh (same weights, same tokens):
+relative error 2e-2 in bf16, 1e-5 in fp32, or the script exits non-zero after the table (the
+forms against the fp64 reference: ``scripts/device_tp_ep.py`` on GPUs, the gloo tests on CPU).
 Writes ``$OUT/mesh_bench.json`` and prints a table last.
 
 Without CUDA (gloo, as the CI test runs it) it times host wall time on the ``--small`` shape:
@@ -43,7 +45,8 @@ def main(argv=None):
     cfg = bench_config(args.config, small=args.small)
     timer = time_cuda if env.cuda else time_cpu
     W = env.world
-    rows = []
+    tol = 2e-2 if cfg.dtype in (torch.bfloat16, torch.float16) else 1e-5  # vs the mesh's first strategy
+    rows, bad = [], 0
     for tp in [t for t in range(1, W + 1) if W % t == 0]:
         ep = W // tp
         if cfg.num_experts % ep or cfg.ffn % tp:
@@ -53,14 +56,22 @@ def main(argv=None):
         gen = torch.Generator(device=env.device).manual_seed(1000 + mesh.ep_rank)
         x = torch.randn(args.tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
         strategies = FORMS if tp > 1 else ("sequential", "fused")
+        first = None  # the mesh's first strategy's output: the others must match it
         for strategy in strategies:
             layer = MoELayer(cfg, mesh=mesh, strategy=strategy, seed=7, device=env.device)
             with torch.no_grad():
+                out = layer(x).float()
+                first = out if first is None else first
+                err = reduce_max(env, ((out - first).norm() / first.norm().clamp_min(1e-30)).item())
                 times = timer(lambda: layer(x), warmup=args.warmup, iters=args.iters, env=env)
             ms = reduce_max(env, statistics.median(times))
-            rows.append(dict(config=args.config, tokens=args.tokens, world=W, ep=ep, tp=tp, strategy=strategy, ms=ms))
+            ok = err < tol
+            bad += not ok
+            rows.append(dict(config=args.config, tokens=args.tokens, world=W, ep=ep, tp=tp, strategy=strategy, ms=ms,
+                             rel_err_vs_first=err, ok=ok))
             if env.rank == 0:
-                print(f"EP={ep} TP={tp} {strategy:10s} {ms:8.3f} ms", flush=True)
+                print(f"EP={ep} TP={tp} {strategy:10s} {ms:8.3f} ms  rel err vs {strategies[0]} {err:.1e}"
+                      f"{'' if ok else '  WRONG'}", flush=True)
             del layer
             if env.cuda:
                 torch.cuda.empty_cache()
@@ -68,10 +79,14 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mesh_bench.json"), "w") as f:
             json.dump(rows, f, indent=1)
-        print(f"\n| config | tokens/rank | GPUs | EP | TP | strategy | median ms |\n|---|---|---|---|---|---|---|")
+        print("\n| config | tokens/rank | GPUs | EP | TP | strategy | median ms | rel err vs the mesh's first |\n"
+              "|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['config']} | {r['tokens']} | {r['world']} | {r['ep']} | {r['tp']} | {r['strategy']} | {r['ms']:.3f} |")
+            print(f"| {r['config']} | {r['tokens']} | {r['world']} | {r['ep']} | {r['tp']} | {r['strategy']} "
+                  f"| {r['ms']:.3f} | {r['rel_err_vs_first']:.1e}{'' if r['ok'] else ' WRONG'} |")
     dist.barrier()
+    if bad:
+        raise SystemExit(f"mesh_bench: {bad} strategies disagree with their mesh's first one beyond {tol}")
     return rows
 
 

@@ -16,7 +16,7 @@ def _mesh_bench(rank, world, out):
     sys.path.insert(0, SCRIPTS)
     import mesh_bench
 
-    mesh_bench.main(["--config", "mixtral-8x7b", "--small", "--tokens", "12", "--warmup", "1", "--iters", "2",
+    mesh_bench.main(["--config", "mixtral-8x7b", "--small", "--tokens", "12", "--warmup", "0", "--iters", "1",
                      "--out", out])
 
 
@@ -28,6 +28,8 @@ def test_mesh_bench_times_every_factorisation_of_four_ranks(tmp_path):
     want = {(4, 1, "sequential"), (4, 1, "fused")} | {(ep, tp, f) for ep, tp in ((2, 2), (1, 4)) for f in forms}
     assert got == want
     assert all(r["ms"] > 0 and r["world"] == 4 and r["tokens"] == 12 for r in rows)
+    assert all(r["ok"] and r["rel_err_vs_first"] < 1e-5 for r in rows)
+    assert any(r["rel_err_vs_first"] > 0 for r in rows)  # the forms really differ in their arithmetic
 
 
 def _bench(rank, world, out):
