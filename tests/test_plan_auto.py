@@ -137,3 +137,20 @@ def test_fused_pairs_from_bench_results():
     assert again.shapes[shape_key(cfg, 2)].fused == [[4096, cfg.top_k, 1.0, 2.0]]
     with pytest.raises(ValueError, match="world size 4"):
         add_fused_points(prof, {"meta": {"world": 4}, "rows": []})
+
+
+def test_layer_planner_predicts_fused_from_measured_pairs():
+    """`interlace plan`'s layer model (TP = 1 at the profile's world size): fused = sequential's
+    calibrated forward / the measured speedup; a training call swaps only the forward. Without
+    pairs it keeps the COMET-overlap model."""
+    from interlace.perf.planner import predict_layer_ms as calibrated
+    from interlace.plan.layer import predict_layer_ms
+
+    prof = fused_profile({1000: 2.0})
+    seq, seq_fb = calibrated(prof, FUSED_CFG, 1000, 2, 1), calibrated(prof, FUSED_CFG, 1000, 2, 1, mode="fwdbwd")
+    assert predict_layer_ms(FUSED_CFG, 1000, 1, 2, "O0", "fused", prof) == pytest.approx(seq / 2)
+    assert predict_layer_ms(FUSED_CFG, 1000, 1, 2, "O0", "fused", prof, backward=True) == pytest.approx(
+        seq_fb - seq / 2)
+    prof.shapes[shape_key(FUSED_CFG, 2)].fused.clear()
+    modelled = predict_layer_ms(FUSED_CFG, 1000, 1, 2, "O0", "fused", prof)
+    assert modelled > 0 and modelled != pytest.approx(seq / 2)

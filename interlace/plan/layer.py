@@ -23,11 +23,13 @@ MoNTA's Algorithm 1/2 (:mod:`interlace.plan.monta`) fed with the links' efficien
 
 Strategies: ``sequential`` (dispatch → experts → combine), ``pipelined:r`` (PipeMoE: r token
 chunks, the dispatch of chunk i+1 beside the experts of chunk i; with O0/O1) and ``fused``
-(``interlace.strategies.fused``, EP only; not yet measured, so modelled as COMET's fine-grained
-overlap hiding 86.5% of the shorter of communication and compute, COMET §5.3). Backward
-(training) repeats the op list with twice the expert time (input and weight gradients); a
-training call of ``fused`` runs ``sequential``'s forward and backward (the strategy's default
-``train_path``: its backward is not fused yet), so fwd + bwd of ``fused`` is that of ``sequential``.
+(``interlace.strategies.fused``, EP only). ``fused`` comes from a profile's measured
+fused/sequential pairs where :func:`predict_layer_ms` has them (TP = 1 at the profile's world
+size); elsewhere (clusters, the layout search) it is modelled as COMET's fine-grained overlap
+hiding 86.5% of the shorter of communication and compute (COMET §5.3). Backward (training)
+repeats the op list with twice the expert time (input and weight gradients); a training call of
+``fused`` runs ``sequential``'s forward and backward (the strategy's default ``train_path``;
+``fused:train`` measured slower), so its backward is that of ``sequential``.
 
 Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
 :class:`ProfileMachine` (a measured ``interlace profile``; for TP = 1 the calibrated planner of
@@ -370,6 +372,25 @@ def make_plan(m: ClusterMachine, cfg: MoEConfig, tokens: int, tp: int, ep: int, 
     return plan
 
 
+def _measured_fused_ms(prof, config: MoEConfig, tokens: int, backward: bool) -> float | None:
+    """``fused`` from the profile's measured fused/sequential forward pairs of this exact shape
+    class (``interlace.perf.planner.fused_speedup``) applied to the calibrated sequential
+    prediction; a training call is sequential's forward + backward with the fused forward in
+    place of sequential's (its default train path). None without pairs."""
+    from interlace.perf.planner import fused_speedup
+    from interlace.perf.planner import predict_layer_ms as calibrated
+    from interlace.perf.profile import shape_key
+
+    shape = prof.shapes.get(shape_key(config, prof.world))
+    speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k)
+    if speedup is None:
+        return None
+    seq_fwd = calibrated(prof, config, tokens, prof.world, 1)
+    if not backward:
+        return seq_fwd / speedup
+    return calibrated(prof, config, tokens, prof.world, 1, mode="fwdbwd") - seq_fwd + seq_fwd / speedup
+
+
 def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str = "O0",
                      strategy: str = "sequential", profile_or_cluster=None, backward: bool = False) -> float:
     """Predicted ms of one MoE layer call (forward; fwd+bwd with ``backward=True``).
@@ -393,6 +414,10 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
         src = load_cluster(src)
     strat, r = parse_strategy(strategy)
     if isinstance(src, Profile):
+        if tp == 1 and strat == "fused" and ep == src.world:
+            measured = _measured_fused_ms(src, config, tokens, backward)
+            if measured is not None:
+                return measured
         if tp == 1 and strat in ("sequential", "pipelined") and ep == src.world:
             from interlace.perf.planner import predict_layer_ms as calibrated
 
