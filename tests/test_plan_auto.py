@@ -89,14 +89,19 @@ def test_auto_chooses_fused_only_for_measured_forward_gains():
 
 def _auto_runs_fused_for_inference(rank, world, path):
     g = torch.Generator().manual_seed(7)
+    layer = MoELayer(FUSED_CFG, strategy="auto", seed=3, device="cpu", strategy_options={"profile": path})
+    # Growing token counts: the fused buffers sized for 20 tokens must not refuse 40 later.
+    for tokens in (20, 40, 20):
+        xs = [torch.randn(tokens, FUSED_CFG.hidden, generator=g) for _ in range(world)]
+        outs = reference_grads(FUSED_CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0]
+        with torch.no_grad():
+            out = layer(xs[rank])
+        assert layer.strategy.choices[(tokens, "fwd")] == "fused"
+        assert rel_err(out, outs[rank]) < 2e-6, tokens
+    assert layer.strategy._impls["fused"].max_tokens == 40
     xs = [torch.randn(40, FUSED_CFG.hidden, generator=g) for _ in range(world)]
     gs = [torch.randn(40, FUSED_CFG.hidden, generator=g) for _ in range(world)]
     outs, dxs, *_ = reference_grads(FUSED_CFG, 3, xs, gs)
-    layer = MoELayer(FUSED_CFG, strategy="auto", seed=3, device="cpu", strategy_options={"profile": path})
-    with torch.no_grad():
-        out = layer(xs[rank])
-    assert layer.strategy.choices[(40, "fwd")] == "fused"
-    assert rel_err(out, outs[rank]) < 2e-6
     x = xs[rank].clone().requires_grad_()
     out = layer(x)
     out.backward(gs[rank])

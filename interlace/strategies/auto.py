@@ -30,6 +30,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from interlace.strategies.base import Strategy, make_strategy, register_strategy
 
@@ -106,15 +107,27 @@ class AutoStrategy(Strategy):
             self.choices[key], self.notes[key] = spec, notes
         return self.choices[key]
 
-    def _impl(self, spec: str) -> Strategy:
-        if spec not in self._impls:
-            self._impls[spec] = make_strategy(spec, self.config, self.ep)
-        return self._impls[spec]
+    def _impl(self, spec: str, tokens: int) -> Strategy:
+        impl = self._impls.get(spec)
+        if spec == "fused" and (impl is None or impl.max_tokens < tokens):
+            # The fused buffers are sized once; a larger T than any before gets a new, larger
+            # strategy. Every rank calls with the same T (the contract above), so all rebuild
+            # together, and sizing by T needs no host sync.
+            if impl is not None and impl.buf is not None:
+                # Host sync, only when growing: the old buffers are freed below, and no peer may
+                # still be writing into them (each rank's own work, then all ranks).
+                impl.synchronize_and_check()
+                if self.ep.world > 1:
+                    dist.barrier(group=self.ep.group)
+            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=tokens)
+        elif impl is None:
+            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
+        return impl
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
         spec = self.choice_for(x.shape[0], "fwdbwd" if needs_grad else "fwd")
-        return self._impl(spec)(x, topk_idx, topk_weight, w_up, w_down)
+        return self._impl(spec, x.shape[0])(x, topk_idx, topk_weight, w_up, w_down)
 
     def __repr__(self) -> str:
         return f"AutoStrategy(choices={self.choices}, world={self.ep.world})"
