@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
+#   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
+#            reference at EP=W, forward and backward, all routing cases (scripts/gpu_check.py)
 #   profile  `interlace profile` at this world size into $OUT/profiles (pipelined's chosen degree
 #            needs a profile for W; only W = 2 ships one); later steps read it from there
 #   tune     the fused strategy's block split at this world size into $OUT/tuning (only W = 2
@@ -23,6 +25,8 @@ export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
 status=0
 for step in "$@"; do
   case $step in
+    check)  torchrun --nproc-per-node "$W" scripts/gpu_check.py > "$OUT/check.log" 2>&1 || status=1
+            tail -1 "$OUT/check.log" ;;
     profile) torchrun --nproc-per-node "$W" -m interlace.cli profile --configs mixtral-8x7b phi3.5-moe qwen2-moe \
               qwen3-30b-a3b dsv3-like flashdmoe-cfg > "$OUT/profile.log" 2>&1 || status=1 ;;
     tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 --candidates 8 16 32 \
