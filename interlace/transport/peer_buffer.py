@@ -246,9 +246,9 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
 def release_shared_buffers() -> int:
     """Drop every buffer :func:`shared_buffer` holds (and with it the process groups they
     reference); returns how many. Call it before ``dist.destroy_process_group()``: a cached
-    buffer otherwise keeps its group alive until interpreter exit, where tearing down a
-    group's worker threads can abort the process (seen with gloo). Layers that still hold a
-    buffer keep it; the next new layer makes a fresh one."""
+    buffer otherwise keeps its group (and, on GPUs, its symmetric memory) alive until the
+    interpreter exits. Layers that still hold a buffer keep it; the next new layer makes a
+    fresh one."""
     n = len(_CACHE)
     _CACHE.clear()
     return n
