@@ -143,19 +143,31 @@ def step_hidden(env, args, log):
                 t_local = time_ms(lambda: layer(x, expert_indices=loc))
                 layer.set_strategy("sequential")
                 t_seq = time_ms(lambda: layer(x, expert_indices=bal))
-            # The remote bytes alone: each rank sends T·k·(W−1)/W rows and gets as many back.
-            remote_rows = tokens * cfg.top_k * (env.world - 1) // env.world
-            src = torch.randn(remote_rows, cfg.hidden, device=env.device).to(cfg.dtype)
+            # The remote bytes alone: each rank sends T·k/W rows to each of its W − 1 peers and
+            # gets as many back, as peer copies on one stream per peer (all peers at once, as
+            # the fused kernels write them; with 2 ranks: one copy of T·k/2 rows each way).
+            peers = [(env.rank + d) % env.world for d in range(1, env.world)]
+            share = tokens * cfg.top_k // env.world
+            src = torch.randn(share, cfg.hidden, device=env.device).to(cfg.dtype)
             buf = layer.strategy.buf if hasattr(layer.strategy, "buf") else None
             import torch.distributed._symmetric_memory as symm_mem
 
-            peer_buf = symm_mem.empty(remote_rows * cfg.hidden, dtype=cfg.dtype, device=env.device)
+            peer_buf = symm_mem.empty(len(peers) * share * cfg.hidden, dtype=cfg.dtype, device=env.device)
             hdl = symm_mem.rendezvous(peer_buf, env.group)
-            peer = hdl.get_buffer((env.rank + 1) % env.world, (remote_rows, cfg.hidden), cfg.dtype)
+            # Region d − 1 of a rank's buffer takes the rows of the rank d places before it.
+            dsts = [hdl.get_buffer(p, (share, cfg.hidden), cfg.dtype, storage_offset=(d - 1) * share * cfg.hidden)
+                    for d, p in enumerate(peers, 1)]
+            streams = [torch.cuda.Stream(device=env.device) for _ in peers]
 
             def transfers():
-                peer.copy_(src)  # dispatch
-                peer.copy_(src)  # return
+                cur = torch.cuda.current_stream()
+                for stream, dst in zip(streams, dsts):
+                    stream.wait_stream(cur)
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src)  # dispatch
+                        dst.copy_(src)  # return
+                for stream in streams:
+                    cur.wait_stream(stream)
             t_tr = time_ms(transfers)
             t_fused, t_local, t_tr, t_seq = (worst(env, v) for v in (t_fused, t_local, t_tr, t_seq))
             hidden = 1 - (t_fused - t_local) / t_tr
@@ -163,7 +175,7 @@ def step_hidden(env, args, log):
                              t_sequential=t_seq, hidden=hidden))
             log(f"hidden {name:14s} T={tokens:<6d} fused {t_fused:.3f} local-only {t_local:.3f} transfers {t_tr:.3f} "
                 f"sequential {t_seq:.3f} ms → hidden {hidden:.1%}")
-            del layer, buf, peer, peer_buf, hdl
+            del layer, buf, dsts, peer_buf, hdl, streams
             torch.cuda.empty_cache()
     return rows
 
