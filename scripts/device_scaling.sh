@@ -2,9 +2,9 @@
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
 #            reference at EP=W, forward and backward, all routing cases (scripts/gpu_check.py)
-#   profile  `interlace profile` at this world size into $OUT/profiles (pipelined's chosen degree
-#            needs a profile for W; only W = 2 ships one); later steps read it from there
-#   tune     the fused strategy's block split at this world size into $OUT/tuning (only W = 2
+#   profile  `interlace profile` at this world size into .scaling/profiles (pipelined's chosen
+#            degree needs a profile for W; only W = 2 ships one); later steps and calls read it
+#   tune     the fused strategy's block split at this world size into .scaling/tuning (only W = 2
 #            ships a table; without one the fused rows run the default split, with a warning)
 #   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused,
 #            auto (the planner's pick with the profile step's fused/sequential pairs)
@@ -20,8 +20,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench-out}
 W=${W:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 mkdir -p "$OUT"
-export INTERLACE_PROFILE_DIR=${INTERLACE_PROFILE_DIR:-$OUT/profiles}
-export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
+# Measured profile and tuning live in the tree (git-ignored), not in $OUT: a later call on the
+# same machine (the device tool empties $OUT per call) reads them; each step's end copies them to $OUT.
+export INTERLACE_PROFILE_DIR=${INTERLACE_PROFILE_DIR:-$PWD/.scaling/profiles}
+export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$PWD/.scaling/tuning}
+mkdir -p "$INTERLACE_PROFILE_DIR" "$INTERLACE_TUNING_DIR"
 status=0
 for step in "$@"; do
   case $step in
@@ -43,5 +46,8 @@ for step in "$@"; do
               > "$OUT/mesh.log" 2>&1 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
+  mkdir -p "$OUT/profiles" "$OUT/tuning"
+  cp -r "$INTERLACE_PROFILE_DIR"/. "$OUT/profiles/" 2>/dev/null
+  cp -r "$INTERLACE_TUNING_DIR"/. "$OUT/tuning/" 2>/dev/null
 done
 exit $status
