@@ -57,7 +57,7 @@ import torch
 
 from interlace.config import MoEConfig
 from interlace.perf.models import interp_log_rows
-from interlace.perf.profile import MODES, Calibration, Profile, load_profile, parse_shape_key, shape_key
+from interlace.perf.profile import MODES, Calibration, Profile, as_profile, parse_shape_key, shape_key
 from interlace.perf.schedule import DegreeChoice, Op, pipemoe_theorem1, simulate_ops
 
 DEFAULT_DEGREES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -348,7 +348,7 @@ def choose_degree(cfg: MoEConfig, tokens: int, world: int, profile: Profile | st
     Raises FileNotFoundError if no profile is stored for this machine.
     """
     _check_mode(mode)
-    prof = profile if isinstance(profile, Profile) else load_profile(world, path=profile)
+    prof = as_profile(profile, world)
     skey = shape_key(cfg, world)
     used, shape = prof.shape(skey)
     notes = [] if used == skey else [f"shape class {skey} not profiled; using nearest {used}"]

@@ -301,6 +301,12 @@ def load_profile(world: int, device: torch.device | None = None, path: str | Pat
     raise FileNotFoundError(f"no performance profile {key}.json in {', '.join(str(p.parent) for p in searched)}")
 
 
+def as_profile(profile, world: int) -> Profile:
+    """The :class:`Profile` that ``profile`` names: itself, a JSON path, or None (this machine's
+    stored profile for ``world`` ranks, see :func:`load_profile`)."""
+    return profile if isinstance(profile, Profile) else load_profile(world, path=profile)
+
+
 # ----------------------------------------------------------------------------- timing
 class Timer:
     """Device time per op (GPU held back by a sleep kernel while n copies are queued) and host

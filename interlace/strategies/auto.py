@@ -46,14 +46,15 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     if world == 1:
         return "sequential", ["world size 1: nothing to overlap"]
     from interlace.perf.planner import choose_degree, fused_speedup
-    from interlace.perf.profile import shape_key
+    from interlace.perf.profile import as_profile, shape_key
 
+    profile = as_profile(profile, world)  # read a path once, for both questions below
     plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
     notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
     spec = "sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"
     if mode != "fwd":
         return spec, notes
-    shape = plan_profile(profile, world).shapes.get(shape_key(config, world))
+    shape = profile.shapes.get(shape_key(config, world))
     speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k)
     if speedup is None:
         notes.append("fused: no measured fused/sequential pairs for this shape class in the profile")
@@ -66,13 +67,6 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     if fused_ms < best_ms * (1 - FUSED_MARGIN):
         return "fused", notes
     return spec, notes
-
-
-def plan_profile(profile, world: int):
-    """The :class:`~interlace.perf.profile.Profile` a path, object or None (machine key) names."""
-    from interlace.perf.profile import Profile, load_profile
-
-    return profile if isinstance(profile, Profile) else load_profile(world, path=profile)
 
 
 @register_strategy
@@ -96,7 +90,9 @@ class AutoStrategy(Strategy):
         if key not in self.choices:
             try:
                 if self.ep.world > 1:
-                    self._profile = plan_profile(self._profile, self.ep.world)  # read once
+                    from interlace.perf.profile import as_profile
+
+                    self._profile = as_profile(self._profile, self.ep.world)  # read once
                 spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,
                                               mode)
             except FileNotFoundError as err:
