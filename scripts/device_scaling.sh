@@ -13,7 +13,9 @@
 #   mesh     EP×TP factorisations of W for mixtral-8x7b at 8192 tokens/GPU (scripts/mesh_bench.py)
 # Weak scaling T(2)/T(W) at fixed tokens/GPU: run on each machine size, then
 #   python scripts/scaling_report.py OUT_2GPU/fwd/results.json OUT_WGPU/fwd/results.json
-# usage: bash scripts/device_scaling.sh STEP [STEP ...]
+# usage: [STEP_TIMEOUT=S] bash scripts/device_scaling.sh STEP [STEP ...]
+# Each step runs under `timeout` (default 280 s) so one slow or stuck step cannot eat the whole call;
+# its wall seconds and exit status go to $OUT/steps.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,8 +27,11 @@ mkdir -p "$OUT"
 export INTERLACE_PROFILE_DIR=${INTERLACE_PROFILE_DIR:-$PWD/.scaling/profiles}
 export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$PWD/.scaling/tuning}
 mkdir -p "$INTERLACE_PROFILE_DIR" "$INTERLACE_TUNING_DIR"
+STEP_TIMEOUT=${STEP_TIMEOUT:-280}
+torchrun() { timeout -k 15 "$STEP_TIMEOUT" python3 -m torch.distributed.run "$@"; }
 status=0
 for step in "$@"; do
+  t0=$(date +%s)
   case $step in
     check)  torchrun --nproc-per-node "$W" scripts/gpu_check.py > "$OUT/check.log" 2>&1 || status=1
             tail -1 "$OUT/check.log" ;;
@@ -46,6 +51,7 @@ for step in "$@"; do
               > "$OUT/mesh.log" 2>&1 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
+  echo "$step $(( $(date +%s) - t0 )) s status-so-far $status" | tee -a "$OUT/steps.txt"
   mkdir -p "$OUT/profiles" "$OUT/tuning"
   cp -r "$INTERLACE_PROFILE_DIR"/. "$OUT/profiles/" 2>/dev/null
   cp -r "$INTERLACE_TUNING_DIR"/. "$OUT/tuning/" 2>/dev/null
