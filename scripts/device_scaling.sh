@@ -2,18 +2,21 @@
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
 #            reference at EP=W, forward and backward, all routing cases (scripts/gpu_check.py)
+#   tune     the fused strategy's block split at this world size into .scaling/tuning (only W = 2
+#            ships a table; without one the fused rows run the default split, with a warning). Run it
+#            before profile: profile times fused beside sequential with the split tune finds
 #   profile  `interlace profile` at this world size into .scaling/profiles (pipelined's chosen
 #            degree needs a profile for W; only W = 2 ships one); later steps and calls read it
-#   tune     the fused strategy's block split at this world size into .scaling/tuning (only W = 2
-#            ships a table; without one the fused rows run the default split, with a warning)
 #   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused,
 #            auto (the planner's pick with the profile step's fused/sequential pairs)
 #   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
 #   hidden   fused communication-hidden percentage (scripts/fused_check.py --steps hidden)
-#   mesh     EP×TP factorisations of W for mixtral-8x7b at 8192 tokens/GPU (scripts/mesh_bench.py)
+#   mesh     EP×TP factorisations of W for mixtral-8x7b at a fixed layer token count M = 8192 (COMET
+#            Fig. 12) and 32768 (each rank holds M / EP; scripts/mesh_bench.py)
 # Weak scaling T(2)/T(W) at fixed tokens/GPU: run on each machine size, then
 #   python scripts/scaling_report.py OUT_2GPU/fwd/results.json OUT_WGPU/fwd/results.json
-# usage: [STEP_TIMEOUT=S] bash scripts/device_scaling.sh STEP [STEP ...]
+# usage (first call on a machine size: check tune profile):
+#   [STEP_TIMEOUT=S] bash scripts/device_scaling.sh STEP [STEP ...]
 # Each step runs under `timeout` (default 280 s) so one slow or stuck step cannot eat the whole call;
 # its wall seconds and exit status go to $OUT/steps.txt.
 set -uo pipefail
@@ -47,7 +50,7 @@ for step in "$@"; do
     hidden) torchrun --nproc-per-node "$W" scripts/fused_check.py --steps hidden \
               --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg mixtral-8x7b --hidden-tokens 8192 16384 \
               --out "$OUT" > "$OUT/hidden.log" 2>&1 || status=1 ;;
-    mesh)   torchrun --nproc-per-node "$W" scripts/mesh_bench.py --config mixtral-8x7b --tokens 8192 --out "$OUT" \
+    mesh)   torchrun --nproc-per-node "$W" scripts/mesh_bench.py --config mixtral-8x7b --layer-tokens 8192 32768 --out "$OUT" \
               > "$OUT/mesh.log" 2>&1 || status=1 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
