@@ -2,7 +2,7 @@
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
 #            reference at EP=W, forward and backward, all routing cases (scripts/gpu_check.py)
-#   tune     the fused strategy's block split at this world size into .scaling/tuning (only W = 2
+#   tune     the fused strategy's block split (all of tune_fused's candidates, 4–48) at this world size into .scaling/tuning (only W = 2
 #            ships a table; without one the fused rows run the default split, with a warning). Run it
 #            before profile: profile times fused beside sequential with the split tune finds
 #   profile  `interlace profile` at this world size into .scaling/profiles (pipelined's chosen
@@ -40,7 +40,7 @@ for step in "$@"; do
             tail -1 "$OUT/check.log" ;;
     profile) torchrun --nproc-per-node "$W" -m interlace.cli profile --configs mixtral-8x7b phi3.5-moe qwen2-moe \
               qwen3-30b-a3b dsv3-like flashdmoe-cfg > "$OUT/profile.log" 2>&1 || status=1 ;;
-    tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 --candidates 8 16 32 \
+    tune)   torchrun --nproc-per-node "$W" -m interlace.bench.tune_fused --tokens 4096 16384 \
               --iters 8 > "$OUT/tune.log" 2>&1 || status=1 ;;
     fwd)    torchrun --nproc-per-node "$W" -m interlace.bench --strategies naive sequential pipelined fused auto \
               --tokens 4096 8192 16384 --out "$OUT/fwd" > "$OUT/fwd.log" 2>&1 || status=1 ;;
