@@ -2,11 +2,12 @@
 # Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
 #            reference at EP=W, forward and backward, all routing cases (scripts/gpu_check.py)
-#   tune     the fused strategy's block split (all of tune_fused's candidates, 4–48) at this world size into .scaling/tuning (only W = 2
-#            ships a table; without one the fused rows run the default split, with a warning). Run it
-#            before profile: profile times fused beside sequential with the split tune finds
+#   tune     the fused strategy's block split (every candidate of tune_fused, 4–48) at this world
+#            size into .scaling/tuning (H200 tables ship for W = 2 and 4; without one the fused rows
+#            run the default split, with a warning). Run it before profile: profile times fused
+#            beside sequential with the split tune finds
 #   profile  `interlace profile` at this world size into .scaling/profiles (pipelined's chosen
-#            degree needs a profile for W; only W = 2 ships one); later steps and calls read it
+#            degree needs a profile for W; H200 profiles ship for W = 2 and 4); later steps read it
 #   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused,
 #            auto (the planner's pick with the profile step's fused/sequential pairs)
 #   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
