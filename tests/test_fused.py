@@ -162,6 +162,26 @@ def test_plan_orders_local_tiles_first():
     assert plan.sent_rows.tolist() == [5, 6]
 
 
+@pytest.mark.parametrize("W", [2, 3, 4, 5])
+def test_plan_sends_to_each_owner_when_it_needs_the_rows(W):
+    """Owner d waits on its remote sources in the order d+1, d+2, …; source s must therefore
+    send to s−1 first, then s−2, …: at stage j every source feeds the owner waiting on it."""
+    El, block_m = 2, 4
+    gen = torch.Generator().manual_seed(W)
+    counts = torch.randint(1, 9, (W, W * El), generator=gen, dtype=torch.int32)  # every segment nonempty
+    for me in range(W):
+        plan = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=block_m)
+        n = int(plan.send_tiles[2])
+        dests = [seg // El for seg in plan.send_tiles[0][:n].tolist()]
+        stages = [(me - d) % W for d in dests]  # owner d consumes source me at stage (me - d) mod W
+        assert stages == sorted(stages) and set(stages) == set(range(1, W)), (me, dests)
+        # and every (destination, expert) segment is sent exactly once, tile by tile
+        want = {(seg, i) for seg in range(W * El) if seg // El != me
+                for i in range(-(-int(counts[me, seg]) // block_m))}
+        got = list(zip(plan.send_tiles[0][:n].tolist(), plan.send_tiles[1][:n].tolist()))
+        assert len(got) == len(want) and set(got) == want
+
+
 # ---- the strategy under gloo (staged transport: same kernels, collectives between phases) ----
 def test_fused_gloo_two_ranks_all_cases():
     """Every config and routing case forward (the fused kernels); backward on two cases with the

@@ -11,6 +11,11 @@ form one contiguous *segment* starting at ``start_all[s, d·E_l + e]``.
   region ``me`` of d's ``recv`` buffer at ``start_all[me, d·E_l+e] − start_all[me, d·E_l]``.
 * Receive segments (this rank as an expert owner): (s, e) with the sources in the order
   ``me, me+1, …`` — **local rows first**, so their GEMM tiles start while remote rows move.
+* Send *tiles* go out in the destination order ``me−1, me−2, …`` (mod W): the j-th remote
+  source an owner d waits on is ``d+j``, and ``d+j`` sends to ``d`` j-th, so at every stage each
+  rank pushes the rows their owner needs next. (In plain destination order the owner's first
+  source would, at W ≥ 3, send to it last, and its GEMM programs would stall behind the flags;
+  at W = 2 the two orders are the same.)
 
 Segments are cut into row tiles of ``BLOCK_M``; tile i of a segment is the unit of readiness
 (flag ``flags0[s, e, i]``) and of the GEMMs. ``_plan_kernel`` computes everything in one launch;
@@ -58,7 +63,8 @@ class FusedPlan:
     Send side (segments ``d·E_l + e``; zero rows for d = me):
         send_count, send_row0, send_dst_off: (W·E_l,) int32 — rows, first dispatch row,
         row offset inside region ``me`` of d's recv buffer.
-        send_tiles: (tile_seg, tile_idx, num_tiles, max_tiles).
+        send_tiles: (tile_seg, tile_idx, num_tiles, max_tiles), destinations in the order
+        me−1, me−2, … (mod W).
     Receive side (segments ``j·E_l + e`` for the j-th source ``(me + j) % W``):
         recv_count, recv_off, recv_ret_row0, recv_local_row0: (W·E_l,) int32 — rows, row
         offset inside the source's region, first row in the source's dispatch order (where
@@ -105,7 +111,12 @@ def build_plan_reference(counts_all: torch.Tensor, me: int, num_local: int, max_
     recv_ret_row0 = in_source_order(start_all[:, me])
     recv_local_row0 = recv_ret_row0  # for j = 0 the source is this rank: same rows
     rows_max = max_tokens * top_k
-    send_tiles = segment_tiles(send_count, rows_max, block_m)
+    # Send tiles in destination order me-1, me-2, ... (see the module docstring): tile
+    # positions p, then map each position's segment back to its (destination, expert) id.
+    dest_of_p = torch.tensor([(me - 1 - p) % W for p in range(W)], dtype=torch.long, device=counts.device)
+    seg_of_pos = (dest_of_p[:, None] * El + torch.arange(El, device=counts.device)[None, :]).reshape(-1)
+    send_tiles = segment_tiles(send_count[seg_of_pos], rows_max, block_m)
+    send_tiles = (seg_of_pos[send_tiles[0].long().clamp(0, W * El - 1)].to(torch.int32),) + send_tiles[1:]
     recv_tiles = segment_tiles(recv_count, W * max_tokens * min(top_k, El), block_m)
     tiles_from_source = ((cnt[:, me] + block_m - 1) // block_m).sum(1, dtype=torch.int32)
     sent_rows = cnt[me].sum(1, dtype=torch.int32)
@@ -182,14 +193,19 @@ def _plan_kernel(
     tl.store(out_ptr + 3 * E + segid2, recv_cnt, mask=seg_mask)
     tl.store(out_ptr + 4 * E + segid2, tl.sum(tl.where(pick, col_within[None, :, :], 0), axis=1), mask=seg_mask)
     tl.store(out_ptr + 5 * E + segid2, tl.sum(tl.where(pick, col_start[None, :, :], 0), axis=1), mask=seg_mask)
-    # Tile lists.
-    send_tiles = tl.where(seg_mask, (send_cnt + BLOCK_M - 1) // BLOCK_M, 0)
+    # Tile lists. Send tiles by position p with destination (me - 1 - p) mod W (module docstring).
+    p3 = tl.arange(0, W_PAD)[:, None, None]
+    dest_of_p = (me - 1 - p3 + W) % W  # (p, 1, 1); p < W only (seg_mask below)
+    by_pos = tl.arange(0, W_PAD)[None, :, None] == dest_of_p  # (p, d, 1)
+    send_tiles_d = (send_cnt + BLOCK_M - 1) // BLOCK_M  # (d, el)
+    send_tiles = tl.where(seg_mask, tl.sum(tl.where(by_pos, send_tiles_d[None, :, :], 0), axis=1), 0)
+    send_segid = tl.sum(tl.where(by_pos, segid2[None, :, :], 0), axis=1)  # (p, el) → d·E_l + el
     recv_tiles = tl.where(seg_mask, (recv_cnt + BLOCK_M - 1) // BLOCK_M, 0)
     n_send = tl.sum(tl.sum(send_tiles, axis=1), axis=0)
     n_recv = tl.sum(tl.sum(recv_tiles, axis=1), axis=0)
     tl.store(send_num_ptr, n_send)
     tl.store(recv_num_ptr, n_recv)
-    _emit_tiles(send_tiles, _first_tiles(send_tiles), segid2, n_send, send_seg_ptr, send_idx_ptr, BLOCK_T)
+    _emit_tiles(send_tiles, _first_tiles(send_tiles), send_segid, n_send, send_seg_ptr, send_idx_ptr, BLOCK_T)
     _emit_tiles(recv_tiles, _first_tiles(recv_tiles), segid2, n_recv, recv_seg_ptr, recv_idx_ptr, BLOCK_T)
 
 
