@@ -379,12 +379,22 @@ def test_plan_kernel_matches_reference(W, El, me):
             assert getattr(kernel, side)[i][:n].tolist() == getattr(ref, side)[i][:n].tolist(), side
 
 
-def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one():
+def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_path, monkeypatch):
+    import json
+
     from interlace.config import preset
-    from interlace.ops.fused_tuning import lookup_split
+    from interlace.ops.fused_tuning import load_entries, lookup_split, split_key
 
     cfg = preset("qwen2-moe")
-    assert lookup_split(cfg, 15000, world=2, sm_count=132) == (16, 8)  # nearest bucket: 16384
-    assert lookup_split(cfg, 5000, world=2, sm_count=132) == (32, 16)  # nearest bucket: 4096
+    for world in (2, 4):  # the shipped H200 table covers both (values change with every re-tune)
+        shipped = load_entries()[split_key(cfg, world, 132)]
+        assert lookup_split(cfg, 15000, world=world, sm_count=132) == tuple(shipped["16384"])  # nearest bucket
+        assert lookup_split(cfg, 5000, world=world, sm_count=132) == tuple(shipped["4096"])
+    # nearest bucket in log distance, and an override directory beside the package's
+    (tmp_path / "fused-split-test.json").write_text(json.dumps(
+        {"entries": {split_key(cfg, 2, 77): {"1024": [4, 8], "8192": [24, 12]}}, "meta": {}}))
+    monkeypatch.setenv("INTERLACE_TUNING_DIR", str(tmp_path))
+    assert lookup_split(cfg, 2800, world=2, sm_count=77) == (4, 8)  # log-nearer to 1024 than to 8192
+    assert lookup_split(cfg, 3000, world=2, sm_count=77) == (24, 12)
     with pytest.warns(UserWarning, match="no tuned fused block split"):
         assert lookup_split(cfg, 5000, world=2, sm_count=78) is None
