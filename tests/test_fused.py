@@ -105,8 +105,10 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     cfg = MoEConfig(hidden=80, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
-    for slice_group in (2, 0):
-        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, slice_group=slice_group)
+    # with TMA, layer1 also reads h through a descriptor (a_tma): the tiles' rows start mid-buffer
+    for slice_group, a_tma in ((2, 0), (0, 0)) + (((2, 1),) if tma == "1" else ()):
+        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, slice_group=slice_group,
+                         a_tma=a_tma)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
         for out, ref in zip(outs, refs):
             assert rel_err(out, ref) < 1e-5

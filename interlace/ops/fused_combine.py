@@ -42,6 +42,8 @@ def _gemm1_combine_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, B_KMAJOR: tl.constexpr = False,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
+    A_TMA: tl.constexpr = False,  # h rows through a TMA descriptor (a tile's rows are contiguous in h)
+    H_ROWS=1,  # rows of h (the A descriptor's extent; only read with A_TMA)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -60,6 +62,12 @@ def _gemm1_combine_kernel(
             else:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
                                                    block_shape=[BLOCK_N, BLOCK_K])
+        a_desc = h_ptr
+        if A_TMA:
+            # A block past the tile's valid rows reads the next segment's (or unwritten) rows of h:
+            # they only feed output rows the store masks; past the end of h, TMA reads zeros.
+            a_desc = tl.make_tensor_descriptor(h_ptr, shape=[H_ROWS, K], strides=[K, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
         work = claim(queue_ptr)
         while work < n_slices * n_tiles:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -69,7 +77,8 @@ def _gemm1_combine_kernel(
             e = seg % num_local
             s = (me + seg // num_local) % W
             rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
-            h_rows = (s * cap + tl.load(recv_off + seg) + i * BLOCK_M + offs_m).to(tl.int64)
+            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            h_rows = (h_row0 + offs_m).to(tl.int64)
             cols = sl * BLOCK_N + offs_n
             cmask = cols < N
             w_base = w_ptr + e.to(tl.int64) * N * K
@@ -77,7 +86,11 @@ def _gemm1_combine_kernel(
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + offs_k
                 kmask = kk < K
-                a = tl.load(h_ptr + h_rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                if A_TMA:
+                    a = a_desc.load([h_row0.to(tl.int32), k0])
+                else:
+                    a = tl.load(h_ptr + h_rows[:, None] * K + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                                other=0.0)
                 if B_KMAJOR:
                     if USE_TMA:
                         b = w_desc.load([(e * K + k0).to(tl.int32), sl * BLOCK_N])
@@ -153,6 +166,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
+    from interlace.ops.grouped_gemm import _tma_rows_ok
+
+    a_tma = bool(getattr(config, "a_tma", 0)) and tma and _tma_rows_ok(h) and h.shape[1] == K
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _gemm1_combine_kernel[(grid,)](
@@ -166,5 +182,5 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
-        num_stages=config.num_stages, TIMELINE=tl_mode,
+        num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
     )
