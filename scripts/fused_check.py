@@ -190,6 +190,7 @@ def step_phases(env, args, log):
         layer = MoELayer(cfg, group=env.group, strategy="naive", seed=6, device=env.device)
         x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
         routings = {"balanced": make_routing(cfg, "balanced", tokens, env, 0), "local": local_routing(cfg, tokens, env)}
+        first = {}  # routing → the first variant's output: every variant must compute the same layer
         for variant in args.variants:
             os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
             layer.set_strategy("fused", max_tokens=tokens)
@@ -197,13 +198,16 @@ def step_phases(env, args, log):
             for rname, idx in routings.items():
                 with torch.no_grad():
                     total = worst(env, time_ms(lambda: layer(x, expert_indices=idx), iters=10, warmup=3))
-                    layer(x, expert_indices=idx)
+                    out = layer(x, expert_indices=idx).float()
                     ph = layer.strategy.phase_ms()
+                ref = first.setdefault(rname, out)
+                err = worst(env, ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item())
                 l0, l1 = worst(env, ph["layer0"]), worst(env, ph["layer1"])
+                ok = err < 2e-2 and bool(torch.isfinite(out).all())
                 rows.append(dict(config=name, tokens=tokens, variant=variant, routing=rname, total=total, layer0=l0,
-                                 layer1=l1))
+                                 layer1=l1, rel_err_vs_first_variant=err, ok=ok))
                 log(f"phases {name:14s} T={tokens} {variant:34s} {rname:8s} total {total:.3f} layer0 {l0:.3f} "
-                    f"layer1 {l1:.3f} ms")
+                    f"layer1 {l1:.3f} ms  rel err vs {args.variants[0]} {err:.1e}{'' if ok else '  WRONG'}")
         os.environ.pop("INTERLACE_FUSED", None)
         del layer
         torch.cuda.empty_cache()
@@ -444,6 +448,9 @@ def main():
                 print(line)
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")
+        wrong_variants = [r for r in results.get("phases", []) if isinstance(r, dict) and not r.get("ok", True)]
+        if wrong_variants:
+            print(f"phases: {len(wrong_variants)} variant rows disagree with the first variant")
     dist.barrier()
     release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
