@@ -142,6 +142,14 @@ def test_fused_pairs_from_bench_results():
     assert again.shapes[shape_key(cfg, 2)].fused == [[4096, cfg.top_k, 1.0, 2.0]]
     with pytest.raises(ValueError, match="world size 4"):
         add_fused_points(prof, {"meta": {"world": 4}, "rows": []})
+    # replace: newer results of a shape class drop its older pairs (and say so); appending keeps them
+    newer = {"meta": {"world": 2, "small": False},
+             "rows": [row("qwen2-moe", 8192, "sequential", 3.0), row("qwen2-moe", 8192, "fused", 2.5)]}
+    add_fused_points(prof, newer)
+    assert len(prof.shapes[shape_key(cfg, 2)].fused) == 2
+    lines = add_fused_points(prof, newer, replace=True)
+    assert prof.shapes[shape_key(cfg, 2)].fused == [(8192, cfg.top_k, 2.5, 3.0)]
+    assert any("2 older pairs dropped" in ln for ln in lines)
 
 
 def test_layer_planner_predicts_fused_from_measured_pairs():

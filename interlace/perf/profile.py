@@ -507,10 +507,12 @@ def profile_fused(shape: ShapeProfile, cfg: MoEConfig, x: torch.Tensor, group, t
     shape.fused.append((x.shape[0], cfg.top_k, *pair))
 
 
-def add_fused_points(prof: Profile, results: dict) -> list[str]:
+def add_fused_points(prof: Profile, results: dict, replace: bool = False) -> list[str]:
     """Add the fused / sequential forward pairs of an ``interlace bench`` results.json (its
     ``random``-routing ``fwd`` rows where both strategies ran ok) to ``prof``'s shape classes.
-    Returns one line per pair added or left out, and why (nothing is dropped silently)."""
+    ``replace``: a shape class these results have pairs for first drops its older pairs (after a
+    change to the fused kernels, old and new timings must not be interpolated together).
+    Returns one line per pair added, replaced or left out, and why (nothing is dropped silently)."""
     from interlace.bench.harness import bench_config
 
     meta = results["meta"]
@@ -521,6 +523,7 @@ def add_fused_points(prof: Profile, results: dict) -> list[str]:
     ms = {(r["config"], r["tokens"], r["strategy"]): r["median_ms"] for r in results["rows"]
           if r.get("status") == "ok" and r["mode"] == "fwd" and r["routing"] == "random" and r.get("median_ms")}
     lines = []
+    cleared: set[str] = set()
     for name, tokens in sorted({(c, t) for c, t, s in ms if s == "fused"}):
         cfg = bench_config(name, small)
         skey = shape_key(cfg, prof.world)
@@ -530,6 +533,12 @@ def add_fused_points(prof: Profile, results: dict) -> list[str]:
         elif skey not in prof.shapes:
             lines.append(f"{name} T={tokens}: left out (shape class {skey} not in the profile; profile it first)")
         else:
+            if replace and skey not in cleared:
+                cleared.add(skey)
+                old = prof.shapes[skey].fused
+                if old:
+                    lines.append(f"{skey}: {len(old)} older pairs dropped (--fused-replace)")
+                prof.shapes[skey].fused = []
             prof.shapes[skey].fused.append((tokens, cfg.top_k, ms[(name, tokens, "fused")], seq))
             lines.append(f"{name} T={tokens}: {skey} fused {ms[(name, tokens, 'fused')]:.3f} ms, "
                          f"sequential {seq:.3f} ms")
@@ -630,13 +639,15 @@ def main(argv=None) -> int:
     p.add_argument("--fused-from", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="offline, no measurement: add the fused/sequential forward pairs of these "
                         "`interlace bench` results to the profile --out")
+    p.add_argument("--fused-replace", action="store_true",
+                   help="with --fused-from: shape classes in those results drop their older pairs first")
     args = p.parse_args(argv)
     if args.fused_from:
         if not args.out:
             p.error("--fused-from needs --out PROFILE.json (the profile to extend)")
         prof = Profile.from_json(json.loads(Path(args.out).read_text()))
         for path in args.fused_from:
-            for line in add_fused_points(prof, json.loads(Path(path).read_text())):
+            for line in add_fused_points(prof, json.loads(Path(path).read_text()), replace=args.fused_replace):
                 print(line)
         print(f"→ {prof.save(args.out)}")
         return 0
