@@ -17,19 +17,25 @@ import triton.language as tl
 
 @triton.jit
 def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+                 a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
     """(acc_gate, acc_up) of A[rows] @ W[cols]^T over the N reduction; W row-major (up_width, N)
     at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU.
     With USE_TMA the weight tiles come through the tensor descriptor ``w_desc`` over all
     experts' (E·up_width, N) rows, this tile's first gate row being ``w_row`` (block rows past
-    the expert's K rows only feed masked output columns)."""
+    the expert's K rows only feed masked output columns). With A_TMA the A rows are the
+    contiguous rows ``a_row0 ..`` of the descriptor ``a_desc`` (``a_rows`` unused): rows past
+    the tile's valid ones only feed output rows the caller masks."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, N, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < N
-        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if A_TMA:
+            a = a_desc.load([a_row0, k0])
+        else:
+            a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         if USE_TMA:
             acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
             if ACTIVATION == 0:

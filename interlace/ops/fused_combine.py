@@ -168,7 +168,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
     from interlace.ops.grouped_gemm import _tma_rows_ok
 
-    a_tma = bool(getattr(config, "a_tma", 0)) and tma and _tma_rows_ok(h) and h.shape[1] == K
+    a_tma = bool(getattr(config, "a_tma1", 0)) and tma and _tma_rows_ok(h) and h.shape[1] == K
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _gemm1_combine_kernel[(grid,)](

@@ -66,6 +66,7 @@ def _dispatch_gemm0_kernel(
     COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, GROUP_M: tl.constexpr, USE_TMA: tl.constexpr,
     STORE_PRE: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
+    A_TMA: tl.constexpr = False,  # remote tiles' A rows (contiguous in recv) through a TMA descriptor
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -107,6 +108,12 @@ def _dispatch_gemm0_kernel(
             else:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
                                                    block_shape=[BLOCK_N, BLOCK_K])
+        a_desc = recv_ptr
+        if A_TMA:
+            # Hopper has no TMA gather, so only remote tiles (contiguous rows of recv) use it; a block
+            # past the tile's valid rows reads neighbours into output rows the store masks.
+            a_desc = tl.make_tensor_descriptor(recv_ptr, shape=[W * cap, N], strides=[N, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
         work = claim(queue_ptr + 1)
         while work < n_work:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -117,7 +124,8 @@ def _dispatch_gemm0_kernel(
             e = seg % num_local
             s = (me + j) % W
             rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
-            h_rows = (s * cap + tl.load(recv_off + seg) + i * BLOCK_M + offs_m).to(tl.int64)
+            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            h_rows = (h_row0 + offs_m).to(tl.int64)
             # Row pointers by select, not by branch: a pointer produced by a branch keeps the
             # compiler from pipelining the A loads (measured: 2.5x slower GEMM0).
             is_local = j == 0
@@ -137,8 +145,12 @@ def _dispatch_gemm0_kernel(
             else:
                 w_base = w_ptr + e.to(tl.int64) * up_width * N
                 w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
-                acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                if A_TMA and not is_local:  # two main loops, each pipelined on its own
+                    acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, h_row0.to(tl.int32), True)
+                else:
+                    acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             omask = rmask[:, None] & cmask[None, :]
             tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=omask)
@@ -170,6 +182,10 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     N = spec.hidden
     K = w_up.shape[2] if w_kmajor else w_up.shape[1] // (2 if activation == "swiglu" else 1)
     pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
+    from interlace.ops.grouped_gemm import _tma_rows_ok
+
+    # (the backward's k-major GEMM keeps the pointer path)
+    a_tma = bool(getattr(config, "a_tma0", 0)) and tma and not w_kmajor and _tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _dispatch_gemm0_kernel[(grid,)](
@@ -187,6 +203,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         BLOCK_M=spec.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
-        num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode,
+        num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
     )
 

@@ -101,9 +101,12 @@ class FusedKernelConfig:
     block_t: int = 32  # tokens per combine task
     group_m: int = 8  # row tiles sharing a weight block in L2 (both layers)
     slice_group: int = 4  # layer1: N-slices per group (1: COMET's column-wise order; 0: all)
-    # layer1 reads h through a TMA descriptor (Hopper+; the expert GEMMs gained ~8% from it on
-    # large shapes, run 38). Off until measured on the fused kernel: INTERLACE_FUSED="a_tma=1".
-    a_tma: int = 0
+    # A rows through a TMA descriptor (Hopper+; the expert GEMMs gained ~8% from it on large
+    # shapes, run 38): layer0's remote tiles (a_tma0; local rows are gathered, and Hopper has no
+    # TMA gather) and layer1's h rows (a_tma1). Off until measured on the fused kernels:
+    # INTERLACE_FUSED="a_tma0=1,a_tma1=1".
+    a_tma0: int = 0
+    a_tma1: int = 0
 
 
 GPU_CONFIG = FusedKernelConfig()
