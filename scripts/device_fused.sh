@@ -6,6 +6,9 @@
 #            fused:train: the fused kernels backward too)
 #   check    scripts/fused_check.py: every preset against naive/sequential, 1000-call stress, hidden %
 #   timeline per-block timeline PNGs of one qwen2-moe call per rank
+#   atma     A rows through TMA in the fused kernels (a_tma0: layer0's remote tiles, a_tma1: layer1's
+#            h rows; off by default until measured): per-layer times of each variant beside the
+#            default, every variant's output checked against the default's (fused_check phases)
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -18,7 +21,7 @@ status=0
 for step in "$@"; do
   case $step in
     tune)  torchrun --nproc-per-node 2 -m interlace.bench.tune_fused --configs $PRESETS --tokens 4096 16384 \
-             --candidates 8 16 32 --iters 8 > "$OUT/tune_fused.log" 2>&1 || status=1
+             --iters 8 > "$OUT/tune_fused.log" 2>&1 || status=1
            tail -3 "$OUT/tune_fused.log" ;;
     bench) torchrun --nproc-per-node 2 -m interlace.bench --strategies naive sequential fused \
              --tokens 4096 8192 16384 ${BENCH_ARGS:-} --out "$OUT/bench" > "$OUT/bench_fused.log" 2>&1 || status=1 ;;
@@ -31,6 +34,10 @@ for step in "$@"; do
              --out "$OUT" > "$OUT/fused_check.log" 2>&1 || status=1 ;;
     timeline) torchrun --nproc-per-node 2 -m interlace.bench.timeline --config qwen2-moe --tokens 16384 \
              --out "$OUT" > "$OUT/timeline.log" 2>&1 || status=1 ;;
+    atma)  torchrun --nproc-per-node 2 scripts/fused_check.py --steps phases \
+             --hidden-configs dsv3-like mixtral-8x7b phi3.5-moe qwen2-moe --split-tokens 8192 \
+             --variants default a_tma0=1 a_tma1=1 a_tma0=1,a_tma1=1 --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
+           grep -E '^phases|disagree' "$OUT/atma.log" | tail -40 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
