@@ -41,6 +41,16 @@ def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, til
 
 
 @triton.jit
+def fence_proxy_async(x):
+    """``fence.proxy.async.global``: order this thread's earlier generic-proxy accesses (the flag
+    acquire) before its later async-proxy ones (TMA loads of the rows the flag covers). Without it
+    a TMA load may miss rows a peer released before the flag. Returns ``x`` (no interpreter form:
+    callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def publish_flag(flag_ptr, epoch):
     """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
     tl.debug_barrier()

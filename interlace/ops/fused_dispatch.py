@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
-from interlace.ops.flags import WAIT_LAYER0, claim, finish_queue, launch_roles, publish_flag, wait_flag
+from interlace.ops.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles, publish_flag,
+                                 wait_flag)
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
@@ -67,6 +68,7 @@ def _dispatch_gemm0_kernel(
     STORE_PRE: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     A_TMA: tl.constexpr = False,  # remote tiles' A rows (contiguous in recv) through a TMA descriptor
+    PROXY_FENCE: tl.constexpr = False,  # with A_TMA on a GPU: order the flag acquire before the TMA loads
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -134,6 +136,8 @@ def _dispatch_gemm0_kernel(
             if not is_local:
                 wait_flag(flags0_ptr + (s * num_local + e) * TPS + i, epoch, max_spins, error_ptr, me, WAIT_LAYER0,
                           s, e, i)
+                if PROXY_FENCE:  # the rows are then read through TMA (the async proxy)
+                    fence_proxy_async(epoch)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             a_rows = tl.where(is_local, x_ptr + (local // TOP_K).to(tl.int64) * N, recv_ptr + h_rows * N)
             cols = nb * BLOCK_N + offs_n
@@ -204,5 +208,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
+        PROXY_FENCE=a_tma and x.is_cuda,
     )
 
