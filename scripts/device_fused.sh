@@ -6,9 +6,10 @@
 #            fused:train: the fused kernels backward too)
 #   check    scripts/fused_check.py: every preset against naive/sequential, 1000-call stress, hidden %
 #   timeline per-block timeline PNGs of one qwen2-moe call per rank
-#   atma     A rows through TMA in the fused kernels (a_tma0: layer0's remote tiles, a_tma1: layer1's
-#            h rows; off by default until measured): per-layer times of each variant beside the
-#            default, every variant's output checked against the default's (fused_check phases)
+#   atma     opt-in fused kernel variants, off by default until measured: A rows through TMA
+#            (a_tma0: layer0's remote tiles, a_tma1: layer1's h rows) and layer1's deferred tile
+#            counts (defer_count): per-layer times of each beside the default, every variant's
+#            output checked against the default's (fused_check phases), then the hidden share
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -36,8 +37,15 @@ for step in "$@"; do
              --out "$OUT" > "$OUT/timeline.log" 2>&1 || status=1 ;;
     atma)  torchrun --nproc-per-node 2 scripts/fused_check.py --steps phases \
              --hidden-configs dsv3-like mixtral-8x7b phi3.5-moe qwen2-moe --split-tokens 8192 \
-             --variants default a_tma0=1 a_tma1=1 a_tma0=1,a_tma1=1 --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
-           grep -E '^phases|disagree' "$OUT/atma.log" | tail -40 ;;
+             --variants default a_tma0=1 a_tma1=1 defer_count=1 a_tma0=1,a_tma1=1,defer_count=1 --out "$OUT" \
+             > "$OUT/atma.log" 2>&1 || status=1
+           grep -E '^phases|disagree' "$OUT/atma.log" | tail -40
+           for v in default defer_count=1 a_tma0=1,a_tma1=1,defer_count=1; do
+             INTERLACE_FUSED=${v#default} torchrun --nproc-per-node 2 scripts/fused_check.py --steps hidden \
+               --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg --hidden-tokens 8192 16384 --out "$OUT/hidden-$v" \
+               > "$OUT/hidden-$v.log" 2>&1 || status=1
+             echo "$v"; grep '^hidden' "$OUT/hidden-$v.log" | tail -6
+           done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -106,10 +106,12 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
     # with TMA, the A rows through descriptors too: layer0's remote tiles (a_tma0) and layer1's h
-    # rows (a_tma1); the tiles' rows start mid-buffer
-    for slice_group, a_tma in ((2, 0), (0, 0)) + (((2, 1),) if tma == "1" else ()):
-        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, slice_group=slice_group,
-                         a_tma0=a_tma, a_tma1=a_tma)
+    # rows (a_tma1; the tiles' rows start mid-buffer); and layer1's tile counts deferred by one item
+    variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=1)]
+    if tma == "1":
+        variants.append(dict(slice_group=2, a_tma0=1, a_tma1=1))
+    for variant in variants:
+        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
         for out, ref in zip(outs, refs):
             assert rel_err(out, ref) < 1e-5

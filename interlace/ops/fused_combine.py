@@ -28,6 +28,20 @@ from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timel
 
 
 @triton.jit
+def _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch):
+    """Count one finished tile of (home ``s``, slice ``sl``); the last one publishes the slice.
+    acq_rel + sys scope: this program's earlier stores (peer stores included) are released, and
+    the last arriver acquires everyone's before it releases the home's flag."""
+    tl.debug_barrier()
+    counter = counters_ptr + s * n_slices + sl
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
+    if done == tl.load(tiles_from_source + s) - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
+        publish_flag(flags + me * n_slices + sl, epoch)
+
+
+@triton.jit
 def _gemm1_combine_kernel(
     h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
     ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
@@ -44,6 +58,7 @@ def _gemm1_combine_kernel(
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     A_TMA: tl.constexpr = False,  # h rows through a TMA descriptor (a tile's rows are contiguous in h)
     H_ROWS=1,  # rows of h (the A descriptor's extent; only read with A_TMA)
+    DEFER_COUNT: tl.constexpr = False,  # count a tile after the next tile's main loop (see below)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -68,6 +83,12 @@ def _gemm1_combine_kernel(
             # they only feed output rows the store masks; past the end of h, TMA reads zeros.
             a_desc = tl.make_tensor_descriptor(h_ptr, shape=[H_ROWS, K], strides=[K, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
+        # DEFER_COUNT: the count (a system-scope release, which waits until this program's peer
+        # stores have landed) of a tile is issued after the *next* tile's main loop, so the stores
+        # drain under that loop instead of stalling the program. A count is late by at most one
+        # item, and items never wait, so every flag is still published.
+        pend_s = -1
+        pend_sl = 0
         work = claim(queue_ptr)
         while work < n_slices * n_tiles:
             t_start = timeline_now(timeline_clock, TIMELINE)
@@ -103,23 +124,25 @@ def _gemm1_combine_kernel(
                     b = tl.load(w_base + cols[None, :].to(tl.int64) * K + kk[:, None],
                                 mask=kmask[:, None] & cmask[None, :], other=0.0)
                 acc = tl.dot(a, b, acc)
+            if DEFER_COUNT:
+                if pend_s >= 0:  # the previous tile: its stores were issued a main loop ago
+                    _count_tile(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me, epoch)
             ret_rows = (tl.load(recv_ret_row0 + seg) + i * BLOCK_M + offs_m).to(tl.int64)
             dst = tl.load(ret_table + s).to(tl.pointer_type(h_ptr.dtype.element_ty))
             tl.store(dst + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
-            # Count the tile; the last of (home s, slice) publishes. acq_rel + sys scope: this
-            # program's peer stores are released, and the last arriver acquires everyone's.
-            tl.debug_barrier()
-            counter = counters_ptr + s * n_slices + sl
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
-            if done == tl.load(tiles_from_source + s) - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
-                publish_flag(flags + me * n_slices + sl, epoch)
+            if DEFER_COUNT:
+                pend_s = s
+                pend_sl = sl
+            else:  # count the tile now; the last of (home s, slice) publishes
+                _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch)
             if TIMELINE:
                 timeline_record(timeline_ptr, timeline_cap, work, epoch, pid, KIND_GEMM1, work, t_start, t_start,
                                 timeline_now(timeline_clock, TIMELINE), TIMELINE)
             work = claim(queue_ptr)
+        if DEFER_COUNT:
+            if pend_s >= 0:  # before this program joins the combine, which may wait on it
+                _count_tile(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me, epoch)
     if (pid < n_comm) | (join != 0):
         # ---- combine work: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32. Tasks
         # are claimed in slice order; GEMM programs join once every GEMM item is claimed (when
@@ -183,4 +206,5 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
+        DEFER_COUNT=bool(getattr(config, "defer_count", 0)),
     )

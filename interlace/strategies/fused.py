@@ -107,6 +107,9 @@ class FusedKernelConfig:
     # INTERLACE_FUSED="a_tma0=1,a_tma1=1".
     a_tma0: int = 0
     a_tma1: int = 0
+    # layer1: count a finished tile (a system-scope release that waits for its peer stores to land)
+    # after the next tile's main loop, so the stores drain under it. Off until measured.
+    defer_count: int = 0
 
 
 GPU_CONFIG = FusedKernelConfig()
