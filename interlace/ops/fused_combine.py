@@ -24,6 +24,7 @@ import triton.language as tl
 
 from interlace.ops.expert_tile import slice_grouped_work
 from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, launch_roles, publish_flag, wait_flag
+from interlace.ops.grouped_gemm import tma_rows_ok
 from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
 
 
@@ -189,9 +190,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
-    from interlace.ops.grouped_gemm import _tma_rows_ok
-
-    a_tma = bool(getattr(config, "a_tma1", 0)) and tma and _tma_rows_ok(h) and h.shape[1] == K
+    a_tma = bool(config.a_tma1) and tma and tma_rows_ok(h) and h.shape[1] == K
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _gemm1_combine_kernel[(grid,)](
@@ -206,5 +205,5 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
-        DEFER_COUNT=bool(getattr(config, "defer_count", 0)),
+        DEFER_COUNT=bool(config.defer_count),
     )

@@ -27,6 +27,7 @@ import triton.language as tl
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
 from interlace.ops.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles, publish_flag,
                                  wait_flag)
+from interlace.ops.grouped_gemm import tma_rows_ok
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
@@ -186,10 +187,8 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     N = spec.hidden
     K = w_up.shape[2] if w_kmajor else w_up.shape[1] // (2 if activation == "swiglu" else 1)
     pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
-    from interlace.ops.grouped_gemm import _tma_rows_ok
-
     # (the backward's k-major GEMM keeps the pointer path)
-    a_tma = bool(getattr(config, "a_tma0", 0)) and tma and not w_kmajor and _tma_rows_ok(buf.views["recv"])
+    a_tma = bool(config.a_tma0) and tma and not w_kmajor and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _dispatch_gemm0_kernel[(grid,)](

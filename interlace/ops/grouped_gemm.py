@@ -422,7 +422,7 @@ def use_tma(*weights: torch.Tensor) -> bool:
     return ok and w.is_cuda and _has_tma(w.device.index if w.device.index is not None else torch.cuda.current_device())
 
 
-def _tma_rows_ok(a: torch.Tensor) -> bool:
+def tma_rows_ok(a: torch.Tensor) -> bool:
     """A row matrix TMA can read: contiguous, 16-byte aligned base and row pitch."""
     return a.is_contiguous() and a.data_ptr() % 16 == 0 and a.shape[-1] * a.element_size() % 16 == 0
 
@@ -501,7 +501,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         from interlace.ops.rows import gather_rows
 
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
-    a_tma = a_tma and _tma_rows_ok(x)
+    a_tma = a_tma and tma_rows_ok(x)
     _gemm0_kernel[(p0,)](
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
@@ -522,7 +522,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), A_TMA=bool(config.a_tma) and tma and _tma_rows_ok(a),
+        FLATTEN=bool(config.flatten), A_TMA=bool(config.a_tma) and tma and tma_rows_ok(a),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
