@@ -19,7 +19,7 @@
 # usage (first call on a machine size: check tune profile):
 #   [STEP_TIMEOUT=S] bash scripts/device_scaling.sh STEP [STEP ...]
 # Each step runs under `timeout` (default 280 s) so one slow or stuck step cannot eat the whole call;
-# its wall seconds and exit status go to $OUT/steps.txt.
+# its wall seconds and the status so far (0 while every step passed) go to $OUT/steps.txt.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
