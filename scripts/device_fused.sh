@@ -8,8 +8,8 @@
 #   timeline per-block timeline PNGs of one qwen2-moe call per rank
 #   atma     opt-in fused kernel variants, off by default until measured: A rows through TMA
 #            (a_tma0: layer0's remote tiles, a_tma1: layer1's h rows) and layer1's deferred tile
-#            counts (defer_count): per-layer times of each beside the default, every variant's
-#            output checked against the default's (fused_check phases), then the hidden share
+#            counts (defer_count), interleaved round by round with the default, sequential and the
+#            bare transfers (fused_check ab): time, ratio to the default, hidden share, output check
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -35,17 +35,11 @@ for step in "$@"; do
              --out "$OUT" > "$OUT/fused_check.log" 2>&1 || status=1 ;;
     timeline) torchrun --nproc-per-node 2 -m interlace.bench.timeline --config qwen2-moe --tokens 16384 \
              --out "$OUT" > "$OUT/timeline.log" 2>&1 || status=1 ;;
-    atma)  torchrun --nproc-per-node 2 scripts/fused_check.py --steps phases \
-             --hidden-configs dsv3-like mixtral-8x7b phi3.5-moe qwen2-moe --split-tokens 8192 \
-             --variants default a_tma0=1 a_tma1=1 defer_count=1 a_tma0=1,a_tma1=1,defer_count=1 --out "$OUT" \
-             > "$OUT/atma.log" 2>&1 || status=1
-           grep -E '^phases|disagree' "$OUT/atma.log" | tail -40
-           for v in default defer_count=1 a_tma0=1,a_tma1=1,defer_count=1; do
-             INTERLACE_FUSED=${v#default} torchrun --nproc-per-node 2 scripts/fused_check.py --steps hidden \
-               --hidden-configs qwen2-moe qwen3-30b-a3b flashdmoe-cfg --hidden-tokens 8192 16384 --out "$OUT/hidden-$v" \
-               > "$OUT/hidden-$v.log" 2>&1 || status=1
-             echo "$v"; grep '^hidden' "$OUT/hidden-$v.log" | tail -6
-           done ;;
+    atma)  torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
+             --hidden-configs ${AB_CONFIGS:-$PRESETS} --hidden-tokens ${AB_TOKENS:-8192 16384} \
+             --variants ${AB_VARIANTS:-default a_tma0=1 a_tma1=1 defer_count=1 a_tma0=1,a_tma1=1,defer_count=1} \
+             --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
+           grep -E '^ab |disagree|FAILED' "$OUT/atma.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -214,6 +214,83 @@ def step_phases(env, args, log):
     return rows
 
 
+def step_ab(env, args, log):
+    """Fused kernel-config variants against each other, interleaved: per round, every variant is
+    timed on balanced and on local-only routing, then sequential and the bare transfers, so slow
+    drift (clocks, other tenants) falls on all of them alike. Reports per variant the median over
+    rounds, its median per-round ratio to the first variant, fused vs sequential and the hidden
+    share 1 − (t_fused − t_local) / t_transfers; outputs are checked against the first variant's."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rows = []
+    for name in args.hidden_configs:
+        cfg = preset(name)
+        for tokens in args.hidden_tokens:
+            layer = MoELayer(cfg, group=env.group, strategy="sequential", seed=5, device=env.device)
+            seq = layer.strategy
+            x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
+            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), local_routing(cfg, tokens, env)
+            strategies, ref, errs = {}, None, {}
+            with torch.no_grad():
+                for variant in args.variants:
+                    os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
+                    layer.set_strategy("fused", max_tokens=tokens)
+                    out = layer(x, expert_indices=bal).float()  # first call: reads the config, sets up
+                    os.environ.pop("INTERLACE_FUSED", None)
+                    strategies[variant] = layer.strategy
+                    ref = out if ref is None else ref
+                    errs[variant] = worst(env, rel(out, ref))
+            peers = [(env.rank + d) % env.world for d in range(1, env.world)]
+            share = tokens * cfg.top_k // env.world
+            src = torch.randn(share, cfg.hidden, device=env.device).to(cfg.dtype)
+            peer_buf = symm_mem.empty(max(1, len(peers)) * share * cfg.hidden, dtype=cfg.dtype, device=env.device)
+            hdl = symm_mem.rendezvous(peer_buf, env.group)
+            dsts = [hdl.get_buffer(p, (share, cfg.hidden), cfg.dtype, storage_offset=(d - 1) * share * cfg.hidden)
+                    for d, p in enumerate(peers, 1)]
+            streams = [torch.cuda.Stream(device=env.device) for _ in peers]
+
+            def transfers():  # as in step_hidden: each peer's rows out and back, one stream per peer
+                cur = torch.cuda.current_stream()
+                for stream, dst in zip(streams, dsts):
+                    stream.wait_stream(cur)
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src)
+                        dst.copy_(src)
+                for stream in streams:
+                    cur.wait_stream(stream)
+
+            def run(strategy, idx):
+                layer.strategy = strategy
+                return lambda: layer(x, expert_indices=idx)
+
+            times = {(v, r): [] for v in args.variants for r in ("bal", "loc")}
+            times["seq"], times["tr"] = [], []
+            with torch.no_grad():
+                for _ in range(args.rounds):
+                    for v, s in strategies.items():
+                        times[(v, "bal")].append(worst(env, time_ms(run(s, bal), iters=args.iters, warmup=3)))
+                        times[(v, "loc")].append(worst(env, time_ms(run(s, loc), iters=args.iters, warmup=3)))
+                    times["seq"].append(worst(env, time_ms(run(seq, bal), iters=args.iters, warmup=3)))
+                    times["tr"].append(worst(env, time_ms(transfers, iters=args.iters, warmup=3)))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            first = args.variants[0]
+            for v in args.variants:
+                ratio = statistics.median(a / b for a, b in zip(times[(v, "bal")], times[(first, "bal")]))
+                hidden = 1 - (med[(v, "bal")] - med[(v, "loc")]) / med["tr"]
+                ok = errs[v] < 2e-2
+                rows.append(dict(config=name, tokens=tokens, variant=v, t_fused=med[(v, "bal")],
+                                 t_local=med[(v, "loc")], t_sequential=med["seq"], t_transfers=med["tr"],
+                                 ratio_to_first=ratio, hidden=hidden, rel_err_vs_first=errs[v], ok=ok,
+                                 rounds={"bal": times[(v, "bal")], "loc": times[(v, "loc")]}))
+                log(f"ab {name:14s} T={tokens:<6d} {v:34s} fused {med[(v, 'bal')]:.3f} local {med[(v, 'loc')]:.3f} "
+                    f"ms  /{first} {ratio:.3f}  seq/fused {med['seq'] / med[(v, 'bal')]:.2f}  "
+                    f"hidden {hidden:.1%}  err {errs[v]:.1e}{'' if ok else '  WRONG'}")
+            layer.strategy = seq
+            del layer, strategies, dsts, peer_buf, hdl, streams
+            torch.cuda.empty_cache()
+    return rows
+
+
 def step_train(env, args, log):
     """``fused:train`` forward+backward: per-step CUDA-event times of one call (slowest rank),
     and the fwd+bwd medians of ``sequential`` and ``fused:train`` timed round-robin."""
@@ -414,6 +491,8 @@ def main():
     p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--variants", nargs="+", default=["default", "slice_major=0", "block_n1=256",
                                                      "block_n1=256,slice_major=0", "num_stages=4", "block_n=64"])
+    p.add_argument("--rounds", type=int, default=5, help="ab: interleaved rounds")
+    p.add_argument("--iters", type=int, default=20, help="ab: timed calls per round and variant")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
     global ENV
@@ -428,7 +507,7 @@ def main():
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
              "phases": step_phases, "trace": step_trace, "graph": step_graph, "train": step_train,
-             "train_check": step_train_check}
+             "train_check": step_train_check, "ab": step_ab}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
@@ -444,11 +523,12 @@ def main():
             json.dump(results, f, indent=1)
         print("\n# summary")
         for line in lines:
-            if line.startswith(("hidden", "stress", "split", "phases", "graph")) or "FAILED" in line:
+            if line.startswith(("hidden", "stress", "split", "phases", "graph", "ab ")) or "FAILED" in line:
                 print(line)
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")
-        wrong_variants = [r for r in results.get("phases", []) if isinstance(r, dict) and not r.get("ok", True)]
+        wrong_variants = [r for s in ("phases", "ab") for r in results.get(s, [])
+                          if isinstance(r, dict) and not r.get("ok", True)]
         if wrong_variants:
             print(f"phases: {len(wrong_variants)} variant rows disagree with the first variant")
     dist.barrier()
