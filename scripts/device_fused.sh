@@ -6,10 +6,10 @@
 #            fused:train: the fused kernels backward too)
 #   check    scripts/fused_check.py: every preset against naive/sequential, 1000-call stress, hidden %
 #   timeline per-block timeline PNGs of one qwen2-moe call per rank
-#   atma     opt-in fused kernel variants, off by default until measured: A rows through TMA
-#            (a_tma0: layer0's remote tiles, a_tma1: layer1's h rows) and layer1's deferred tile
-#            counts (defer_count), interleaved round by round with the default, sequential and the
-#            bare transfers (fused_check ab): time, ratio to the default, hidden share, output check
+#   atma     fused kernel-config variants (AB_VARIANTS; default: the A rows through TMA, a_tma0 for
+#            layer0's remote tiles and a_tma1 for layer1's h rows, and layer1's deferred tile counts,
+#            defer_count, each switched off) interleaved round by round with the default, sequential
+#            and the bare transfers (fused_check ab): time, ratio to the default, hidden share, check
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -37,8 +37,8 @@ for step in "$@"; do
              --out "$OUT" > "$OUT/timeline.log" 2>&1 || status=1 ;;
     atma)  torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
              --hidden-configs ${AB_CONFIGS:-$PRESETS} --hidden-tokens ${AB_TOKENS:-8192 16384} \
-             --variants ${AB_VARIANTS:-default a_tma0=1 a_tma1=1 defer_count=1 a_tma0=1,a_tma1=1,defer_count=1} \
-             --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
+             --variants ${AB_VARIANTS:-default a_tma0=0,a_tma1=0,defer_count=0 a_tma0=0 a_tma1=0 defer_count=0} \
+             --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/atma.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -106,10 +106,12 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
     # with TMA, the A rows through descriptors too: layer0's remote tiles (a_tma0) and layer1's h
-    # rows (a_tma1; the tiles' rows start mid-buffer); and layer1's tile counts deferred by one item
-    variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=1)]
+    # rows (a_tma1; the tiles' rows start mid-buffer); layer1's tile counts deferred by one item
+    # (the default) and counted at once
+    variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=0)]
     if tma == "1":
         variants.append(dict(slice_group=2, a_tma0=1, a_tma1=1))
+        variants.append(dict(slice_group=2, a_tma0=0, a_tma1=0))
     for variant in variants:
         kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
