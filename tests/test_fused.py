@@ -155,6 +155,76 @@ def test_wait_times_out_with_a_named_error_instead_of_hanging():
         check_error_record(bufs[1])
 
 
+def test_peer_tables_must_be_16_byte_aligned():
+    """The kernels tell the compiler the peer regions are 16-byte aligned (vector stores); a
+    table that breaks the promise is refused where it is built, not corrupted in a kernel."""
+    spec = BufferSpec(2, 1, 16, 1, 8, INTERPRETER_CONFIG.block_m, INTERPRETER_CONFIG.block_n1, torch.float32)
+    bufs = simulated_world(spec)
+    good = [b.raw.data_ptr() for b in bufs]
+    bufs[0]._set_tables(good)  # aligned: accepted
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        bufs[0]._set_tables([good[0], good[1] + 8])
+
+
+_SM90_STORES = r"""
+import json, re, sys
+from collections import Counter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
+
+def widths(kernel, constexprs, bf16, i64, fp32=()):
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        pointer = (name in bf16 or name in i64 or name in fp32 or name.endswith("_ptr")
+                   or name.startswith(("send_", "recv_")) or name == "tiles_from_source")
+        sig[name] = ("*bf16" if name in bf16 else "*i64" if name in i64 else "*fp32" if name in fp32
+                     else "*i32") if pointer else "i32"
+        if pointer or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # how Triton's launcher specializes aligned args
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8, num_stages=4))
+    return Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(st\.global[\w.]*)", compiled.asm["ptx"]))
+
+i64 = {"ret_table", "flags1_table", "recv_table", "flags0_table", "timeline_ptr", "timeline_clock"}
+print(json.dumps({
+    "layer1": widths(l1._gemm1_combine_kernel,
+                     dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True),
+                     {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}),
+    "layer0": widths(l0._dispatch_gemm0_kernel,
+                     dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
+                          GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
+                          PROXY_FENCE=True),
+                     {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, i64),
+}))
+"""
+
+
+def test_peer_row_stores_compile_to_16_byte_vectors():
+    """The rows each rank stores into a peer's buffer (layer0's sends, layer1's expert outputs)
+    go out as 16-byte vector stores in the sm90 code, not 2 bytes at a time (a loaded address
+    carries no alignment unless the kernel states it). Compiled for sm90 without a GPU, in a
+    child process: the tests' interpreter mode replaces the kernels with interpreted ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_STORES], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, stores in counts.items():
+        assert stores.get("st.global.b16", 0) == 0, f"{name}: scalar bf16 stores {stores}"
+        assert stores.get("st.global.v4.b32", 0) > 0, f"{name}: no 16-byte stores {stores}"
+
+
 def test_plan_orders_local_tiles_first():
     counts_all = torch.tensor([[3, 0, 5, 2], [1, 4, 0, 6]], dtype=torch.int32)  # W=2, E_l=2
     plan = build_plan(counts_all, me=1, num_local=2, max_tokens=16, top_k=2, block_m=4)

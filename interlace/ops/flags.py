@@ -20,6 +20,16 @@ WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned 
 
 
 @triton.jit
+def peer_region(table, rank, dtype: tl.constexpr):
+    """``rank``'s region as a ``dtype`` pointer, from a (W,) int64 address table. The addresses
+    are 16-byte aligned (:class:`interlace.transport.peer_buffer.PeerBuffer` checks them), and
+    saying so lets row stores through the pointer use 16-byte vectors: without the hint the
+    compiler knows nothing of a loaded address and stores element by element (2 bytes at a
+    time in bf16, over NVLink for a peer)."""
+    return tl.multiple_of(tl.load(table + rank).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
 def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, tile):
     """Acquire-spin (system scope) until ``*flag_ptr >= epoch``; False after ``max_spins``."""
     flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import slice_grouped_work
-from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, launch_roles, publish_flag, wait_flag
+from interlace.ops.flags import WAIT_LAYER1, claim, finish_queue, launch_roles, peer_region, publish_flag, wait_flag
 from interlace.ops.grouped_gemm import tma_rows_ok
 from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
 
@@ -129,7 +129,7 @@ def _gemm1_combine_kernel(
                 if pend_s >= 0:  # the previous tile: its stores were issued a main loop ago
                     _count_tile(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me, epoch)
             ret_rows = (tl.load(recv_ret_row0 + seg) + i * BLOCK_M + offs_m).to(tl.int64)
-            dst = tl.load(ret_table + s).to(tl.pointer_type(h_ptr.dtype.element_ty))
+            dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
             tl.store(dst + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
                      mask=rmask[:, None] & cmask[None, :])
             if DEFER_COUNT:

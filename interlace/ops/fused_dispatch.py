@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
-from interlace.ops.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles, publish_flag,
-                                 wait_flag)
+from interlace.ops.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles, peer_region,
+                                 publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
@@ -86,7 +86,7 @@ def _dispatch_gemm0_kernel(
             nrows = tl.minimum(BLOCK_M, tl.load(send_count + seg) - i * BLOCK_M)
             row0 = tl.load(send_row0 + seg) + i * BLOCK_M
             dst_row0 = me * cap + tl.load(send_dst_off + seg) + i * BLOCK_M
-            dst = tl.load(recv_table + d).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
             _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
             flags = tl.load(flags0_table + d).to(tl.pointer_type(tl.int32))
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)

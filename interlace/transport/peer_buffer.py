@@ -164,6 +164,12 @@ class PeerBuffer:
 
     def _set_tables(self, base_ptrs: list[int]) -> None:
         regions = self.spec.regions()
+        # The kernels promise the compiler 16-byte aligned regions (interlace.ops.flags.peer_region)
+        # so their row stores through these addresses are vectorized: hold them to it.
+        odd = [p for p in base_ptrs if p % 16]
+        if odd:
+            raise ValueError(f"peer buffer base addresses must be 16-byte aligned; got {[hex(p) for p in odd]} "
+                             f"({self.kind} transport, rank {self.rank})")
         for name in ("recv", "ret", "flags0", "flags1"):
             offset = regions[name][0]
             self.tables[name] = torch.tensor([p + offset for p in base_ptrs], dtype=torch.int64,
