@@ -65,3 +65,18 @@ def test_tuner_writes_tables_that_lookup_finds(table_dir):
     entry = json.loads((table_dir / files[2]).read_text())["entries"][0]
     config, source = lookup("expert_gemm0", "cpu", 1, ShapeClass(**entry["shape"]), 16, DEFAULT)
     assert source == "tuned" and config == GemmConfig(**entry["config"])
+
+
+def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():
+    """`interlace tune` compares splits by their median over interleaved rounds and keeps the
+    tabled split unless a candidate is faster by more than the margin."""
+    from interlace.bench.tune_fused import pick_split
+
+    samples = {4: [0.90, 1.30, 1.00], 8: [0.95, 0.99, 1.40], 16: [1.00, 1.01, 1.02]}  # medians 1.00, 0.99, 1.01
+    assert pick_split(samples, incumbent=None, margin=0.02) == 8  # by the median, not the one fastest call (4's)
+    assert pick_split(samples, incumbent=16, margin=0.02) == 16  # 0.99 vs 1.01: under 2% better, the table stays
+    assert pick_split(samples, incumbent=16, margin=0.0) == 8
+    assert pick_split(samples, incumbent=32, margin=0.02) == 8  # a tabled value that was not timed cannot stay
+    samples[8] = [0.90, 0.91, 0.92]  # now 10% faster than the incumbent
+    assert pick_split(samples, incumbent=16, margin=0.02) == 8
+    assert pick_split({4: [1.0], 8: [1.0]}, incumbent=None, margin=0.02) == 4  # ties: the smaller split
