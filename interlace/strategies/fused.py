@@ -105,9 +105,9 @@ class FusedKernelConfig:
     # (a_tma0; local rows are gathered, and Hopper has no TMA gather) and layer1's h rows (a_tma1).
     # layer1: count a finished tile (a system-scope release that waits for its peer stores to land)
     # after the next tile's main loop, so the stores drain under it (defer_count). The three
-    # together ran 2-4% faster than without on 10 of the 12 BENCHMARKS rows at 8192/16384 and
-    # 1-2% slower on dsv3-like 8192 and phi3.5-moe 8192 (run 46, interleaved A/B); off:
-    # INTERLACE_FUSED="a_tma0=0,a_tma1=0,defer_count=0".
+    # together ran 0.6-4.1% faster than without on 9 of the 12 BENCHMARKS rows at 8192/16384 and
+    # 0.7-2.2% slower on 3 (dsv3-like 8192/16384, phi3.5-moe 8192) in run 46, 3-8% faster on the
+    # six small-expert rows in run 47 (interleaved A/B); off: INTERLACE_FUSED="a_tma0=0,a_tma1=0,defer_count=0".
     a_tma0: int = 1
     a_tma1: int = 1
     defer_count: int = 1
