@@ -10,6 +10,9 @@
 #            layer0's remote tiles and a_tma1 for layer1's h rows, and layer1's deferred tile counts,
 #            defer_count, each switched off) interleaved round by round with the default, sequential
 #            and the bare transfers (fused_check ab): time, ratio to the default, hidden share, check
+#   ab       the same A/B for any INTERLACE_FUSED variants; default: wider combine tasks
+#            (block_t 64 and 128 tokens against 32: run 50's timeline had the 4 combine programs
+#            finishing only slice 0 under GEMM1, at about 23 GB/s each), on every preset
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -40,6 +43,11 @@ for step in "$@"; do
              --variants ${AB_VARIANTS:-default a_tma0=0,a_tma1=0,defer_count=0 a_tma0=0 a_tma1=0 defer_count=0} \
              --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/atma.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/atma.log" | tail -80 ;;
+    ab)    torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
+             --hidden-configs ${AB_CONFIGS:-$PRESETS} --hidden-tokens ${AB_TOKENS:-8192 16384} \
+             --variants ${AB_VARIANTS:-default block_t=64 block_t=128} --rounds ${AB_ROUNDS:-5} --out "$OUT" \
+             > "$OUT/ab.log" 2>&1 || status=1
+           grep -E '^ab |disagree|FAILED' "$OUT/ab.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
