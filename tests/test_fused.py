@@ -156,6 +156,30 @@ def test_wait_times_out_with_a_named_error_instead_of_hanging():
         check_error_record(bufs[1])
 
 
+def test_combine_waits_for_each_new_slice_once_per_program():
+    """The combine skips the flag polls of a slice it already acquired, but never those of a new
+    slice: rank 1 published slice 0 of rank 0's rows and not slice 1, so rank 0's combine passes
+    slice 0 and times out on slice 1, naming it."""
+    cfg = MoEConfig(hidden=64, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)  # 2 N-slices of 32
+    spec = BufferSpec(2, 1, 64, 1, 8, INTERPRETER_CONFIG.block_m, INTERPRETER_CONFIG.block_n1, cfg.dtype)
+    assert spec.num_slices == 2
+    bufs = simulated_world(spec)
+    eng = FusedEngine(cfg, bufs[0], INTERPRETER_CONFIG, 4, 1, 1, max_spins=50)
+    w_up, w_down = init_expert_weights(cfg, [0], 0, torch.device("cpu"))
+    idx = torch.ones(8, 1, dtype=torch.long)  # all of rank 0's tokens go to expert 1, on rank 1
+    index = eng.dispatch_index(idx)
+    counts_all = torch.tensor([[0, 8], [0, 8]], dtype=torch.int32)
+    bufs[0].advance_epoch()
+    call = eng.prepare(torch.randn(8, 64), torch.rand(8, 1), index, counts_all)
+    bufs[0].views["flags1"][1, 0] = 1  # rank 1's slice 0 for rank 0 has landed (epoch 1); slice 1 has not
+    eng.layer1(call, w_down, "comm")
+    from interlace.strategies.fused import check_error_record
+
+    with pytest.raises(RuntimeError, match=r"rank 0: timed out waiting for expert outputs from rank 1 for N-slice 1 "
+                                           r"\(flag value 0, expected epoch 1\)"):
+        check_error_record(bufs[0])
+
+
 def test_peer_tables_must_be_16_byte_aligned():
     """The kernels tell the compiler the peer regions are 16-byte aligned (vector stores); a
     table that breaks the promise is refused where it is built, not corrupted in a kernel."""

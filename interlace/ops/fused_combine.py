@@ -151,14 +151,21 @@ def _gemm1_combine_kernel(
         n_tb = tl.cdiv(T, BLOCK_T)
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = tl.arange(0, BLOCK_N)
+        # A program's claims only grow, so its tasks come in slice order: once it has acquired a
+        # slice's flags, its later tasks of that slice skip the (system-scope) polls. Their loads
+        # follow that acquire in program order, barriers included, so they see the slice's rows.
+        checked_sl = -1
         task = claim(queue_ptr + 1)
         while task < n_slices * n_tb:
             t_start = timeline_now(timeline_clock, TIMELINE)
             sl = task // n_tb
             tb = task % n_tb
-            for d in range(0, W):
-                if tl.load(sent_rows_ptr + d) > 0:
-                    wait_flag(flags1_ptr + d * n_slices + sl, epoch, max_spins, error_ptr, me, WAIT_LAYER1, d, sl, -1)
+            if sl > checked_sl:
+                for d in range(0, W):
+                    if tl.load(sent_rows_ptr + d) > 0:
+                        wait_flag(flags1_ptr + d * n_slices + sl, epoch, max_spins, error_ptr, me, WAIT_LAYER1, d, sl,
+                                  -1)
+                checked_sl = sl
             t_waited = timeline_now(timeline_clock, TIMELINE)
             t = tb * BLOCK_T + offs_t
             tmask = t < T
