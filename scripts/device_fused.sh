@@ -12,7 +12,9 @@
 #            and the bare transfers (fused_check ab): time, ratio to the default, hidden share, check
 #   ab       the same A/B for any INTERLACE_FUSED variants; default: wider combine tasks
 #            (block_t 64 and 128 tokens against 32: run 50's timeline had the 4 combine programs
-#            finishing only slice 0 under GEMM1, at about 23 GB/s each), on every preset
+#            finishing only slice 0 under GEMM1, at about 23 GB/s each) and taller send copy steps
+#            (copy_rows 32 and 64 against 16: run 49's sends moved about 18 GB/s per program), on
+#            every preset
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -45,7 +47,7 @@ for step in "$@"; do
            grep -E '^ab |disagree|FAILED' "$OUT/atma.log" | tail -80 ;;
     ab)    torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
              --hidden-configs ${AB_CONFIGS:-$PRESETS} --hidden-tokens ${AB_TOKENS:-8192 16384} \
-             --variants ${AB_VARIANTS:-default block_t=64 block_t=128} --rounds ${AB_ROUNDS:-5} --out "$OUT" \
+             --variants ${AB_VARIANTS:-default block_t=64 block_t=128 copy_rows=32 copy_rows=64} --rounds ${AB_ROUNDS:-5} --out "$OUT" \
              > "$OUT/ab.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/ab.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;

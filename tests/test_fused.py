@@ -107,9 +107,10 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
     # with TMA, the A rows through descriptors too: layer0's remote tiles (a_tma0) and layer1's h
     # rows (a_tma1; the tiles' rows start mid-buffer); layer1's tile counts deferred by one item
-    # (the default) and counted at once; and combine tasks wider than the token count (block_t)
+    # (the default) and counted at once; combine tasks wider than the token count (block_t); and
+    # send copy steps taller than a row tile and narrower than a row (copy_rows, copy_cols)
     variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=0),
-                dict(slice_group=2, block_t=64)]
+                dict(slice_group=2, block_t=64), dict(slice_group=2, copy_rows=32, copy_cols=32)]
     if tma == "1":
         variants.append(dict(slice_group=2, a_tma0=1, a_tma1=1))
         variants.append(dict(slice_group=2, a_tma0=0, a_tma1=0))
