@@ -129,6 +129,36 @@ def step_stress(env, args, log):
     return dict(calls=args.stress_calls, checked=checked, worst_err=worst_err, ok=worst_err < 2e-2)
 
 
+def bare_transfers(env, cfg, tokens):
+    """The remote bytes of a fused call alone, as a callable: each rank sends T·k/W rows to each
+    of its W − 1 peers and gets as many back, as peer copies on one stream per peer (all peers at
+    once, as the fused kernels write them; with 2 ranks: one copy of T·k/2 rows each way). The
+    callable holds its symmetric buffer; drop it before the group goes."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    peers = [(env.rank + d) % env.world for d in range(1, env.world)]
+    share = tokens * cfg.top_k // env.world
+    src = torch.randn(share, cfg.hidden, device=env.device).to(cfg.dtype)
+    peer_buf = symm_mem.empty(max(1, len(peers)) * share * cfg.hidden, dtype=cfg.dtype, device=env.device)
+    hdl = symm_mem.rendezvous(peer_buf, env.group)
+    # Region d − 1 of a rank's buffer takes the rows of the rank d places before it.
+    dsts = [hdl.get_buffer(p, (share, cfg.hidden), cfg.dtype, storage_offset=(d - 1) * share * cfg.hidden)
+            for d, p in enumerate(peers, 1)]
+    streams = [torch.cuda.Stream(device=env.device) for _ in peers]
+
+    def transfers():
+        cur = torch.cuda.current_stream()
+        for stream, dst in zip(streams, dsts):
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                dst.copy_(src)  # dispatch
+                dst.copy_(src)  # return
+        for stream in streams:
+            cur.wait_stream(stream)
+    transfers.keep = (peer_buf, hdl)  # the symmetric buffer lives as long as the callable
+    return transfers
+
+
 def step_hidden(env, args, log):
     rows = []
     for name in args.hidden_configs:
@@ -143,31 +173,7 @@ def step_hidden(env, args, log):
                 t_local = time_ms(lambda: layer(x, expert_indices=loc))
                 layer.set_strategy("sequential")
                 t_seq = time_ms(lambda: layer(x, expert_indices=bal))
-            # The remote bytes alone: each rank sends T·k/W rows to each of its W − 1 peers and
-            # gets as many back, as peer copies on one stream per peer (all peers at once, as
-            # the fused kernels write them; with 2 ranks: one copy of T·k/2 rows each way).
-            peers = [(env.rank + d) % env.world for d in range(1, env.world)]
-            share = tokens * cfg.top_k // env.world
-            src = torch.randn(share, cfg.hidden, device=env.device).to(cfg.dtype)
-            buf = layer.strategy.buf if hasattr(layer.strategy, "buf") else None
-            import torch.distributed._symmetric_memory as symm_mem
-
-            peer_buf = symm_mem.empty(len(peers) * share * cfg.hidden, dtype=cfg.dtype, device=env.device)
-            hdl = symm_mem.rendezvous(peer_buf, env.group)
-            # Region d − 1 of a rank's buffer takes the rows of the rank d places before it.
-            dsts = [hdl.get_buffer(p, (share, cfg.hidden), cfg.dtype, storage_offset=(d - 1) * share * cfg.hidden)
-                    for d, p in enumerate(peers, 1)]
-            streams = [torch.cuda.Stream(device=env.device) for _ in peers]
-
-            def transfers():
-                cur = torch.cuda.current_stream()
-                for stream, dst in zip(streams, dsts):
-                    stream.wait_stream(cur)
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src)  # dispatch
-                        dst.copy_(src)  # return
-                for stream in streams:
-                    cur.wait_stream(stream)
+            transfers = bare_transfers(env, cfg, tokens)
             t_tr = time_ms(transfers)
             t_fused, t_local, t_tr, t_seq = (worst(env, v) for v in (t_fused, t_local, t_tr, t_seq))
             hidden = 1 - (t_fused - t_local) / t_tr
@@ -175,7 +181,7 @@ def step_hidden(env, args, log):
                              t_sequential=t_seq, hidden=hidden))
             log(f"hidden {name:14s} T={tokens:<6d} fused {t_fused:.3f} local-only {t_local:.3f} transfers {t_tr:.3f} "
                 f"sequential {t_seq:.3f} ms → hidden {hidden:.1%}")
-            del layer, buf, dsts, peer_buf, hdl, streams
+            del layer, transfers
             torch.cuda.empty_cache()
     return rows
 
@@ -221,8 +227,6 @@ def step_ab(env, args, log):
     rounds, its median per-round ratio to the first variant, fused vs sequential and the hidden
     share 1 − (t_fused − t_local) / t_transfers. Outputs are checked against the first variant's
     first call, on each variant's first call and again after the timing (graph replays)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
     rows = []
     for name in args.hidden_configs:
         cfg = preset(name)
@@ -241,24 +245,7 @@ def step_ab(env, args, log):
                     strategies[variant] = layer.strategy
                     ref = out if ref is None else ref
                     errs[variant] = worst(env, rel(out, ref))
-            peers = [(env.rank + d) % env.world for d in range(1, env.world)]
-            share = tokens * cfg.top_k // env.world
-            src = torch.randn(share, cfg.hidden, device=env.device).to(cfg.dtype)
-            peer_buf = symm_mem.empty(max(1, len(peers)) * share * cfg.hidden, dtype=cfg.dtype, device=env.device)
-            hdl = symm_mem.rendezvous(peer_buf, env.group)
-            dsts = [hdl.get_buffer(p, (share, cfg.hidden), cfg.dtype, storage_offset=(d - 1) * share * cfg.hidden)
-                    for d, p in enumerate(peers, 1)]
-            streams = [torch.cuda.Stream(device=env.device) for _ in peers]
-
-            def transfers():  # as in step_hidden: each peer's rows out and back, one stream per peer
-                cur = torch.cuda.current_stream()
-                for stream, dst in zip(streams, dsts):
-                    stream.wait_stream(cur)
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src)
-                        dst.copy_(src)
-                for stream in streams:
-                    cur.wait_stream(stream)
+            transfers = bare_transfers(env, cfg, tokens)
 
             def run(strategy, idx):
                 layer.strategy = strategy
@@ -289,7 +276,7 @@ def step_ab(env, args, log):
                     f"ms  /{first} {ratio:.3f}  seq/fused {med['seq'] / med[(v, 'bal')]:.2f}  "
                     f"hidden {hidden:.1%}  err {errs[v]:.1e}{'' if ok else '  WRONG'}")
             layer.strategy = seq
-            del layer, strategies, dsts, peer_buf, hdl, streams
+            del layer, strategies, transfers
             torch.cuda.empty_cache()
     return rows
 
