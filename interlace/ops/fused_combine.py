@@ -38,7 +38,7 @@ def _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, 
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="sys")
     if done == tl.load(tiles_from_source + s) - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        flags = tl.load(flags1_table + s).to(tl.pointer_type(tl.int32))
+        flags = peer_region(flags1_table, s, tl.int32)
         publish_flag(flags + me * n_slices + sl, epoch)
 
 

@@ -88,7 +88,7 @@ def _dispatch_gemm0_kernel(
             dst_row0 = me * cap + tl.load(send_dst_off + seg) + i * BLOCK_M
             dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
             _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
-            flags = tl.load(flags0_table + d).to(tl.pointer_type(tl.int32))
+            flags = peer_region(flags0_table, d, tl.int32)
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
             if TIMELINE:
                 timeline_record(timeline_ptr, timeline_cap, task, epoch, pid, KIND_SEND, task, t_start, t_start,
