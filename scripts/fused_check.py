@@ -58,10 +58,7 @@ def time_ms(fn, iters=20, warmup=5):
 
 
 def local_routing(cfg, tokens, env):
-    El = cfg.num_experts // env.world
-    t = torch.arange(tokens, device=env.device)
-    j = torch.arange(cfg.top_k, device=env.device)
-    return env.rank * El + (t[:, None] * cfg.top_k + j[None, :]) % El
+    return make_routing(cfg, "local", tokens, env, 0)
 
 
 def step_check(env, args, log):

@@ -159,3 +159,24 @@ def test_bench_harness_interleaved_timing(tmp_path):
         assert r.status == "ok" and len(r.times_ms) == 20 and r.median_ms > 0
         assert max(r.rel_err_vs_naive.values()) < 1e-4 and not hasattr(r, "strategy_object")
     assert (tmp_path / "results.json").exists()
+
+
+def test_bench_routings_local_stays_on_its_rank_and_balanced_spreads():
+    """The harness's forced routings: ``local`` keeps each token on k distinct experts of its own
+    rank (the hidden share's no-remote-traffic case), ``balanced`` uses every expert equally;
+    ``local`` refuses k above the experts per rank instead of repeating an expert."""
+    from types import SimpleNamespace
+
+    from interlace.bench.harness import make_routing
+
+    cfg = SMALL.with_(num_experts=8, top_k=2)
+    for rank in range(4):
+        env = SimpleNamespace(rank=rank, world=4, device="cpu")
+        idx = make_routing(cfg, "local", 37, env, 0)
+        assert idx.shape == (37, 2)
+        assert bool(((idx // 2) == rank).all()), "local routing left its rank"
+        assert bool((idx[:, 0] != idx[:, 1]).all()), "a token picked one expert twice"
+        bal = make_routing(cfg, "balanced", 40, env, 0)
+        assert torch.bincount(bal.flatten(), minlength=8).tolist() == [10] * 8
+    with pytest.raises(ValueError, match="experts per rank"):
+        make_routing(cfg.with_(top_k=3), "local", 5, SimpleNamespace(rank=0, world=4, device="cpu"), 0)

@@ -38,7 +38,7 @@ from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
 
-ROUTINGS = ("random", "balanced", "skewed")
+ROUTINGS = ("random", "balanced", "skewed", "local")
 ZIPF_EXPONENT = 1.2
 
 
@@ -146,8 +146,10 @@ def time_cpu(fn, warmup: int, iters: int, env: Env) -> list[float]:
 
 # ----------------------------------------------------------------------------- inputs
 def make_routing(cfg: MoEConfig, routing: str, tokens: int, env: Env, seed: int) -> torch.Tensor | None:
-    """Forced (T, k) expert choices for ``balanced`` and ``skewed``; None for ``random``
-    (the router's own softmax top-k over random router weights)."""
+    """Forced (T, k) expert choices for ``balanced``, ``skewed`` and ``local``; None for ``random``
+    (the router's own softmax top-k over random router weights). ``local``: every token picks k
+    distinct experts of its own rank (no remote traffic; the "without remote traffic" time of
+    the fused strategy's hidden share; needs k ≤ experts per rank)."""
     E, k = cfg.num_experts, cfg.top_k
     if routing == "random":
         return None
@@ -162,6 +164,12 @@ def make_routing(cfg: MoEConfig, routing: str, tokens: int, env: Env, seed: int)
         if tokens == 0:
             return torch.empty(0, k, dtype=torch.long, device=env.device)
         return torch.multinomial(p.expand(tokens, E), k, replacement=False, generator=gen)
+    if routing == "local":
+        local = E // env.world
+        if k > local:
+            raise ValueError(f"local routing needs top_k ({k}) ≤ experts per rank ({local})")
+        t = torch.arange(tokens, device=env.device)
+        return env.rank * local + (t.unsqueeze(1) * k + torch.arange(k, device=env.device)) % local
     raise ValueError(f"unknown routing {routing!r}; choose from {ROUTINGS}")
 
 
