@@ -107,13 +107,17 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
     # with TMA, the A rows through descriptors too: layer0's remote tiles (a_tma0) and layer1's h
     # rows (a_tma1; the tiles' rows start mid-buffer); layer1's tile counts deferred by one item
-    # (the default) and counted at once; combine tasks wider than the token count (block_t); and
-    # send copy steps taller than a row tile and narrower than a row (copy_rows, copy_cols)
+    # (the default) and counted at once; layer1's rows stored through TMA (ret_tma); combine tasks
+    # wider than the token count (block_t); and send copy steps taller than a row tile and narrower
+    # than a row (copy_rows, copy_cols)
     variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=0),
                 dict(slice_group=2, block_t=64), dict(slice_group=2, copy_rows=32, copy_cols=32)]
     if tma == "1":
         variants.append(dict(slice_group=2, a_tma0=1, a_tma1=1))
         variants.append(dict(slice_group=2, a_tma0=0, a_tma1=0))
+        # layer1's rows to their home as TMA stores, the partial tiles clipped at their segment's end
+        variants.append(dict(slice_group=2, ret_tma=1))
+        variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
     for variant in variants:
         kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
@@ -200,7 +204,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
 
-def widths(kernel, constexprs, bf16, i64, fp32=()):
+def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -214,9 +218,19 @@ def widths(kernel, constexprs, bf16, i64, fp32=()):
             attrs[(i,)] = [["tt.divisibility", 16]]  # how Triton's launcher specializes aligned args
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=8, num_stages=4))
+    if ptx_out is not None:
+        ptx_out.append(compiled.asm["ptx"])
     return Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(st\.global[\w.]*)", compiled.asm["ptx"]))
 
 i64 = {"ret_table", "flags1_table", "recv_table", "flags0_table", "timeline_ptr", "timeline_clock"}
+ret_tma = []  # layer1 with its rows as TMA stores: the bulk store, and a full wait before each count
+widths(l1._gemm1_combine_kernel,
+       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True),
+       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}, ret_tma)
+events = re.findall(r"(cp\.async\.bulk\.tensor\.2d\.global\.shared::cta|cp\.async\.bulk\.wait_group 0;"
+                    r"|atom\.global\.sys\.acq_rel)", ret_tma[0])
+print(json.dumps(events))
 print(json.dumps({
     "layer1": widths(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
@@ -234,7 +248,8 @@ print(json.dumps({
 def test_peer_row_stores_compile_to_16_byte_vectors():
     """The rows each rank stores into a peer's buffer (layer0's sends, layer1's expert outputs)
     go out as 16-byte vector stores in the sm90 code, not 2 bytes at a time (a loaded address
-    carries no alignment unless the kernel states it). Compiled for sm90 without a GPU, in a
+    carries no alignment unless the kernel states it). With ``ret_tma``, layer1's rows go out
+    as a TMA store and each tile count waits for it first. Compiled for sm90 without a GPU, in a
     child process: the tests' interpreter mode replaces the kernels with interpreted ones."""
     import json
     import os
@@ -249,6 +264,14 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     for name, stores in counts.items():
         assert stores.get("st.global.b16", 0) == 0, f"{name}: scalar bf16 stores {stores}"
         assert stores.get("st.global.v4.b32", 0) > 0, f"{name}: no 16-byte stores {stores}"
+    # ret_tma: the rows leave as a bulk (TMA) store, and every tile count (the system-scope
+    # release its home acquires before reading the rows) comes after a full bulk wait in the code
+    events = json.loads(run.stdout.strip().splitlines()[-2])
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in events, events
+    counts_seen = [i for i, e in enumerate(events) if e.startswith("atom")]
+    assert len(counts_seen) >= 2, events
+    for i in counts_seen:
+        assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
 
 
 def test_plan_orders_local_tiles_first():

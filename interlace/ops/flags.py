@@ -61,6 +61,18 @@ def fence_proxy_async(x):
 
 
 @triton.jit
+def bulk_stores_done(x):
+    """``cp.async.bulk.wait_group 0`` then ``fence.proxy.async.global``: this thread's TMA stores
+    (bulk groups it committed; a no-op for threads that issued none) have completed, and are
+    ordered before its later generic-proxy accesses (the release of a flag that covers them).
+    ``.read`` waits, which Triton emits after a descriptor store, only free the shared memory the
+    store reads from; the rows may still be in flight. Returns ``x`` (no interpreter form:
+    callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                     "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def publish_flag(flag_ptr, epoch):
     """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
     tl.debug_barrier()

@@ -111,6 +111,9 @@ class FusedKernelConfig:
     a_tma0: int = 1
     a_tma1: int = 1
     defer_count: int = 1
+    # layer1: a tile's expert-output rows go to their home as a TMA store (Hopper+, where TMA is
+    # on), so the program starts its next tile while the rows cross NVLink (ret_tma).
+    ret_tma: int = 0
 
 
 GPU_CONFIG = FusedKernelConfig()
