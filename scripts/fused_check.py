@@ -217,6 +217,19 @@ def step_phases(env, args, log):
     return rows
 
 
+def split_variant(variant):
+    """An ``ab`` variant "copy_rows=64,n_comm=8" → (INTERLACE_FUSED string, strategy options):
+    ``n_comm``/``n_comm1`` set the block split (the other stays tuned), the rest the kernels."""
+    kernel, split = [], {}
+    for item in ([] if variant == "default" else variant.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() in ("n_comm", "n_comm1"):
+            split[key.strip()] = int(value)
+        else:
+            kernel.append(item)
+    return ",".join(kernel), split
+
+
 def step_ab(env, args, log):
     """Fused kernel-config variants against each other, interleaved: per round, every variant is
     timed on balanced and on local-only routing, then sequential and the bare transfers, so slow
@@ -235,8 +248,9 @@ def step_ab(env, args, log):
             strategies, ref, errs = {}, None, {}
             with torch.no_grad():
                 for variant in args.variants:
-                    os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
-                    layer.set_strategy("fused", max_tokens=tokens)
+                    kernel, split = split_variant(variant)
+                    os.environ["INTERLACE_FUSED"] = kernel
+                    layer.set_strategy("fused", max_tokens=tokens, **split)
                     out = layer(x, expert_indices=bal).float()  # first call: reads the config, sets up
                     os.environ.pop("INTERLACE_FUSED", None)
                     strategies[variant] = layer.strategy
@@ -476,8 +490,8 @@ def main():
     p.add_argument("--graph-tokens", nargs="+", type=int, default=[4096, 8192, 16384])
     p.add_argument("--split-tokens", type=int, default=16384)
     p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
-    p.add_argument("--variants", nargs="+", default=["default", "slice_major=0", "block_n1=256",
-                                                     "block_n1=256,slice_major=0", "num_stages=4", "block_n=64"])
+    p.add_argument("--variants", nargs="+", default=["default", "copy_rows=64,n_comm=8"],
+                   help="phases/ab: INTERLACE_FUSED-style kernel fields; ab also takes n_comm/n_comm1")
     p.add_argument("--rounds", type=int, default=5, help="ab: interleaved rounds")
     p.add_argument("--iters", type=int, default=20, help="ab: timed calls per round and variant")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
