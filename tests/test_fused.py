@@ -42,12 +42,15 @@ def expert_reference(x, idx, w, w_up, w_down, cfg):
 
 
 def simulate(cfg, tokens, idxs, seed=0, n_comm=(1, 1), n_programs=4, max_tokens=None, calls=1, spins=1 << 20,
-             kernel=INTERPRETER_CONFIG):
+             kernel=INTERPRETER_CONFIG, poison_recv=False):
     W = len(tokens)
     El = cfg.num_experts // W
     spec = BufferSpec(W, El, cfg.hidden, cfg.top_k, max_tokens or max(max(tokens), 1), kernel.block_m,
                       kernel.block_n1, cfg.dtype)
     bufs = simulated_world(spec)
+    if poison_recv:  # rows no send may write stay NaN
+        for b in bufs:
+            b.views["recv"].fill_(float("nan"))
     engines = [FusedEngine(cfg, b, kernel, n_programs, n_comm[0], n_comm[1], spins) for b in bufs]
     w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), seed, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed + 5)
@@ -118,11 +121,40 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         # layer1's rows to their home as TMA stores, the partial tiles clipped at their segment's end
         variants.append(dict(slice_group=2, ret_tma=1))
         variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
+        # layer0's sends as TMA stores, the rows past a partial tile clipped
+        variants.append(dict(slice_group=2, send_tma=1, copy_rows=8, copy_cols=32))
     for variant in variants:
         kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
         for out, ref in zip(outs, refs):
             assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("send_tma", [0, 1])
+def test_sends_write_only_their_segments_rows(send_tma, monkeypatch):
+    """A partial send tile writes its valid rows only: in each receiver's region of a source,
+    the rows past what that source sent stay poisoned (TMA sends clip at the tile's last row;
+    the pointer path masks). Row counts not divisible by the tile or the copy step."""
+    from dataclasses import replace
+
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    cfg = MoEConfig(hidden=48, ffn=32, num_experts=4, top_k=2, dtype=torch.float32)
+    tokens = [23, 13]
+    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(4))
+    kernel = replace(INTERPRETER_CONFIG, block_m=16, copy_rows=8, copy_cols=32, send_tma=send_tma)
+    results, engines = simulate(cfg, tokens, idxs, max_tokens=40, kernel=kernel, poison_recv=True)
+    (outs, refs), = results
+    for out, ref in zip(outs, refs):
+        assert rel_err(out, ref) < 1e-5
+    El = cfg.num_experts // 2
+    for r, eng in enumerate(engines):
+        recv = eng.buf.views["recv"].reshape(2, -1, cfg.hidden)
+        for s in range(2):
+            if s == r:
+                continue  # a rank's own rows are read in place, never copied
+            sent = int((idxs[s] // El == r).sum())
+            assert sent > 0 and not torch.isnan(recv[s, :sent]).any(), (r, s)
+            assert torch.isnan(recv[s, sent:]).all(), f"rank {s} wrote rows past its {sent} into rank {r}"
 
 
 def test_fused_capacity_drops_like_reference():

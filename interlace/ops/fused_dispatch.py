@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
-from interlace.ops.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles, peer_region,
-                                 publish_flag, wait_flag)
+from interlace.ops.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
+                                 peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
@@ -35,8 +35,15 @@ ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
 
 @triton.jit
 def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr):
-    """dst[dst_row0 + r] = x[assign[row0 + r] // TOP_K] for r < nrows (all N columns)."""
+                    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
+                    SEND_TMA: tl.constexpr = False):
+    """dst[dst_row0 + r] = x[assign[row0 + r] // TOP_K] for r < nrows (all N columns).
+    ``SEND_TMA``: each step's rows leave as a TMA store through a descriptor that ends at the
+    tile's last valid row (the rows past it, another segment's, are clipped); the caller waits
+    for the stores before it releases the tile's flag."""
+    if SEND_TMA:
+        dst_desc = tl.make_tensor_descriptor(dst_ptr, shape=[dst_row0 + nrows, N], strides=[N, 1],
+                                             block_shape=[COPY_ROWS, COPY_COLS])
     for r0 in range(0, BLOCK_M, COPY_ROWS):
         r = r0 + tl.arange(0, COPY_ROWS)
         rmask = r < nrows
@@ -46,7 +53,10 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
             cols = c0 + tl.arange(0, COPY_COLS)
             m = rmask[:, None] & (cols < N)[None, :]
             v = tl.load(x_ptr + tok[:, None] * N + cols[None, :], mask=m)
-            tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
+            if SEND_TMA:
+                dst_desc.store([dst_row0 + r0, c0], v)
+            else:
+                tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
 
 
 @triton.jit
@@ -70,6 +80,8 @@ def _dispatch_gemm0_kernel(
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     A_TMA: tl.constexpr = False,  # remote tiles' A rows (contiguous in recv) through a TMA descriptor
     PROXY_FENCE: tl.constexpr = False,  # with A_TMA on a GPU: order the flag acquire before the TMA loads
+    SEND_TMA: tl.constexpr = False,  # sends as TMA stores (see _copy_send_tile)
+    BULK_WAIT: tl.constexpr = False,  # with SEND_TMA on a GPU: wait for the stores before a flag
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -87,7 +99,10 @@ def _dispatch_gemm0_kernel(
             row0 = tl.load(send_row0 + seg) + i * BLOCK_M
             dst_row0 = me * cap + tl.load(send_dst_off + seg) + i * BLOCK_M
             dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
-            _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
+            _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS,
+                            SEND_TMA)
+            if BULK_WAIT:
+                bulk_stores_done(epoch)
             flags = peer_region(flags0_table, d, tl.int32)
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
             if TIMELINE:
@@ -189,6 +204,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
     # (the backward's k-major GEMM keeps the pointer path)
     a_tma = bool(config.a_tma0) and tma and not w_kmajor and tma_rows_ok(buf.views["recv"])
+    send_tma = bool(config.send_tma) and tma and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     _dispatch_gemm0_kernel[(grid,)](
@@ -207,6 +223,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
-        PROXY_FENCE=a_tma and x.is_cuda,
+        PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
     )
 

@@ -114,6 +114,8 @@ class FusedKernelConfig:
     # layer1: a tile's expert-output rows go to their home as a TMA store (Hopper+, where TMA is
     # on), so the program starts its next tile while the rows cross NVLink (ret_tma).
     ret_tma: int = 0
+    # layer0: the communication programs' rows leave as TMA stores (send_tma; copy_cols ≤ 256).
+    send_tma: int = 0
 
 
 GPU_CONFIG = FusedKernelConfig()
