@@ -266,12 +266,12 @@ print(json.dumps(events))
 print(json.dumps({
     "layer1": widths(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True),
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False),
                      {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                           GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
-                          PROXY_FENCE=True),
+                          PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False),
                      {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, i64),
 }))
 """
