@@ -115,3 +115,21 @@ def test_overlap_summary_and_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     with pytest.raises(ValueError, match="no timeline records"):
         draw_timeline([], str(tmp_path / "empty.png"), "empty")
+
+
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_peer_bandwidth_copy_kernel_copies_every_row_once(tma_store):
+    """The NVLink bandwidth probe's row copy (interlace.bench.peer_bandwidth) copies every row and
+    column with any program count, row counts not divisible by its step and rows not divisible by
+    its column block; the destination starts poisoned. Bad shapes fail before any launch."""
+    from interlace.bench.peer_bandwidth import copy_rows
+
+    src = torch.randn(37, 80)
+    for programs in (1, 3, 8):
+        dst = torch.full_like(src, float("nan"))
+        copy_rows(src, dst, programs, rows=8, cols=32, tma_store=tma_store)
+        assert torch.equal(dst, src), programs
+    with pytest.raises(ValueError, match="programs"):
+        copy_rows(src, torch.empty_like(src), 0)
+    with pytest.raises(ValueError, match="one dtype"):
+        copy_rows(src, torch.empty(37, 80, dtype=torch.float64), 2)
