@@ -44,17 +44,10 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
     if SEND_TMA:
         dst_desc = tl.make_tensor_descriptor(dst_ptr, shape=[dst_row0 + nrows, N], strides=[N, 1],
                                              block_shape=[COPY_ROWS, COPY_COLS])
-    # The token rows of step r0 + COPY_ROWS load while step r0's rows move: the index load and
-    # the row load depend on each other, and done in turn they halved a program's rate (run 56:
-    # ~24 GB/s per program in the layer against ~45 for the same copy without the indirection,
-    # run 61's peer_bandwidth).
-    r = tl.arange(0, COPY_ROWS)
-    tok = (tl.load(assign_ptr + row0 + r, mask=r < nrows, other=0) // TOP_K).to(tl.int64)
     for r0 in range(0, BLOCK_M, COPY_ROWS):
         r = r0 + tl.arange(0, COPY_ROWS)
         rmask = r < nrows
-        r_next = r + COPY_ROWS
-        tok_next = (tl.load(assign_ptr + row0 + r_next, mask=r_next < nrows, other=0) // TOP_K).to(tl.int64)
+        tok = (tl.load(assign_ptr + row0 + r, mask=rmask, other=0) // TOP_K).to(tl.int64)
         dst_rows = (dst_row0 + r).to(tl.int64)
         for c0 in range(0, N, COPY_COLS):
             cols = c0 + tl.arange(0, COPY_COLS)
@@ -64,7 +57,6 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
                 dst_desc.store([dst_row0 + r0, c0], v)
             else:
                 tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
-        tok = tok_next
 
 
 @triton.jit
