@@ -10,11 +10,10 @@
 #            layer0's remote tiles and a_tma1 for layer1's h rows, and layer1's deferred tile counts,
 #            defer_count, each switched off) interleaved round by round with the default, sequential
 #            and the bare transfers (fused_check ab): time, ratio to the default, hidden share, check
-#   ab       the same A/B for any INTERLACE_FUSED variants; default: wider combine tasks
-#            (block_t 64 and 128 tokens against 32: run 50's timeline had the 4 combine programs
-#            finishing only slice 0 under GEMM1, at about 23 GB/s each) and taller send copy steps
-#            (copy_rows 32 and 64 against 16: run 49's sends moved about 18 GB/s per program), on
-#            every preset
+#   ab       the same A/B for any variants (AB_VARIANTS: INTERLACE_FUSED fields, plus n_comm /
+#            n_comm1 for the block split, e.g. "default copy_rows=64,n_comm=8"); default: wider
+#            combine tasks (block_t 64, 128) and taller send copy steps (copy_rows 32, 64) on every
+#            preset (run 53: neither gained)
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

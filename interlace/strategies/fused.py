@@ -96,9 +96,9 @@ class FusedKernelConfig:
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 4
-    copy_rows: int = 16  # rows per load/store step of a communication program
+    copy_rows: int = 16  # rows per load/store step of a communication program (32/64: no gain, runs 53/56/62)
     copy_cols: int = 512
-    block_t: int = 32  # tokens per combine task
+    block_t: int = 32  # tokens per combine task (64/128: no gain, run 53)
     group_m: int = 8  # row tiles sharing a weight block in L2 (both layers)
     slice_group: int = 4  # layer1: N-slices per group (1: COMET's column-wise order; 0: all)
     # A rows through a TMA descriptor (Hopper+; ignored where TMA is off): layer0's remote tiles
@@ -111,10 +111,13 @@ class FusedKernelConfig:
     a_tma0: int = 1
     a_tma1: int = 1
     defer_count: int = 1
-    # layer1: a tile's expert-output rows go to their home as a TMA store (Hopper+, where TMA is
-    # on), so the program starts its next tile while the rows cross NVLink (ret_tma).
+    # TMA stores for the rows that cross NVLink (Hopper+, where TMA is on): layer1's expert-output
+    # tiles (ret_tma) and layer0's sends (send_tma; copy_cols ≤ 256). Both are correct (interpreter
+    # tests; gpu_check with ret_tma, run 55) and slower on H200: ret_tma 1.00-1.05× the time of the
+    # register stores (run 55), send_tma 0.99-1.27× (run 57). Triton waits after each descriptor
+    # store until TMA has read the staged tile, and TMA stores reach about half a program's
+    # register-store rate over NVLink (run 61). Kept as options for other GPUs and Triton versions.
     ret_tma: int = 0
-    # layer0: the communication programs' rows leave as TMA stores (send_tma; copy_cols ≤ 256).
     send_tma: int = 0
 
 
