@@ -61,3 +61,27 @@ def test_bad_strategy_and_options():
         MoELayer(cfg, strategy="pipelined", strategy_options={"degree": 0}, device="cpu")
     with pytest.raises(TypeError, match="MoEConfig"):
         MoELayer(dict(BASE), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("copy_cols=500", "copy_cols must be a power of two"),
+        ("block_t=0", "block_t must be a power of two"),
+        ("defer_count=2", "defer_count is a switch"),
+        ("slice_group=-1", "slice_group"),
+        ("send_tma=1", "send_tma stores"),  # copy_cols 512 is past a TMA box's 256
+        ("ret_tma=1,block_n1=512", "ret_tma stores"),
+        ("no_such_field=1", "unknown field"),
+    ],
+)
+def test_bad_fused_kernel_config_names_the_field(value, match, monkeypatch):
+    """INTERLACE_FUSED overrides are checked when the config is built, before any kernel is
+    compiled: the field is named (Triton's own errors for these come at compile time, on a GPU)."""
+    from interlace.strategies.fused import GPU_CONFIG, kernel_config_from_env
+
+    monkeypatch.setenv("INTERLACE_FUSED", value)
+    with pytest.raises(ValueError, match=match):
+        kernel_config_from_env(GPU_CONFIG)
+    monkeypatch.setenv("INTERLACE_FUSED", "send_tma=1,copy_cols=256,ret_tma=1")
+    assert kernel_config_from_env(GPU_CONFIG).send_tma == 1  # within the limits: accepted

@@ -120,6 +120,28 @@ class FusedKernelConfig:
     ret_tma: int = 0
     send_tma: int = 0
 
+    def __post_init__(self):
+        """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
+        compiler's own errors for these come late and name none)."""
+        pow2 = ("block_m", "block_n", "block_n1", "block_k", "num_warps", "copy_rows", "copy_cols", "block_t")
+        for name in pow2:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"fused kernel config: {name} must be a power of two ≥ 1, got {v!r}")
+        if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
+            raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
+                             f"{self.num_stages}, {self.group_m}, {self.slice_group}")
+        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
+        # A TMA box is at most 256 elements along each dimension.
+        if self.send_tma and max(self.copy_rows, self.copy_cols) > 256:
+            raise ValueError(f"fused kernel config: send_tma stores copy_rows × copy_cols boxes, each side ≤ 256; got "
+                             f"{self.copy_rows} × {self.copy_cols} (e.g. INTERLACE_FUSED=send_tma=1,copy_cols=256)")
+        if self.ret_tma and max(self.block_m, self.block_n1) > 256:
+            raise ValueError(f"fused kernel config: ret_tma stores block_m × block_n1 boxes, each side ≤ 256; got "
+                             f"{self.block_m} × {self.block_n1}")
+
 
 GPU_CONFIG = FusedKernelConfig()
 # Under the interpreter each op costs the same whatever its size: wide blocks, few programs.
