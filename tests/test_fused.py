@@ -123,11 +123,46 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
         # layer0's sends as TMA stores, the rows past a partial tile clipped
         variants.append(dict(slice_group=2, send_tma=1, copy_rows=8, copy_cols=32))
+    # layer1 in pull mode: tiles stored locally, combines loading from the owners
+    variants.append(dict(slice_group=2, combine_pull=1))
+    variants.append(dict(slice_group=0, combine_pull=1, defer_count=0))
     for variant in variants:
         kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
         for out, ref in zip(outs, refs):
             assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("world,tokens,capacity", [
+    (2, [37, 21], None),       # ragged segments, rows not divisible by the tile
+    (3, [9, 0, 26], None),     # an empty rank
+    (4, [5, 17, 1, 12], 0.5),  # capacity drops: dropped assignments are skipped, not read
+])
+def test_fused_pull_combine_matches_reference(world, tokens, capacity):
+    """Pull mode (``combine_pull``): GEMM1 tiles land in their owner's own region and each home
+    loads its rows from the owners. Over two calls (epochs) it matches the reference (without
+    drops) and equals the push path bit for bit (with drops: the reference has no capacity),
+    and the homes' ``ret`` buffers stay untouched, so the rows really came by the pull path."""
+    from dataclasses import replace
+
+    from interlace.reference import capacity_keep_mask
+
+    cfg = MoEConfig(hidden=40, ffn=24, num_experts=2 * world, top_k=2, dtype=torch.float32,
+                    **({} if capacity is None else dict(capacity_factor=capacity)))
+    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 10))
+    results, engines = simulate(cfg, tokens, idxs, calls=2, kernel=replace(INTERPRETER_CONFIG, combine_pull=1))
+    pushed, _ = simulate(cfg, tokens, idxs, calls=2)  # same inputs (seeded), rows pushed to ret
+    for (outs, refs), (outs_push, _) in zip(results, pushed):
+        for out, ref, out_push, idx in zip(outs, refs, outs_push, idxs):
+            assert torch.equal(out, out_push)
+            if capacity is None:
+                assert rel_err(out, ref) < 1e-5
+            else:
+                assert (out[~capacity_keep_mask(idx, cfg).any(1)] == 0).all()
+    if capacity is not None:
+        assert not all(bool(capacity_keep_mask(idx, cfg).all()) for idx in idxs), "nothing was dropped"
+    assert all(e.pulls() and not e.pulls(keep_rows=True) for e in engines)
+    assert all(int(e.buf.views["ret"].count_nonzero()) == 0 for e in engines), "a tile was pushed to ret"
 
 
 @pytest.mark.parametrize("send_tma", [0, 1])
@@ -258,15 +293,22 @@ i64 = {"ret_table", "flags1_table", "recv_table", "flags0_table", "timeline_ptr"
 ret_tma = []  # layer1 with its rows as TMA stores: the bulk store, and a full wait before each count
 widths(l1._gemm1_combine_kernel,
        dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True),
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True, COMBINE_PULL=False),
        {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}, ret_tma)
+pull = []  # layer1 in pull mode: the combine's row loads from the owners' regions are 16-byte too
+widths(l1._gemm1_combine_kernel,
+       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=True),
+       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64 | {"y_table"}, {"weight_ptr"}, pull)
+print(json.dumps(Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(ld\.global[\w.]*)", pull[0]))))
 events = re.findall(r"(cp\.async\.bulk\.tensor\.2d\.global\.shared::cta|cp\.async\.bulk\.wait_group 0;"
                     r"|atom\.global\.sys\.acq_rel)", ret_tma[0])
 print(json.dumps(events))
 print(json.dumps({
     "layer1": widths(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False),
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False,
+                          COMBINE_PULL=False),
                      {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
@@ -304,6 +346,10 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     assert len(counts_seen) >= 2, events
     for i in counts_seen:
         assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
+    # combine_pull: the rows a home loads from its peers come in 16-byte vectors as well
+    pull_loads = json.loads(run.stdout.strip().splitlines()[-3])
+    assert not any(k.startswith(("ld.global.b16", "ld.global.u16")) for k in pull_loads), pull_loads
+    assert pull_loads.get("ld.global.v4.b32", 0) >= 8, pull_loads
 
 
 def test_plan_orders_local_tiles_first():

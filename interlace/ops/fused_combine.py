@@ -15,6 +15,15 @@ routing weights (deterministic, no atomics) and store the slice of the output.
 
 Zero rows never deadlock: a home only waits on ranks it sent rows to (known from the counts),
 and exactly those ranks have tiles for it.
+
+**Pull mode** (``COMBINE_PULL``): a GEMM tile stores its block into the *owner's own* ``recv``
+region instead (a local store, at the rows its ``h`` rows have: layer0 is done with them), and
+the home's combine programs load each row from its owner, over NVLink for a peer. So no GEMM
+program pushes over NVLink (run 54: GEMM1 tiles with a remote home took 12-27% longer, stalled
+until their 64 KiB drained); the combine programs carry the transfer. A home dispatch row r
+for owner d lives at row ``home·cap + r − (first dispatch row for d)`` of d's region: the same
+place the row's token went in layer0. The region is next written by the home's next layer0
+sends, which start only after the home's combine has finished.
 """
 
 from __future__ import annotations
@@ -67,6 +76,9 @@ def _gemm1_combine_kernel(
     DEFER_COUNT: tl.constexpr = False,  # count a tile after the next tile's main loop (see below)
     RET_TMA: tl.constexpr = False,  # the tile's rows go to the home as a TMA store (see below)
     BULK_WAIT: tl.constexpr = False,  # with RET_TMA on a GPU: wait for the stores before a count
+    COMBINE_PULL: tl.constexpr = False,  # pull mode (module docstring)
+    y_ptr=None, y_table=None, send_row0_ptr=None,  # pull mode: this rank's recv (W·cap, N), its peers'
+    # addresses, and the first dispatch row of each (destination, expert) segment (W·E_l,)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -138,7 +150,10 @@ def _gemm1_combine_kernel(
                                 BULK_WAIT)
             ret_row0 = tl.load(recv_ret_row0 + seg)
             dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
-            if RET_TMA:
+            if COMBINE_PULL:  # into this rank's own region, at the h rows' positions
+                tl.store(y_ptr + h_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & cmask[None, :])
+            elif RET_TMA:
                 # RET_TMA: the TMA unit moves the tile (over NVLink for a peer home) while the
                 # program goes on; register stores to a peer stall it until they drain (run 54:
                 # layer1 tiles 12-27% slower with half of their rows remote than all local).
@@ -197,8 +212,20 @@ def _gemm1_combine_kernel(
                 row = tl.load(row_of_assignment_ptr + t * TOP_K + j, mask=tmask, other=-1)
                 wt = tl.load(weight_ptr + t * TOP_K + j, mask=tmask, other=0.0).to(tl.float32)
                 kept = tmask & (row >= 0)
-                y = tl.load(ret_ptr + row.to(tl.int64)[:, None] * N + cols[None, :], mask=kept[:, None] & cmask[None, :],
-                            other=0.0)
+                if COMBINE_PULL:
+                    # owner d of dispatch row r: the last rank whose rows start at or before r
+                    # (ranks this rank sent nothing start where the next one does)
+                    owner = tl.zeros_like(row)
+                    for dd in range(1, W):
+                        owner += (row >= tl.load(send_row0_ptr + dd * num_local)).to(row.dtype)
+                    src_row = me * cap + row - tl.load(send_row0_ptr + owner * num_local, mask=kept, other=0)
+                    base = tl.load(y_table + owner, mask=kept, other=0).to(tl.pointer_type(h_ptr.dtype.element_ty))
+                    base = tl.multiple_of(base, 16)  # PeerBuffer checks the 16-byte alignment
+                    y = tl.load(base[:, None] + src_row.to(tl.int64)[:, None] * N + cols[None, :],
+                                mask=kept[:, None] & cmask[None, :], other=0.0)
+                else:
+                    y = tl.load(ret_ptr + row.to(tl.int64)[:, None] * N + cols[None, :],
+                                mask=kept[:, None] & cmask[None, :], other=0.0)
                 acc += wt[:, None] * y.to(tl.float32)
             tl.store(out_ptr + t.to(tl.int64)[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=tmask[:, None] & cmask[None, :])
@@ -210,11 +237,15 @@ def _gemm1_combine_kernel(
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
-                  config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False):
+                  config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False,
+                  pull: bool = False):
     """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only).
     ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`. ``w_kmajor``:
     ``w_down`` is a (E_l, K, N) matrix used as stored and ``h`` has K columns (the backward's
-    d_h @ W_up, K = up width)."""
+    d_h @ W_up, K = up width). ``pull``: pull mode (module docstring; needs peer loads, so not
+    on the staged transport, and leaves ``ret`` unwritten)."""
+    if pull and buf.kind == "staged":
+        raise ValueError("the pull combine loads rows from peers' buffers; the staged transport has none")
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
@@ -234,5 +265,8 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
-        DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma, BULK_WAIT=ret_tma and h.is_cuda,
+        DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not pull,
+        BULK_WAIT=ret_tma and not pull and h.is_cuda, COMBINE_PULL=pull,
+        y_ptr=v["recv"] if pull else None, y_table=buf.tables["recv"] if pull else None,
+        send_row0_ptr=plan.send_row0 if pull else None,
     )

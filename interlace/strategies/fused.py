@@ -119,6 +119,11 @@ class FusedKernelConfig:
     # register-store rate over NVLink (run 61). Kept as options for other GPUs and Triton versions.
     ret_tma: int = 0
     send_tma: int = 0
+    # layer1 in pull mode (interlace.ops.fused_combine): GEMM tiles store locally and the home's
+    # combine programs load the rows from their owners, so no GEMM program pushes over NVLink.
+    # Inference forward on peer-load transports only (training saves the returned rows, which
+    # pull mode never gathers; the staged transport has no peer loads). Not yet timed on a GPU.
+    combine_pull: int = 0
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -131,7 +136,7 @@ class FusedKernelConfig:
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
-        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma"):
+        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
         # A TMA box is at most 256 elements along each dimension.
@@ -242,12 +247,20 @@ class FusedEngine:
                        n_programs=self.n_programs, config=self.kernel, max_spins=self.max_spins, role=role,
                        timeline=self._timeline_args(call, 0), pre=pre, w_kmajor=backward)
 
-    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all", backward: bool = False) -> None:
+    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all", backward: bool = False,
+               keep_rows: bool = False) -> None:
         """Forward: out = combine(h @ W_downᵀ). Backward (``call.h`` = d_h, ``w_down`` = W_up,
-        weights 1): out = Σ_j (d_h @ W_up)[row(t, j)] = dx."""
+        weights 1): out = Σ_j (d_h @ W_up)[row(t, j)] = dx. ``keep_rows``: the caller reads the
+        returned rows (``ret``) afterwards, so pull mode is off for this call."""
         gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
                       n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
-                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward)
+                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward,
+                      pull=self.pulls(backward or keep_rows))
+
+    def pulls(self, keep_rows: bool = False) -> bool:
+        """Whether layer1 runs in pull mode: asked for (``combine_pull``), on a transport with
+        peer loads, and no returned rows wanted afterwards (training, the backward)."""
+        return bool(self.kernel.combine_pull) and self.buf.kind != "staged" and not keep_rows
 
 
 def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
@@ -487,7 +500,7 @@ class FusedStrategy(Strategy):
             marks and marks[1].record()
             if between is not None:
                 between()
-            eng.layer1(call, w1, backward=backward)
+            eng.layer1(call, w1, backward=backward, keep_rows=pre is not None)
             marks and marks[2].record()
         else:
             eng.layer0(call, w0, "comm", pre=pre, backward=backward)
@@ -495,10 +508,10 @@ class FusedStrategy(Strategy):
             eng.layer0(call, w0, "gemm", pre=pre, backward=backward)
             if between is not None:
                 between()
-            eng.layer1(call, w1, "gemm", backward=backward)
+            eng.layer1(call, w1, "gemm", backward=backward, keep_rows=pre is not None)
             if buf.kind == "staged":
                 buf.exchange_return(self._owner_of_rows(call.kept, call.out.shape[0]), int(call.kept.sum()))
-            eng.layer1(call, w1, "comm", backward=backward)
+            eng.layer1(call, w1, "comm", backward=backward, keep_rows=pre is not None)
 
     def _phase_marks(self):
         """With ``profile_phases = True``: CUDA events (start, after layer0, after layer1) of the
