@@ -14,6 +14,9 @@
 #            n_comm1 for the block split, e.g. "default copy_rows=64,n_comm=8"); default: wider
 #            combine tasks (block_t 64, 128) and taller send copy steps (copy_rows 32, 64) on every
 #            preset (run 53: neither gained)
+#   pull     layer1 in pull mode (combine_pull=1: GEMM1 tiles stored locally, the homes' combine
+#            programs load the rows from their owners): gpu_check.py with it, then the A/B against
+#            the default with more combine programs (n_comm1 8, 16, 24) on the small-expert presets
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -49,6 +52,14 @@ for step in "$@"; do
              --variants ${AB_VARIANTS:-default block_t=64 block_t=128 copy_rows=32 copy_rows=64} --rounds ${AB_ROUNDS:-5} --out "$OUT" \
              > "$OUT/ab.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/ab.log" | tail -80 ;;
+    pull)  INTERLACE_FUSED=combine_pull=1 torchrun --nproc-per-node 2 scripts/gpu_check.py > "$OUT/check_pull.log" 2>&1 \
+             || status=1
+           tail -1 "$OUT/check_pull.log"
+           torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
+             --hidden-configs ${AB_CONFIGS:-qwen2-moe qwen3-30b-a3b flashdmoe-cfg} --hidden-tokens ${AB_TOKENS:-8192 16384} \
+             --variants ${AB_VARIANTS:-default combine_pull=1 combine_pull=1,n_comm1=8 combine_pull=1,n_comm1=16 \
+             combine_pull=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/pull.log" 2>&1 || status=1
+           grep -E '^ab |disagree|FAILED' "$OUT/pull.log" | tail -80 ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
