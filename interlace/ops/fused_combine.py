@@ -154,9 +154,10 @@ def _gemm1_combine_kernel(
                 tl.store(y_ptr + h_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
                          mask=rmask[:, None] & cmask[None, :])
             elif RET_TMA:
-                # RET_TMA: the TMA unit moves the tile (over NVLink for a peer home) while the
-                # program goes on; register stores to a peer stall it until they drain (run 54:
-                # layer1 tiles 12-27% slower with half of their rows remote than all local).
+                # RET_TMA: the TMA unit moves the tile (over NVLink for a peer home), meant to let
+                # the program go on where register stores to a peer stall it until they drain
+                # (run 54). Measured no faster on H200 (run 55): Triton waits after the store
+                # until TMA has read the staged tile, which drains at the same rate.
                 # The descriptor ends at the segment's last row, so the rows of a partial tile
                 # past it (another segment's) are clipped, not written. A descriptor per tile:
                 # the previous tile's store has completed (its count waited) before it is rebuilt.
