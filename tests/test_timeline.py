@@ -35,8 +35,8 @@ def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg) 
     recv = sum(tiles(s, me) for s in range(W))
     n_blocks0, n_slices = cdiv(cfg.ffn, KC.block_n), cdiv(cfg.hidden, KC.block_n1)
     return {"send": sum(tiles(me, d) for d in range(W) if d != me), "gemm0_local": local * n_blocks0,
-            "gemm0_remote": (recv - local) * n_blocks0, "gemm1": n_slices * recv,
-            "combine": n_slices * cdiv(tokens, KC.block_t)}
+            "gemm0_remote": (recv - local) * n_blocks0, "gemm1": n_slices * local,
+            "gemm1_remote": n_slices * (recv - local), "combine": n_slices * cdiv(tokens, KC.block_t)}
 
 
 def test_timeline_records_every_work_item_of_the_last_call():
@@ -68,7 +68,9 @@ def test_timeline_records_every_work_item_of_the_last_call():
         assert sorted(got["gemm0_local"] + got["gemm0_remote"]) == list(range(want["gemm0_local"] +
                                                                               want["gemm0_remote"]))
         assert 0 in got["gemm0_local"]  # local tiles first: no wait at the head of the queue
-        assert got["gemm1"] == list(range(want["gemm1"])) and got["combine"] == list(range(want["combine"]))
+        # GEMM1 items by their rows' home (here / a peer), together 0 .. n-1
+        assert sorted(got["gemm1"] + got["gemm1_remote"]) == list(range(want["gemm1"] + want["gemm1_remote"]))
+        assert want["gemm1_remote"] > 0 and got["combine"] == list(range(want["combine"]))
         for r in recs:
             assert 0 <= r["start"] <= r["waited"] <= r["end"], r
             assert r["layer"] == (0 if r["kind"] in ("send", "gemm0_local", "gemm0_remote") else 1)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from interlace.ops.timeline import KINDS
 
 COLORS = {"send": "#d62728", "gemm0_local": "#1f77b4", "gemm0_remote": "#17becf", "gemm1": "#2ca02c",
+          "gemm1_remote": "#98df8a",
           "combine": "#ff7f0e"}
 WAIT_COLOR = "#bbbbbb"
 
@@ -76,7 +77,7 @@ def summarize(records: list[dict]) -> dict:
         return [(r["waited"], r["end"]) for r in records if r["kind"] in kinds and r["end"] > r["waited"]]
 
     send, combine = work({"send"}), work({"combine"})
-    gemm0, gemm1 = work({"gemm0_local", "gemm0_remote"}), work({"gemm1"})
+    gemm0, gemm1 = work({"gemm0_local", "gemm0_remote"}), work({"gemm1", "gemm1_remote"})
     send_len, combine_len = covered(send, send), covered(combine, combine)
     out["send_under_gemm0"] = covered(send, gemm0) / send_len if send_len else None
     out["combine_under_gemm1"] = covered(combine, gemm1) / combine_len if combine_len else None
@@ -212,20 +213,24 @@ def summary_table(summaries: list[dict], args) -> str:
     s0 = summaries[0]
     unit, scale = s0["unit"], s0["scale"]
     lines = [f"# {s0['title'].split(', rank ')[0]}",
-             f"| rank | layer0 span {unit} | layer1 span {unit} | items send/g0 local/g0 remote/g1/combine "
-             f"| send busy {unit} | GEMM0 wait {unit} | combine wait {unit} | send under GEMM0 "
-             f"| combine under GEMM1 | same output as off |",
-             "|" + "---|" * 10]
+             f"| rank | layer0 span {unit} | layer1 span {unit} | items {'/'.join(KINDS)} "
+             f"| send busy {unit} | GEMM0 wait {unit} | combine wait {unit} | GEMM1 {unit}/tile, home here / remote "
+             f"| send under GEMM0 | combine under GEMM1 | same output as off |",
+             "|" + "---|" * 11]
     for s in summaries:
         k, ly = s["kinds"], s["layers"]
 
         def pct(v):
             return "-" if v is None else f"{100 * v:.0f}%"
 
+        def per_item(kind):
+            return "-" if not k[kind]["items"] else f"{k[kind]['busy'] / k[kind]['items'] * scale:.1f}"
+
         lines.append(
             f"| {s['rank']} | {(ly[0]['end'] - ly[0]['start']) * scale:.1f} | {(ly[1]['end'] - ly[1]['start']) * scale:.1f} "
             f"| {'/'.join(str(k[n]['items']) for n in KINDS)} | {k['send']['busy'] * scale:.1f} "
             f"| {(k['gemm0_local']['wait'] + k['gemm0_remote']['wait']) * scale:.1f} | {k['combine']['wait'] * scale:.1f} "
+            f"| {per_item('gemm1')} / {per_item('gemm1_remote')} "
             f"| {pct(s['send_under_gemm0'])} | {pct(s['combine_under_gemm1'])} | {s['same_output']} |")
     t = s0["times_ms"]
     if t:

@@ -35,7 +35,7 @@ from interlace.ops.expert_tile import slice_grouped_work
 from interlace.ops.flags import (WAIT_LAYER1, bulk_stores_done, claim, finish_queue, launch_roles, peer_region,
                                  publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
-from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, timeline_now, timeline_record
+from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, timeline_now, timeline_record
 
 
 @triton.jit
@@ -174,7 +174,8 @@ def _gemm1_combine_kernel(
             else:  # count the tile now; the last of (home s, slice) publishes
                 _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch, BULK_WAIT)
             if TIMELINE:
-                timeline_record(timeline_ptr, timeline_cap, work, epoch, pid, KIND_GEMM1, work, t_start, t_start,
+                kind = tl.where(s == me, KIND_GEMM1, KIND_GEMM1_REMOTE)  # by the rows' home
+                timeline_record(timeline_ptr, timeline_cap, work, epoch, pid, kind, work, t_start, t_start,
                                 timeline_now(timeline_clock, TIMELINE), TIMELINE)
             work = claim(queue_ptr)
         if DEFER_COUNT:

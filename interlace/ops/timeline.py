@@ -25,12 +25,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
-KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine")
+# gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (in push mode
+# its output crosses NVLink from this program).
+KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote")
 KIND_SEND = tl.constexpr(0)
 KIND_GEMM0_LOCAL = tl.constexpr(1)
 KIND_GEMM0_REMOTE = tl.constexpr(2)
 KIND_GEMM1 = tl.constexpr(3)
 KIND_COMBINE = tl.constexpr(4)
+KIND_GEMM1_REMOTE = tl.constexpr(5)
 FIELDS = ("epoch", "pid", "sm", "kind", "item", "start", "waited", "end")
 CLOCK_GPU, CLOCK_LOGICAL = 1, 2
 
