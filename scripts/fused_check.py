@@ -57,10 +57,6 @@ def time_ms(fn, iters=20, warmup=5):
     return statistics.median(time_cuda(fn, warmup, iters, ENV))
 
 
-def local_routing(cfg, tokens, env):
-    return make_routing(cfg, "local", tokens, env, 0)
-
-
 def step_check(env, args, log):
     rows = []
     for name in args.configs:
@@ -164,7 +160,7 @@ def step_hidden(env, args, log):
             layer = MoELayer(cfg, group=env.group, strategy="fused", seed=5, device=env.device,
                              strategy_options={"max_tokens": tokens})
             x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
-            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), local_routing(cfg, tokens, env)
+            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), make_routing(cfg, "local", tokens, env, 0)
             with torch.no_grad():
                 t_fused = time_ms(lambda: layer(x, expert_indices=bal))
                 t_local = time_ms(lambda: layer(x, expert_indices=loc))
@@ -192,7 +188,7 @@ def step_phases(env, args, log):
         tokens = args.split_tokens
         layer = MoELayer(cfg, group=env.group, strategy="naive", seed=6, device=env.device)
         x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
-        routings = {"balanced": make_routing(cfg, "balanced", tokens, env, 0), "local": local_routing(cfg, tokens, env)}
+        routings = {r: make_routing(cfg, r, tokens, env, 0) for r in ("balanced", "local")}
         first = {}  # routing → the first variant's output: every variant must compute the same layer
         for variant in args.variants:
             os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
@@ -244,7 +240,7 @@ def step_ab(env, args, log):
             layer = MoELayer(cfg, group=env.group, strategy="sequential", seed=5, device=env.device)
             seq = layer.strategy
             x = torch.randn(tokens, cfg.hidden, device=env.device).to(cfg.dtype)
-            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), local_routing(cfg, tokens, env)
+            bal, loc = make_routing(cfg, "balanced", tokens, env, 0), make_routing(cfg, "local", tokens, env, 0)
             strategies, ref, errs = {}, None, {}
             with torch.no_grad():
                 for variant in args.variants:

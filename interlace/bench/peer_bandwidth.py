@@ -70,17 +70,10 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, programs: int, rows: int = 1
 
 
 def _time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of ``iters`` calls on this rank alone (the harness's CUDA-event timer)."""
+    from interlace.bench.harness import time_cuda
+
+    return statistics.median(time_cuda(fn, warmup=1, iters=iters, env=None))
 
 
 def main(argv=None) -> list[dict]:
