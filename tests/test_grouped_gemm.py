@@ -154,9 +154,11 @@ def test_swiglu_backward_regions_writes_only_the_used_rows(interpret, monkeypatc
 def test_tma_fed_rows_match_reference(mode, monkeypatch):
     """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied
     contiguous first): tiles of 16 rows over ragged experts, so a tile's A block runs into the
-    next expert's rows (and past the last row), which must land only in masked output rows."""
+    next expert's rows (and past the last row), which must land only in masked output rows.
+    The weight gradients read whole 16-row blocks of an expert's rows through descriptors and
+    its last partial block (17, 33 rows) through masked loads."""
     monkeypatch.setenv("INTERLACE_TMA", "1")
-    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX", "INTERLACE_WGRAD"):
         monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1")
     monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1")
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)

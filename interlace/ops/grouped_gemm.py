@@ -339,11 +339,25 @@ def _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, end, ps, qs, P, Q, divisor
 
 
 @triton.jit
+def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q0, P, Q, BLOCK_R: tl.constexpr):
+    """:func:`_wgrad_rows` (no gather) with the whole blocks of rows through TMA descriptors and
+    the last, partial block through masked loads: a descriptor block cannot stop at ``end``, and
+    the rows after it (the next expert's, or unwritten ones) must not enter the sum."""
+    n_full = (end - start) // BLOCK_R
+    for i in range(n_full):
+        r0 = start + i * BLOCK_R
+        a = a_desc.load([r0, p0])
+        b = b_desc.load([r0, q0])
+        acc = tl.dot(a.T, b, acc)
+    return _wgrad_rows(acc, a_ptr, b_ptr, a_ptr, start + n_full * BLOCK_R, end, ps, qs, P, Q, 1, False, BLOCK_R)
+
+
+@triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr,
+    a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr, a_desc, b_desc,
     P, Q, divisor, E,
     HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0,
+    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0, ROWS_TMA: tl.constexpr = False,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
 
@@ -353,7 +367,9 @@ def _wgrad_kernel(
 
     One program per (expert, P block, Q block), expert-major, and inside an expert grouped by
     GROUP_P P blocks (L2 swizzle) so that running programs share the a and b column blocks they
-    stream; the rows of the expert are the reduction."""
+    stream; the rows of the expert are the reduction. ``ROWS_TMA`` (no gather): a and b read through
+    the host-built TMA descriptors ``a_desc`` (blocks BLOCK_R × BLOCK_P) and ``b_desc`` (BLOCK_R
+    × BLOCK_Q), but for each run's last partial block (else those arguments are unused)."""
     pid = tl.program_id(0)
     n_p = tl.cdiv(P, BLOCK_P)
     n_q = tl.cdiv(Q, BLOCK_Q)
@@ -369,14 +385,22 @@ def _wgrad_kernel(
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     if NUM_SEG == 0:
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, tl.load(ends_ptr + e), ps, qs, P, Q, divisor,
-                          HAS_GATHER, BLOCK_R)
+        if ROWS_TMA:
+            acc = _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, tl.load(ends_ptr + e), ps, qs,
+                                  pb * BLOCK_P, qb * BLOCK_Q, P, Q, BLOCK_R)
+        else:
+            acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, tl.load(ends_ptr + e), ps, qs, P, Q, divisor,
+                              HAS_GATHER, BLOCK_R)
     else:
         for sg in tl.static_range(NUM_SEG):
             start = tl.load(ends_ptr + sg * E + e)
             count = tl.load(ends_ptr + (NUM_SEG + sg) * E + e)
-            acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, start + count, ps, qs, P, Q, divisor,
-                              HAS_GATHER, BLOCK_R)
+            if ROWS_TMA:
+                acc = _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, start + count, ps, qs,
+                                      pb * BLOCK_P, qb * BLOCK_Q, P, Q, BLOCK_R)
+            else:
+                acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, start + count, ps, qs, P, Q, divisor,
+                                  HAS_GATHER, BLOCK_R)
     out = out_ptr + e.to(tl.int64) * P * Q
     tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(ps < P)[:, None] & (qs < Q)[None, :])
@@ -527,17 +551,32 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     )
 
 
-def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None):
+def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,
+                  tma: bool = False):
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
-    or from ``segments`` (2, S, E) int32 (starts, then counts: S runs of rows per expert)."""
+    or from ``segments`` (2, S, E) int32 (starts, then counts: S runs of rows per expert).
+    With ``tma`` (TMA descriptors usable here) and ``config.a_tma``, ungathered a and b rows are
+    read through descriptors."""
     E = out.shape[0]
     if E == 0:
         return out
     table = ends if segments is None else segments
+    rows_tma = bool(tma and config.a_tma and gather is None and tma_rows_ok(a) and tma_rows_ok(b)
+                    and a.shape[1] == P and b.shape[1] == Q)
+    if rows_tma:
+        # Built on the host, not in the kernel: this grid has a program per output block (tens of
+        # thousands), and an in-kernel descriptor costs each program a global write and a fence.
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [config.block_k, config.block_m])
+        b_desc = TensorDescriptor.from_tensor(b, [config.block_k, config.block_n])
+    else:
+        a_desc, b_desc = a, b  # unused
     _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
-        a, b, gather if gather is not None else table, out, table, P, Q, divisor, E,
+        a, b, gather if gather is not None else table, out, table, a_desc, b_desc, P, Q, divisor, E,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
         GROUP_P=config.group_m, NUM_SEG=0 if segments is None else segments.shape[1],
+        ROWS_TMA=rows_tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -569,7 +608,7 @@ def _wgrad_gather_mode() -> str:
     return mode
 
 
-def _launch_dw_up(d_h, x, gather, divisor, out, ends, P, Q, config):
+def _launch_dw_up(d_h, x, gather, divisor, out, ends, P, Q, config, tma=False):
     """dW_up = d_hᵀ x[gather // divisor] per expert. The indirect load along the reduction was
     the slowest kernel of the backward (255–364 TFLOP/s on H200, run 12, vs up to 546 for the
     same kernel on contiguous rows); one gather copy of x's rows (R × N) costs far less."""
@@ -577,8 +616,8 @@ def _launch_dw_up(d_h, x, gather, divisor, out, ends, P, Q, config):
         from interlace.ops.rows import gather_rows
 
         rows = gather_rows(x, gather[: d_h.shape[0]], divisor)  # entries past R are unspecified
-        return _launch_wgrad(d_h, rows, None, 1, out, ends, P, Q, config)
-    return _launch_wgrad(d_h, x, gather, divisor, out, ends, P, Q, config)
+        return _launch_wgrad(d_h, rows, None, 1, out, ends, P, Q, config, tma=tma)
+    return _launch_wgrad(d_h, x, gather, divisor, out, ends, P, Q, config, tma=tma)
 
 
 def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None):
@@ -619,13 +658,13 @@ def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, ac
         # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
         ("d_pre_act", 2 * R * N * K, lambda: _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, c_act,
                                                                sched, tma)),
-        ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w)),  # dyᵀ act
+        ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w, tma=tma)),  # dyᵀ act
         # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
         ("dx", 2 * R * up_width * N, lambda: _launch_gemm(
             d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c_dx,
             schedule=sched_dx, tma=tma)),
         ("dw_up", 2 * R * up_width * N,  # d_hᵀ x[g]
-         lambda: _launch_dw_up(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w)),
+         lambda: _launch_dw_up(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w, tma)),
     ]
     return (dx_rows, dw_up, dw_down), steps
 

@@ -47,8 +47,12 @@ CANDIDATES = {
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
                       GemmConfig(128, 256, 64, 8, 3, **A)],
+    # a_tma for the weight gradients: an expert's whole blocks of rows (both operands) through
+    # descriptors, its last partial block through masked loads
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 3, 16)],
+                     GemmConfig(128, 128, 64, 8, 3, 16), GemmConfig(128, 128, 64, 8, 4, **A),
+                     GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A),
+                     GemmConfig(128, 128, 128, 8, 3, **A)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]

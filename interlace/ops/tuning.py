@@ -37,7 +37,8 @@ class GemmConfig:
     # separate elementwise pass instead of the epilogue (grouped_gemm._launch_d_pre_act)
     unfused_act: int = 0
     # 1: the A rows through a TMA descriptor too (Hopper; contiguous rows only: a gathered A is
-    # copied contiguous first). Else A is a pipelined tl.load.
+    # copied contiguous first). Else A is a pipelined tl.load. For the weight gradients: both
+    # operands' rows through descriptors (an expert's last partial block of rows by masked loads).
     a_tma: int = 0
 
 

@@ -148,7 +148,7 @@ class FusedTrain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs
+        from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
         from interlace.strategies.fused import FusedCall
 
         (topk_weight, w_up, w_down, row_of_assignment, assignment_of_row, pre, act, x_rows, y_rows, segments,
@@ -198,11 +198,12 @@ class FusedTrain(torch.autograd.Function):
         recv[buf.rank].copy_(local_rows(g_rows, local_row))
         mark(strategy, "bwd local rows")
         _, _, c_w, _ = choose_backward_configs(grad, w_down, T * k, ctx.activation)  # ≈ rows received
+        tma = use_tma(w_up, w_down)
         dw_up = _launch_wgrad(call.h, x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
-                              w_up.shape[1], N, c_w, segments=segments)
+                              w_up.shape[1], N, c_w, segments=segments, tma=tma)
         mark(strategy, "bwd dW_up")
         dw_down = _launch_wgrad(recv.view(-1, N), act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device),
-                                None, N, w_down.shape[2], c_w, segments=segments)
+                                None, N, w_down.shape[2], c_w, segments=segments, tma=tma)
         mark(strategy, "bwd dW_down")
         strategy._check_errors()
         return dx, d_weight, dw_up, dw_down, None, None
