@@ -65,6 +65,11 @@ def test_tuner_writes_tables_that_lookup_finds(table_dir):
     entry = json.loads((table_dir / files[2]).read_text())["entries"][0]
     config, source = lookup("expert_gemm0", "cpu", 1, ShapeClass(**entry["shape"]), 16, DEFAULT)
     assert source == "tuned" and config == GemmConfig(**entry["config"])
+    # --kernels: only the named kernels are tuned and only their tables written
+    only = table_dir / "only"
+    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--kernels", "expert_wgrad",
+          "--out", str(only)])
+    assert [p.name.split("-cpu-sm1")[0] for p in only.glob("*.json")] == ["expert_wgrad"]
 
 
 def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():

@@ -52,7 +52,11 @@ CANDIDATES = {
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 3, 16), GemmConfig(128, 128, 64, 8, 4, **A),
                      GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A),
-                     GemmConfig(128, 128, 128, 8, 3, **A)],
+                     GemmConfig(128, 128, 128, 8, 3, **A),
+                     # short reductions (few rows per expert): smaller programs, two per SM, so one
+                     # program's epilogue and pipeline fill run under another's main loop
+                     GemmConfig(128, 128, 64, 4, 3, **A), GemmConfig(128, 128, 64, 4, 2, **A),
+                     GemmConfig(128, 256, 64, 8, 2, **A), GemmConfig(128, 256, 64, 8, 3, 16, **A)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]
@@ -76,8 +80,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates: dict, show=True):
-    """Entries per kernel (one per bucket): {"shape", "bucket", "config", "ms", "tflops"}, failures."""
+def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates: dict, show=True,
+               kernels: list[str] | None = None):
+    """Entries per kernel of ``kernels`` (default: all; the others run their default config), one
+    per bucket: {"shape", "bucket", "config", "ms", "tflops"}, and the failures."""
     from interlace.config import MoEConfig
     from interlace.experts import init_expert_weights
 
@@ -116,7 +122,7 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             work = sum(f for name, f, _ in steps if name in BACKWARD_STEPS[kernel])
             return (lambda: [launch() for launch in mine]), work
 
-        for kernel in KERNELS:
+        for kernel in kernels or KERNELS:
             run = backward if kernel in BACKWARD_NAMES else forward
             want, timed = None, []
             for c in candidates[kernel]:
@@ -143,17 +149,19 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                 what = "forward" if run is forward else "+".join(BACKWARD_STEPS[kernel])
                 print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
                       f"{what} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms)", flush=True)
+                print("    candidates (ms): " + "; ".join(f"{tuple(c.__dict__.values())} {t:.3f}" for t, c, _ in timed),
+                      flush=True)
     return entries, failures
 
 
-def write_tables(out: Path, name: str, sms: int, found: dict, seconds: float, argv) -> list[Path]:
+def write_tables(out: Path, name: str, sms: int, found: dict, seconds: float, argv, kernels=None) -> list[Path]:
     defaults = {k: d.__dict__ for k, _, d in FORWARD_KERNELS + BACKWARD_KERNELS}
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tuning_seconds": round(seconds, 1), "device": name, "sm_count": sms, "triton": triton.__version__,
             "torch": torch.__version__, "defaults": defaults,
             "command": "interlace tune-experts " + " ".join(argv if argv is not None else sys.argv[1:])}
     return [tuning.write_table(out / f"{tuning.table_key(kernel, name, sms)}.json", found[kernel], meta)
-            for kernel in KERNELS]
+            for kernel in kernels or KERNELS]
 
 
 def main(argv=None) -> int:
@@ -167,6 +175,8 @@ def main(argv=None) -> int:
                    help="rows per expert to tune for (powers of two)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="instead of --buckets: per preset, the buckets of these tokens per GPU (T·k / experts per GPU)")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=None,
+                   help="tune only these kernels and write only their tables (default: all)")
     p.add_argument("--out", default=None, help="folder for the tables (default: $INTERLACE_TUNING_DIR or "
                                                 "the package's tuning folder)")
     args = p.parse_args(argv)
@@ -188,18 +198,19 @@ def main(argv=None) -> int:
             {tuning.rows_bucket(t * cfg.top_k / shape.experts) for t in args.tokens})
         print(f"tuning {preset}: {shape} buckets {buckets}", flush=True)
         cands = CANDIDATES if cuda else {k: INTERPRETER_CANDIDATES for k in KERNELS}
-        entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands)
+        entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands, kernels=args.kernels)
         for k in KERNELS:
             found[k] += entries[k]
         failures += f
         seconds = time.perf_counter() - start
-        paths = write_tables(out, name, sms, found, seconds, argv)  # after every shape: an interrupted run keeps them
+        paths = write_tables(out, name, sms, found, seconds, argv, args.kernels)  # after every shape: an interrupted run keeps them
     for path in paths:
         print(f"wrote {path}")
     for line in failures:
         print(f"skipped {line}")
-    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(found[KERNELS[0]])} "
-          f"(shape, bucket) entries, {len(KERNELS)} kernels")
+    tuned = args.kernels or KERNELS
+    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(found[tuned[0]])} "
+          f"(shape, bucket) entries, {len(tuned)} kernels")
     return 0
 
 
