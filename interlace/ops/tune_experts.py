@@ -34,27 +34,19 @@ A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous 
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
-                     GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A),
-                     # 256-row tiles: an expert of ≤ 256 rows reads each weight block once from HBM
-                     # (with 128-row tiles its two row tiles share it only if they meet in L2)
-                     GemmConfig(256, 64, 64, 8, 3), GemmConfig(256, 64, 64, 8, 3, **A),
-                     GemmConfig(256, 64, 64, 8, 4, **A)],
+                     GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
                      GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
-                     GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A),
-                     GemmConfig(256, 128, 64, 8, 3), GemmConfig(256, 128, 64, 8, 3, **A),
-                     GemmConfig(256, 128, 64, 8, 4, **A)],
+                     GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                        GemmConfig(128, 128, 64, 8, 4, 8, 1), GemmConfig(128, 128, 128, 8, 3),
                        # the SwiGLU derivative in a separate pass (unfused_act=1)
                        # (a plain store holds no h tile in registers: wider tiles fit)
                        GemmConfig(128, 128, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1),
-                       GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A),
-                       GemmConfig(256, 128, 64, 8, 3, 8, 0, 1, **A)],
+                       GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
-                      GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(256, 128, 64, 8, 3, **A),
-                      GemmConfig(256, 128, 64, 8, 4, **A)],
+                      GemmConfig(128, 256, 64, 8, 3, **A)],
     # a_tma for the weight gradients: an expert's whole blocks of rows (both operands) through
     # descriptors, its last partial block through masked loads
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
