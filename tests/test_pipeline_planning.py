@@ -82,6 +82,9 @@ def test_profile_and_eval_commands_end_to_end(tmp_path):
     # The fused forward beside sequential's at each profiled token count (auto's fused choice).
     (shape,) = prof["shapes"].values()
     assert [p[:2] for p in shape["fused"]] == [[10, 2], [30, 2]] and all(p[2] > 0 and p[3] > 0 for p in shape["fused"])
+    # and fused:train's forward + backward beside sequential's (auto's training choice)
+    assert [p[:2] for p in shape["fused_train"]] == [[10, 2], [30, 2]]
+    assert all(p[2] > 0 and p[3] > 0 for p in shape["fused_train"])
 
 
 def test_calibration_recovers_chunk_cost_and_interference():

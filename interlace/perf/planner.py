@@ -210,13 +210,16 @@ def residual_ratio(shape, mode: str, rows: int, r: int) -> float:
     return (1 - w) * at(a) + w * at(b)
 
 
-def fused_speedup(shape, rows: int) -> float | None:
-    """Measured sequential / fused forward time at ``rows`` dispatched rows (T·k), from the
-    shape class's raw pairs (``ShapeProfile.fused``): piecewise linear in log(rows), held flat
-    beyond the outermost pairs, repeats averaged. None without pairs (older profiles)."""
-    if not shape.fused:
+def fused_speedup(shape, rows: int, mode: str = "fwd") -> float | None:
+    """Measured sequential / fused time at ``rows`` dispatched rows (T·k), from the shape
+    class's raw pairs (``"fwd"``: ``fused`` forwards, ``ShapeProfile.fused``; ``"fwdbwd"``:
+    ``fused:train`` forward + backward, ``ShapeProfile.fused_train``): piecewise linear in
+    log(rows), held flat beyond the outermost pairs, repeats averaged. None without pairs
+    (older profiles)."""
+    pairs = shape.fused_pairs(mode)
+    if not pairs:
         return None
-    return interp_log_rows([(t * k, seq / fused) for t, k, fused, seq in shape.fused], rows)
+    return interp_log_rows([(t * k, seq / fused) for t, k, fused, seq in pairs], rows)
 
 
 def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,

@@ -16,9 +16,10 @@ bound by the host's launch rate):
   an interference fraction of the overlapped all-to-all time
   (:func:`interlace.perf.planner.calibrate`; refittable offline from the raw points);
 * per shape class, the ``fused`` strategy's forward beside ``sequential``'s at the same token
-  counts (raw pairs; ``auto`` runs ``fused`` for inference calls where it measured faster).
-  ``interlace profile --fused-from RESULTS.json --out PROFILE.json`` adds such pairs from
-  ``interlace bench`` results instead (offline).
+  counts, and ``fused:train``'s forward + backward beside ``sequential``'s (raw pairs; ``auto``
+  runs ``fused`` for inference calls and ``fused:train`` for training calls where they measured
+  faster). ``interlace profile --fused-from RESULTS.json --out PROFILE.json`` adds such pairs
+  from ``interlace bench`` results instead (offline).
 
 Device time of an op is measured with the GPU held back by a sleep kernel while the host queues
 n copies, so the events see n back-to-back executions and none of the host's issue time.
@@ -136,6 +137,11 @@ class ShapeProfile:
     # Forward of the fused strategy beside sequential's, measured together:
     # ``[tokens, top_k, fused ms, sequential ms]`` (:func:`interlace.perf.planner.fused_speedup`).
     fused: list = field(default_factory=list)
+    # The same for training calls (forward + backward): ``fused:train`` beside ``sequential``.
+    fused_train: list = field(default_factory=list)
+
+    def fused_pairs(self, mode: str) -> list:
+        return self.fused if mode == "fwd" else self.fused_train
 
     def points(self, mode: str) -> list:
         return self.calibration if mode == "fwd" else self.calibration_fwdbwd
@@ -165,6 +171,8 @@ class ShapeProfile:
             d["residuals"] = self.residuals
         if self.fused:
             d["fused"] = self.fused
+        if self.fused_train:
+            d["fused_train"] = self.fused_train
         return d
 
     @staticmethod
@@ -174,7 +182,7 @@ class ShapeProfile:
                             fwd.interference, d.get("calibration", []), fwd.model_error, fwd.pipe_ms,
                             d.get("calibration_fwdbwd", []),
                             Calibration.from_json(d["train"]) if "train" in d else None, d.get("chunk_host_ms"),
-                            d.get("residuals", {}), d.get("fused", []))
+                            d.get("residuals", {}), d.get("fused", []), d.get("fused_train", []))
 
 
 @dataclass
@@ -492,27 +500,35 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, back
     return reduce_max(env, statistics.median(times))
 
 
-def profile_fused(shape: ShapeProfile, cfg: MoEConfig, x: torch.Tensor, group, timer: Timer) -> None:
-    """Time ``fused`` and ``sequential`` forwards (no grad, fresh layers, the same tokens ``x``)
-    back to back and keep the pair in ``shape.fused``. Collective: every rank, same order."""
+def profile_fused(shape: ShapeProfile, cfg: MoEConfig, x: torch.Tensor, group, timer: Timer,
+                  modes=("fwd", "fwdbwd")) -> None:
+    """For mode ``"fwd"``: time ``fused`` and ``sequential`` forwards (no grad, fresh layers, the
+    same tokens ``x``) back to back and keep the pair in ``shape.fused``; for ``"fwdbwd"``:
+    ``fused:train`` and ``sequential`` forward + backward, kept in ``shape.fused_train``.
+    Collective: every rank, same order."""
     from interlace.layer import MoELayer
     from interlace.transport import release_shared_buffers
 
-    pair = []
-    for strategy in ("fused", "sequential"):
-        layer = MoELayer(cfg, group=group, strategy=strategy, device=x.device)
-        pair.append(time_layer_ms(layer, x, timer, 3, 10))
-        del layer
-    release_shared_buffers()  # the fused layer's peer buffer: no later layer of this size shares it
-    shape.fused.append((x.shape[0], cfg.top_k, *pair))
+    for mode in modes:
+        strategies = ("fused", "sequential") if mode == "fwd" else ("fused:train", "sequential")
+        pair = []
+        for strategy in strategies:
+            layer = MoELayer(cfg, group=group, strategy=strategy, device=x.device)
+            pair.append(time_layer_ms(layer, x, timer, *((2, 6) if mode == "fwdbwd" else (3, 10)),
+                                      backward=mode == "fwdbwd"))
+            del layer
+        release_shared_buffers()  # the fused layer's peer buffer: no later layer of this size shares it
+        shape.fused_pairs(mode).append((x.shape[0], cfg.top_k, *pair))
 
 
 def add_fused_points(prof: Profile, results: dict, replace: bool = False) -> list[str]:
-    """Add the fused / sequential forward pairs of an ``interlace bench`` results.json (its
-    ``random``-routing ``fwd`` rows where both strategies ran ok) to ``prof``'s shape classes.
-    ``replace``: a shape class these results have pairs for first drops its older pairs (after a
-    change to the fused kernels, old and new timings must not be interpolated together).
-    Returns one line per pair added, replaced or left out, and why (nothing is dropped silently)."""
+    """Add the fused / sequential pairs of an ``interlace bench`` results.json to ``prof``'s shape
+    classes: its ``random``-routing rows where both strategies ran ok, ``fwd`` rows of ``fused``
+    (→ ``ShapeProfile.fused``) and ``fwdbwd`` rows of ``fused:train`` (→ ``fused_train``), each
+    beside ``sequential`` in the same mode. ``replace``: a shape class these results have pairs
+    for first drops its older pairs of that mode (after a change to the fused kernels, old and
+    new timings must not be interpolated together). Returns one line per pair added, replaced or
+    left out, and why (nothing is dropped silently)."""
     from interlace.bench.harness import bench_config
 
     meta = results["meta"]
@@ -520,28 +536,30 @@ def add_fused_points(prof: Profile, results: dict, replace: bool = False) -> lis
         raise ValueError(f"results of world size {meta['world']} do not belong in profile {prof.key} "
                          f"(world size {prof.world})")
     small = meta.get("small", "--small" in meta.get("command", ""))
-    ms = {(r["config"], r["tokens"], r["strategy"]): r["median_ms"] for r in results["rows"]
-          if r.get("status") == "ok" and r["mode"] == "fwd" and r["routing"] == "random" and r.get("median_ms")}
+    ms = {(r["config"], r["tokens"], r["mode"], r["strategy"]): r["median_ms"] for r in results["rows"]
+          if r.get("status") == "ok" and r["routing"] == "random" and r.get("median_ms")}
     lines = []
-    cleared: set[str] = set()
-    for name, tokens in sorted({(c, t) for c, t, s in ms if s == "fused"}):
-        cfg = bench_config(name, small)
-        skey = shape_key(cfg, prof.world)
-        seq = ms.get((name, tokens, "sequential"))
-        if seq is None:
-            lines.append(f"{name} T={tokens}: left out (no sequential row beside it)")
-        elif skey not in prof.shapes:
-            lines.append(f"{name} T={tokens}: left out (shape class {skey} not in the profile; profile it first)")
-        else:
-            if replace and skey not in cleared:
-                cleared.add(skey)
-                old = prof.shapes[skey].fused
-                if old:
-                    lines.append(f"{skey}: {len(old)} older pairs dropped (--fused-replace)")
-                prof.shapes[skey].fused = []
-            prof.shapes[skey].fused.append((tokens, cfg.top_k, ms[(name, tokens, "fused")], seq))
-            lines.append(f"{name} T={tokens}: {skey} fused {ms[(name, tokens, 'fused')]:.3f} ms, "
-                         f"sequential {seq:.3f} ms")
+    cleared: set[tuple[str, str]] = set()
+    for mode, fused in (("fwd", "fused"), ("fwdbwd", "fused:train")):
+        for name, tokens in sorted({(c, t) for c, t, m, s in ms if m == mode and s == fused}):
+            cfg = bench_config(name, small)
+            skey = shape_key(cfg, prof.world)
+            seq = ms.get((name, tokens, mode, "sequential"))
+            what = f"{name} T={tokens} {mode}"
+            if seq is None:
+                lines.append(f"{what}: left out (no sequential row beside it)")
+            elif skey not in prof.shapes:
+                lines.append(f"{what}: left out (shape class {skey} not in the profile; profile it first)")
+            else:
+                pairs = prof.shapes[skey].fused_pairs(mode)
+                if replace and (skey, mode) not in cleared:
+                    cleared.add((skey, mode))
+                    if pairs:
+                        lines.append(f"{skey}: {len(pairs)} older {mode} pairs dropped (--fused-replace)")
+                    pairs.clear()
+                pairs.append((tokens, cfg.top_k, ms[(name, tokens, mode, fused)], seq))
+                lines.append(f"{what}: {skey} {fused} {ms[(name, tokens, mode, fused)]:.3f} ms, "
+                             f"sequential {seq:.3f} ms")
     prof.meta.setdefault("fused_points_from", []).append(
         f"{meta.get('date', '?')} {meta.get('device', '?')} commit {meta.get('commit', '?')}")
     return lines
@@ -587,11 +605,12 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
     for cfg in configs:
         skey = shape_key(cfg, world)
         if skey in prof.shapes:
-            if fused and not prof.shapes[skey].fused:
+            missing = [m for m in ("fwd", "fwdbwd") if not prof.shapes[skey].fused_pairs(m)]
+            if fused and missing:  # an older profile: measure only the pairs it lacks
                 for T in _progress(tokens, f"fused {skey}", show):
                     gen = torch.Generator(device=device).manual_seed(1234 + T)
                     x = torch.randn(T, cfg.hidden, device=device, generator=gen).to(cfg.dtype)
-                    profile_fused(prof.shapes[skey], cfg, x, group, timer)
+                    profile_fused(prof.shapes[skey], cfg, x, group, timer, missing)
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)

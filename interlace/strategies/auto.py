@@ -11,9 +11,13 @@ run:
   graph) and on the forward one otherwise;
 * ``fused`` for a forward-only call where the profile *measured* the fused forward beside
   sequential's for this exact shape class (``ShapeProfile.fused``, interpolated over T·k) and
-  the predicted time beats the best of the above by more than ``FUSED_MARGIN``. Training calls
-  never choose it: a training call of ``fused`` runs sequential's path anyway (its default
-  ``train_path``), and ``fused:train`` measured slower (docs/benchmarks.md, run 36).
+  the predicted time beats the best of the above by more than ``FUSED_MARGIN``;
+* ``fused:train`` (the fused kernels forward and backward) for a training call, likewise from
+  measured ``fused:train`` / ``sequential`` forward + backward pairs (``ShapeProfile.fused_train``).
+  It won at 16384 tokens on the small-expert presets and lost at 4096 and on mixtral
+  (docs/benchmarks.md, run 65), so only measurements decide. It holds more memory than
+  ``sequential`` (+26–33% peak in run 65; up to 2.1× at EP = 4, run 40): ``train_fused=False``
+  keeps training calls off it.
 
 Strategies the profile has no measurements for are not chosen: the planner would only be
 guessing. Without a profile (e.g. CPU gloo ranks) it runs ``sequential`` and warns once.
@@ -40,7 +44,7 @@ FUSED_MARGIN = 0.05
 
 
 def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 16,
-                    mode: str = "fwd") -> tuple[str, list[str]]:
+                    mode: str = "fwd", train_fused: bool = True) -> tuple[str, list[str]]:
     """(strategy spec, notes) for ``tokens`` tokens per rank and a ``"fwd"`` or ``"fwdbwd"``
     call; raises FileNotFoundError without a profile."""
     if world == 1:
@@ -52,20 +56,22 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
     notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
     spec = "sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"
-    if mode != "fwd":
+    fused = "fused" if mode == "fwd" else "fused:train"
+    if mode != "fwd" and not train_fused:
+        notes.append("fused:train: not considered (train_fused=False)")
         return spec, notes
     shape = profile.shapes.get(shape_key(config, world))
-    speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k)
+    speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k, mode)
     if speedup is None:
-        notes.append("fused: no measured fused/sequential pairs for this shape class in the profile")
+        notes.append(f"{fused}: no measured {fused}/sequential {mode} pairs for this shape class in the profile")
         return spec, notes
     fused_ms = plan.per_degree_ms[1] / speedup if 1 in plan.per_degree_ms else float("inf")
     best_ms = plan.per_degree_ms[plan.degree]
-    measured_at = sorted({int(t) for t, *_ in shape.fused})
-    notes.append(f"fused: {speedup:.2f}x sequential at T={tokens} (pairs measured at T={measured_at}, held flat "
+    measured_at = sorted({int(t) for t, *_ in shape.fused_pairs(mode)})
+    notes.append(f"{fused}: {speedup:.2f}x sequential at T={tokens} (pairs measured at T={measured_at}, held flat "
                  f"outside), predicted {fused_ms:.3f} ms against {best_ms:.3f} ms for {spec}")
     if fused_ms < best_ms * (1 - FUSED_MARGIN):
-        return "fused", notes
+        return fused, notes
     return spec, notes
 
 
@@ -74,10 +80,11 @@ class AutoStrategy(Strategy):
     name = "auto"
     fused_routing = True
 
-    def __init__(self, config, ep, profile=None, max_degree: int = 16):
+    def __init__(self, config, ep, profile=None, max_degree: int = 16, train_fused: bool = True):
         super().__init__(config, ep)
         self._profile = profile
         self.max_degree = max_degree
+        self.train_fused = train_fused
         self.choices: dict[tuple[int, str], str] = {}
         self.notes: dict[tuple[int, str], list[str]] = {}
         self._impls: dict[str, Strategy] = {}
@@ -94,7 +101,7 @@ class AutoStrategy(Strategy):
 
                     self._profile = as_profile(self._profile, self.ep.world)  # read once
                 spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,
-                                              mode)
+                                              mode, self.train_fused)
             except FileNotFoundError as err:
                 if not self._warned:
                     warnings.warn(f"auto: {err}; running sequential (run `interlace profile` to plan)", stacklevel=2)
@@ -105,7 +112,7 @@ class AutoStrategy(Strategy):
 
     def _impl(self, spec: str, tokens: int) -> Strategy:
         impl = self._impls.get(spec)
-        if spec == "fused" and (impl is None or impl.max_tokens < tokens):
+        if spec in ("fused", "fused:train") and (impl is None or impl.max_tokens < tokens):
             # The fused buffers are sized once; a larger T than any before gets a new, larger
             # strategy. Every rank calls with the same T (the contract above), so all rebuild
             # together, and sizing by T needs no host sync.
