@@ -691,3 +691,7 @@ def main(argv=None) -> int:
     if dist.is_initialized():
         dist.barrier()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,9 +14,9 @@ run:
   the predicted time beats the best of the above by more than ``FUSED_MARGIN``;
 * ``fused:train`` (the fused kernels forward and backward) for a training call, likewise from
   measured ``fused:train`` / ``sequential`` forward + backward pairs (``ShapeProfile.fused_train``).
-  It won at 16384 tokens on the small-expert presets and lost at 4096 and on mixtral
-  (docs/benchmarks.md, run 65), so only measurements decide. It holds more memory than
-  ``sequential`` (+26–33% peak in run 65; up to 2.1× at EP = 4, run 40): ``train_fused=False``
+  It won on qwen2-moe and qwen3-30b-a3b at 8192–16384 tokens (1.01–1.18×) and lost elsewhere
+  (docs/benchmarks.md, run 68), so only measurements decide. It holds more memory than
+  ``sequential`` (+3–37% peak in run 68; up to 2.1× at EP = 4, run 40): ``train_fused=False``
   keeps training calls off it.
 
 Strategies the profile has no measurements for are not chosen: the planner would only be
