@@ -463,12 +463,13 @@ def test_fused_train_gloo_two_ranks_all_cases():
 def test_fused_train_gloo_four_ranks_and_tma_path(monkeypatch):
     """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
-    expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads)."""
+    expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads; persistent
+    programs storing the blocks through a descriptor)."""
     from helpers import run_gloo
     from test_distributed import _check_all
 
     monkeypatch.setenv("INTERLACE_TMA", "1")
-    monkeypatch.setenv("INTERLACE_WGRAD", "16,16,16,4,1,2,0,0,1")
+    monkeypatch.setenv("INTERLACE_WGRAD", "16,16,16,4,1,2,0,0,1,1")
     run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 

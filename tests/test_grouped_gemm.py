@@ -150,15 +150,17 @@ def test_swiglu_backward_regions_writes_only_the_used_rows(interpret, monkeypatc
         act.swiglu_backward_regions(h, g, used, 6)
 
 
-@pytest.mark.parametrize("mode", ["plain", "k-way"])
-def test_tma_fed_rows_match_reference(mode, monkeypatch):
+@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1)])
+def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied
     contiguous first): tiles of 16 rows over ragged experts, so a tile's A block runs into the
     next expert's rows (and past the last row), which must land only in masked output rows.
     The weight gradients read whole 16-row blocks of an expert's rows through descriptors and
-    its last partial block (17, 33 rows) through masked loads."""
+    its last partial block (17, 33 rows) through masked loads; ``persistent``: four programs loop
+    over the weight-gradient blocks and store them through a descriptor."""
     monkeypatch.setenv("INTERLACE_TMA", "1")
-    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX", "INTERLACE_WGRAD"):
+    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
         monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1")
+    monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
     monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1")
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)

@@ -56,7 +56,8 @@ from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma]]]]`` forces a config."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent]]]]]``
+    forces a config."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -353,28 +354,17 @@ def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q
 
 
 @triton.jit
-def _wgrad_kernel(
-    a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr, a_desc, b_desc,
-    P, Q, divisor, E,
-    HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0, ROWS_TMA: tl.constexpr = False,
-):
-    """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
+def _wgrad_item(item, a_ptr, b_ptr, gather_ptr, ends_ptr, a_desc, b_desc, P, Q, divisor, E,
+                HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+                GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr, ROWS_TMA: tl.constexpr):
+    """One output block of :func:`_wgrad_kernel`: item → (fp32 block, expert, P block, Q block).
 
-    The rows of expert e: ``[ends[e-1], ends[e])`` (``NUM_SEG == 0``), or NUM_SEG runs
-    ``[start, start + count)`` with ``ends_ptr`` a (2, NUM_SEG, E) int32 table of starts then
-    counts (the fused training path: an expert's rows from each source rank).
-
-    One program per (expert, P block, Q block), expert-major, and inside an expert grouped by
-    GROUP_P P blocks (L2 swizzle) so that running programs share the a and b column blocks they
-    stream; the rows of the expert are the reduction. ``ROWS_TMA`` (no gather): a and b read through
-    the host-built TMA descriptors ``a_desc`` (blocks BLOCK_R × BLOCK_P) and ``b_desc`` (BLOCK_R
-    × BLOCK_Q), but for each run's last partial block (else those arguments are unused)."""
-    pid = tl.program_id(0)
+    Items are expert-major, and inside an expert grouped by GROUP_P P blocks (L2 swizzle) so
+    that running programs share the a and b column blocks they stream."""
     n_p = tl.cdiv(P, BLOCK_P)
     n_q = tl.cdiv(Q, BLOCK_Q)
-    e = pid // (n_p * n_q)
-    r = pid % (n_p * n_q)
+    e = item // (n_p * n_q)
+    r = item % (n_p * n_q)
     per_group = GROUP_P * n_q
     first_p = (r // per_group) * GROUP_P
     group_size = tl.minimum(n_p - first_p, GROUP_P)
@@ -401,9 +391,53 @@ def _wgrad_kernel(
             else:
                 acc = _wgrad_rows(acc, a_ptr, b_ptr, gather_ptr, start, start + count, ps, qs, P, Q, divisor,
                                   HAS_GATHER, BLOCK_R)
+    return acc, e, pb, qb
+
+
+@triton.jit
+def _wgrad_kernel(
+    a_ptr, b_ptr, gather_ptr, out_ptr, ends_ptr, a_desc, b_desc,
+    P, Q, divisor, E,
+    HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0, ROWS_TMA: tl.constexpr = False,
+):
+    """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[src(r), :Q], src(r) = gather[r] // divisor.
+
+    The rows of expert e: ``[ends[e-1], ends[e])`` (``NUM_SEG == 0``), or NUM_SEG runs
+    ``[start, start + count)`` with ``ends_ptr`` a (2, NUM_SEG, E) int32 table of starts then
+    counts (the fused training path: an expert's rows from each source rank).
+
+    One program per (expert, P block, Q block) (:func:`_wgrad_item`); the rows of the expert
+    are the reduction. ``ROWS_TMA`` (no gather): a and b read through the host-built TMA
+    descriptors ``a_desc`` (blocks BLOCK_R × BLOCK_P) and ``b_desc`` (BLOCK_R × BLOCK_Q), but for
+    each run's last partial block (else those arguments are unused)."""
+    acc, e, pb, qb = _wgrad_item(tl.program_id(0), a_ptr, b_ptr, gather_ptr, ends_ptr, a_desc, b_desc, P, Q,
+                                 divisor, E, HAS_GATHER, BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, NUM_SEG, ROWS_TMA)
+    ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     out = out_ptr + e.to(tl.int64) * P * Q
     tl.store(out + ps[:, None].to(tl.int64) * Q + qs[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(ps < P)[:, None] & (qs < Q)[None, :])
+
+
+@triton.jit
+def _wgrad_persistent_kernel(
+    a_ptr, b_ptr, out_ptr, ends_ptr, a_desc, b_desc, out_desc,
+    P, Q, E, num_programs,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0,
+):
+    """:func:`_wgrad_kernel` (rows through TMA, no gather) with one program per SM looping over
+    the output blocks, each stored through the TMA descriptor ``out_desc`` over out viewed as
+    (E·P, Q) (P a multiple of BLOCK_P, so a block never reaches into the next expert). The
+    store is asynchronous: it drains while the program starts its next block. With few rows per
+    expert the reduction is only a few steps long, and the one-program-per-block kernel spends
+    about as long writing a block as computing it (docs/benchmarks.md, run 69)."""
+    n_items = E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
+    for item in tl.range(tl.program_id(0), n_items, num_programs):
+        acc, e, pb, qb = _wgrad_item(item, a_ptr, b_ptr, a_ptr, ends_ptr, a_desc, b_desc, P, Q, 1, E, False,
+                                     BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, NUM_SEG, True)
+        out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
 
 
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
@@ -556,7 +590,8 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
     or from ``segments`` (2, S, E) int32 (starts, then counts: S runs of rows per expert).
     With ``tma`` (TMA descriptors usable here) and ``config.a_tma``, ungathered a and b rows are
-    read through descriptors."""
+    read through descriptors; with ``config.persistent`` too (and P a multiple of the block),
+    persistent programs store the blocks through a descriptor (:func:`_wgrad_persistent_kernel`)."""
     E = out.shape[0]
     if E == 0:
         return out
@@ -572,7 +607,18 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         b_desc = TensorDescriptor.from_tensor(b, [config.block_k, config.block_n])
     else:
         a_desc, b_desc = a, b  # unused
-    _wgrad_kernel[(E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n),)](
+    items = E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n)
+    if rows_tma and config.persistent and P % config.block_m == 0:
+        out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
+        programs = _num_programs(out.device, items)
+        _wgrad_persistent_kernel[(programs,)](
+            a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
+            BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
+            NUM_SEG=0 if segments is None else segments.shape[1],
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
+    _wgrad_kernel[(items,)](
         a, b, gather if gather is not None else table, out, table, a_desc, b_desc, P, Q, divisor, E,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
         GROUP_P=config.group_m, NUM_SEG=0 if segments is None else segments.shape[1],

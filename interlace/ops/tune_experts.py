@@ -29,8 +29,10 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
 # GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
-# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act, a_tma.
+# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act, a_tma,
+# persistent.
 A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous first)
+P = dict(a_tma=1, persistent=1)  # weight gradients: persistent programs, TMA stores
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
@@ -56,7 +58,11 @@ CANDIDATES = {
                      # short reductions (few rows per expert): smaller programs, two per SM, so one
                      # program's epilogue and pipeline fill run under another's main loop
                      GemmConfig(128, 128, 64, 4, 3, **A), GemmConfig(128, 128, 64, 4, 2, **A),
-                     GemmConfig(128, 256, 64, 8, 2, **A), GemmConfig(128, 256, 64, 8, 3, 16, **A)],
+                     GemmConfig(128, 256, 64, 8, 2, **A), GemmConfig(128, 256, 64, 8, 3, 16, **A),
+                     # persistent programs, blocks stored through TMA (the store drains under the
+                     # next block's loads)
+                     GemmConfig(128, 256, 64, 8, 3, **P), GemmConfig(128, 256, 64, 8, 3, 16, **P),
+                     GemmConfig(128, 256, 64, 8, 2, **P), GemmConfig(128, 128, 64, 8, 4, **P)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]

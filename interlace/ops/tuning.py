@@ -40,6 +40,9 @@ class GemmConfig:
     # copied contiguous first). Else A is a pipelined tl.load. For the weight gradients: both
     # operands' rows through descriptors (an expert's last partial block of rows by masked loads).
     a_tma: int = 0
+    # Weight gradients with a_tma only: persistent programs (one per SM) that store each output
+    # block through a TMA descriptor, so the store drains under the next block's loads.
+    persistent: int = 0
 
 
 @dataclass(frozen=True)
