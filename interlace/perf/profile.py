@@ -654,7 +654,8 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=None,
                    help="also measure the --configs' TP shard classes on a TP = this mesh "
                         "(interlace.plan.tp_profile; the TP x EP planner uses them)")
-    p.add_argument("--no-fused", action="store_true", help="do not time the fused strategy beside sequential")
+    p.add_argument("--no-fused", action="store_true",
+                   help="do not time fused (forward) and fused:train (training) beside sequential")
     p.add_argument("--fused-from", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="offline, no measurement: add the fused/sequential forward pairs of these "
                         "`interlace bench` results to the profile --out")
