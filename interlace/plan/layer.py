@@ -29,7 +29,9 @@ size); elsewhere (clusters, the layout search) it is modelled as COMET's fine-gr
 hiding 86.5% of the shorter of communication and compute (COMET §5.3). Backward (training)
 repeats the op list with twice the expert time (input and weight gradients); a training call of
 ``fused`` runs ``sequential``'s forward and backward (the strategy's default ``train_path``;
-``fused:train`` measured slower), so its backward is that of ``sequential``.
+``fused:train`` measured slower on most shapes, docs/benchmarks.md run 68), so its backward is
+that of ``sequential``. This planner does not model ``fused:train``; ``auto`` picks it from
+measured pairs only.
 
 Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
 :class:`ProfileMachine` (a measured ``interlace profile``; for TP = 1 the calibrated planner of
