@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                    help="rows per expert to tune for (powers of two)")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="instead of --buckets: per preset, the buckets of these tokens per GPU (T·k / experts per GPU)")
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=None,
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
                    help="tune only these kernels and write only their tables (default: all)")
     p.add_argument("--out", default=None, help="folder for the tables (default: $INTERLACE_TUNING_DIR or "
                                                 "the package's tuning folder)")
@@ -214,9 +214,8 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
     for line in failures:
         print(f"skipped {line}")
-    tuned = args.kernels or KERNELS
-    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(found[tuned[0]])} "
-          f"(shape, bucket) entries, {len(tuned)} kernels")
+    print(f"tuning took {seconds:.1f} s for {len(shapes)} shape classes, {len(found[args.kernels[0]])} "
+          f"(shape, bucket) entries, {len(args.kernels)} kernels")
     return 0
 
 
