@@ -17,6 +17,9 @@
 #   pull     layer1 in pull mode (combine_pull=1: GEMM1 tiles stored locally, the homes' combine
 #            programs load the rows from their owners): gpu_check.py with it, then the A/B against
 #            the default with more combine programs (n_comm1 8, 16, 24) on the small-expert presets
+#   push     layer1 in push mode (combine_push=1: GEMM1 tiles with a remote home staged locally, the
+#            combine programs push them home as they are ready): gpu_check.py with it, the same A/B,
+#            then qwen3-30b-a3b 8192 timelines: the default, push mode, push mode with n_comm1 16
 # usage: bash scripts/device_fused.sh STEP [STEP ...]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -60,6 +63,21 @@ for step in "$@"; do
              --variants ${AB_VARIANTS:-default combine_pull=1 combine_pull=1,n_comm1=8 combine_pull=1,n_comm1=16 \
              combine_pull=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/pull.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/pull.log" | tail -80 ;;
+    push)  INTERLACE_FUSED=combine_push=1 torchrun --nproc-per-node 2 scripts/gpu_check.py > "$OUT/check_push.log" 2>&1 \
+             || status=1
+           tail -1 "$OUT/check_push.log"
+           torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
+             --hidden-configs ${AB_CONFIGS:-qwen2-moe qwen3-30b-a3b flashdmoe-cfg} --hidden-tokens ${AB_TOKENS:-8192 16384} \
+             --variants ${AB_VARIANTS:-default combine_push=1 combine_push=1,n_comm1=8 combine_push=1,n_comm1=16 \
+             combine_push=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/push.log" 2>&1 || status=1
+           grep -E '^ab |disagree|FAILED' "$OUT/push.log" | tail -80
+           for v in default push push16; do  # push16: push mode with 16 combine programs
+             mkdir -p "$OUT/timeline_$v"
+             INTERLACE_FUSED=$([ $v = default ] || echo combine_push=1) torchrun --nproc-per-node 2 \
+               -m interlace.bench.timeline --config qwen3-30b-a3b --tokens 8192 \
+               $([ $v = push16 ] && echo --n-comm1 16) --out "$OUT/timeline_$v" > "$OUT/timeline_$v.log" 2>&1 || status=1
+             grep -E '^\|' "$OUT/timeline_$v.log" | tail -3; grep -E 'layer median' "$OUT/timeline_$v.log"
+           done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -123,9 +123,12 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
         # layer0's sends as TMA stores, the rows past a partial tile clipped
         variants.append(dict(slice_group=2, send_tma=1, copy_rows=8, copy_cols=32))
-    # layer1 in pull mode: tiles stored locally, combines loading from the owners
+    # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
+    # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))
     variants.append(dict(slice_group=0, combine_pull=1, defer_count=0))
+    variants.append(dict(slice_group=2, combine_push=1, copy_rows=8))
+    variants.append(dict(slice_group=0, combine_push=1, defer_count=0))
     for variant in variants:
         kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
@@ -141,7 +144,7 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
 def test_fused_pull_combine_matches_reference(world, tokens, capacity):
     """Pull mode (``combine_pull``): GEMM1 tiles land in their owner's own region and each home
     loads its rows from the owners. Over two calls (epochs) it matches the reference (without
-    drops) and equals the push path bit for bit (with drops: the reference has no capacity),
+    drops) and equals the default path bit for bit (with drops: the reference has no capacity),
     and the homes' ``ret`` buffers stay untouched, so the rows really came by the pull path."""
     from dataclasses import replace
 
@@ -151,7 +154,7 @@ def test_fused_pull_combine_matches_reference(world, tokens, capacity):
                     **({} if capacity is None else dict(capacity_factor=capacity)))
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 10))
     results, engines = simulate(cfg, tokens, idxs, calls=2, kernel=replace(INTERPRETER_CONFIG, combine_pull=1))
-    pushed, _ = simulate(cfg, tokens, idxs, calls=2)  # same inputs (seeded), rows pushed to ret
+    pushed, _ = simulate(cfg, tokens, idxs, calls=2)  # same inputs (seeded), the default path: rows stored to ret
     for (outs, refs), (outs_push, _) in zip(results, pushed):
         for out, ref, out_push, idx in zip(outs, refs, outs_push, idxs):
             assert torch.equal(out, out_push)
@@ -163,6 +166,76 @@ def test_fused_pull_combine_matches_reference(world, tokens, capacity):
         assert not all(bool(capacity_keep_mask(idx, cfg).all()) for idx in idxs), "nothing was dropped"
     assert all(e.pulls() and not e.pulls(keep_rows=True) for e in engines)
     assert all(int(e.buf.views["ret"].count_nonzero()) == 0 for e in engines), "a tile was pushed to ret"
+
+
+@pytest.mark.parametrize("world,tokens,capacity", [
+    (2, [37, 21], None),       # ragged segments, rows not divisible by the tile
+    (3, [9, 0, 26], None),     # an empty rank
+    (4, [5, 17, 1, 12], 0.5),  # capacity drops
+])
+def test_fused_push_combine_matches_reference(world, tokens, capacity):
+    """Push mode (``combine_push``): GEMM1 tiles with a remote home are staged in their owner's
+    region and the combine programs push them home before combining. Over two calls (epochs) it
+    matches the reference (without drops) and the default path bit for bit, and every remote
+    tile of every slice went through a staging flag of this call (none of a local tile), so the
+    rows really came by the pushes."""
+    from dataclasses import replace
+
+    from interlace.reference import capacity_keep_mask
+
+    cfg = MoEConfig(hidden=40, ffn=24, num_experts=2 * world, top_k=2, dtype=torch.float32,
+                    **({} if capacity is None else dict(capacity_factor=capacity)))
+    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 20))
+    kernel = replace(INTERPRETER_CONFIG, combine_push=1)
+    results, engines = simulate(cfg, tokens, idxs, calls=2, kernel=kernel)
+    default, _ = simulate(cfg, tokens, idxs, calls=2)
+    for (outs, refs), (outs_default, _) in zip(results, default):
+        for out, ref, out_default, idx in zip(outs, refs, outs_default, idxs):
+            assert torch.equal(out, out_default)
+            if capacity is None:
+                assert rel_err(out, ref) < 1e-5
+            else:
+                assert (out[~capacity_keep_mask(idx, cfg).any(1)] == 0).all()
+    assert all(e.pushes() and not e.pushes(keep_rows=True) for e in engines)
+    El = cfg.num_experts // world
+    counts_all = torch.stack([e.dispatch_index(i)[2] for e, i in zip(engines, idxs)]).to(torch.int32)
+    staged = 0
+    for r, eng in enumerate(engines):
+        plan = build_plan(counts_all, r, El, max(tokens), cfg.top_k, kernel.block_m)
+        segs = plan.recv_tiles[0][:int(plan.recv_tiles[2])]
+        remote = int(((r + segs // El) % world != r).sum())
+        n_slices = eng.buf.spec.num_slices
+        flags = eng.buf.items1
+        assert int((flags == 2).sum()) == n_slices * remote, (r, remote)
+        assert int((flags != 0).sum()) == n_slices * remote  # one flag per staged item, none for local tiles
+        staged += remote
+    assert staged > 0
+
+
+def test_push_waits_time_out_with_a_named_error():
+    """A push whose GEMM1 item never ran (the "gemm" phase skipped) times out and names the
+    tile, slice and home instead of hanging."""
+    from dataclasses import replace
+
+    cfg = MoEConfig(hidden=64, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
+    kernel = replace(INTERPRETER_CONFIG, combine_push=1)
+    spec = BufferSpec(2, 1, 64, 1, 8, kernel.block_m, kernel.block_n1, cfg.dtype)
+    bufs = simulated_world(spec)
+    eng = FusedEngine(cfg, bufs[0], kernel, 4, 1, 1, max_spins=50)
+    w_up, w_down = init_expert_weights(cfg, [0], 0, torch.device("cpu"))
+    idx = torch.zeros(8, 1, dtype=torch.long)  # every token on expert 0, on rank 0: rank 1's are remote rows
+    index = eng.dispatch_index(idx)
+    counts_all = torch.tensor([[8, 0], [8, 0]], dtype=torch.int32)
+    bufs[0].advance_epoch()
+    call = eng.prepare(torch.randn(8, 64), torch.rand(8, 1), index, counts_all)
+    eng.layer1(call, w_down, "push")
+    from interlace.strategies.fused import check_error_record
+
+    with pytest.raises(RuntimeError, match=r"rank 0: timed out waiting for its own GEMM1 output \(row tile 1, "
+                                           r"N-slice 0, home rank 1\) to push \(flag value 0, expected epoch 1\)"):
+        check_error_record(bufs[0])
+    with pytest.raises(ValueError, match="combine_pull and combine_push are two layer1 modes"):
+        replace(kernel, combine_pull=1)
 
 
 @pytest.mark.parametrize("send_tma", [0, 1])
@@ -293,12 +366,12 @@ i64 = {"ret_table", "flags1_table", "recv_table", "flags0_table", "timeline_ptr"
 ret_tma = []  # layer1 with its rows as TMA stores: the bulk store, and a full wait before each count
 widths(l1._gemm1_combine_kernel,
        dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True, COMBINE_PULL=False),
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True, COMBINE_PULL=False, PUSH_RET=False),
        {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}, ret_tma)
 pull = []  # layer1 in pull mode: the combine's row loads from the owners' regions are 16-byte too
 widths(l1._gemm1_combine_kernel,
        dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=True),
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=True, PUSH_RET=False),
        {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64 | {"y_table"}, {"weight_ptr"}, pull)
 print(json.dumps(Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(ld\.global[\w.]*)", pull[0]))))
 events = re.findall(r"(cp\.async\.bulk\.tensor\.2d\.global\.shared::cta|cp\.async\.bulk\.wait_group 0;"
@@ -308,8 +381,14 @@ print(json.dumps({
     "layer1": widths(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
                           B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False,
-                          COMBINE_PULL=False),
+                          COMBINE_PULL=False, PUSH_RET=False),
                      {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}),
+    # push mode: the combine programs' pushes of staged tiles into their homes
+    "layer1_push": widths(l1._gemm1_combine_kernel,
+                          dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
+                               B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
+                               BULK_WAIT=False, COMBINE_PULL=False, PUSH_RET=True, COPY_ROWS=16),
+                          {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                           GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,

@@ -17,6 +17,7 @@ import triton.language as tl
 # What a wait was for (stored in the error record); constexpr so kernels may read them.
 WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
 WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
+WAIT_PUSH1 = tl.constexpr(3)  # layer1 push mode: a push waiting for this rank's own GEMM1 item
 
 
 @triton.jit
@@ -86,6 +87,8 @@ def describe_error(record: list[int]) -> str | None:
     _, rank, kind, peer, what, tile, flag, epoch = record[:8]
     if kind == WAIT_LAYER0.value:
         waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
+    elif kind == WAIT_PUSH1.value:
+        waited = f"its own GEMM1 output (row tile {tile}, N-slice {what}, home rank {peer}) to push"
     else:
         waited = f"expert outputs from rank {peer} for N-slice {what}"
     return (f"rank {rank}: timed out waiting for {waited} (flag value {flag}, expected epoch {epoch}); "
@@ -93,7 +96,7 @@ def describe_error(record: list[int]) -> str | None:
 
 
 # ---- work queues: programs claim work items with an atomic counter ----------------------
-# A queue is 3 int32 on the device: [counter A, counter B, programs done]. Items are handed
+# A queue is 4 int32 on the device: [counter A, counter B, programs done, counter C]. Items are handed
 # out in order, so "all items before mine were claimed by running programs" holds, which is
 # what makes waiting on them deadlock-free whatever the block scheduling. The last program
 # to finish resets the queue for the next launch (stream order separates launches).
@@ -105,21 +108,24 @@ def claim(counter_ptr):
 
 @triton.jit
 def finish_queue(queue_ptr, n_programs):
-    """Count this program out; the last one resets the queue's three counters."""
+    """Count this program out; the last one resets the queue's four counters."""
     if tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
         tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(queue_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 3, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(queue_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
 def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights) -> tuple[int, int, bool]:
     """(pid_base, grid, use TMA) of a fused-kernel launch. ``role``: ``"all"`` (one launch, both
-    program roles), ``"comm"`` (programs [0, n_comm)) or ``"gemm"`` (the rest)."""
+    program roles), ``"comm"`` (programs [0, n_comm)), ``"push"`` (the same programs, layer1's
+    pushes only: simulated ranks run every rank's pushes before any combine) or ``"gemm"`` (the rest)."""
     from interlace.ops.grouped_gemm import _ensure_allocator, use_tma
 
     if not 0 < n_comm < n_programs:
         raise ValueError(f"{layer} needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
-    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "gemm": (n_comm, n_programs - n_comm)}[role]
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "push": (0, n_comm),
+                      "gemm": (n_comm, n_programs - n_comm)}[role]
     tma = use_tma(weights)
     if tma:
         _ensure_allocator()

@@ -24,6 +24,15 @@ until their 64 KiB drained); the combine programs carry the transfer. A home dis
 for owner d lives at row ``home·cap + r − (first dispatch row for d)`` of d's region: the same
 place the row's token went in layer0. The region is next written by the home's next layer0
 sends, which start only after the home's combine has finished.
+
+**Push mode** (``PUSH_RET``): a GEMM tile with a remote home is stored in the owner's own
+``recv`` region too (the same place as in pull mode) and its per-item flag is released; the
+combine programs first *push* those tiles to their homes, in the GEMM items' order as they
+become ready, count them on the (home, slice) counters and only then start combining. The
+GEMM programs never store over NVLink and the bytes still cross under GEMM1 (pull mode's
+loads wait for whole tokens, so they came after it, run 64); the pushes use programs that
+would otherwise spin on the first slice's flags. Tiles of this rank's own tokens go straight
+to ``ret`` as in the default mode.
 """
 
 from __future__ import annotations
@@ -32,10 +41,11 @@ import triton
 import triton.language as tl
 
 from interlace.ops.expert_tile import slice_grouped_work
-from interlace.ops.flags import (WAIT_LAYER1, bulk_stores_done, claim, finish_queue, launch_roles, peer_region,
-                                 publish_flag, wait_flag)
+from interlace.ops.flags import (WAIT_LAYER1, WAIT_PUSH1, bulk_stores_done, claim, finish_queue, launch_roles,
+                                 peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
-from interlace.ops.timeline import KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, timeline_now, timeline_record
+from interlace.ops.timeline import (KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, KIND_PUSH1, timeline_now,
+                                    timeline_record)
 
 
 @triton.jit
@@ -54,6 +64,49 @@ def _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, 
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
         flags = peer_region(flags1_table, s, tl.int32)
         publish_flag(flags + me * n_slices + sl, epoch)
+
+
+@triton.jit
+def _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source,
+                recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
+                queue_ptr, epoch, error_ptr, me, W, N, cap, num_local, T, max_spins, slice_group, pid,
+                timeline_ptr, timeline_clock, timeline_cap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, COPY_ROWS: tl.constexpr, TIMELINE: tl.constexpr):
+    """Push mode: move staged tiles with a remote home to it, claimed in the GEMM items' order
+    (a push waits only on an item that a running GEMM program holds, and GEMM items never
+    wait; joined GEMM programs help with the last ones), then count each for its home."""
+    n_slices = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.load(recv_num_tiles)
+    offs_r = tl.arange(0, COPY_ROWS)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_tb = tl.cdiv(T, BLOCK_T)
+    p = claim(queue_ptr + 3)
+    while p < n_slices * n_tiles:
+        tile, sl = slice_grouped_work(p, n_tiles, n_slices, slice_group, GROUP_M)
+        seg = tl.load(recv_tile_seg + tile)
+        s = (me + seg // num_local) % W
+        if s != me:
+            t_start = timeline_now(timeline_clock, TIMELINE)
+            i = tl.load(recv_tile_idx + tile)
+            wait_flag(items_ptr + p, epoch, max_spins, error_ptr, me, WAIT_PUSH1, s, sl, tile)
+            tl.debug_barrier()  # the staged rows are read after the acquire, by every thread
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            n_rows = tl.minimum(tl.load(recv_count + seg) - i * BLOCK_M, BLOCK_M)
+            src_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            dst_row0 = tl.load(recv_ret_row0 + seg) + i * BLOCK_M
+            dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
+            cols = sl * BLOCK_N + offs_n
+            cmask = cols < N
+            for r0 in range(0, n_rows, COPY_ROWS):
+                r = r0 + offs_r
+                m = (r < n_rows)[:, None] & cmask[None, :]
+                v = tl.load(y_ptr + (src_row0 + r).to(tl.int64)[:, None] * N + cols[None, :], mask=m)
+                tl.store(dst + (dst_row0 + r).to(tl.int64)[:, None] * N + cols[None, :], v, mask=m)
+            _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch)
+            if TIMELINE:  # slots after the combine tasks'
+                timeline_record(timeline_ptr, timeline_cap, n_slices * (n_tiles + n_tb) + p, epoch, pid, KIND_PUSH1,
+                                p, t_start, t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
+        p = claim(queue_ptr + 3)
 
 
 @triton.jit
@@ -79,6 +132,10 @@ def _gemm1_combine_kernel(
     COMBINE_PULL: tl.constexpr = False,  # pull mode (module docstring)
     y_ptr=None, y_table=None, send_row0_ptr=None,  # pull mode: this rank's recv (W·cap, N), its peers'
     # addresses, and the first dispatch row of each (destination, expert) segment (W·E_l,)
+    PUSH_RET: tl.constexpr = False,  # push mode (module docstring); y_ptr is the staging region
+    items_ptr=None,  # push mode: (≥ S·tiles,) int32 per-item staging flags (epochs), local
+    push_only=0,  # push mode, simulated ranks: these programs push, then leave (no combine)
+    COPY_ROWS: tl.constexpr = 16,  # push mode: rows per load/store step of a push
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -150,9 +207,21 @@ def _gemm1_combine_kernel(
                                 BULK_WAIT)
             ret_row0 = tl.load(recv_ret_row0 + seg)
             dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
+            count_s = s  # the home whose (home, slice) counter this program counts the tile on
             if COMBINE_PULL:  # into this rank's own region, at the h rows' positions
                 tl.store(y_ptr + h_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
                          mask=rmask[:, None] & cmask[None, :])
+            elif PUSH_RET:
+                if s != me:  # staged locally; a push program moves it and counts it
+                    tl.store(y_ptr + h_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                             mask=rmask[:, None] & cmask[None, :])
+                    tl.debug_barrier()  # every thread's stores before the release
+                    tl.atomic_xchg(items_ptr + work, epoch, sem="release", scope="gpu")
+                    count_s = tl.full((), -1, tl.int32)
+                else:
+                    ret_rows = (ret_row0 + i * BLOCK_M + offs_m).to(tl.int64)
+                    tl.store(ret_ptr + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                             mask=rmask[:, None] & cmask[None, :])
             elif RET_TMA:
                 # RET_TMA: the TMA unit moves the tile (over NVLink for a peer home), meant to let
                 # the program go on where register stores to a peer stall it until they drain
@@ -169,9 +238,9 @@ def _gemm1_combine_kernel(
                 tl.store(dst + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
                          mask=rmask[:, None] & cmask[None, :])
             if DEFER_COUNT:
-                pend_s = s
+                pend_s = count_s
                 pend_sl = sl
-            else:  # count the tile now; the last of (home s, slice) publishes
+            elif count_s >= 0:  # count the tile now; the last of (home s, slice) publishes
                 _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch, BULK_WAIT)
             if TIMELINE:
                 kind = tl.where(s == me, KIND_GEMM1, KIND_GEMM1_REMOTE)  # by the rows' home
@@ -182,7 +251,14 @@ def _gemm1_combine_kernel(
             if pend_s >= 0:  # before this program joins the combine, which may wait on it
                 _count_tile(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me, epoch,
                             BULK_WAIT)
-    if (pid < n_comm) | (join != 0):
+    if PUSH_RET:
+        if (pid < n_comm) | (join != 0):
+            _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source,
+                        recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
+                        queue_ptr, epoch, error_ptr, me, W, N, cap, num_local, T, max_spins, slice_group, pid,
+                        timeline_ptr, timeline_clock, timeline_cap, BLOCK_M, BLOCK_N, BLOCK_T, GROUP_M, COPY_ROWS,
+                        TIMELINE)
+    if ((pid < n_comm) | (join != 0)) & (push_only == 0):
         # ---- combine work: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32. Tasks
         # are claimed in slice order; GEMM programs join once every GEMM item is claimed (when
         # ``join``), so a waiting task only waits on items running programs hold.
@@ -235,19 +311,27 @@ def _gemm1_combine_kernel(
                 timeline_record(timeline_ptr, timeline_cap, n_slices * tl.load(recv_num_tiles) + task, epoch, pid,
                                 KIND_COMBINE, task, t_start, t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
             task = claim(queue_ptr + 1)
-    finish_queue(queue_ptr, n_programs)
+    if push_only == 0:
+        finish_queue(queue_ptr, n_programs)
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
                   config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False,
-                  pull: bool = False):
-    """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"`` or ``"comm"`` (combine only).
+                  pull: bool = False, push: bool = False):
+    """Launch layer1 on this rank. ``role``: ``"all"``, ``"gemm"``, ``"push"`` (push mode's
+    pushes only, before any rank's ``"comm"``) or ``"comm"`` (pushes left, then the combine).
     ``timeline``: as for :func:`interlace.ops.fused_dispatch.dispatch_gemm0`. ``w_kmajor``:
     ``w_down`` is a (E_l, K, N) matrix used as stored and ``h`` has K columns (the backward's
     d_h @ W_up, K = up width). ``pull``: pull mode (module docstring; needs peer loads, so not
-    on the staged transport, and leaves ``ret`` unwritten)."""
+    on the staged transport, and leaves ``ret`` unwritten). ``push``: push mode (module
+    docstring; stages tiles in this rank's ``recv`` region, so not where the caller reads it after)."""
     if pull and buf.kind == "staged":
         raise ValueError("the pull combine loads rows from peers' buffers; the staged transport has none")
+    if push and (pull or buf.kind == "staged"):
+        raise ValueError("push mode needs peer stores from the combine programs (not the staged transport) "
+                         "and excludes pull mode")
+    if role == "push" and not push:
+        raise ValueError("role 'push' is push mode's first phase")
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
@@ -255,6 +339,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     ret_tma = bool(config.ret_tma) and tma and N * h.element_size() % 16 == 0
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
+    if push and spec.num_slices * plan.recv_tiles[3] > buf.items1.numel():
+        raise ValueError(f"push mode: {spec.num_slices} slices × {plan.recv_tiles[3]} tiles exceed the buffer's "
+                         f"{buf.items1.numel()} item flags")
     _gemm1_combine_kernel[(grid,)](
         h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
         plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],
@@ -267,8 +354,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
         num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
-        DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not pull,
-        BULK_WAIT=ret_tma and not pull and h.is_cuda, COMBINE_PULL=pull,
-        y_ptr=v["recv"] if pull else None, y_table=buf.tables["recv"] if pull else None,
+        DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not (pull or push),
+        BULK_WAIT=ret_tma and not (pull or push) and h.is_cuda, COMBINE_PULL=pull,
+        y_ptr=v["recv"] if pull or push else None, y_table=buf.tables["recv"] if pull else None,
         send_row0_ptr=plan.send_row0 if pull else None,
+        PUSH_RET=push, items_ptr=buf.items1 if push else None, push_only=int(role == "push"), COPY_ROWS=config.copy_rows,
     )

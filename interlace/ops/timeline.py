@@ -5,7 +5,8 @@ nothing. On, every work item a program executes writes one record of 8 int64 int
 its own — no atomic cursor: a work item is claimed exactly once, so its index is its slot:
 
     layer0: send tile ``task`` → slot ``task``; GEMM0 item ``work`` → ``n_send + work``
-    layer1: GEMM1 item ``work`` → slot ``work``; combine task → ``n_gemm1 + task``
+    layer1: GEMM1 item ``work`` → slot ``work``; combine task → ``n_gemm1 + task``; push mode's
+            push of item ``p`` → ``n_gemm1 + n_combine + p``
 
 Record: ``[epoch, program id, SM id, kind, item, start, waited, end]``. ``waited`` is the
 time the item's flag wait ended (= ``start`` for items that do not wait), so ``waited −
@@ -25,15 +26,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
-# gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (in push mode
-# its output crosses NVLink from this program).
-KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote")
+# gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (by default
+# its output crosses NVLink from this program; in layer1's push mode a push1 item moves it).
+KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote", "push1")
 KIND_SEND = tl.constexpr(0)
 KIND_GEMM0_LOCAL = tl.constexpr(1)
 KIND_GEMM0_REMOTE = tl.constexpr(2)
 KIND_GEMM1 = tl.constexpr(3)
 KIND_COMBINE = tl.constexpr(4)
 KIND_GEMM1_REMOTE = tl.constexpr(5)
+KIND_PUSH1 = tl.constexpr(6)
 FIELDS = ("epoch", "pid", "sm", "kind", "item", "start", "waited", "end")
 CLOCK_GPU, CLOCK_LOGICAL = 1, 2
 
@@ -107,6 +109,7 @@ class TimelineBuffer:
 
 def layer_capacities(plan, n_blocks0: int, n_slices: int, tokens: int, block_t: int) -> tuple[int, int]:
     """Upper bounds of the work items of layer0 (send tiles + GEMM0 items) and layer1 (GEMM1
-    items + combine tasks) of a call, from the plan's tile-list sizes (host ints, no sync)."""
+    items + combine tasks + push mode's pushes) of a call, from the plan's tile-list sizes (host
+    ints, no sync)."""
     send_max, recv_max = plan.send_tiles[3], plan.recv_tiles[3]
-    return send_max + recv_max * n_blocks0, n_slices * (recv_max + triton.cdiv(max(tokens, 1), block_t))
+    return send_max + recv_max * n_blocks0, n_slices * (2 * recv_max + triton.cdiv(max(tokens, 1), block_t))

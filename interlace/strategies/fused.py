@@ -125,6 +125,10 @@ class FusedKernelConfig:
     # pull mode never gathers; the staged transport has no peer loads). Measured 3–11% slower (run 64):
     # the GEMM tiles stop stalling, but the pulls wait for whole tokens and land after GEMM1.
     combine_pull: int = 0
+    # layer1 in push mode (interlace.ops.fused_combine): GEMM tiles with a remote home are staged
+    # locally and the combine programs push them to their homes as they become ready (same
+    # limits as pull mode: inference forward on peer-store transports). Off until measured.
+    combine_push: int = 0
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -137,13 +141,15 @@ class FusedKernelConfig:
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
-        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull"):
+        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
         # A TMA box is at most 256 elements along each dimension.
         if self.send_tma and max(self.copy_rows, self.copy_cols) > 256:
             raise ValueError(f"fused kernel config: send_tma stores copy_rows × copy_cols boxes, each side ≤ 256; got "
                              f"{self.copy_rows} × {self.copy_cols} (e.g. INTERLACE_FUSED=send_tma=1,copy_cols=256)")
+        if self.combine_pull and self.combine_push:
+            raise ValueError("fused kernel config: combine_pull and combine_push are two layer1 modes; pick one")
         if self.ret_tma and max(self.block_m, self.block_n1) > 256:
             raise ValueError(f"fused kernel config: ret_tma stores block_m × block_n1 boxes, each side ≤ 256; got "
                              f"{self.block_m} × {self.block_n1}")
@@ -256,12 +262,18 @@ class FusedEngine:
         gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
                       n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
                       max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward,
-                      pull=self.pulls(backward or keep_rows))
+                      pull=self.pulls(backward or keep_rows), push=self.pushes(backward or keep_rows))
 
     def pulls(self, keep_rows: bool = False) -> bool:
         """Whether layer1 runs in pull mode: asked for (``combine_pull``), on a transport with
         peer loads, and no returned rows wanted afterwards (training, the backward)."""
         return bool(self.kernel.combine_pull) and self.buf.kind != "staged" and not keep_rows
+
+    def pushes(self, keep_rows: bool = False) -> bool:
+        """Whether layer1 runs in push mode: asked for (``combine_push``), on a transport with
+        peer stores, and the receive buffer not read after the call (training reads the rows
+        it received there; the backward's weight gradients read its layer0 rows)."""
+        return bool(self.kernel.combine_push) and self.buf.kind != "staged" and not keep_rows
 
 
 def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
@@ -271,11 +283,11 @@ def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups
     for eng in engines:
         eng.buf.advance_epoch()
     calls = [eng.prepare(x, w, ix, counts_all) for eng, x, w, ix in zip(engines, xs, topk_weights, indices)]
-    for phase in (("layer0", "comm"), ("layer0", "gemm"), ("layer1", "gemm"), ("layer1", "comm")):
+    for phase in (("layer0", "comm"), ("layer0", "gemm"), ("layer1", "gemm"), ("layer1", "push"), ("layer1", "comm")):
         for eng, call, wu, wd in zip(engines, calls, w_ups, w_downs):
             if phase[0] == "layer0":
                 eng.layer0(call, wu, phase[1])
-            else:
+            elif phase[1] != "push" or eng.pushes():
                 eng.layer1(call, wd, phase[1])
     for eng in engines:
         check_error_record(eng.buf)
@@ -510,6 +522,8 @@ class FusedStrategy(Strategy):
             if between is not None:
                 between()
             eng.layer1(call, w1, "gemm", backward=backward, keep_rows=pre is not None)
+            if eng.pushes(backward or pre is not None):  # never on the staged transport
+                eng.layer1(call, w1, "push", backward=backward, keep_rows=pre is not None)
             if buf.kind == "staged":
                 buf.exchange_return(self._owner_of_rows(call.kept, call.out.shape[0]), int(call.kept.sum()))
             eng.layer1(call, w1, "comm", backward=backward, keep_rows=pre is not None)

@@ -125,8 +125,13 @@ class PeerBuffer:
         # Last-arriver counters of layer1, per (home rank, N-slice); local, reset by the last arriver.
         self.counters1 = torch.zeros(spec.world, spec.num_slices, dtype=torch.int32, device=device)
         # Work queues of the layer0 / layer1 kernels (see interlace.ops.flags); local.
-        self.queue0 = torch.zeros(3, dtype=torch.int32, device=device)
-        self.queue1 = torch.zeros(3, dtype=torch.int32, device=device)
+        self.queue0 = torch.zeros(4, dtype=torch.int32, device=device)
+        self.queue1 = torch.zeros(4, dtype=torch.int32, device=device)
+        # layer1 push mode: per GEMM1 work item, the epoch of the last call whose tile was staged
+        # locally for a push program; local, never reset (epochs only grow). One per (N-slice,
+        # row tile) of the largest receive plan: W·cap rows in block_m tiles, one partial per segment.
+        max_tiles = -(-spec.world * spec.cap // spec.block_m) + spec.world * spec.num_local
+        self.items1 = torch.zeros(spec.num_slices * max_tiles, dtype=torch.int32, device=device)
         self.tables: dict[str, torch.Tensor] = {}
 
     # -- construction --------------------------------------------------------------------
