@@ -71,7 +71,7 @@ for step in "$@"; do
              --variants ${AB_VARIANTS:-default combine_push=1 combine_push=1,n_comm1=8 combine_push=1,n_comm1=16 \
              combine_push=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/push.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/push.log" | tail -80
-           for v in default push push16; do  # push16: push mode with 16 combine programs
+           for v in ${PUSH_TIMELINES:-default push push16}; do  # push16: push mode with 16 combine programs
              mkdir -p "$OUT/timeline_$v"
              INTERLACE_FUSED=$([ $v = default ] || echo combine_push=1) torchrun --nproc-per-node 2 \
                -m interlace.bench.timeline --config qwen3-30b-a3b --tokens 8192 \

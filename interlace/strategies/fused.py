@@ -129,6 +129,7 @@ class FusedKernelConfig:
     # locally and the combine programs push them to their homes as they become ready (same
     # limits as pull mode: inference forward on peer-store transports). Off until measured.
     combine_push: int = 0
+    push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -138,6 +139,8 @@ class FusedKernelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"fused kernel config: {name} must be a power of two ≥ 1, got {v!r}")
+        if self.push_batch < 1:
+            raise ValueError(f"fused kernel config: push_batch must be ≥ 1, got {self.push_batch!r}")
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
