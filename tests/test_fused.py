@@ -127,7 +127,7 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))
     variants.append(dict(slice_group=0, combine_pull=1, defer_count=0))
-    variants.append(dict(slice_group=2, combine_push=1, copy_rows=8))
+    variants.append(dict(slice_group=2, combine_push=1, push_rows=8))
     variants.append(dict(slice_group=0, combine_push=1, defer_count=0, push_batch=3))
     variants.append(dict(slice_group=1, combine_push=1, push_batch=1))
     for variant in variants:
@@ -388,7 +388,7 @@ print(json.dumps({
     "layer1_push": widths(l1._gemm1_combine_kernel,
                           dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
                                B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
-                               BULK_WAIT=False, COMBINE_PULL=False, PUSH_RET=True, COPY_ROWS=16,
+                               BULK_WAIT=False, COMBINE_PULL=False, PUSH_RET=True, PUSH_ROWS=128,
                                PUSH_BATCH=8),
                           {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,

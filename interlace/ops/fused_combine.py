@@ -71,7 +71,7 @@ def _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, 
                 recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
                 queue_ptr, epoch, error_ptr, me, W, N, cap, num_local, T, max_spins, slice_group, pid,
                 timeline_ptr, timeline_clock, timeline_cap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, COPY_ROWS: tl.constexpr, TIMELINE: tl.constexpr,
+                BLOCK_T: tl.constexpr, GROUP_M: tl.constexpr, PUSH_ROWS: tl.constexpr, TIMELINE: tl.constexpr,
                 PUSH_BATCH: tl.constexpr):
     """Push mode: move staged tiles with a remote home to it, claimed in the GEMM items' order
     (a push waits only on an item that a running GEMM program holds, and GEMM items never
@@ -84,7 +84,7 @@ def _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, 
     n_slices = tl.cdiv(N, BLOCK_N)
     n_tiles = tl.load(recv_num_tiles)
     n_items = n_slices * n_tiles
-    offs_r = tl.arange(0, COPY_ROWS)
+    offs_r = tl.arange(0, PUSH_ROWS)
     offs_n = tl.arange(0, BLOCK_N)
     n_tb = tl.cdiv(T, BLOCK_T)
     p0 = tl.atomic_add(queue_ptr + 3, PUSH_BATCH, sem="relaxed", scope="gpu")
@@ -94,7 +94,7 @@ def _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, 
             _push_tile(h_ptr, y_ptr, items_ptr, ret_table, recv_count, recv_off, recv_ret_row0, recv_tile_seg,
                        recv_tile_idx, epoch, error_ptr, me, W, N, cap, num_local, max_spins, slice_group, pid,
                        p, n_tiles, n_slices, n_tb, offs_r, offs_n, timeline_ptr, timeline_clock, timeline_cap,
-                       BLOCK_M, BLOCK_N, GROUP_M, COPY_ROWS, TIMELINE)
+                       BLOCK_M, BLOCK_N, GROUP_M, PUSH_ROWS, TIMELINE)
         for p in range(p0, p_end):
             tile, sl = slice_grouped_work(p, n_tiles, n_slices, slice_group, GROUP_M)
             s = (me + tl.load(recv_tile_seg + tile) // num_local) % W
@@ -107,10 +107,12 @@ def _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, 
 def _push_tile(h_ptr, y_ptr, items_ptr, ret_table, recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx,
                epoch, error_ptr, me, W, N, cap, num_local, max_spins, slice_group, pid,
                p, n_tiles, n_slices, n_tb, offs_r, offs_n, timeline_ptr, timeline_clock, timeline_cap,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, COPY_ROWS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, PUSH_ROWS: tl.constexpr,
                TIMELINE: tl.constexpr):
     """Push item ``p`` (uncounted) if its rows' home is a peer: wait for its staging flag, then
-    copy its rows of the slice from this rank's staging region into the home's ``ret``."""
+    copy its rows of the slice from this rank's staging region into the home's ``ret``. Whole
+    tiles per step by default: the loop is not software-pipelined, so each step waits for its
+    loads (16-row steps moved ~6 GB/s per program under GEMM1, run 73)."""
     tile, sl = slice_grouped_work(p, n_tiles, n_slices, slice_group, GROUP_M)
     seg = tl.load(recv_tile_seg + tile)
     s = (me + seg // num_local) % W
@@ -126,7 +128,7 @@ def _push_tile(h_ptr, y_ptr, items_ptr, ret_table, recv_count, recv_off, recv_re
         dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
         cols = sl * BLOCK_N + offs_n
         cmask = cols < N
-        for r0 in range(0, n_rows, COPY_ROWS):
+        for r0 in range(0, n_rows, PUSH_ROWS):
             r = r0 + offs_r
             m = (r < n_rows)[:, None] & cmask[None, :]
             v = tl.load(y_ptr + (src_row0 + r).to(tl.int64)[:, None] * N + cols[None, :], mask=m)
@@ -162,7 +164,7 @@ def _gemm1_combine_kernel(
     PUSH_RET: tl.constexpr = False,  # push mode (module docstring); y_ptr is the staging region
     items_ptr=None,  # push mode: (≥ S·tiles,) int32 per-item staging flags (epochs), local
     push_only=0,  # push mode, simulated ranks: these programs push, then leave (no combine)
-    COPY_ROWS: tl.constexpr = 16,  # push mode: rows per load/store step of a push
+    PUSH_ROWS: tl.constexpr = 128,  # push mode: rows per load/store step of a push
     PUSH_BATCH: tl.constexpr = 8,  # push mode: items a program claims, pushes, then counts together
 ):
     pid = tl.program_id(0) + pid_base
@@ -284,7 +286,7 @@ def _gemm1_combine_kernel(
             _push_tiles(h_ptr, y_ptr, items_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source,
                         recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles,
                         queue_ptr, epoch, error_ptr, me, W, N, cap, num_local, T, max_spins, slice_group, pid,
-                        timeline_ptr, timeline_clock, timeline_cap, BLOCK_M, BLOCK_N, BLOCK_T, GROUP_M, COPY_ROWS,
+                        timeline_ptr, timeline_clock, timeline_cap, BLOCK_M, BLOCK_N, BLOCK_T, GROUP_M, PUSH_ROWS,
                         TIMELINE, PUSH_BATCH)
     if ((pid < n_comm) | (join != 0)) & (push_only == 0):
         # ---- combine work: out[t, slice] = Σ_j w[t, j] · ret[row(t, j), slice] in fp32. Tasks
@@ -386,6 +388,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         BULK_WAIT=ret_tma and not (pull or push) and h.is_cuda, COMBINE_PULL=pull,
         y_ptr=v["recv"] if pull or push else None, y_table=buf.tables["recv"] if pull else None,
         send_row0_ptr=plan.send_row0 if pull else None,
-        PUSH_RET=push, items_ptr=buf.items1 if push else None, push_only=int(role == "push"), COPY_ROWS=config.copy_rows,
+        PUSH_RET=push, items_ptr=buf.items1 if push else None, push_only=int(role == "push"),
+        PUSH_ROWS=min(config.push_rows, spec.block_m),
         PUSH_BATCH=config.push_batch,
     )

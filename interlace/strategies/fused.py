@@ -130,11 +130,13 @@ class FusedKernelConfig:
     # limits as pull mode: inference forward on peer-store transports). Off until measured.
     combine_push: int = 0
     push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
+    push_rows: int = 128  # push mode: rows per load/store step of a push (≤ block_m)
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
         compiler's own errors for these come late and name none)."""
-        pow2 = ("block_m", "block_n", "block_n1", "block_k", "num_warps", "copy_rows", "copy_cols", "block_t")
+        pow2 = ("block_m", "block_n", "block_n1", "block_k", "num_warps", "copy_rows", "copy_cols", "block_t",
+                "push_rows")
         for name in pow2:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v & (v - 1):
