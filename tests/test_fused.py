@@ -374,6 +374,13 @@ widths(l1._gemm1_combine_kernel,
        dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
             TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=True, PUSH_RET=False),
        {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64 | {"y_table"}, {"weight_ptr"}, pull)
+push = []  # push mode: one system fence per batch before the relaxed counts
+widths(l1._gemm1_combine_kernel,
+       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
+            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=False,
+            PUSH_RET=True, PUSH_ROWS=128, PUSH_BATCH=8, PUSH_FENCED=True),
+       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}, push)
+print(json.dumps(re.findall(r"fence\.acq_rel\.sys|atom\.global\.gpu\.relaxed\.add|atom\.global\.sys\.acq_rel", push[0])))
 print(json.dumps(Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(ld\.global[\w.]*)", pull[0]))))
 events = re.findall(r"(cp\.async\.bulk\.tensor\.2d\.global\.shared::cta|cp\.async\.bulk\.wait_group 0;"
                     r"|atom\.global\.sys\.acq_rel)", ret_tma[0])
@@ -389,7 +396,7 @@ print(json.dumps({
                           dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
                                B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
                                BULK_WAIT=False, COMBINE_PULL=False, PUSH_RET=True, PUSH_ROWS=128,
-                               PUSH_BATCH=8),
+                               PUSH_BATCH=8, PUSH_FENCED=True),
                           {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
@@ -431,6 +438,9 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     pull_loads = json.loads(run.stdout.strip().splitlines()[-3])
     assert not any(k.startswith(("ld.global.b16", "ld.global.u16")) for k in pull_loads), pull_loads
     assert pull_loads.get("ld.global.v4.b32", 0) >= 8, pull_loads
+    # push mode: the pushes' counts are relaxed atomics after a system fence (one per batch)
+    push_events = json.loads(run.stdout.strip().splitlines()[-4])
+    assert "fence.acq_rel.sys" in push_events, push_events
 
 
 def test_plan_orders_local_tiles_first():

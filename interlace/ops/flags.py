@@ -74,6 +74,18 @@ def bulk_stores_done(x):
 
 
 @triton.jit
+def fence_acq_rel_sys(x):
+    """``fence.acq_rel.sys`` in every thread. After a ``tl.debug_barrier()`` it makes the
+    program's earlier stores (peer stores included: it waits for them to land) ordered before
+    its later relaxed atomics — one wait for many counts, where each acq_rel atomic would wait
+    again — and after a relaxed atomic that saw other programs' counts it is the acquire side.
+    Returns ``x`` (no interpreter form: callers gate it with a constexpr that is off under
+    TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def publish_flag(flag_ptr, epoch):
     """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
     tl.debug_barrier()
