@@ -4,7 +4,9 @@ The block of ``sequential`` at EP world size ``--world``: this rank's share of t
 (E / world) over the rows it would receive with balanced routing (tokens · k), gathered through
 a permutation as after the all-to-all. Per backend:
 
-* GPU ms: CUDA events around forward + backward (median of ``--iters``);
+* GPU ms: CUDA events around forward + backward (median of ``--iters``), the GPU idle at the
+  start, so a host slower than the kernels shows here; "host ahead": the same events with the
+  GPU held busy (``torch.cuda._sleep``) while the host issues the call, i.e. the kernels' own time;
 * host ms: wall time until ``backward()`` returns, the GPU idle at the start. A block whose host
   time exceeds its GPU time starves the GPU: in a layer the next all-to-all then waits for the
   slower rank (run 66: ``sequential:triton`` lost ~1.1 ms at qwen3-30b-a3b 4096 that way);
@@ -58,7 +60,17 @@ def measure(backend, cfg, tokens, world, iters, profile):
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    gpu, host = [], []
+    gpu, host, ahead = [], [], []
+    cycles = int(torch.cuda.get_device_properties(device).clock_rate * 1e3 * 0.02)  # ~20 ms of spinning
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        a.record()
+        call()
+        b.record()
+        b.synchronize()
+        ahead.append(a.elapsed_time(b))
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -89,8 +101,9 @@ def measure(backend, cfg, tokens, world, iters, profile):
         torch.cuda.synchronize()
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(40)
         top = s.getvalue()
-    return statistics.median(gpu), statistics.median(host), syncs, top
+    return statistics.median(gpu), statistics.median(ahead), statistics.median(host), syncs, top
 
 
 def main():
@@ -106,15 +119,17 @@ def main():
         cfg = PRESETS[name]
         for tokens in args.tokens:
             for backend in ("torch", "triton"):
-                gpu, host, syncs, top = measure(backend, cfg, tokens, args.world, args.iters,
-                                                args.profile and backend == "triton")
-                rows.append((name, tokens, backend, gpu, host, syncs))
-                print(f"{name} T={tokens} {backend}: GPU {gpu:.3f} ms, host {host:.3f} ms, syncs {syncs}", flush=True)
+                gpu, ahead, host, syncs, top = measure(backend, cfg, tokens, args.world, args.iters,
+                                                       args.profile and backend == "triton")
+                rows.append((name, tokens, backend, gpu, ahead, host, syncs))
+                print(f"{name} T={tokens} {backend}: GPU {gpu:.3f} ms (host ahead {ahead:.3f}), host {host:.3f} ms, "
+                      f"syncs {syncs}", flush=True)
                 if top:
                     print(top, flush=True)
-    print(f"\n| config | tokens | backend | GPU ms (fwd+bwd) | host ms | host syncs |\n|---|---|---|---|---|---|")
-    for name, tokens, backend, gpu, host, syncs in rows:
-        print(f"| {name} | {tokens} | {backend} | {gpu:.3f} | {host:.3f} | {syncs} |")
+    print("\n| config | tokens | backend | GPU ms (fwd+bwd) | GPU ms, host ahead | host ms | host syncs |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, tokens, backend, gpu, ahead, host, syncs in rows:
+        print(f"| {name} | {tokens} | {backend} | {gpu:.3f} | {ahead:.3f} | {host:.3f} | {syncs} |")
 
 
 if __name__ == "__main__":

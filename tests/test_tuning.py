@@ -51,6 +51,18 @@ def test_nearest_bucket_then_nearest_shape(table_dir):
     assert config.block_m == 64  # same shape class wins over a closer bucket of another class
 
 
+def test_lookups_are_remembered_until_a_table_is_written(table_dir):
+    """Lookups are cached per (table, shape, bucket); writing a table (the tuner) drops them, so a
+    re-tuned entry is seen at once."""
+    shape = ShapeClass(2048, 1024, 8, "swiglu")
+    write(table_dir, "k", [entry(2048, 256, 16)])
+    assert lookup("k", "GPU X", 100, shape, 256, DEFAULT)[0].block_m == 16
+    (table_dir / f"{tuning.table_key('k', 'GPU X', 100)}.json").unlink()  # cached: the file is not read again
+    assert lookup("k", "GPU X", 100, shape, 256, DEFAULT)[0].block_m == 16
+    write(table_dir, "k", [entry(2048, 256, 64)])
+    assert lookup("k", "GPU X", 100, shape, 256, DEFAULT)[0].block_m == 64
+
+
 def test_tuner_writes_tables_that_lookup_finds(table_dir):
     from interlace.ops.tune_experts import main
 

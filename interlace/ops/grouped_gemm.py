@@ -119,10 +119,12 @@ def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedu
     """Tiles of ``block_m`` rows per expert from the inclusive row ends (device, no sync)."""
     E = ends.numel()
     max_tiles = triton.cdiv(num_rows, block_m) + E
-    dev = ends.device
-    sched = TileSchedule(alloc.empty((max_tiles,), torch.int32, dev), alloc.empty((max_tiles,), torch.int32, dev),
-                         alloc.empty((max_tiles,), torch.int32, dev), alloc.empty((1,), torch.int32, dev),
-                         max_tiles, block_m)
+    # One allocation (host time per call); each list starts 16-byte aligned, as the kernels'
+    # specializations assume of a fresh tensor.
+    stride = triton.cdiv(max_tiles, 4) * 4
+    lists = alloc.empty((3 * stride + 4,), torch.int32, ends.device)
+    sched = TileSchedule(lists[:max_tiles], lists[stride:stride + max_tiles], lists[2 * stride:2 * stride + max_tiles],
+                         lists[3 * stride:3 * stride + 1], max_tiles, block_m)
     e_pad = triton.next_power_of_2(max(E, 1))
     block_t = max(1, min(64, 8192 // e_pad))
     _tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
@@ -447,7 +449,7 @@ _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
 def _num_programs(device: torch.device, work_bound: int) -> int:
     if device.type != "cuda":
         return max(1, min(work_bound, 4))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _device_identity(device.index if device.index is not None else torch.cuda.current_device())[1]
     return max(1, min(work_bound, sms * PROGRAMS_PER_SM))
 
 
