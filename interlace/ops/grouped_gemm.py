@@ -535,10 +535,12 @@ def choose_backward_configs(dy: torch.Tensor, w_down: torch.Tensor, num_rows: in
 def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
                       w_up: torch.Tensor, w_down: torch.Tensor, ends: torch.Tensor, activation: str,
                       store_h: bool = False, configs: tuple[GemmConfig, GemmConfig] | None = None,
-                      return_act: bool = False):
+                      return_act: bool = False, return_schedule: bool = False):
     """Expert FFN over ``num_rows`` expert-major rows, row r reading ``x[gather[r] // divisor]``
     (or ``x[r]`` without ``gather``). Returns ``(y (num_rows, N), h or None)``. ``configs``
-    forces the two kernels' configs (the tuner); by default they come from the tuning tables."""
+    forces the two kernels' configs (the tuner); by default they come from the tuning tables.
+    ``return_schedule``: the GEMM0 tile schedule is appended to the result (None without rows),
+    for a backward over the same rows to reuse."""
     N = x.shape[1]
     E, N_w, K = w_down.shape
     up_width = w_up.shape[1]
@@ -547,7 +549,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)
     if num_rows == 0:
-        return (y, h, act) if return_act else (y, h)
+        return ((y, h, act) if return_act else (y, h)) + ((None,) if return_schedule else ())
     tma = use_tma(w_up, w_down)
     if tma:
         _ensure_allocator()
@@ -572,7 +574,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
                  schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
-    return (y, h, act) if return_act else (y, h)
+    return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
 
 
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
@@ -669,7 +671,8 @@ def _launch_dw_up(d_h, x, gather, divisor, out, ends, P, Q, config, tma=False):
     return _launch_wgrad(d_h, x, gather, divisor, out, ends, P, Q, config, tma=tma)
 
 
-def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None):
+def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None,
+                               schedule: TileSchedule | None = None):
     """Gradients of :func:`expert_ffn_triton` from dy (R, N) in expert-major order.
 
     Returns ``(dx_rows (R, N), dw_up, dw_down)``: ``dx_rows[r]`` is the gradient of the input
@@ -677,14 +680,17 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     caller's (deterministic) job. Four kernels (:func:`backward_steps`): d(pre-activation) with
     the activation's derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into
     its load). ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs.
+    ``schedule``: the forward's tile schedule of these rows, reused where the tile heights match.
     """
-    outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs)
+    outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs,
+                                    schedule)
     for _, _, launch in steps:
         launch()
     return outputs
 
 
-def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None):
+def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None,
+                   schedule: TileSchedule | None = None):
     """The backward's outputs ``(dx_rows, dw_up, dw_down)`` (allocated, not yet written) and its
     kernels in order as ``(name, FLOPs, launch)`` (the bench times them one by one)."""
     R, N = dy.shape
@@ -701,7 +707,9 @@ def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, ac
     tma = use_tma(w_up, w_down)
     if tma:
         _ensure_allocator()
-    sched = tile_schedule(ends, R, c_act.block_m)
+    # The forward's schedule if it has these tiles: one launch and allocation less (host time, run 76).
+    reuse = schedule is not None and schedule.block_m == c_act.block_m
+    sched = schedule if reuse else tile_schedule(ends, R, c_act.block_m)
     sched_dx = sched if c_dx.block_m == c_act.block_m else tile_schedule(ends, R, c_dx.block_m)
     steps = [
         # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
@@ -734,10 +742,11 @@ class TritonExpertFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, w_down, gather, divisor, num_rows, ends, activation, ungather):
         needs_grad = any(ctx.needs_input_grad[:3])
-        y, h, act = expert_ffn_triton(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
-                                      store_h=needs_grad, return_act=True)
+        y, h, act, sched = expert_ffn_triton(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
+                                             store_h=needs_grad, return_act=True, return_schedule=True)
         if needs_grad:
             ctx.save_for_backward(x, w_up, w_down, gather, ends, h, act, ungather)
+            ctx.schedule = sched  # device lists the backward reuses (read only)
         ctx.divisor, ctx.activation = divisor, activation
         return y
 
@@ -747,7 +756,7 @@ class TritonExpertFFN(torch.autograd.Function):
 
         x, w_up, w_down, gather, ends, h, act, ungather = ctx.saved_tensors
         dx_rows, dw_up, dw_down = expert_ffn_triton_backward(grad, x, gather, ctx.divisor, w_up, w_down, ends,
-                                                             ctx.activation, h, act)
+                                                             ctx.activation, h, act, schedule=ctx.schedule)
         if gather is None:
             dx = dx_rows
         elif ctx.divisor == 1:
