@@ -87,9 +87,10 @@ def main():
                     loss.backward()
                 ref_out.append(out.detach())
                 ref_dx.append(xr.grad if xr.grad is not None else torch.zeros_like(xr))
+            # sequential:triton: interlace's expert kernels (forward and backward) in sequential;
             # fused: its kernels forward, sequential's backward (the default train path);
             # fused:train: the fused kernels both ways.
-            for strategy in ("naive", "sequential", "pipelined:3", "fused", "fused:train"):
+            for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train"):
                 layer = MoELayer(cfg, strategy=strategy, seed=seed, device=dev)
                 lo, hi = layer.ep.first_expert, layer.ep.first_expert + layer.ep.num_local
                 runs = []
