@@ -33,11 +33,17 @@ from interlace.ops.routing_index import expert_major_index
 from interlace.strategies.sequential import gathered_expert_ffn
 
 
-def block(cfg, tokens: int, world: int, device):
+def block(cfg, tokens: int, world: int, device, routing: str = "balanced"):
     El = cfg.num_experts // world
     R = tokens * cfg.top_k
     counts = torch.full((world, El), R // (world * El), dtype=torch.int32, device=device)
     counts[0, : R - int(counts.sum())] += 1  # the remainder, so the rows sum to R
+    if routing == "random":  # each source's tokens pick k distinct experts uniformly (the bench's "random")
+        gen = torch.Generator().manual_seed(1)
+        for w in range(world):
+            picks = torch.rand(tokens, cfg.num_experts, generator=gen).topk(cfg.top_k, dim=1).indices
+            counts[w] = torch.bincount(picks.flatten(), minlength=cfg.num_experts)[:El].to(counts.device)
+        R = int(counts.sum())
     src_row, inverse, offs = expert_major_index(counts, R)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(R, cfg.hidden, device=device, dtype=cfg.dtype, generator=gen).requires_grad_()
@@ -48,9 +54,9 @@ def block(cfg, tokens: int, world: int, device):
     return x, w_up, w_down, src_row, inverse, offs, dy, R
 
 
-def measure(backend, cfg, tokens, world, iters, profile):
+def measure(backend, cfg, tokens, world, iters, profile, routing="balanced", kernels=False):
     device = torch.device("cuda")
-    x, w_up, w_down, src_row, inverse, offs, dy, R = block(cfg, tokens, world, device)
+    x, w_up, w_down, src_row, inverse, offs, dy, R = block(cfg, tokens, world, device, routing)
 
     def call():
         y = gathered_expert_ffn(backend, x, src_row, inverse, R, w_up, w_down, offs, cfg.activation)
@@ -91,6 +97,18 @@ def measure(backend, cfg, tokens, world, iters, profile):
             torch.cuda.set_sync_debug_mode(0)
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     top = ""
+    if kernels:  # GPU time per kernel name, per call (the host ahead: a sleep first)
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                torch.cuda._sleep(cycles)
+                call()
+            torch.cuda.synchronize()
+        rows = sorted(((e.key, e.device_time_total / 5e3) for e in prof.key_averages() if e.device_time_total > 0
+                       and "sleep" not in e.key), key=lambda kv: -kv[1])
+        top += "".join(f"    {ms:8.3f} ms  {name[:90]}\n" for name, ms in rows[:10])
     if profile:
         torch.cuda.synchronize()
         prof = cProfile.Profile()
@@ -113,23 +131,27 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="cProfile the Triton backend (top 25 by own time)")
+    p.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "random"],
+                   help="rows per expert: equal, or counted from uniformly random top-k picks")
+    p.add_argument("--kernels", action="store_true", help="GPU ms per kernel and call (torch.profiler)")
     args = p.parse_args()
     rows = []
     for name in args.configs:
         cfg = PRESETS[name]
         for tokens in args.tokens:
-            for backend in ("torch", "triton"):
-                gpu, ahead, host, syncs, top = measure(backend, cfg, tokens, args.world, args.iters,
-                                                       args.profile and backend == "triton")
-                rows.append((name, tokens, backend, gpu, ahead, host, syncs))
-                print(f"{name} T={tokens} {backend}: GPU {gpu:.3f} ms (host ahead {ahead:.3f}), host {host:.3f} ms, "
-                      f"syncs {syncs}", flush=True)
-                if top:
-                    print(top, flush=True)
-    print("\n| config | tokens | backend | GPU ms (fwd+bwd) | GPU ms, host ahead | host ms | host syncs |\n"
-          "|---|---|---|---|---|---|---|")
-    for name, tokens, backend, gpu, ahead, host, syncs in rows:
-        print(f"| {name} | {tokens} | {backend} | {gpu:.3f} | {ahead:.3f} | {host:.3f} | {syncs} |")
+            for routing in args.routing:
+                for backend in ("torch", "triton"):
+                    gpu, ahead, host, syncs, top = measure(backend, cfg, tokens, args.world, args.iters,
+                                                           args.profile and backend == "triton", routing, args.kernels)
+                    rows.append((name, tokens, routing, backend, gpu, ahead, host, syncs))
+                    print(f"{name} T={tokens} {routing} {backend}: GPU {gpu:.3f} ms (host ahead {ahead:.3f}), "
+                          f"host {host:.3f} ms, syncs {syncs}", flush=True)
+                    if top:
+                        print(top, flush=True)
+    print("\n| config | tokens | routing | backend | GPU ms (fwd+bwd) | GPU ms, host ahead | host ms | host syncs |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for name, tokens, routing, backend, gpu, ahead, host, syncs in rows:
+        print(f"| {name} | {tokens} | {routing} | {backend} | {gpu:.3f} | {ahead:.3f} | {host:.3f} | {syncs} |")
 
 
 if __name__ == "__main__":
