@@ -132,7 +132,7 @@ class FusedKernelConfig:
     # 6–12 GB/s, so half the bytes cross after it. Off.
     combine_push: int = 0
     push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
-    push_rows: int = 128  # push mode: rows per load/store step of a push (≤ block_m)
+    push_rows: int = 128  # push mode: rows per load/store step of a push (capped at block_m)
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
