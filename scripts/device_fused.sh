@@ -29,6 +29,20 @@ export INTERLACE_TUNING_DIR=${INTERLACE_TUNING_DIR:-$OUT/tuning}
 mkdir -p "$OUT" "$INTERLACE_TUNING_DIR"
 PRESETS="mixtral-8x7b phi3.5-moe qwen2-moe qwen3-30b-a3b dsv3-like flashdmoe-cfg"
 status=0
+
+# layer1_mode MODE FIELD: gpu_check.py with INTERLACE_FUSED=FIELD=1, then the A/B of that layer1 mode
+# against the default with 8-24 combine programs on the small-expert presets (log: $OUT/MODE.log).
+layer1_mode() {
+  local mode=$1 f=$2
+  INTERLACE_FUSED=$f=1 torchrun --nproc-per-node 2 scripts/gpu_check.py > "$OUT/check_$mode.log" 2>&1 || status=1
+  tail -1 "$OUT/check_$mode.log"
+  torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
+    --hidden-configs ${AB_CONFIGS:-qwen2-moe qwen3-30b-a3b flashdmoe-cfg} --hidden-tokens ${AB_TOKENS:-8192 16384} \
+    --variants ${AB_VARIANTS:-default $f=1 $f=1,n_comm1=8 $f=1,n_comm1=16 $f=1,n_comm1=24} \
+    --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/$mode.log" 2>&1 || status=1
+  grep -E '^ab |disagree|FAILED' "$OUT/$mode.log" | tail -80
+}
+
 for step in "$@"; do
   case $step in
     tune)  torchrun --nproc-per-node 2 -m interlace.bench.tune_fused --configs $PRESETS --tokens 4096 16384 \
@@ -55,22 +69,8 @@ for step in "$@"; do
              --variants ${AB_VARIANTS:-default block_t=64 block_t=128 copy_rows=32 copy_rows=64} --rounds ${AB_ROUNDS:-5} --out "$OUT" \
              > "$OUT/ab.log" 2>&1 || status=1
            grep -E '^ab |disagree|FAILED' "$OUT/ab.log" | tail -80 ;;
-    pull)  INTERLACE_FUSED=combine_pull=1 torchrun --nproc-per-node 2 scripts/gpu_check.py > "$OUT/check_pull.log" 2>&1 \
-             || status=1
-           tail -1 "$OUT/check_pull.log"
-           torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
-             --hidden-configs ${AB_CONFIGS:-qwen2-moe qwen3-30b-a3b flashdmoe-cfg} --hidden-tokens ${AB_TOKENS:-8192 16384} \
-             --variants ${AB_VARIANTS:-default combine_pull=1 combine_pull=1,n_comm1=8 combine_pull=1,n_comm1=16 \
-             combine_pull=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/pull.log" 2>&1 || status=1
-           grep -E '^ab |disagree|FAILED' "$OUT/pull.log" | tail -80 ;;
-    push)  INTERLACE_FUSED=combine_push=1 torchrun --nproc-per-node 2 scripts/gpu_check.py > "$OUT/check_push.log" 2>&1 \
-             || status=1
-           tail -1 "$OUT/check_push.log"
-           torchrun --nproc-per-node 2 scripts/fused_check.py --steps ab \
-             --hidden-configs ${AB_CONFIGS:-qwen2-moe qwen3-30b-a3b flashdmoe-cfg} --hidden-tokens ${AB_TOKENS:-8192 16384} \
-             --variants ${AB_VARIANTS:-default combine_push=1 combine_push=1,n_comm1=8 combine_push=1,n_comm1=16 \
-             combine_push=1,n_comm1=24} --rounds ${AB_ROUNDS:-5} --out "$OUT" > "$OUT/push.log" 2>&1 || status=1
-           grep -E '^ab |disagree|FAILED' "$OUT/push.log" | tail -80
+    pull)  layer1_mode pull combine_pull ;;
+    push)  layer1_mode push combine_push
            for v in ${PUSH_TIMELINES:-default push push16}; do  # push16: push mode with 16 combine programs
              mkdir -p "$OUT/timeline_$v"
              INTERLACE_FUSED=$([ $v = default ] || echo combine_push=1) torchrun --nproc-per-node 2 \

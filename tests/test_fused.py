@@ -213,6 +213,20 @@ def test_fused_push_combine_matches_reference(world, tokens, capacity):
     assert staged > 0
 
 
+def stalled_call(cfg, kernel, rank, expert, counts_all):
+    """Rank ``rank`` of a simulated 2-rank world (one expert per rank, top-1, 8 tokens all on
+    ``expert``, waits bounded at 50 polls) with its call prepared for the counts ``counts_all``
+    but no peer having run: its engine, call, buffers and local weights."""
+    spec = BufferSpec(2, 1, cfg.hidden, 1, 8, kernel.block_m, kernel.block_n1, cfg.dtype)
+    bufs = simulated_world(spec)
+    eng = FusedEngine(cfg, bufs[rank], kernel, 4, 1, 1, max_spins=50)
+    w_up, w_down = init_expert_weights(cfg, [rank], 0, torch.device("cpu"))
+    index = eng.dispatch_index(torch.full((8, 1), expert, dtype=torch.long))
+    bufs[rank].advance_epoch()
+    call = eng.prepare(torch.randn(8, cfg.hidden), torch.rand(8, 1), index, torch.tensor(counts_all, dtype=torch.int32))
+    return eng, call, bufs, w_up, w_down
+
+
 def test_push_waits_time_out_with_a_named_error():
     """A push whose GEMM1 item never ran (the "gemm" phase skipped) times out and names the
     tile, slice and home instead of hanging."""
@@ -220,15 +234,8 @@ def test_push_waits_time_out_with_a_named_error():
 
     cfg = MoEConfig(hidden=64, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
     kernel = replace(INTERPRETER_CONFIG, combine_push=1)
-    spec = BufferSpec(2, 1, 64, 1, 8, kernel.block_m, kernel.block_n1, cfg.dtype)
-    bufs = simulated_world(spec)
-    eng = FusedEngine(cfg, bufs[0], kernel, 4, 1, 1, max_spins=50)
-    w_up, w_down = init_expert_weights(cfg, [0], 0, torch.device("cpu"))
-    idx = torch.zeros(8, 1, dtype=torch.long)  # every token on expert 0, on rank 0: rank 1's are remote rows
-    index = eng.dispatch_index(idx)
-    counts_all = torch.tensor([[8, 0], [8, 0]], dtype=torch.int32)
-    bufs[0].advance_epoch()
-    call = eng.prepare(torch.randn(8, 64), torch.rand(8, 1), index, counts_all)
+    # every token on expert 0, on rank 0: rank 1's rows are remote rows of rank 0
+    eng, call, bufs, _, w_down = stalled_call(cfg, kernel, 0, 0, [[8, 0], [8, 0]])
     eng.layer1(call, w_down, "push")
     from interlace.strategies.fused import check_error_record
 
@@ -285,15 +292,8 @@ def test_fused_capacity_drops_like_reference():
 def test_wait_times_out_with_a_named_error_instead_of_hanging():
     """Rank 1's GEMM runs before rank 0 ever sent: the bounded wait records who waited on what."""
     cfg = MoEConfig(hidden=16, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
-    spec = BufferSpec(2, 1, 16, 1, 8, INTERPRETER_CONFIG.block_m, INTERPRETER_CONFIG.block_n1, cfg.dtype)
-    bufs = simulated_world(spec)
-    eng = FusedEngine(cfg, bufs[1], INTERPRETER_CONFIG, 4, 1, 1, max_spins=50)
-    w_up, w_down = init_expert_weights(cfg, [1], 0, torch.device("cpu"))
-    idx = torch.ones(8, 1, dtype=torch.long)
-    index = eng.dispatch_index(idx)
-    counts_all = torch.tensor([[0, 8], [0, 8]], dtype=torch.int32)  # rank 0 claims to send 8 rows
-    bufs[1].advance_epoch()
-    call = eng.prepare(torch.randn(8, 16), torch.rand(8, 1), index, counts_all)
+    # rank 0 claims to send 8 rows
+    eng, call, bufs, w_up, _ = stalled_call(cfg, INTERPRETER_CONFIG, 1, 1, [[0, 8], [0, 8]])
     eng.layer0(call, w_up, "gemm")
     from interlace.strategies.fused import check_error_record
 
@@ -307,16 +307,9 @@ def test_combine_waits_for_each_new_slice_once_per_program():
     slice: rank 1 published slice 0 of rank 0's rows and not slice 1, so rank 0's combine passes
     slice 0 and times out on slice 1, naming it."""
     cfg = MoEConfig(hidden=64, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)  # 2 N-slices of 32
-    spec = BufferSpec(2, 1, 64, 1, 8, INTERPRETER_CONFIG.block_m, INTERPRETER_CONFIG.block_n1, cfg.dtype)
-    assert spec.num_slices == 2
-    bufs = simulated_world(spec)
-    eng = FusedEngine(cfg, bufs[0], INTERPRETER_CONFIG, 4, 1, 1, max_spins=50)
-    w_up, w_down = init_expert_weights(cfg, [0], 0, torch.device("cpu"))
-    idx = torch.ones(8, 1, dtype=torch.long)  # all of rank 0's tokens go to expert 1, on rank 1
-    index = eng.dispatch_index(idx)
-    counts_all = torch.tensor([[0, 8], [0, 8]], dtype=torch.int32)
-    bufs[0].advance_epoch()
-    call = eng.prepare(torch.randn(8, 64), torch.rand(8, 1), index, counts_all)
+    # all of rank 0's tokens go to expert 1, on rank 1
+    eng, call, bufs, _, w_down = stalled_call(cfg, INTERPRETER_CONFIG, 0, 1, [[0, 8], [0, 8]])
+    assert eng.buf.spec.num_slices == 2
     bufs[0].views["flags1"][1, 0] = 1  # rank 1's slice 0 for rank 0 has landed (epoch 1); slice 1 has not
     eng.layer1(call, w_down, "comm")
     from interlace.strategies.fused import check_error_record

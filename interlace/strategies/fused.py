@@ -529,8 +529,6 @@ class FusedStrategy(Strategy):
             if between is not None:
                 between()
             eng.layer1(call, w1, "gemm", backward=backward, keep_rows=pre is not None)
-            if eng.pushes(backward or pre is not None):  # never on the staged transport
-                eng.layer1(call, w1, "push", backward=backward, keep_rows=pre is not None)
             if buf.kind == "staged":
                 buf.exchange_return(self._owner_of_rows(call.kept, call.out.shape[0]), int(call.kept.sum()))
             eng.layer1(call, w1, "comm", backward=backward, keep_rows=pre is not None)
