@@ -18,38 +18,65 @@ import triton.language as tl
 @triton.jit
 def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
-                 a_desc=None, a_row0=0, A_TMA: tl.constexpr = False):
+                 a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, JOINT: tl.constexpr = False, w_expert=0,
+                 col0=0):
     """(acc_gate, acc_up) of A[rows] @ W[cols]^T over the N reduction; W row-major (up_width, N)
     at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU.
     With USE_TMA the weight tiles come through the tensor descriptor ``w_desc`` over all
     experts' (E·up_width, N) rows, this tile's first gate row being ``w_row`` (block rows past
     the expert's K rows only feed masked output columns). With A_TMA the A rows are the
     contiguous rows ``a_row0 ..`` of the descriptor ``a_desc`` (``a_rows`` unused): rows past
-    the tile's valid ones only feed output rows the caller masks."""
+    the tile's valid ones only feed output rows the caller masks.
+
+    JOINT (SwiGLU with USE_TMA): ``w_desc`` is the 3-D descriptor of :func:`joint_gate_up_desc`
+    and one load brings the tile's gate and up rows (expert ``w_expert``, columns ``col0 ..``)
+    as a (2, BLOCK_N, BLOCK_K) block, so one BLOCK_M × 2·BLOCK_N dot (a single n256 wgmma per
+    warpgroup for BLOCK_N = 128) replaces two BLOCK_M × BLOCK_N dots that each re-read A from
+    shared memory. The accumulator's gate and up halves split apart in registers."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, N, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < N
-        if A_TMA:
-            a = a_desc.load([a_row0, k0])
-        else:
-            a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if USE_TMA:
-            acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
-            if ACTIVATION == 0:
-                acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
-        else:
-            wmask = kmask[:, None] & cmask[None, :]
-            acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
-                           acc_g)
-            if ACTIVATION == 0:
-                acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
-                                          other=0.0), acc_u)
+    if JOINT:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):
+            if A_TMA:
+                a = a_desc.load([a_row0, k0])
+            else:
+                kk = k0 + offs_k
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & (kk < N)[None, :], other=0.0)
+            b = tl.reshape(w_desc.load([2 * w_expert, col0, k0]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, b.T, acc)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, N, BLOCK_K):
+            kk = k0 + offs_k
+            kmask = kk < N
+            if A_TMA:
+                a = a_desc.load([a_row0, k0])
+            else:
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if USE_TMA:
+                acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
+                if ACTIVATION == 0:
+                    acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
+            else:
+                wmask = kmask[:, None] & cmask[None, :]
+                acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
+                               acc_g)
+                if ACTIVATION == 0:
+                    acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
+                                              other=0.0), acc_u)
     if ACTIVATION != 0:
         acc_u = acc_g
     return acc_g, acc_u
+
+
+@triton.jit
+def joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The SwiGLU weights (E, 2·K, N) as E·2 planes of (K, N) — gate then up per expert — for
+    :func:`gate_up_tile`'s JOINT loads; rows past K in a plane read as zeros."""
+    return tl.make_tensor_descriptor(w_ptr, shape=[E * 2, K, N], strides=[K * N, N, 1],
+                                     block_shape=[2, BLOCK_N, BLOCK_K])
 
 
 @triton.jit

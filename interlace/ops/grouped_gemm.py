@@ -50,14 +50,14 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.expert_tile import activation_epilogue
+from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent]]]]]``
-    forces a config."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent[,joint]]]]]]``
+    forces a config (the :class:`GemmConfig` fields in order)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -162,19 +162,24 @@ def _gemm0_kernel(
     ACTIVATION: tl.constexpr,  # 0 swiglu, 1 gelu, 2 relu
     HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False, JOINT: tl.constexpr = False,
 ):
-    """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N)."""
+    """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N).
+    JOINT (SwiGLU with USE_TMA only): gate and up in one 2·BLOCK_N-wide dot (:func:`gate_up_tile`)."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
     up_width = 2 * K if ACTIVATION == 0 else K
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    w_desc = w_ptr  # the pointer path ignores it
     if USE_TMA:
-        # Block rows past an expert's K gate (or up) rows belong to masked output columns.
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
+        if JOINT:
+            w_desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
+        else:
+            # Block rows past an expert's K gate (or up) rows belong to masked output columns.
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+    a_desc = x_ptr
     if A_TMA:
         # Contiguous rows (no gather): a block past the tile's end reads the next expert's
         # rows into masked output rows; past the last row TMA reads zeros.
@@ -190,32 +195,10 @@ def _gemm0_kernel(
             src = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < K
-        w_base = w_ptr + e * up_width * N
-        w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if ACTIVATION == 0:
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, N, BLOCK_K):
-            kk = k0 + offs_k
-            kmask = kk < N
-            if A_TMA:
-                a = a_desc.load([row0, k0])
-            else:
-                a = tl.load(x_ptr + src[:, None] * N + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if USE_TMA:
-                acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
-                if ACTIVATION == 0:
-                    acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
-            else:
-                wg = tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None],
-                             mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc_g = tl.dot(a, wg, acc_g)
-                if ACTIVATION == 0:
-                    wu = tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None],
-                                 mask=kmask[:, None] & cmask[None, :], other=0.0)
-                    acc_u = tl.dot(a, wu, acc_u)
-        if ACTIVATION != 0:
-            acc_u = acc_g  # the epilogue ignores it; only SwiGLU has an up projection
+        acc_g, acc_u = gate_up_tile(x_ptr + src * N, rmask, w_ptr + e * up_width * N, w_desc,
+                                    (e * up_width + nb * BLOCK_N).to(tl.int32), cols, cmask, N, K, ACTIVATION,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, row0, A_TMA,
+                                    JOINT, e.to(tl.int32), nb * BLOCK_N)
         act = activation_epilogue(acc_g, acc_u, ACTIVATION)
         omask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -570,7 +553,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
-        A_TMA=a_tma, num_warps=c0.num_warps, num_stages=c0.num_stages,
+        A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu", num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
                  schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)

@@ -30,13 +30,16 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
 # GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
 # half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act, a_tma,
-# persistent.
+# persistent, joint.
 A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous first)
+J = dict(joint=1)  # GEMM0: gate and up as one 3-D TMA block and one double-width dot
 P = dict(a_tma=1, persistent=1)  # weight gradients: persistent programs, TMA stores
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
-                     GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A)],
+                     GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A),
+                     GemmConfig(128, 128, 64, 8, 4, **J), GemmConfig(128, 128, 64, 8, 3, **J),
+                     GemmConfig(128, 128, 64, 8, 4, **A, **J), GemmConfig(128, 128, 64, 8, 3, **A, **J)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
                      GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
                      GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A)],

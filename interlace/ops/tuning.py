@@ -43,6 +43,9 @@ class GemmConfig:
     # Weight gradients with a_tma only: persistent programs (one per SM) that store each output
     # block through a TMA descriptor, so the store drains under the next block's loads.
     persistent: int = 0
+    # GEMM0 with SwiGLU and TMA weights only: gate and up rows as one 3-D TMA block and one
+    # BLOCK_M × 2·BLOCK_N dot (expert_tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
+    joint: int = 0
 
 
 @dataclass(frozen=True)
