@@ -123,6 +123,9 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
         # layer0's sends as TMA stores, the rows past a partial tile clipped
         variants.append(dict(slice_group=2, send_tma=1, copy_rows=8, copy_cols=32))
+        # layer0's gate and up as one 3-D block and one dot (ffn 72: the last block's planes run past K)
+        variants.append(dict(slice_group=2, joint0=1))
+        variants.append(dict(slice_group=2, joint0=1, a_tma0=0))
     # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
     # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))

@@ -176,3 +176,47 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
     monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1")
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+_SM90_JOINT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import interlace.ops.grouped_gemm as gg
+
+kernel = gg._gemm0_kernel
+constexprs = dict(ACTIVATION=0, HAS_GATHER=True, STORE_H=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True)
+sig, attrs = {}, {}
+for i, name in enumerate(kernel.arg_names):
+    if name in constexprs:
+        sig[name] = "constexpr"
+        continue
+    pointer = name.endswith("_ptr")
+    sig[name] = ("*bf16" if name in ("x_ptr", "w_ptr", "out_ptr", "h_ptr") else "*i32") if pointer else "i32"
+    if pointer or name in ("N", "K"):
+        attrs[(i,)] = [["tt.divisibility", 16]]
+ptx = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                     options=dict(num_warps=8, num_stages=4)).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)|cp\.async\.bulk\.tensor\.(\dd)",
+                                       ptx)))))
+"""
+
+
+def test_joint_gate_up_compiles_to_one_wide_wgmma():
+    """With ``joint`` the sm90 code of GEMM0 (128 × 128 tiles of gate and up) issues n256 wgmma
+    instructions fed by 3-D TMA loads: one double-width dot, not two n128 ones. Compiled without
+    a GPU in a child process (the tests' interpreter mode replaces the kernels)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_JOINT], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ["m64n256k16", ""] in found and ["", "3d"] in found, found
+    assert ["m64n128k16", ""] not in found, found

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, kmajor_tile
+from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
 from interlace.ops.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
@@ -82,6 +82,7 @@ def _dispatch_gemm0_kernel(
     PROXY_FENCE: tl.constexpr = False,  # with A_TMA on a GPU: order the flag acquire before the TMA loads
     SEND_TMA: tl.constexpr = False,  # sends as TMA stores (see _copy_send_tile)
     BULK_WAIT: tl.constexpr = False,  # with SEND_TMA on a GPU: wait for the stores before a flag
+    JOINT: tl.constexpr = False,  # SwiGLU with TMA weights: gate and up in one dot (expert_tile.gate_up_tile)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -123,6 +124,8 @@ def _dispatch_gemm0_kernel(
             if B_KMAJOR:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
                                                    block_shape=[BLOCK_K, BLOCK_N])
+            elif JOINT:  # gate and up rows as one 3-D block, one double-width dot
+                w_desc = joint_gate_up_desc(w_ptr, num_local, N, K, BLOCK_N, BLOCK_K)
             else:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
                                                    block_shape=[BLOCK_N, BLOCK_K])
@@ -167,10 +170,12 @@ def _dispatch_gemm0_kernel(
                 w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
                 if A_TMA and not is_local:  # two main loops, each pipelined on its own
                     acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, h_row0.to(tl.int32), True)
+                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, h_row0.to(tl.int32), True,
+                                                JOINT, e.to(tl.int32), nb * BLOCK_N)
                 else:
                     acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, 0, False,
+                                                JOINT, e.to(tl.int32), nb * BLOCK_N)
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             omask = rmask[:, None] & cmask[None, :]
             tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=omask)
@@ -224,5 +229,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
         PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
+        JOINT=bool(config.joint0) and tma and not w_kmajor and activation == "swiglu",
     )
 

@@ -133,6 +133,9 @@ class FusedKernelConfig:
     combine_push: int = 0
     push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
     push_rows: int = 128  # push mode: rows per load/store step of a push (capped at block_m)
+    # layer0 with SwiGLU and TMA weights: a tile's gate and up rows as one 3-D TMA block and one
+    # BLOCK_M × 2·block_n dot, as the expert kernels' ``joint`` (interlace.ops.expert_tile).
+    joint0: int = 0
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
