@@ -162,14 +162,15 @@ def test_joint_gate_up_matches_reference(a_tma, monkeypatch):
         check_forward_backward("gelu", "plain", [3, 0, 17, 1], N=32, K=24)
 
 
-@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1)])
+@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1), ("plain", 2), ("k-way", 2)])
 def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied
     contiguous first): tiles of 16 rows over ragged experts, so a tile's A block runs into the
     next expert's rows (and past the last row), which must land only in masked output rows.
     The weight gradients read whole 16-row blocks of an expert's rows through descriptors and
     its last partial block (17, 33 rows) through masked loads; ``persistent``: four programs loop
-    over the weight-gradient blocks and store them through a descriptor."""
+    over the weight-gradient blocks and store them through a descriptor (2: in one flat loop over
+    the blocks' row blocks, the rows past an expert's end zeroed, one step for an empty expert)."""
     monkeypatch.setenv("INTERLACE_TMA", "1")
     for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
         monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1")

@@ -426,6 +426,79 @@ def _wgrad_persistent_kernel(
         out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _wgrad_coords(item, ends_ptr, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr):
+    """Output block ``item`` of the weight gradient (the order of :func:`_wgrad_item`): its expert,
+    P and Q block, and the expert's first and end row."""
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_q = tl.cdiv(Q, BLOCK_Q)
+    e = item // (n_p * n_q)
+    r = item % (n_p * n_q)
+    per_group = GROUP_P * n_q
+    first_p = (r // per_group) * GROUP_P
+    group_size = tl.minimum(n_p - first_p, GROUP_P)
+    pb = first_p + (r % per_group) % group_size
+    qb = (r % per_group) // group_size
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    return e, pb, qb, start, end
+
+
+@triton.jit
+def _wgrad_flat_kernel(
+    a_ptr, b_ptr, out_ptr, ends_ptr, a_desc, b_desc, out_desc,
+    P, Q, E, R, num_programs,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_I: tl.constexpr = 256,
+):
+    """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, row block) steps, so
+    the software pipeline runs across output blocks: the next block's first rows load while this
+    block's last steps and its store run. For short reductions (a few hundred rows per expert, 4
+    row blocks per output block) the per-block pipeline fill is otherwise a large share of the
+    time.
+
+    Every step reads a whole BLOCK_R block of rows through TMA; the a rows past the expert's end
+    (the next expert's, or zeros past the last row) are zeroed in registers before the dot, so
+    they add nothing, and an expert with no rows still takes one step: every block is stored once."""
+    pid = tl.program_id(0)
+    n_items = E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
+    per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
+    # this program's steps: over its blocks, max(whole row blocks of the block's expert, 1)
+    total = 0
+    for i0 in range(pid, n_items, num_programs * BLOCK_I):
+        its = i0 + num_programs * tl.arange(0, BLOCK_I)
+        valid = its < n_items
+        ex = its // per_expert
+        hi = tl.load(ends_ptr + ex, mask=valid, other=0)
+        lo = tl.load(ends_ptr + ex - 1, mask=valid & (ex > 0), other=0)
+        total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(hi - lo, BLOCK_R), 1), 0))
+    item = pid - num_programs
+    ki = -1
+    n_k = 0
+    e = 0
+    pb = 0
+    qb = 0
+    start = 0
+    end = 0
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for _ in range(0, total):
+        ki += 1
+        if ki == n_k:  # the next output block (the persistent matmul tutorial's flat loop)
+            item += num_programs
+            e, pb, qb, start, end = _wgrad_coords(item, ends_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+            n_k = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
+            ki = 0
+        r0 = start + ki * BLOCK_R
+        a = a_desc.load([r0, pb * BLOCK_P])
+        a = tl.where((r0 + offs_r < end)[:, None], a, 0.0)
+        b = b_desc.load([r0, qb * BLOCK_Q])
+        acc = tl.dot(a.T, b, acc)
+        if ki == n_k - 1:
+            out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
+            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+
+
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
 
 
@@ -579,7 +652,9 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     or from ``segments`` (2, S, E) int32 (starts, then counts: S runs of rows per expert).
     With ``tma`` (TMA descriptors usable here) and ``config.a_tma``, ungathered a and b rows are
     read through descriptors; with ``config.persistent`` too (and P a multiple of the block),
-    persistent programs store the blocks through a descriptor (:func:`_wgrad_persistent_kernel`)."""
+    persistent programs store the blocks through a descriptor (:func:`_wgrad_persistent_kernel`;
+    ``persistent = 2``: :func:`_wgrad_flat_kernel`, one software pipeline across the blocks,
+    for ``ends`` rows)."""
     E = out.shape[0]
     if E == 0:
         return out
@@ -599,6 +674,13 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
         programs = _num_programs(out.device, items)
+        if config.persistent == 2 and segments is None:
+            _wgrad_flat_kernel[(programs,)](
+                a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, a.shape[0], programs,
+                BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+            return out
         _wgrad_persistent_kernel[(programs,)](
             a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,

@@ -34,6 +34,7 @@ from interlace.ops.tuning import GemmConfig, ShapeClass
 A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous first)
 J = dict(joint=1)  # GEMM0: gate and up as one 3-D TMA block and one double-width dot
 P = dict(a_tma=1, persistent=1)  # weight gradients: persistent programs, TMA stores
+F = dict(a_tma=1, persistent=2)  # the same in one flat loop, pipelined across output blocks
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
@@ -65,7 +66,11 @@ CANDIDATES = {
                      # persistent programs, blocks stored through TMA (the store drains under the
                      # next block's loads)
                      GemmConfig(128, 256, 64, 8, 3, **P), GemmConfig(128, 256, 64, 8, 3, 16, **P),
-                     GemmConfig(128, 256, 64, 8, 2, **P), GemmConfig(128, 128, 64, 8, 4, **P)],
+                     GemmConfig(128, 256, 64, 8, 2, **P), GemmConfig(128, 128, 64, 8, 4, **P),
+                     # one flat loop over (block, row block) steps: short reductions lose no
+                     # pipeline fill per block
+                     GemmConfig(128, 256, 64, 8, 3, **F), GemmConfig(128, 256, 64, 8, 3, 16, **F),
+                     GemmConfig(128, 256, 64, 8, 2, **F), GemmConfig(128, 128, 64, 8, 4, **F)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]

@@ -41,7 +41,8 @@ class GemmConfig:
     # operands' rows through descriptors (an expert's last partial block of rows by masked loads).
     a_tma: int = 0
     # Weight gradients with a_tma only: persistent programs (one per SM) that store each output
-    # block through a TMA descriptor, so the store drains under the next block's loads.
+    # block through a TMA descriptor, so the store drains under the next block's loads; 2: the
+    # same as one flat loop over (block, row block) steps, pipelined across blocks.
     persistent: int = 0
     # GEMM0 with SwiGLU and TMA weights only: gate and up rows as one 3-D TMA block and one
     # BLOCK_M × 2·BLOCK_N dot (expert_tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
