@@ -97,3 +97,17 @@ def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():
     samples[8] = [0.90, 0.91, 0.92]  # now 10% faster than the incumbent
     assert pick_split(samples, incumbent=16, margin=0.02) == 8
     assert pick_split({4: [1.0], 8: [1.0]}, incumbent=None, margin=0.02) == 4  # ties: the smaller split
+
+
+def test_tuner_rows_are_ragged_around_the_bucket():
+    """The tuner times experts whose rows end mid-block (within ±1/8 of the bucket, the total
+    exact), not equal multiples of the block that real routing never gives."""
+    from interlace.ops.tune_experts import ragged_ends
+
+    for bucket, experts in ((256, 128), (2048, 4), (64, 7), (1, 3)):
+        ends = ragged_ends(bucket, experts, "cpu")
+        counts = torch.diff(ends.long(), prepend=torch.zeros(1, dtype=torch.long))
+        assert ends.dtype == torch.int32 and int(ends[-1]) == bucket * experts
+        assert (counts >= bucket - bucket // 8).all() and (counts <= bucket + bucket // 8).all()
+    counts = torch.diff(ragged_ends(256, 128, "cpu").long(), prepend=torch.zeros(1, dtype=torch.long))
+    assert (counts % 64 != 0).sum() > 64  # most experts end inside a 64-row block

@@ -81,6 +81,20 @@ BACKWARD_NAMES = {k for k, _, _ in BACKWARD_KERNELS}
 BACKWARD_STEPS = {"expert_bwd_act": ("d_pre_act",), "expert_bwd_dx": ("dx",), "expert_wgrad": ("dw_down", "dw_up")}
 
 
+def ragged_ends(bucket: int, experts: int, device) -> torch.Tensor:
+    """Inclusive row ends of ``experts`` experts with ``bucket`` rows on average, each count drawn
+    within ±1/8 of it (seeded) and the total exactly bucket·experts: experts end mid-block, as
+    under real routing (equal multiples of the block favoured kernels that pay for partial
+    blocks: docs/benchmarks.md, run 90)."""
+    g = torch.Generator().manual_seed(bucket * 1009 + experts)
+    spread = bucket // 8
+    shift = torch.randint(-spread, spread + 1, (experts // 2,), generator=g)
+    counts = torch.full((experts,), bucket, dtype=torch.int64)
+    counts[0:2 * (experts // 2):2] += shift  # in pairs, +d and -d: the total stays exact
+    counts[1:2 * (experts // 2):2] -= shift
+    return counts.cumsum(0).to(device=device, dtype=torch.int32)
+
+
 def _time_ms(fn, cuda: bool) -> float:
     if cuda:
         return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -109,7 +123,7 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
     cuda = device.type == "cuda"
     for bucket in buckets:
         rows = bucket * shape.experts
-        ends = torch.arange(1, shape.experts + 1, device=device, dtype=torch.int32) * bucket
+        ends = ragged_ends(bucket, shape.experts, device)
         x = torch.randn(rows, shape.hidden, device=device).to(dtype)
         dy = torch.randn(rows, shape.hidden, device=device).to(dtype)
         gather = torch.randperm(rows, device=device).to(torch.int32)  # rows are gathered in real use
