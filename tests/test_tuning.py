@@ -102,6 +102,8 @@ def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():
 def test_tuner_rows_are_ragged_around_the_bucket():
     """The tuner times experts whose rows end mid-block (within ±1/8 of the bucket, the total
     exact), not equal multiples of the block that real routing never gives."""
+    import torch
+
     from interlace.ops.tune_experts import ragged_ends
 
     for bucket, experts in ((256, 128), (2048, 4), (64, 7), (1, 3)):
