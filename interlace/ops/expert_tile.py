@@ -2,7 +2,8 @@
 
 ``gate_up_tile`` is GEMM0's main loop for one (BLOCK_M × BLOCK_N) tile whose A rows are given
 as row pointers (so the caller decides where rows come from: a gather from the token matrix,
-a peer-filled receive buffer, ...), gate and up accumulated in the same tile for SwiGLU;
+a peer-filled receive buffer, ...), gate and up accumulated in the same tile for SwiGLU (with
+JOINT, in one double-width dot over a 3-D weight descriptor, :func:`joint_gate_up_desc`);
 ``activation_epilogue`` turns the accumulators into the activation in fp32.
 ``kmajor_tile`` is the same main loop for weights stored (reduction, output) per expert — the
 fused backward multiplies by W_down and W_up untransposed.

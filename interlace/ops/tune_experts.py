@@ -85,7 +85,7 @@ def ragged_ends(bucket: int, experts: int, device) -> torch.Tensor:
     """Inclusive row ends of ``experts`` experts with ``bucket`` rows on average, each count drawn
     within ±1/8 of it (seeded) and the total exactly bucket·experts: experts end mid-block, as
     under real routing (equal multiples of the block favoured kernels that pay for partial
-    blocks: docs/benchmarks.md, run 90)."""
+    blocks: docs/benchmarks.md, run 91)."""
     g = torch.Generator().manual_seed(bucket * 1009 + experts)
     spread = bucket // 8
     shift = torch.randint(-spread, spread + 1, (experts // 2,), generator=g)
