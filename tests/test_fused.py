@@ -397,7 +397,7 @@ print(json.dumps({
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                           GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
-                          PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False),
+                          PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False, JOINT=False),
                      {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, i64),
 }))
 """
@@ -547,16 +547,18 @@ def test_fused_train_gloo_two_ranks_all_cases():
     run_gloo(_check_all, 2, "fused:train", list(CONFIGS), CASES)
 
 
-def test_fused_train_gloo_four_ranks_and_tma_path(monkeypatch):
+@pytest.mark.parametrize("persistent", [1, 2])
+def test_fused_train_gloo_four_ranks_and_tma_path(persistent, monkeypatch):
     """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
     expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads; persistent
-    programs storing the blocks through a descriptor)."""
+    programs storing the blocks through a descriptor; 2: one flat loop over the blocks' runs, each
+    run through a descriptor ending at its end, an empty run one all-zero step)."""
     from helpers import run_gloo
     from test_distributed import _check_all
 
     monkeypatch.setenv("INTERLACE_TMA", "1")
-    monkeypatch.setenv("INTERLACE_WGRAD", "16,16,16,4,1,2,0,0,1,1")
+    monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
     run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 

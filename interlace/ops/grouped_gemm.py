@@ -433,9 +433,9 @@ def _wgrad_persistent_kernel(
 
 
 @triton.jit
-def _wgrad_coords(item, ends_ptr, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr):
-    """Output block ``item`` of the weight gradient (the order of :func:`_wgrad_item`): its expert,
-    P and Q block, and the expert's first and end row."""
+def _wgrad_coords(item, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr):
+    """Output block ``item`` of the weight gradient (the order of :func:`_wgrad_item`): its
+    expert, P block and Q block."""
     n_p = tl.cdiv(P, BLOCK_P)
     n_q = tl.cdiv(Q, BLOCK_Q)
     e = item // (n_p * n_q)
@@ -445,65 +445,98 @@ def _wgrad_coords(item, ends_ptr, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.const
     group_size = tl.minimum(n_p - first_p, GROUP_P)
     pb = first_p + (r % per_group) % group_size
     qb = (r % per_group) // group_size
-    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-    end = tl.load(ends_ptr + e)
-    return e, pb, qb, start, end
+    return e, pb, qb
+
+
+@triton.jit
+def _wgrad_run(ends_ptr, e, sg, E, NUM_SEG: tl.constexpr):
+    """First and end row of run ``sg`` of expert e's rows: its whole range from the inclusive
+    ``ends`` (NUM_SEG = 0), or the run's start and count from the (2, NUM_SEG, E) table."""
+    if NUM_SEG == 0:
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+    else:
+        start = tl.load(ends_ptr + sg * E + e)
+        end = start + tl.load(ends_ptr + (NUM_SEG + sg) * E + e)
+    return start, end
 
 
 @triton.jit
 def _wgrad_flat_kernel(
-    a_ptr, b_ptr, out_ptr, ends_ptr, a_desc, b_desc, out_desc,
+    a_ptr, b_ptr, out_ptr, ends_ptr, b_desc, out_desc,
     P, Q, E, R, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    BLOCK_I: tl.constexpr = 256,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
 ):
-    """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, row block) steps, so
-    the software pipeline runs across output blocks: the next block's first rows load while this
-    block's last steps and its store run. For short reductions (a few hundred rows per expert, 4
-    row blocks per output block) the per-block pipeline fill is otherwise a large share of the
-    time.
+    """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
+    block) steps, so the software pipeline runs across output blocks: the next block's first
+    rows load while this block's last steps and its store run. For short reductions (a few
+    hundred rows per expert, 4 row blocks per output block) and ragged experts (a partial last
+    row block each) the per-block pipeline fill is otherwise a large share of the time (runs 89, 91).
 
-    Every step reads a whole BLOCK_R block of rows through TMA. The a rows come through a
-    descriptor made in the kernel for each block, whose rows end at the expert's end: rows past
-    it read as zeros, so the next expert's b rows add nothing (zeroing them in registers instead
-    fed the dot from registers: 14-52% slower, run 88). An expert with no rows still takes one
-    step, so every block is stored once. Triton keeps a ring of such descriptors, one per
-    pipeline stage, so loads in flight keep theirs."""
+    An expert's rows are one run (``NUM_SEG = 0``: from ``ends``) or NUM_SEG runs (the fused
+    training path: one per source rank). Every step reads a whole BLOCK_R block of rows through
+    TMA. The a rows come through a descriptor made in the kernel for each run, whose rows end at
+    the run's end: rows past it read as zeros, so the b rows that follow add nothing (zeroing
+    them in registers instead fed the dot from registers: 14-52% slower, run 88). With ``ends``
+    those b rows are the next expert's (or TMA's zeros past the last row). Runs leave unwritten
+    rows between them, which may hold NaN (0 · NaN is NaN), so there the b rows come through a
+    descriptor per run too. An empty run still takes one step (all zeros), so every block is
+    stored once. Triton keeps a ring of such descriptors, one per pipeline stage, so loads in
+    flight keep theirs."""
+    RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
-    n_items = E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
-    # this program's steps: over its blocks, max(whole row blocks of the block's expert, 1)
+    n_items = E * per_expert
+    # this program's steps: over its blocks and their runs, max(row blocks of the run, 1)
     total = 0
     for i0 in range(pid, n_items, num_programs * BLOCK_I):
         its = i0 + num_programs * tl.arange(0, BLOCK_I)
         valid = its < n_items
         ex = its // per_expert
-        hi = tl.load(ends_ptr + ex, mask=valid, other=0)
-        lo = tl.load(ends_ptr + ex - 1, mask=valid & (ex > 0), other=0)
-        total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(hi - lo, BLOCK_R), 1), 0))
+        if NUM_SEG == 0:
+            hi = tl.load(ends_ptr + ex, mask=valid, other=0)
+            lo = tl.load(ends_ptr + ex - 1, mask=valid & (ex > 0), other=0)
+            total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(hi - lo, BLOCK_R), 1), 0))
+        else:
+            for sg in tl.static_range(NUM_SEG):
+                count = tl.load(ends_ptr + (NUM_SEG + sg) * E + ex, mask=valid, other=0)
+                total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(count, BLOCK_R), 1), 0))
     item = pid - num_programs
+    sg = RUNS - 1
     ki = -1
     n_k = 0
     e = 0
     pb = 0
     qb = 0
     start = 0
-    end = 0
-    a_end = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+    a_run = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+    if NUM_SEG != 0:
+        b_run = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
         ki += 1
-        if ki == n_k:  # the next output block (the persistent matmul tutorial's flat loop)
-            item += num_programs
-            e, pb, qb, start, end = _wgrad_coords(item, ends_ptr, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+        if ki == n_k:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
+            sg += 1
+            next_block = sg == RUNS
+            item = tl.where(next_block, item + num_programs, item)
+            sg = tl.where(next_block, 0, sg)
+            e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
+            start, end = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG)
             n_k = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
             ki = 0
-            a_end = tl.make_tensor_descriptor(a_ptr, shape=[end, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+            a_run = tl.make_tensor_descriptor(a_ptr, shape=[end, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+            if NUM_SEG != 0:
+                b_run = tl.make_tensor_descriptor(b_ptr, shape=[end, Q], strides=[Q, 1],
+                                                  block_shape=[BLOCK_R, BLOCK_Q])
         r0 = start + ki * BLOCK_R
-        a = a_end.load([r0, pb * BLOCK_P])
-        b = b_desc.load([r0, qb * BLOCK_Q])
+        a = a_run.load([r0, pb * BLOCK_P])
+        if NUM_SEG != 0:
+            b = b_run.load([r0, qb * BLOCK_Q])
+        else:
+            b = b_desc.load([r0, qb * BLOCK_Q])
         acc = tl.dot(a.T, b, acc)
-        if ki == n_k - 1:
+        if (ki == n_k - 1) & (sg == RUNS - 1):
             out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
 
@@ -662,8 +695,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     With ``tma`` (TMA descriptors usable here) and ``config.a_tma``, ungathered a and b rows are
     read through descriptors; with ``config.persistent`` too (and P a multiple of the block),
     persistent programs store the blocks through a descriptor (:func:`_wgrad_persistent_kernel`;
-    ``persistent = 2``: :func:`_wgrad_flat_kernel`, one software pipeline across the blocks,
-    for ``ends`` rows)."""
+    ``persistent = 2``: :func:`_wgrad_flat_kernel`, one software pipeline across the blocks)."""
     E = out.shape[0]
     if E == 0:
         return out
@@ -683,10 +715,11 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
         programs = _num_programs(out.device, items)
-        if config.persistent == 2 and segments is None:
+        if config.persistent == 2:
             _wgrad_flat_kernel[(programs,)](
-                a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, a.shape[0], programs,
+                a, b, out, table, b_desc, out_desc, P, Q, E, a.shape[0], programs,
                 BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
+                NUM_SEG=0 if segments is None else segments.shape[1],
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
             return out
