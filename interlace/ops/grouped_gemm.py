@@ -525,9 +525,13 @@ def _wgrad_flat_kernel(
             start, end = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG)
             n_k = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
             ki = 0
-            a_run = tl.make_tensor_descriptor(a_ptr, shape=[end, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+            # A tensor map may not have an empty dimension (an illegal instruction on H200 when
+            # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
+            bound = tl.maximum(end, 1)
+            start = tl.where(end > start, start, bound)
+            a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
             if NUM_SEG != 0:
-                b_run = tl.make_tensor_descriptor(b_ptr, shape=[end, Q], strides=[Q, 1],
+                b_run = tl.make_tensor_descriptor(b_ptr, shape=[bound, Q], strides=[Q, 1],
                                                   block_shape=[BLOCK_R, BLOCK_Q])
         r0 = start + ki * BLOCK_R
         a = a_run.load([r0, pb * BLOCK_P])
@@ -717,7 +721,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         programs = _num_programs(out.device, items)
         if config.persistent == 2:
             _wgrad_flat_kernel[(programs,)](
-                a, b, out, table, b_desc, out_desc, P, Q, E, a.shape[0], programs,
+                a, b, out, table, b_desc, out_desc, P, Q, E, max(a.shape[0], 1), programs,  # no empty tensor map
                 BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
                 NUM_SEG=0 if segments is None else segments.shape[1],
                 num_warps=config.num_warps, num_stages=config.num_stages,
