@@ -424,7 +424,7 @@ def _wgrad_persistent_kernel(
     store is asynchronous: it drains while the program starts its next block (in the sm90 PTX
     the wait for its shared-memory read sits just before the next block's store). Measured
     0–7% faster than one program per block, and chosen by the tuner on 9 of 12 H200 entries
-    (docs/benchmarks.md, run 69)."""
+    (docs/benchmarks.md, run 69); since runs 89–91 the H200 table uses :func:`_wgrad_flat_kernel`."""
     n_items = E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
     for item in tl.range(tl.program_id(0), n_items, num_programs):
         acc, e, pb, qb = _wgrad_item(item, a_ptr, b_ptr, a_ptr, ends_ptr, a_desc, b_desc, P, Q, 1, E, False,
@@ -672,7 +672,8 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
-        A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu", num_warps=c0.num_warps, num_stages=c0.num_stages,
+        A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu",
+        num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
                  schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
@@ -720,6 +721,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
         programs = _num_programs(out.device, items)
         if config.persistent == 2:
+            _ensure_allocator()  # its a (and per-source b) descriptors are made in the kernel
             _wgrad_flat_kernel[(programs,)](
                 a, b, out, table, b_desc, out_desc, P, Q, E, max(a.shape[0], 1), programs,  # no empty tensor map
                 BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
