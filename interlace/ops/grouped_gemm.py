@@ -345,13 +345,10 @@ def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q
 
 
 @triton.jit
-def _wgrad_item(item, a_ptr, b_ptr, gather_ptr, ends_ptr, a_desc, b_desc, P, Q, divisor, E,
-                HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-                GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr, ROWS_TMA: tl.constexpr):
-    """One output block of :func:`_wgrad_kernel`: item → (fp32 block, expert, P block, Q block).
-
-    Items are expert-major, and inside an expert grouped by GROUP_P P blocks (L2 swizzle) so
-    that running programs share the a and b column blocks they stream."""
+def _wgrad_coords(item, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr):
+    """Output block ``item`` of the weight gradient → its expert, P block and Q block. Items are
+    expert-major, and inside an expert grouped by GROUP_P P blocks (L2 swizzle) so that running
+    programs share the a and b column blocks they stream."""
     n_p = tl.cdiv(P, BLOCK_P)
     n_q = tl.cdiv(Q, BLOCK_Q)
     e = item // (n_p * n_q)
@@ -361,6 +358,16 @@ def _wgrad_item(item, a_ptr, b_ptr, gather_ptr, ends_ptr, a_desc, b_desc, P, Q, 
     group_size = tl.minimum(n_p - first_p, GROUP_P)
     pb = first_p + (r % per_group) % group_size
     qb = (r % per_group) // group_size
+    return e, pb, qb
+
+
+@triton.jit
+def _wgrad_item(item, a_ptr, b_ptr, gather_ptr, ends_ptr, a_desc, b_desc, P, Q, divisor, E,
+                HAS_GATHER: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+                GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr, ROWS_TMA: tl.constexpr):
+    """One output block of :func:`_wgrad_kernel`: item → (fp32 block, expert, P block, Q block)
+    (the order of :func:`_wgrad_coords`)."""
+    e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
     ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
@@ -430,22 +437,6 @@ def _wgrad_persistent_kernel(
         acc, e, pb, qb = _wgrad_item(item, a_ptr, b_ptr, a_ptr, ends_ptr, a_desc, b_desc, P, Q, 1, E, False,
                                      BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, NUM_SEG, True)
         out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _wgrad_coords(item, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr):
-    """Output block ``item`` of the weight gradient (the order of :func:`_wgrad_item`): its
-    expert, P block and Q block."""
-    n_p = tl.cdiv(P, BLOCK_P)
-    n_q = tl.cdiv(Q, BLOCK_Q)
-    e = item // (n_p * n_q)
-    r = item % (n_p * n_q)
-    per_group = GROUP_P * n_q
-    first_p = (r // per_group) * GROUP_P
-    group_size = tl.minimum(n_p - first_p, GROUP_P)
-    pb = first_p + (r % per_group) % group_size
-    qb = (r % per_group) // group_size
-    return e, pb, qb
 
 
 @triton.jit
