@@ -9,7 +9,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from helpers import strict_tensor_descriptors  # noqa: E402
 from interlace.ops import alloc  # noqa: E402
+
+strict_tensor_descriptors()  # (helpers applies it on import too: the gloo workers import it)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,31 @@ from interlace.routing import Router
 from interlace.transport import release_shared_buffers
 
 
+def strict_tensor_descriptors() -> None:
+    """Make the interpreter refuse tensor descriptors that CUDA refuses: every dimension must
+    hold 1 to 2³² elements. Triton's interpreter checks alignment only, and a descriptor with an
+    empty dimension ran on the CPU but stopped an H200 with an illegal instruction
+    (docs/benchmarks.md, run 93). Idempotent; the gloo workers get it by importing this module."""
+    try:
+        from triton.runtime.interpreter import TensorDescHandle
+    except ImportError:  # a Triton without the interpreter's descriptors: nothing to tighten
+        return
+    if getattr(TensorDescHandle.validate, "interlace_strict", False):
+        return
+    loose = TensorDescHandle.validate
+
+    def validate(self):
+        loose(self)
+        dims = [int(d.data.item()) for d in self.shape]
+        assert all(1 <= d <= 2**32 for d in dims), f"tensor descriptor shape {dims}: every dimension must be 1..2^32"
+
+    validate.interlace_strict = True
+    TensorDescHandle.validate = validate
+
+
+strict_tensor_descriptors()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64; NaN anywhere in a gives inf (NaN never passes)."""
     a, b = a.detach().double(), b.detach().double()
