@@ -17,6 +17,18 @@ import triton.language as tl
 
 
 @triton.jit
+def a_block(a_rows, rmask, a_desc, a_row0, k0, offs_k, RED, A_TMA: tl.constexpr):
+    """The (rows × BLOCK_K) A block at reduction offset k0: rows ``a_row0 ..`` of the descriptor
+    ``a_desc`` (A_TMA), else a masked load through the row pointers ``a_rows``."""
+    if A_TMA:
+        a = a_desc.load([a_row0, k0])
+    else:
+        kk = k0 + offs_k
+        a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & (kk < RED)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
 def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
                  a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, JOINT: tl.constexpr = False, w_expert=0,
@@ -38,11 +50,7 @@ def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVA
     if JOINT:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in range(0, N, BLOCK_K):
-            if A_TMA:
-                a = a_desc.load([a_row0, k0])
-            else:
-                kk = k0 + offs_k
-                a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & (kk < N)[None, :], other=0.0)
+            a = a_block(a_rows, rmask, a_desc, a_row0, k0, offs_k, N, A_TMA)
             b = tl.reshape(w_desc.load([2 * w_expert, col0, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, b.T, acc)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -52,10 +60,7 @@ def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVA
         for k0 in range(0, N, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < N
-            if A_TMA:
-                a = a_desc.load([a_row0, k0])
-            else:
-                a = tl.load(a_rows[:, None] + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            a = a_block(a_rows, rmask, a_desc, a_row0, k0, offs_k, N, A_TMA)
             if USE_TMA:
                 acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
                 if ACTIVATION == 0:
