@@ -46,6 +46,7 @@ from interlace.ops.expert_tile import slice_grouped_work
 from interlace.ops.flags import (WAIT_LAYER1, WAIT_PUSH1, bulk_stores_done, claim, fence_acq_rel_sys, finish_queue,
                                  launch_roles, peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
+from interlace.ops.launch import launch
 from interlace.ops.timeline import (KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, KIND_PUSH1, timeline_now,
                                     timeline_record)
 
@@ -397,7 +398,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     if push and spec.num_slices * plan.recv_tiles[3] > buf.items1.numel():
         raise ValueError(f"push mode: {spec.num_slices} slices × {plan.recv_tiles[3]} tiles exceed the buffer's "
                          f"{buf.items1.numel()} item flags")
-    _gemm1_combine_kernel[(grid,)](
+    launch(_gemm1_combine_kernel, (grid,),
         h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
         plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],
         plan.recv_tiles[2], plan.tiles_from_source,

@@ -28,6 +28,7 @@ from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped
 from interlace.ops.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
+from interlace.ops.launch import launch
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
@@ -212,7 +213,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     send_tma = bool(config.send_tma) and tma and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
-    _dispatch_gemm0_kernel[(grid,)](
+    launch(_dispatch_gemm0_kernel, (grid,),
         x, assign, w_up, h, pre if pre is not None else h, v["recv"], v["flags0"], buf.tables["recv"],
         buf.tables["flags0"],
         plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
+from interlace.ops.launch import launch
 from interlace.ops.rows import use_triton
 
 
@@ -235,7 +236,7 @@ def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: in
     el_pad = triton.next_power_of_2(num_local)
     w_pad = triton.next_power_of_2(W)
     block_t = max(1, min(64, 4096 // (w_pad * el_pad)))
-    _plan_kernel[(1,)](
+    launch(_plan_kernel, (1,),
         counts_all.to(torch.int32).contiguous(), cols, tiles_from_source, sent_rows,
         send_seg, send_idx, send_num, recv_seg, recv_idx, recv_num,
         me, W, num_local,

@@ -57,6 +57,7 @@ import triton.language as tl
 
 from interlace.ops import alloc
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
+from interlace.ops.launch import launch
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
@@ -133,7 +134,7 @@ def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedu
                          lists[3 * stride:3 * stride + 1], max_tiles, block_m)
     e_pad = triton.next_power_of_2(max(E, 1))
     block_t = max(1, min(64, 8192 // e_pad))
-    _tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
+    launch(_tile_schedule_kernel, (triton.cdiv(max_tiles, block_t),),
         ends, sched.expert, sched.start, sched.end, sched.count, E, max_tiles,
         BLOCK_M=block_m, E_PAD=e_pad, BLOCK_T=block_t, num_warps=4,
     )
@@ -658,7 +659,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
 
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
     a_tma = a_tma and tma_rows_ok(x)
-    _gemm0_kernel[(p0,)](
+    launch(_gemm0_kernel, (p0,),
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
@@ -675,7 +676,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
-    _gemm_kernel[(p,)](
+    launch(_gemm_kernel, (p,),
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
@@ -713,21 +714,21 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         programs = _num_programs(out.device, items)
         if config.persistent == 2:
             _ensure_allocator()  # its a (and per-source b) descriptors are made in the kernel
-            _wgrad_flat_kernel[(programs,)](
+            launch(_wgrad_flat_kernel, (programs,),
                 a, b, out, table, b_desc, out_desc, P, Q, E, max(a.shape[0], 1), programs,  # no empty tensor map
                 BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
                 NUM_SEG=0 if segments is None else segments.shape[1],
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
             return out
-        _wgrad_persistent_kernel[(programs,)](
+        launch(_wgrad_persistent_kernel, (programs,),
             a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
             NUM_SEG=0 if segments is None else segments.shape[1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
-    _wgrad_kernel[(items,)](
+    launch(_wgrad_kernel, (items,),
         a, b, gather if gather is not None else table, out, table, a_desc, b_desc, P, Q, divisor, E,
         HAS_GATHER=gather is not None, BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k,
         GROUP_P=config.group_m, NUM_SEG=0 if segments is None else segments.shape[1],

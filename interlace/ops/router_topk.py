@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
+from interlace.ops.launch import launch
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
         return idx, weight
     e_pad = triton.next_power_of_2(E)
     block_t = max(1, min(128, 4096 // e_pad))
-    _route_topk_kernel[(triton.cdiv(T, block_t),)](
+    launch(_route_topk_kernel, (triton.cdiv(T, block_t),),
         logits, bias if bias is not None else logits, idx, weight, T, E, float(scale),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,

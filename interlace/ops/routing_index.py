@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
+from interlace.ops.launch import launch
 from interlace.ops.rows import use_triton
 
 # Tuning: BLOCK_A is the number of assignments one program handles; the rank-in-block
@@ -150,14 +151,14 @@ def build_dispatch_index(
     block_counts = alloc.empty((num_blocks, E), dtype=torch.int32, device=device)
     kept = alloc.empty((E,), dtype=torch.int32, device=device)
     expert_end = alloc.empty((E,), dtype=torch.int32, device=device)
-    _block_histogram_kernel[(num_blocks,)](
+    launch(_block_histogram_kernel, (num_blocks,),
         topk_idx, block_counts, A, T, E, TOP_K=k, BLOCK_A=BLOCK_A, E_PAD=e_pad, num_warps=NUM_WARPS
     )
-    _scan_counts_kernel[(1,)](
+    launch(_scan_counts_kernel, (1,),
         block_counts, kept, expert_end, num_blocks, E, cap,
         BLOCK_B=max(1, min(32, 4096 // e_pad)), E_PAD=e_pad, num_warps=NUM_WARPS,
     )
-    _assign_rows_kernel[(num_blocks,)](
+    launch(_assign_rows_kernel, (num_blocks,),
         topk_idx, block_counts, kept, expert_end, row_of_assignment, assignment_of_row,
         A, T, E, cap, TOP_K=k, BLOCK_A=BLOCK_A, num_warps=NUM_WARPS,
     )
@@ -216,7 +217,7 @@ def expert_major_index(recv_counts: torch.Tensor, num_rows: int) -> tuple[torch.
     offs = alloc.empty((E_local,), dtype=torch.int32, device=device)
     el_pad, w_pad = triton.next_power_of_2(E_local), triton.next_power_of_2(W)
     block_q = max(1, min(128, 8192 // (el_pad * w_pad)))
-    _expert_major_index_kernel[(max(1, triton.cdiv(num_rows, block_q)),)](
+    launch(_expert_major_index_kernel, (max(1, triton.cdiv(num_rows, block_q)),),
         recv_counts.contiguous(), src_row, inverse, offs, num_rows, W, E_local,
         BLOCK_Q=block_q, EL_PAD=el_pad, W_PAD=w_pad, num_warps=NUM_WARPS,
     )

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
+from interlace.ops.launch import launch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -64,7 +65,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch
         return out
     if not use_triton(x):
         return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
-    _gather_rows_kernel[(triton.cdiv(R, GATHER_ROWS),)](
+    launch(_gather_rows_kernel, (triton.cdiv(R, GATHER_ROWS),),
         x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
     )
     return out
@@ -110,7 +111,7 @@ def combine_rows(
             picked = picked * weights.float().unsqueeze(-1)
         return picked.sum(1).to(out_dtype)
     w = weights.contiguous() if weights is not None else row_of_assignment  # dummy pointer when unused
-    _combine_rows_kernel[(T,)](
+    launch(_combine_rows_kernel, (T,),
         y, row_of_assignment, w, out, N,
         TOP_K=k, HAS_WEIGHTS=weights is not None, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )
@@ -163,7 +164,7 @@ def combine_rows_backward(
         contrib = (g.unsqueeze(1) * weights.float().unsqueeze(-1)).expand(T, k, N)[kept]
         dy[flat_rows] = contrib.to(dy.dtype)
         return dy, dw
-    _combine_backward_kernel[(T,)](
+    launch(_combine_backward_kernel, (T,),
         grad_out, y, row_of_assignment, weights.contiguous(), dy, dw, N,
         TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )

@@ -1,0 +1,145 @@
+"""Triton kernel launches with less host work than ``kernel[grid](...)``.
+
+A small expert block (qwen2-moe, flashdmoe-cfg at 4096 tokens) issues a dozen Triton launches
+per forward + backward, and its host time is as long as its GPU time (runs 85, 87): every
+microsecond of launch overhead is lost on the GPU. ``kernel[grid](...)`` costs ~27 µs of host
+time on H200's host (run 85); the compiled kernel's own C launcher ~16 µs. The JIT path spends
+the difference on Triton's general binder (a specialization per argument), a cache key built
+from a formatted options string, launch hooks and a check of the kernel's globals.
+
+:func:`launch` keeps a cache per kernel keyed on what Triton's specialization depends on
+(:func:`arg_key`: a tensor's dtype and 16-byte alignment; an int's equality to 1, width class and
+divisibility by 16; a descriptor's dtype, block shape and padding), plus the call's keyword
+arguments (constexprs and options) and the device. A miss takes the JIT path, which compiles or
+finds the kernel and launches it, and remembers the compiled kernel; a hit calls the compiled
+kernel's launcher directly. The key is never coarser than Triton's specialization
+(``tests/test_launch.py`` checks that against Triton's own specializer), so a hit never runs
+a kernel compiled for other argument properties.
+
+Falls back to ``kernel[grid](...)`` for: the interpreter (``TRITON_INTERPRET=1``), a Triton
+other than the 3.6 series this was written against, launch hooks installed (profilers), an
+argument type the key does not know, or ``INTERLACE_FAST_LAUNCH=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+_MAX_ENTRIES = 256  # per kernel; keys are property classes, so a handful per call site
+
+
+class _Unkeyed(Exception):
+    """An argument whose specialization :func:`arg_key` does not model."""
+
+
+def arg_key(a):
+    """What Triton 3.6's specialization of a non-constexpr argument depends on, as a hashable."""
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if t is bool:
+        return "u1"
+    if t is int:
+        if a == 1:
+            return 1  # specialized to the constant 1
+        return (a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1])
+    if a is None:
+        return None
+    if t is float:
+        return "fp32"
+    if t.__name__ == "TensorDescriptor":
+        return ("desc", a.base.dtype, tuple(a.block_shape), a.padding)
+    raise _Unkeyed(t.__name__)
+
+
+def _supported() -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get("INTERLACE_FAST_LAUNCH", "1") == "0":
+        return False
+    return triton.__version__.startswith("3.6.") and torch.cuda.is_available()
+
+
+_ENABLED: bool | None = None
+_CACHES: dict = {}  # id(kernel) -> (kernel, {key: (compiled, tail names, tail defaults)})
+
+
+def enabled() -> bool:
+    global _ENABLED
+    if _ENABLED is None:
+        _ENABLED = _supported()
+    return _ENABLED
+
+
+def reset() -> None:
+    """Forget the compiled kernels and re-read the environment (tests)."""
+    global _ENABLED
+    _ENABLED = None
+    _CACHES.clear()
+
+
+_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
+
+
+def _tail(kernel, n_positional: int, kwargs: dict):
+    """The parameters after the positional ones, as (name, default) in the kernel's order.
+    Raises :class:`_Unkeyed` where the key would not determine the specialization: a constexpr
+    passed by position (the key classes its value, Triton specializes on it exactly), or a
+    keyword that is neither a constexpr nor a launch option (it is keyed by value, not class)."""
+    params = kernel.params
+    if any(p.is_constexpr for p in params[:n_positional]):
+        raise _Unkeyed("constexpr passed by position")
+    by_name = {p.name: p for p in params}
+    for name in kwargs:
+        if name not in _OPTIONS and not (name in by_name and by_name[name].is_constexpr):
+            raise _Unkeyed(f"keyword {name}")
+    tail = []
+    for p in params[n_positional:]:
+        if p.name not in kwargs and not p.has_default:
+            raise _Unkeyed(f"missing argument {p.name}")
+        tail.append((p.name, p.default if p.has_default else None))
+    return tuple(tail)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, through the cached compiled kernel when possible.
+    ``args`` are the positional kernel arguments; ``kwargs`` the constexprs passed by name and
+    the launch options (``num_warps``, ``num_stages``)."""
+    if not enabled():
+        return kernel[grid](*args, **kwargs)
+    from triton import knobs
+
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return kernel[grid](*args, **kwargs)
+    try:
+        key = (torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(arg_key, args)))
+    except _Unkeyed:
+        return kernel[grid](*args, **kwargs)
+    entry = _CACHES.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        entry = _CACHES[id(kernel)] = (kernel, {})
+    cache = entry[1]
+    hit = cache.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel, and launches it
+        try:
+            tail = _tail(kernel, len(args), kwargs)
+        except _Unkeyed:
+            return compiled
+        if len(cache) >= _MAX_ENTRIES:
+            cache.clear()
+        cache[key] = (compiled, tail)
+        return compiled
+    compiled, tail = hit
+    values = args + tuple(kwargs[n] if n in kwargs else d for n, d in tail)
+    g0 = grid[0]
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(key[0])
+    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+    return compiled

@@ -1,0 +1,88 @@
+"""The cached launch path (interlace.ops.launch): its key is never coarser than Triton's own
+specialization, and it refuses the calls its key cannot describe."""
+
+import itertools
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from interlace.ops import launch as fast
+
+
+def triton_specialization(a):
+    """Triton's (type, attribute) of a non-constexpr argument, as its binder computes it."""
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+def sample_arguments():
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31),
+            -(2**31) - 16, -(2**31) - 1, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16]
+    base = {dt: torch.zeros(256, dtype=dt) for dt in (torch.bfloat16, torch.float32, torch.int32, torch.int64)}
+    tensors = [t[off:] for t in base.values() for off in (0, 1, 2, 4, 8, 16)]
+    mat = torch.zeros(64, 128, dtype=torch.bfloat16)
+    descs = [TensorDescriptor.from_tensor(mat, [16, 32]), TensorDescriptor.from_tensor(mat, [32, 32]),
+             TensorDescriptor.from_tensor(mat, [16, 32], padding="nan"),
+             TensorDescriptor.from_tensor(mat.float(), [16, 32]),
+             TensorDescriptor(mat, [64, 64], [128, 1], [16, 32])]
+    return ints + tensors + descs + [True, False, None, 0.5, 3.0]
+
+
+def test_key_is_never_coarser_than_triton_specialization():
+    args = sample_arguments()
+    keys = [fast.arg_key(a) for a in args]
+    specs = [triton_specialization(a) for a in args]
+    pairs = 0
+    for (ka, sa, a), (kb, sb, b) in itertools.combinations(zip(keys, specs, args), 2):
+        if ka == kb:
+            pairs += 1
+            assert sa == sb, f"{a!r} and {b!r} share a launch key but Triton specializes them as {sa} and {sb}"
+    assert pairs > 20  # the sample has classes with several members, so the check compared something
+
+
+def test_unknown_argument_types_are_refused():
+    with pytest.raises(fast._Unkeyed):
+        fast.arg_key([1, 2])
+    with pytest.raises(fast._Unkeyed):
+        fast.arg_key(torch.float32)
+
+
+def _probe(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+def test_tail_refuses_calls_the_key_cannot_describe():
+    kernel = JITFunction(_probe)
+    x = torch.zeros(4)
+    assert fast._tail(kernel, 2, {"BLOCK": 16, "num_warps": 4}) == (("BLOCK", None), ("FLAG", False))
+    with pytest.raises(fast._Unkeyed, match="by position"):
+        fast._tail(kernel, 3, {})  # BLOCK passed positionally: Triton specializes on its exact value
+    with pytest.raises(fast._Unkeyed, match="keyword n"):
+        fast._tail(kernel, 1, {"n": 4, "BLOCK": 16})  # a runtime int by name would be keyed by value
+    with pytest.raises(fast._Unkeyed, match="missing"):
+        fast._tail(kernel, 2, {})
+    del x
+
+
+def test_interpreter_takes_the_jit_path(monkeypatch):
+    fast.reset()
+    assert not fast.enabled()  # TRITON_INTERPRET=1 in the tests
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.arange(8, dtype=torch.float32)
+    fast.launch(add_one, (1,), x, 8, BLOCK=8)
+    assert torch.equal(x, torch.arange(1, 9, dtype=torch.float32))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("INTERLACE_FAST_LAUNCH", "0")
+    fast.reset()
+    assert not fast.enabled()
+    fast.reset()
