@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import triton
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction, compute_cache_key
