@@ -13,12 +13,18 @@ a permutation as after the all-to-all. Per backend:
 * host syncs in one call (``torch.cuda.set_sync_debug_mode``);
 * with ``--profile``, the top host functions of the Triton backend (cProfile).
 
+Backend ``triton-jit`` is the Triton backend launching through ``kernel[grid](...)`` instead of
+the cached launch path (:mod:`interlace.ops.launch`); ``--backends`` takes repeats, so
+``torch triton-jit triton triton-jit triton`` interleaves two rounds of the A/B.
+
 usage: python scripts/host_overhead.py [--configs ...] [--tokens 4096] [--world 2] [--profile]
+       [--backends torch triton triton-jit ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -29,6 +35,7 @@ import warnings
 import torch
 
 from interlace.config import PRESETS
+from interlace.ops import launch
 from interlace.ops.routing_index import expert_major_index
 from interlace.strategies.sequential import gathered_expert_ffn
 
@@ -59,8 +66,10 @@ def measure(backend, cfg, tokens, world, iters, profile, routing="balanced", ker
     x, w_up, w_down, src_row, inverse, offs, dy, R = block(cfg, tokens, world, device, routing)
 
     def call():
-        y = gathered_expert_ffn(backend, x, src_row, inverse, R, w_up, w_down, offs, cfg.activation)
-        y.backward(dy)
+        with launch.jit_path() if backend == "triton-jit" else contextlib.nullcontext():
+            y = gathered_expert_ffn(backend.removesuffix("-jit"), x, src_row, inverse, R, w_up, w_down, offs,
+                                    cfg.activation)
+            y.backward(dy)
         x.grad = w_up.grad = w_down.grad = None
 
     for _ in range(5):
@@ -134,15 +143,18 @@ def main():
     p.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "random"],
                    help="rows per expert: equal, or counted from uniformly random top-k picks")
     p.add_argument("--kernels", action="store_true", help="GPU ms per kernel and call (torch.profiler)")
+    p.add_argument("--backends", nargs="+", default=["torch", "triton"], choices=["torch", "triton", "triton-jit"],
+                   help="in this order, repeats allowed (interleaved rounds); triton-jit: the Triton backend "
+                        "launching through kernel[grid](...) instead of interlace.ops.launch's cached path")
     args = p.parse_args()
     rows = []
     for name in args.configs:
         cfg = PRESETS[name]
         for tokens in args.tokens:
             for routing in args.routing:
-                for backend in ("torch", "triton"):
+                for backend in args.backends:
                     gpu, ahead, host, syncs, top = measure(backend, cfg, tokens, args.world, args.iters,
-                                                           args.profile and backend == "triton", routing, args.kernels)
+                                                           args.profile and backend != "torch", routing, args.kernels)
                     rows.append((name, tokens, routing, backend, gpu, ahead, host, syncs))
                     print(f"{name} T={tokens} {routing} {backend}: GPU {gpu:.3f} ms (host ahead {ahead:.3f}), "
                           f"host {host:.3f} ms, syncs {syncs}", flush=True)

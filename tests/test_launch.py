@@ -30,12 +30,12 @@ def sample_arguments():
              TensorDescriptor.from_tensor(mat, [16, 32], padding="nan"),
              TensorDescriptor.from_tensor(mat.float(), [16, 32]),
              TensorDescriptor(mat, [64, 64], [128, 1], [16, 32])]
-    return ints + tensors + descs + [True, False, None, 0.5, 3.0]
+    return ints + tensors + descs + [True, False, None, 0.5, 3.0, torch.nn.Parameter(base[torch.float32][4:])]
 
 
 def test_key_is_never_coarser_than_triton_specialization():
     args = sample_arguments()
-    keys = [fast.arg_key(a) for a in args]
+    keys = [fast.args_key((a,)) for a in args]
     specs = [triton_specialization(a) for a in args]
     pairs = 0
     for (ka, sa, a), (kb, sb, b) in itertools.combinations(zip(keys, specs, args), 2):
@@ -47,9 +47,9 @@ def test_key_is_never_coarser_than_triton_specialization():
 
 def test_unknown_argument_types_are_refused():
     with pytest.raises(fast._Unkeyed):
-        fast.arg_key([1, 2])
+        fast.args_key(([1, 2],))
     with pytest.raises(fast._Unkeyed):
-        fast.arg_key(torch.float32)
+        fast.args_key((torch.float32,))
 
 
 def _probe(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
@@ -59,7 +59,8 @@ def _probe(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
 def test_tail_refuses_calls_the_key_cannot_describe():
     kernel = JITFunction(_probe)
     x = torch.zeros(4)
-    assert fast._tail(kernel, 2, {"BLOCK": 16, "num_warps": 4}) == (("BLOCK", None), ("FLAG", False))
+    assert fast._tail(kernel, 2, {"BLOCK": 16, "num_warps": 4}) == (("BLOCK", "FLAG"), {"FLAG": False})
+    assert fast._tail(kernel, 2, {"BLOCK": 16, "FLAG": True}) == (("BLOCK", "FLAG"), None)
     with pytest.raises(fast._Unkeyed, match="by position"):
         fast._tail(kernel, 3, {})  # BLOCK passed positionally: Triton specializes on its exact value
     with pytest.raises(fast._Unkeyed, match="keyword n"):

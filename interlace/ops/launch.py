@@ -8,7 +8,7 @@ the difference on Triton's general binder (a specialization per argument), a cac
 from a formatted options string, launch hooks and a check of the kernel's globals.
 
 :func:`launch` keeps a cache per kernel keyed on what Triton's specialization depends on
-(:func:`arg_key`: a tensor's dtype and 16-byte alignment; an int's equality to 1, width class and
+(:func:`args_key`: a tensor's dtype and 16-byte alignment; an int's equality to 1, width class and
 divisibility by 16; a descriptor's dtype, block shape and padding), plus the call's keyword
 arguments (constexprs and options) and the device. A miss takes the JIT path, which compiles or
 finds the kernel and launches it, and remembers the compiled kernel; a hit calls the compiled
@@ -23,6 +23,7 @@ argument type the key does not know, or ``INTERLACE_FAST_LAUNCH=0``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -34,27 +35,37 @@ _MAX_ENTRIES = 256  # per kernel; keys are property classes, so a handful per ca
 
 
 class _Unkeyed(Exception):
-    """An argument whose specialization :func:`arg_key` does not model."""
+    """An argument whose specialization :func:`args_key` does not model."""
 
 
-def arg_key(a):
-    """What Triton 3.6's specialization of a non-constexpr argument depends on, as a hashable."""
-    t = type(a)
-    if t is torch.Tensor or isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if t is bool:
-        return "u1"
-    if t is int:
-        if a == 1:
-            return 1  # specialized to the constant 1
-        return (a % 16 == 0, _I32[0] <= a < _I32[1], _I64[0] <= a < _I64[1])
-    if a is None:
-        return None
-    if t is float:
-        return "fp32"
-    if t.__name__ == "TensorDescriptor":
-        return ("desc", a.base.dtype, tuple(a.block_shape), a.padding)
-    raise _Unkeyed(t.__name__)
+def args_key(args: tuple) -> tuple:
+    """What Triton 3.6's specialization of these (non-constexpr) arguments depends on, one
+    hashable per argument: a tensor's dtype and 16-byte alignment; an int's equality to 1, its
+    divisibility by 16 and width (i32 / i64 / u64); the type of a bool, float or None; a host
+    descriptor's dtype, block shape and padding. Inline type tests: this runs on every launch."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor:
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is int:
+            if a == 1:
+                key.append("one")  # specialized to the constant 1
+            else:
+                key.append((a % 16 == 0) + 2 * (_I32[0] <= a < _I32[1]) + 4 * (_I64[0] <= a < _I64[1]))
+        elif t is bool:
+            key.append("u1")
+        elif a is None:
+            key.append(None)
+        elif t is float:
+            key.append("fp32")
+        elif isinstance(a, torch.Tensor):  # a subclass
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t.__name__ == "TensorDescriptor":
+            key.append(("desc", a.base.dtype, tuple(a.block_shape), a.padding))
+        else:
+            raise _Unkeyed(t.__name__)
+    return tuple(key)
 
 
 def _supported() -> bool:
@@ -76,6 +87,18 @@ def enabled() -> bool:
     return _ENABLED
 
 
+@contextlib.contextmanager
+def jit_path():
+    """Launch through ``kernel[grid](...)`` inside this block (for timing the difference)."""
+    global _ENABLED
+    saved = enabled()
+    _ENABLED = False
+    try:
+        yield
+    finally:
+        _ENABLED = saved
+
+
 def reset() -> None:
     """Forget the compiled kernels and re-read the environment (tests)."""
     global _ENABLED
@@ -87,7 +110,8 @@ _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
 
 
 def _tail(kernel, n_positional: int, kwargs: dict):
-    """The parameters after the positional ones, as (name, default) in the kernel's order.
+    """How a hit assembles the arguments after the positional ones, in the kernel's order:
+    (their names, the defaults to add to ``kwargs`` or None when ``kwargs`` has them all).
     Raises :class:`_Unkeyed` where the key would not determine the specialization: a constexpr
     passed by position (the key classes its value, Triton specializes on it exactly), or a
     keyword that is neither a constexpr nor a launch option (it is keyed by value, not class)."""
@@ -98,26 +122,36 @@ def _tail(kernel, n_positional: int, kwargs: dict):
     for name in kwargs:
         if name not in _OPTIONS and not (name in by_name and by_name[name].is_constexpr):
             raise _Unkeyed(f"keyword {name}")
-    tail = []
+    names, defaults = [], {}
     for p in params[n_positional:]:
-        if p.name not in kwargs and not p.has_default:
-            raise _Unkeyed(f"missing argument {p.name}")
-        tail.append((p.name, p.default if p.has_default else None))
-    return tuple(tail)
+        if p.name not in kwargs:
+            if not p.has_default:
+                raise _Unkeyed(f"missing argument {p.name}")
+            defaults[p.name] = p.default
+        names.append(p.name)
+    return tuple(names), (defaults or None)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler's) is installed. Triton 3.6 keeps them in ``HookChain``
+    objects that are never None; the JIT path calls them (and builds their metadata) on every
+    launch even when empty, which the cached path skips."""
+    from triton import knobs
+
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, through the cached compiled kernel when possible.
-    ``args`` are the positional kernel arguments; ``kwargs`` the constexprs passed by name and
-    the launch options (``num_warps``, ``num_stages``)."""
-    if not enabled():
-        return kernel[grid](*args, **kwargs)
-    from triton import knobs
-
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    ``grid`` a tuple of program counts; ``args`` the positional kernel arguments; ``kwargs`` the
+    constexprs passed by name and the launch options (``num_warps``, ``num_stages``)."""
+    if not enabled() or type(grid) is not tuple or _hooked():
         return kernel[grid](*args, **kwargs)
     try:
-        key = (torch.cuda.current_device(), tuple(kwargs.items()), tuple(map(arg_key, args)))
+        key = (torch.cuda.current_device(), tuple(kwargs.items()), args_key(args))
     except _Unkeyed:
         return kernel[grid](*args, **kwargs)
     entry = _CACHES.get(id(kernel))
@@ -135,8 +169,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
             cache.clear()
         cache[key] = (compiled, tail)
         return compiled
-    compiled, tail = hit
-    values = args + tuple(kwargs[n] if n in kwargs else d for n, d in tail)
+    compiled, (names, defaults) = hit
+    named = kwargs if defaults is None else {**defaults, **kwargs}
+    values = args + tuple(map(named.__getitem__, names))
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
