@@ -87,3 +87,10 @@ def test_interpreter_takes_the_jit_path(monkeypatch):
     fast.reset()
     assert not fast.enabled()
     fast.reset()
+
+
+def test_host_integer_helpers_match_triton():
+    for a in list(range(0, 600)) + [2**31 - 1, 2**31, 2**40 + 3]:
+        for b in (1, 2, 3, 7, 16, 64, 128, 1000):
+            assert fast.cdiv(a, b) == triton.cdiv(a, b)
+        assert fast.next_power_of_2(a) == triton.next_power_of_2(a), a

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from interlace.ops import alloc
 
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, launch
 from interlace.ops.rows import use_triton
 
 # Tuning: elements per program of the (M, K) output; 8 per thread with 4 warps.
@@ -81,7 +81,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     out = alloc.empty((M, K), dtype=h.dtype, device=h.device)
     total = M * K
     if total:
-        launch(_swiglu_kernel, (triton.cdiv(total, BLOCK),), h, out, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        launch(_swiglu_kernel, (cdiv(total, BLOCK),), h, out, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
 
 
@@ -103,7 +103,7 @@ def swiglu_backward(h: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | Non
     dh = alloc.empty(h.shape, h.dtype, h.device) if out is None else out
     total = M * K
     if total:
-        launch(_swiglu_backward_kernel, (triton.cdiv(total, BLOCK),),
+        launch(_swiglu_backward_kernel, (cdiv(total, BLOCK),),
             h, grad, dh, total, K, BLOCK=BLOCK, num_warps=NUM_WARPS
         )
     return dh
@@ -132,7 +132,7 @@ def swiglu_backward_regions(h: torch.Tensor, grad: torch.Tensor, used: torch.Ten
         dh[rows] = swiglu_backward(h[rows], grad[rows])  # h[rows] is a copy: safe when dh is h
         return dh
     if M and K:
-        grid = (triton.cdiv(region_rows * K, BLOCK), R)
+        grid = (cdiv(region_rows * K, BLOCK), R)
         launch(_swiglu_backward_regions_kernel, grid, h, grad, dh, used, region_rows, K, BLOCK=BLOCK,
                num_warps=NUM_WARPS)
     return dh

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, next_power_of_2, launch
 from interlace.ops.rows import use_triton
 
 
@@ -43,7 +43,7 @@ def segment_tiles(counts: torch.Tensor, max_rows: int, block_m: int):
     are unspecified. ``max_rows`` bounds Σ counts (sizes the lists).
     """
     S = counts.numel()
-    max_tiles = triton.cdiv(max_rows, block_m) + S
+    max_tiles = cdiv(max_rows, block_m) + S
     dev = counts.device
     tiles = (counts.long() + block_m - 1) // block_m
     seg = torch.repeat_interleave(torch.arange(S, device=dev), tiles)
@@ -220,8 +220,8 @@ def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: in
     W, E = counts_all.shape
     dev = counts_all.device
     S = E
-    max_send = triton.cdiv(max_tokens * top_k, block_m) + S
-    max_recv = triton.cdiv(W * max_tokens * min(top_k, num_local), block_m) + S
+    max_send = cdiv(max_tokens * top_k, block_m) + S
+    max_recv = cdiv(W * max_tokens * min(top_k, num_local), block_m) + S
     # One allocation for every int32 output (fewer allocator calls on the hot path).
     flat = alloc.empty((6 * S + 2 * W + 2 + 2 * max_send + 2 * max_recv,), torch.int32, dev)
     cols = flat[:6 * S].view(6, S)
@@ -233,8 +233,8 @@ def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: in
     send_seg, send_idx = flat[o:o + max_send], flat[o + max_send:o + 2 * max_send]
     o += 2 * max_send
     recv_seg, recv_idx = flat[o:o + max_recv], flat[o + max_recv:o + 2 * max_recv]
-    el_pad = triton.next_power_of_2(num_local)
-    w_pad = triton.next_power_of_2(W)
+    el_pad = next_power_of_2(num_local)
+    w_pad = next_power_of_2(W)
     block_t = max(1, min(64, 4096 // (w_pad * el_pad)))
     launch(_plan_kernel, (1,),
         counts_all.to(torch.int32).contiguous(), cols, tiles_from_source, sent_rows,

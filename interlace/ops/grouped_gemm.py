@@ -57,7 +57,7 @@ import triton.language as tl
 
 from interlace.ops import alloc
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, next_power_of_2, launch
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup
 
@@ -125,16 +125,16 @@ class TileSchedule:
 def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedule:
     """Tiles of ``block_m`` rows per expert from the inclusive row ends (device, no sync)."""
     E = ends.numel()
-    max_tiles = triton.cdiv(num_rows, block_m) + E
+    max_tiles = cdiv(num_rows, block_m) + E
     # One allocation (host time per call); each list starts 16-byte aligned, as the kernels'
     # specializations assume of a fresh tensor.
-    stride = triton.cdiv(max_tiles, 4) * 4
+    stride = cdiv(max_tiles, 4) * 4
     lists = alloc.empty((3 * stride + 4,), torch.int32, ends.device)
     sched = TileSchedule(lists[:max_tiles], lists[stride:stride + max_tiles], lists[2 * stride:2 * stride + max_tiles],
                          lists[3 * stride:3 * stride + 1], max_tiles, block_m)
-    e_pad = triton.next_power_of_2(max(E, 1))
+    e_pad = next_power_of_2(max(E, 1))
     block_t = max(1, min(64, 8192 // e_pad))
-    launch(_tile_schedule_kernel, (triton.cdiv(max_tiles, block_t),),
+    launch(_tile_schedule_kernel, (cdiv(max_tiles, block_t),),
         ends, sched.expert, sched.start, sched.end, sched.count, E, max_tiles,
         BLOCK_M=block_m, E_PAD=e_pad, BLOCK_T=block_t, num_warps=4,
     )
@@ -648,7 +648,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     if tma:
         _ensure_allocator()
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
-    work0 = sched0.max_tiles * triton.cdiv(K, c0.block_n)
+    work0 = sched0.max_tiles * cdiv(K, c0.block_n)
     p0 = _num_programs(x.device, work0)
     a_tma = bool(c0.a_tma) and tma
     if a_tma and gather is not None:
@@ -675,7 +675,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
-    p = _num_programs(a.device, sched.max_tiles * triton.cdiv(cols, config.block_n))
+    p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
     launch(_gemm_kernel, (p,),
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
@@ -708,7 +708,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         b_desc = TensorDescriptor.from_tensor(b, [config.block_k, config.block_n])
     else:
         a_desc, b_desc = a, b  # unused
-    items = E * triton.cdiv(P, config.block_m) * triton.cdiv(Q, config.block_n)
+    items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
         programs = _num_programs(out.device, items)
@@ -789,8 +789,8 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     """
     outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs,
                                     schedule)
-    for _, _, launch in steps:
-        launch()
+    for _, _, run_step in steps:
+        run_step()
     return outputs
 
 

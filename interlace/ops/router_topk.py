@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, next_power_of_2, launch
 
 
 @triton.jit
@@ -79,11 +79,11 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
     weight = alloc.empty((T, top_k), dtype=torch.float32, device=logits.device)
     if T == 0:
         return idx, weight
-    e_pad = triton.next_power_of_2(E)
+    e_pad = next_power_of_2(E)
     block_t = max(1, min(128, 4096 // e_pad))
-    launch(_route_topk_kernel, (triton.cdiv(T, block_t),),
+    launch(_route_topk_kernel, (cdiv(T, block_t),),
         logits, bias if bias is not None else logits, idx, weight, T, E, float(scale),
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
         SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
     )
     return idx, weight

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, next_power_of_2, launch
 from interlace.ops.rows import use_triton
 
 # Tuning: BLOCK_A is the number of assignments one program handles; the rank-in-block
@@ -146,8 +146,8 @@ def build_dispatch_index(
         return rows, assign, kept, kept.cumsum(0, dtype=torch.int32)
     topk_idx = topk_idx.contiguous()
     cap = A if capacity is None else capacity
-    num_blocks = triton.cdiv(A, BLOCK_A)
-    e_pad = triton.next_power_of_2(E)
+    num_blocks = cdiv(A, BLOCK_A)
+    e_pad = next_power_of_2(E)
     block_counts = alloc.empty((num_blocks, E), dtype=torch.int32, device=device)
     kept = alloc.empty((E,), dtype=torch.int32, device=device)
     expert_end = alloc.empty((E,), dtype=torch.int32, device=device)
@@ -215,9 +215,9 @@ def expert_major_index(recv_counts: torch.Tensor, num_rows: int) -> tuple[torch.
     src_row = alloc.empty((num_rows,), dtype=torch.int32, device=device)
     inverse = alloc.empty((num_rows,), dtype=torch.int32, device=device)
     offs = alloc.empty((E_local,), dtype=torch.int32, device=device)
-    el_pad, w_pad = triton.next_power_of_2(E_local), triton.next_power_of_2(W)
+    el_pad, w_pad = next_power_of_2(E_local), next_power_of_2(W)
     block_q = max(1, min(128, 8192 // (el_pad * w_pad)))
-    launch(_expert_major_index_kernel, (max(1, triton.cdiv(num_rows, block_q)),),
+    launch(_expert_major_index_kernel, (max(1, cdiv(num_rows, block_q)),),
         recv_counts.contiguous(), src_row, inverse, offs, num_rows, W, E_local,
         BLOCK_Q=block_q, EL_PAD=el_pad, W_PAD=w_pad, num_warps=NUM_WARPS,
     )

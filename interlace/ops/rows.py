@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, next_power_of_2, launch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -65,7 +65,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch
         return out
     if not use_triton(x):
         return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
-    launch(_gather_rows_kernel, (triton.cdiv(R, GATHER_ROWS),),
+    launch(_gather_rows_kernel, (cdiv(R, GATHER_ROWS),),
         x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
     )
     return out
@@ -166,7 +166,7 @@ def combine_rows_backward(
         return dy, dw
     launch(_combine_backward_kernel, (T,),
         grad_out, y, row_of_assignment, weights.contiguous(), dy, dw, N,
-        TOP_K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        TOP_K=k, K_PAD=next_power_of_2(k), BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
     )
     return dy, dw
 

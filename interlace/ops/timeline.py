@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
+from interlace.ops.launch import cdiv
+
 # gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (by default
 # its output crosses NVLink from this program; in layer1's push mode a push1 item moves it).
 KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote", "push1")
@@ -112,4 +114,4 @@ def layer_capacities(plan, n_blocks0: int, n_slices: int, tokens: int, block_t: 
     items + combine tasks + push mode's pushes) of a call, from the plan's tile-list sizes (host
     ints, no sync)."""
     send_max, recv_max = plan.send_tiles[3], plan.recv_tiles[3]
-    return send_max + recv_max * n_blocks0, n_slices * (2 * recv_max + triton.cdiv(max(tokens, 1), block_t))
+    return send_max + recv_max * n_blocks0, n_slices * (2 * recv_max + cdiv(max(tokens, 1), block_t))
