@@ -94,3 +94,18 @@ def test_host_integer_helpers_match_triton():
         for b in (1, 2, 3, 7, 16, 64, 128, 1000):
             assert fast.cdiv(a, b) == triton.cdiv(a, b)
         assert fast.next_power_of_2(a) == triton.next_power_of_2(a), a
+
+
+def test_a_profiler_hook_sends_launches_down_the_jit_path():
+    from triton import knobs
+
+    def hook(metadata):
+        pass
+
+    assert not fast._hooked()  # Triton's empty hook chains are not hooks
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert fast._hooked()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not fast._hooked()

@@ -558,9 +558,16 @@ def _has_tma(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_SCRATCH_DEVICE = None
+
+
 def _tma_allocator(size: int, alignment: int, stream):
-    """Scratch for in-kernel tensor descriptors (128 bytes per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+    """Scratch for in-kernel tensor descriptors (128 bytes per program); called on every launch
+    of a kernel that makes descriptors, so the device is looked up once."""
+    global _SCRATCH_DEVICE
+    if _SCRATCH_DEVICE is None:
+        _SCRATCH_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=_SCRATCH_DEVICE)
 
 
 def use_tma(*weights: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ import triton
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
-_MAX_ENTRIES = 256  # per kernel; keys are property classes, so a handful per call site
+_MAX_ENTRIES = 4096  # keys are property classes: a handful per call site
 
 
 def cdiv(a: int, b: int) -> int:
@@ -88,7 +88,9 @@ def _supported() -> bool:
 
 
 _ENABLED: bool | None = None
-_CACHES: dict = {}  # id(kernel) -> (kernel, {key: (compiled, tail names, tail defaults)})
+# (kernel, device, keywords, args_key) -> (compiled kernel, its launcher, function handle,
+# packed metadata, names of the arguments after the positional ones, their defaults or None)
+_CACHE: dict = {}
 
 
 def enabled() -> bool:
@@ -114,7 +116,7 @@ def reset() -> None:
     """Forget the compiled kernels and re-read the environment (tests)."""
     global _ENABLED
     _ENABLED = None
-    _CACHES.clear()
+    _CACHE.clear()
 
 
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
@@ -143,13 +145,19 @@ def _tail(kernel, n_positional: int, kwargs: dict):
     return tuple(names), (defaults or None)
 
 
+_RUNTIME_KNOBS = None
+
+
 def _hooked() -> bool:
     """Whether a launch hook (a profiler's) is installed. Triton 3.6 keeps them in ``HookChain``
     objects that are never None; the JIT path calls them (and builds their metadata) on every
     launch even when empty, which the cached path skips."""
-    from triton import knobs
+    global _RUNTIME_KNOBS
+    if _RUNTIME_KNOBS is None:
+        from triton import knobs
 
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        _RUNTIME_KNOBS = knobs.runtime
+    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
     return False
@@ -159,33 +167,27 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, through the cached compiled kernel when possible.
     ``grid`` a tuple of program counts; ``args`` the positional kernel arguments; ``kwargs`` the
     constexprs passed by name and the launch options (``num_warps``, ``num_stages``)."""
-    if not enabled() or type(grid) is not tuple or _hooked():
+    if not (_ENABLED if _ENABLED is not None else enabled()) or type(grid) is not tuple or _hooked():
         return kernel[grid](*args, **kwargs)
+    device = torch._C._cuda_getDevice()
     try:
-        key = (torch.cuda.current_device(), tuple(kwargs.items()), args_key(args))
+        key = (kernel, device, tuple(kwargs.items()), args_key(args))
     except _Unkeyed:
         return kernel[grid](*args, **kwargs)
-    entry = _CACHES.get(id(kernel))
-    if entry is None or entry[0] is not kernel:
-        entry = _CACHES[id(kernel)] = (kernel, {})
-    cache = entry[1]
-    hit = cache.get(key)
+    hit = _CACHE.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)  # compiles or finds the kernel, and launches it
         try:
-            tail = _tail(kernel, len(args), kwargs)
+            names, defaults = _tail(kernel, len(args), kwargs)
         except _Unkeyed:
             return compiled
-        if len(cache) >= _MAX_ENTRIES:
-            cache.clear()
-        cache[key] = (compiled, tail)
+        if len(_CACHE) >= _MAX_ENTRIES:
+            _CACHE.clear()
+        _CACHE[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata, names, defaults)
         return compiled
-    compiled, (names, defaults) = hit
+    compiled, run, function, metadata, names, defaults = hit
     named = kwargs if defaults is None else {**defaults, **kwargs}
-    values = args + tuple(map(named.__getitem__, names))
-    g0 = grid[0]
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    stream = torch._C._cuda_getCurrentRawStream(key[0])
-    compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+        function, metadata, None, None, None, *args, *map(named.__getitem__, names))
     return compiled
