@@ -458,7 +458,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr, b_desc, out_desc,
     P, Q, E, R, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, SHARE_MAPS: tl.constexpr = 1,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -475,7 +475,9 @@ def _wgrad_flat_kernel(
     rows between them, which may hold NaN (0 · NaN is NaN), so there the b rows come through a
     descriptor per run too. An empty run still takes one step (all zeros), so every block is
     stored once. Triton keeps a ring of such descriptors, one per pipeline stage, so loads in
-    flight keep theirs."""
+    flight keep theirs. A map depends only on its run's end, so a program makes one only when
+    that end changes (``SHARE_MAPS``): its consecutive blocks are mostly of one expert (each map
+    costs a global write and a proxy fence in the loop)."""
     RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
@@ -505,6 +507,7 @@ def _wgrad_flat_kernel(
     a_run = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
     if NUM_SEG != 0:
         b_run = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
+    map_rows = R  # the rows the current maps end at
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
         ki += 1
@@ -521,10 +524,13 @@ def _wgrad_flat_kernel(
             # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
             bound = tl.maximum(end, 1)
             start = tl.where(end > start, start, bound)
-            a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
-            if NUM_SEG != 0:
-                b_run = tl.make_tensor_descriptor(b_ptr, shape=[bound, Q], strides=[Q, 1],
-                                                  block_shape=[BLOCK_R, BLOCK_Q])
+            if (bound != map_rows) | (SHARE_MAPS == 0):
+                a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
+                                                  block_shape=[BLOCK_R, BLOCK_P])
+                if NUM_SEG != 0:
+                    b_run = tl.make_tensor_descriptor(b_ptr, shape=[bound, Q], strides=[Q, 1],
+                                                      block_shape=[BLOCK_R, BLOCK_Q])
+                map_rows = bound
         r0 = start + ki * BLOCK_R
         a = a_run.load([r0, pb * BLOCK_P])
         if NUM_SEG != 0:
@@ -692,6 +698,11 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     )
 
 
+# INTERLACE_WGRAD_SHARE_MAPS=0: the flat weight-gradient kernel makes a tensor map for every
+# output block, as before run 100 (kept for that A/B).
+_WGRAD_SHARE_MAPS = int(os.environ.get("INTERLACE_WGRAD_SHARE_MAPS", "1"))
+
+
 def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,
                   tma: bool = False):
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
@@ -724,7 +735,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
             launch(_wgrad_flat_kernel, (programs,),
                 a, b, out, table, b_desc, out_desc, P, Q, E, max(a.shape[0], 1), programs,  # no empty tensor map
                 BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-                NUM_SEG=0 if segments is None else segments.shape[1],
+                NUM_SEG=0 if segments is None else segments.shape[1], SHARE_MAPS=_WGRAD_SHARE_MAPS,
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
             return out
