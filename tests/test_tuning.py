@@ -113,3 +113,39 @@ def test_tuner_rows_are_ragged_around_the_bucket():
         assert (counts >= bucket - bucket // 8).all() and (counts <= bucket + bucket // 8).all()
     counts = torch.diff(ragged_ends(256, 128, "cpu").long(), prepend=torch.zeros(1, dtype=torch.long))
     assert (counts % 64 != 0).sum() > 64  # most experts end inside a 64-row block
+
+
+def test_expert_config_choice_is_memoized_until_tables_change(table_dir, monkeypatch):
+    """The expert block chooses its five configs on every call; the answer is memoized per
+    shape, rows bucket and env override, and a written table or an override still takes effect."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import interlace.ops.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100))
+    calls = []
+    real_lookup = gg.lookup
+
+    def counting_lookup(*args, **kwargs):
+        calls.append(args[0])
+        return real_lookup(*args, **kwargs)
+
+    monkeypatch.setattr(gg, "lookup", counting_lookup)
+    x = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # the CUDA path, on the CPU
+    w_down = torch.empty(8, 2048, 1024)
+    write(table_dir, "expert_gemm0", [entry(2048, 256, 64)])
+    write(table_dir, "expert_gemm1", [entry(2048, 256, 32)])
+    c0, c1, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu")
+    assert (c0.block_m, c1.block_m) == (64, 32) and source == "gemm0 tuned; gemm1 tuned"
+    assert len(calls) == 2
+    assert gg.choose_configs(x, w_down, 8 * 250, "swiglu") == (c0, c1, source)  # same bucket: memoized
+    assert len(calls) == 2
+    gg.choose_configs(x, w_down, 8 * 1024, "swiglu")  # another bucket: looked up
+    assert len(calls) == 4
+    write(table_dir, "expert_gemm0", [entry(2048, 256, 16)])  # a new table expires the memo
+    assert gg.choose_configs(x, w_down, 8 * 256, "swiglu")[0].block_m == 16
+    monkeypatch.setenv("INTERLACE_GEMM0", "128,128,64,8,4")  # so does an override
+    c0, _, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu")
+    assert c0.block_m == 128 and source.startswith("gemm0 env")

@@ -11,6 +11,7 @@ returns the kernel's default and warns once, naming what is missing — never a 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -66,6 +67,7 @@ def rows_bucket(rows_per_expert: float) -> int:
     return 1 << max(0, round(math.log2(max(rows_per_expert, 1.0))))
 
 
+@functools.lru_cache(maxsize=256)
 def table_key(kernel: str, device_name: str, sm_count: int, triton_version: str | None = None) -> str:
     version = triton_version or triton.__version__
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kernel}-{device_name}-sm{sm_count}-triton{version}")
@@ -81,6 +83,12 @@ _WARNED: set[str] = set()
 # lookup results by (table key, shape, bucket, default): every expert-block call looks up five
 # kernels, and scoring every entry each time cost ~0.1 ms of host time per lookup (run 76).
 _LOOKUPS: dict[tuple, tuple[GemmConfig, str]] = {}
+_GENERATION = 0  # advances whenever the caches above are emptied, so callers' memos expire too
+
+
+def generation() -> int:
+    """A number that changes whenever a table is written or the caches are cleared."""
+    return _GENERATION
 
 
 def _load(key: str) -> list[dict] | None:
@@ -131,10 +139,17 @@ def write_table(path: Path, entries: list[dict], meta: dict) -> Path:
     path.write_text(json.dumps({"meta": meta, "entries": entries}, indent=1))
     _TABLES.clear()
     _LOOKUPS.clear()
+    _advance()
     return path
+
+
+def _advance() -> None:
+    global _GENERATION
+    _GENERATION += 1
 
 
 def clear_cache() -> None:
     _TABLES.clear()
     _WARNED.clear()
     _LOOKUPS.clear()
+    _advance()
