@@ -78,6 +78,47 @@ def test_tma_descriptors_and_swizzled_order_match_reference(activation, monkeypa
     check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
 
 
+def test_backward_steps_never_hold_dx_rows_and_the_gathered_copy_together(monkeypatch):
+    """dW_up's gathered copy of x's rows and dx_rows are both R × N: dx_rows is allocated only at
+    its step, after dW_up (whose copy is freed when it returns), and the outputs still match
+    the reference."""
+    from interlace.ops import grouped_gemm as gg
+
+    counts, N, K = [3, 0, 17, 1], 16, 40
+    E, R = len(counts), sum(counts)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(R + 2, N)
+    gather = torch.randperm(R + 2)[:R].to(torch.int32)
+    w_up, w_down = torch.randn(E, 2 * K, N) / 4, torch.randn(E, N, K) / 6
+    _, h, act = gg.expert_ffn_triton(x, gather, 1, R, w_up, w_down, ends, "swiglu", store_h=True, return_act=True)
+    dy = torch.randn(R, N)
+    live = []
+    import interlace.ops.rows as rows
+
+    real_gather_rows = rows.gather_rows
+
+    def spy(src, index, divisor=1):
+        live.append("copy")
+        return real_gather_rows(src, index, divisor)
+
+    monkeypatch.setattr(rows, "gather_rows", spy)
+    outputs, steps = gg.backward_steps(dy, x, gather, 1, w_up, w_down, ends, "swiglu", h, act)
+    assert [name for name, _, _ in steps] == ["d_pre_act", "dw_down", "dw_up", "dx"]
+    for name, _, run_step in steps:
+        run_step()
+        assert (outputs[0] is None) == (name != "dx"), name  # dx_rows exists only from its own step on
+    assert live == ["copy"]  # the dW_up step made its gathered copy (then dropped it)
+    ref_x = x[gather.long()].double().requires_grad_()
+    ref_up, ref_down = w_up.double().requires_grad_(), w_down.double().requires_grad_()
+    out = []
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist())):
+        hh = ref_x[lo:hi] @ ref_up[e].T
+        out.append((torch.nn.functional.silu(hh[:, :K]) * hh[:, K:]) @ ref_down[e].T)
+    torch.cat(out).backward(dy.double())
+    for got, want in zip(outputs, (ref_x.grad, ref_up.grad, ref_down.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 def check_forward_backward(activation, mode, counts, N=16, K=40):
     E = len(counts)
     up = 2 * K if activation == "swiglu" else K

@@ -826,31 +826,36 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     Returns ``(dx_rows (R, N), dw_up, dw_down)``: ``dx_rows[r]`` is the gradient of the input
     row that row r read (``x[gather[r] // divisor]``); summing or permuting it back to x is the
     caller's (deterministic) job. Four kernels (:func:`backward_steps`): d(pre-activation) with
-    the activation's derivative in the epilogue, dW_down, dx_rows, dW_up (the gather fused into
-    its load). ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs.
+    the activation's derivative in the epilogue, dW_down, dW_up (over a gathered copy of x's
+    rows), dx_rows. ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs.
     ``schedule``: the forward's tile schedule of these rows, reused where the tile heights match.
     """
     outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs,
                                     schedule)
     for _, _, run_step in steps:
         run_step()
-    return outputs
+    return tuple(outputs)
 
 
 def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None,
                    schedule: TileSchedule | None = None):
-    """The backward's outputs ``(dx_rows, dw_up, dw_down)`` (allocated, not yet written) and its
-    kernels in order as ``(name, FLOPs, launch)`` (the bench times them one by one)."""
+    """The backward's outputs ``[dx_rows, dw_up, dw_down]`` (a list: the weight gradients
+    allocated, not yet written; ``dx_rows`` set by its step) and its kernels in order as
+    ``(name, FLOPs, launch)`` (the bench times them one by one).
+
+    dW_up runs before dx and dx_rows is allocated at its step: dW_up reads a gathered copy of
+    x's rows (R × N), which is freed before dx_rows (R × N) exists, so the two never coexist
+    (1.9 GB of the peak at dsv3-like 16384 tokens, run 103)."""
     R, N = dy.shape
     E, up_width, _ = w_up.shape
     K = w_down.shape[2]
     c_act, c_dx, c_w = configs if configs is not None else choose_backward_configs(dy, w_down, R, activation)[:3]
-    d_h = alloc.empty((R, up_width), dy.dtype, dy.device)
-    dx_rows = alloc.empty((R, N), dy.dtype, dy.device)
     dw_up = alloc.empty(w_up.shape, w_up.dtype, w_up.device)
     dw_down = alloc.empty(w_down.shape, w_down.dtype, w_down.device)
+    outputs = [None, dw_up, dw_down]
     if R == 0:
-        return (dx_rows, dw_up.zero_(), dw_down.zero_()), []
+        return [alloc.empty((R, N), dy.dtype, dy.device), dw_up.zero_(), dw_down.zero_()], []
+    d_h = alloc.empty((R, up_width), dy.dtype, dy.device)
     dy = dy.contiguous()
     tma = use_tma(w_up, w_down)
     if tma:
@@ -859,19 +864,23 @@ def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, ac
     reuse = schedule is not None and schedule.block_m == c_act.block_m
     sched = schedule if reuse else tile_schedule(ends, R, c_act.block_m)
     sched_dx = sched if c_dx.block_m == c_act.block_m else tile_schedule(ends, R, c_dx.block_m)
+
+    def dx_step():
+        # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
+        outputs[0] = alloc.empty((R, N), dy.dtype, dy.device)
+        _launch_gemm(d_h, w_up, outputs[0], None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0,
+                     config=c_dx, schedule=sched_dx, tma=tma)
+
     steps = [
         # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
         ("d_pre_act", 2 * R * N * K, lambda: _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, c_act,
                                                                sched, tma)),
         ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w, tma=tma)),  # dyᵀ act
-        # dx_rows = d_h @ W_up[e]  (W_up[e] is (up, N) row-major)
-        ("dx", 2 * R * up_width * N, lambda: _launch_gemm(
-            d_h, w_up, dx_rows, None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0, config=c_dx,
-            schedule=sched_dx, tma=tma)),
         ("dw_up", 2 * R * up_width * N,  # d_hᵀ x[g]
          lambda: _launch_dw_up(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w, tma)),
+        ("dx", 2 * R * up_width * N, dx_step),
     ]
-    return (dx_rows, dw_up, dw_down), steps
+    return outputs, steps
 
 
 def supports(x: torch.Tensor, w_up: torch.Tensor) -> bool:
