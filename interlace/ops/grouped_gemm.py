@@ -456,8 +456,8 @@ def _wgrad_run(ends_ptr, e, sg, E, NUM_SEG: tl.constexpr):
 
 @triton.jit
 def _wgrad_flat_kernel(
-    a_ptr, b_ptr, out_ptr, ends_ptr, b_desc, out_desc,
-    P, Q, E, R, num_programs,
+    a_ptr, b_ptr, out_ptr, ends_ptr,
+    P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, SHARE_MAPS: tl.constexpr = 1,
 ):
@@ -478,7 +478,9 @@ def _wgrad_flat_kernel(
     stored once. Triton keeps a ring of such descriptors, one per pipeline stage, so loads in
     flight keep theirs. A map depends only on its run's end, so a program makes one only when
     that end changes (``SHARE_MAPS``): its consecutive blocks are mostly of one expert (each map
-    costs a global write and a proxy fence in the loop)."""
+    costs a global write and a proxy fence in the loop). The b rows' and the output's maps are
+    made once per program too, not on the host: a host descriptor costs ~10 µs of host time per
+    launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1."""
     RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
@@ -506,8 +508,11 @@ def _wgrad_flat_kernel(
     qb = 0
     start = 0
     a_run = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
     if NUM_SEG != 0:
         b_run = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Rb, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
     map_rows = R  # the rows the current maps end at
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
@@ -742,6 +747,17 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     table = ends if segments is None else segments
     rows_tma = bool(tma and config.a_tma and gather is None and tma_rows_ok(a) and tma_rows_ok(b)
                     and a.shape[1] == P and b.shape[1] == Q)
+    items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
+    if rows_tma and config.persistent == 2 and P % config.block_m == 0:
+        _ensure_allocator()  # every descriptor of this kernel is made in the kernel
+        programs = _num_programs(out.device, items)
+        launch(_wgrad_flat_kernel, (programs,),
+            a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
+            BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
+            NUM_SEG=0 if segments is None else segments.shape[1], SHARE_MAPS=_WGRAD_SHARE_MAPS,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
     if rows_tma:
         # Built on the host, not in the kernel: this grid has a program per output block (tens of
         # thousands), and an in-kernel descriptor costs each program a global write and a fence.
@@ -751,19 +767,9 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         b_desc = TensorDescriptor.from_tensor(b, [config.block_k, config.block_n])
     else:
         a_desc, b_desc = a, b  # unused
-    items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
         programs = _num_programs(out.device, items)
-        if config.persistent == 2:
-            _ensure_allocator()  # its a (and per-source b) descriptors are made in the kernel
-            launch(_wgrad_flat_kernel, (programs,),
-                a, b, out, table, b_desc, out_desc, P, Q, E, max(a.shape[0], 1), programs,  # no empty tensor map
-                BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-                NUM_SEG=0 if segments is None else segments.shape[1], SHARE_MAPS=_WGRAD_SHARE_MAPS,
-                num_warps=config.num_warps, num_stages=config.num_stages,
-            )
-            return out
         launch(_wgrad_persistent_kernel, (programs,),
             a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
