@@ -7,16 +7,17 @@ time on H200's host (run 85); the compiled kernel's own C launcher ~16 µs. The 
 the difference on Triton's general binder (a specialization per argument), a cache key built
 from a formatted options string, launch hooks and a check of the kernel's globals.
 
-:func:`launch` keeps a cache per kernel keyed on what Triton's specialization depends on
+:func:`launch` keeps one cache keyed on the kernel, the device, the call's keyword arguments
+(constexprs and options) and what Triton's specialization of the other arguments depends on
 (:func:`args_key`: a tensor's dtype and 16-byte alignment; an int's equality to 1, width class and
-divisibility by 16; a descriptor's dtype, block shape and padding), plus the call's keyword
-arguments (constexprs and options) and the device. A miss takes the JIT path, which compiles or
+divisibility by 16; a descriptor's dtype, block shape and padding). A miss takes the JIT path, which compiles or
 finds the kernel and launches it, and remembers the compiled kernel; a hit calls the compiled
 kernel's launcher directly. The key is never coarser than Triton's specialization
 (``tests/test_launch.py`` checks that against Triton's own specializer), so a hit never runs
 a kernel compiled for other argument properties.
 
-Falls back to ``kernel[grid](...)`` for: the interpreter (``TRITON_INTERPRET=1``), a Triton
+Triton's runtime knobs (debug mode, instrumentation) count as of a key's first launch: a knob
+changed later in the process needs :func:`reset`. Falls back to ``kernel[grid](...)`` for: the interpreter (``TRITON_INTERPRET=1``), a Triton
 other than the 3.6 series this was written against, launch hooks installed (profilers), an
 argument type the key does not know, or ``INTERLACE_FAST_LAUNCH=0``.
 """
