@@ -622,7 +622,7 @@ def _ensure_allocator() -> None:
 # _choose's answers by (kernels, device, weight shape, activation, rows bucket, env overrides,
 # tuning generation): each expert-block call chooses five configs, ~55 µs of host time on H200's
 # host without this memo (run 101).
-_CHOICES: dict[tuple, tuple[list[GemmConfig], str]] = {}
+_CHOICES: dict[tuple, tuple[tuple[GemmConfig, ...], str]] = {}
 
 
 def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
