@@ -109,3 +109,49 @@ def test_a_profiler_hook_sends_launches_down_the_jit_path():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not fast._hooked()
+
+
+def test_cached_path_launches_with_the_jit_paths_arguments(monkeypatch):
+    """The hit path, on the CPU with a stand-in for the GPU pieces: the first call of a key takes
+    kernel[grid](...), later calls of the same key call the compiled kernel's launcher with the
+    grid, the stream, the positional arguments and the constexprs in the kernel's order (defaults
+    filled in), and a change in what Triton specializes on is a new key."""
+    real = JITFunction(_probe)
+    launched, jit_calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "handle", "metadata"
+
+        def run(self, *a):
+            launched.append(a)
+
+    compiled = Compiled()
+
+    class Kernel:  # the JITFunction's parameters, a recording JIT path
+        params = real.params
+
+        def __getitem__(self, grid):
+            def jit(*args, **kwargs):
+                jit_calls.append((grid, args, kwargs))
+                return compiled
+            return jit
+
+    kernel = Kernel()
+    fast.reset()
+    monkeypatch.setattr(fast, "_ENABLED", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    x = torch.zeros(64)
+    fast.launch(kernel, (3,), x, 32, BLOCK=16, num_warps=4)
+    assert len(jit_calls) == 1 and not launched
+    fast.launch(kernel, (3, 2), x, 48, BLOCK=16, num_warps=4)  # 48: same class as 32 (a multiple of 16)
+    assert len(jit_calls) == 1
+    assert launched == [(3, 2, 1, 1234, "handle", "metadata", None, None, None, x, 48, 16, False)]
+    fast.launch(kernel, (3,), x, 17, BLOCK=16, num_warps=4)  # 17: not a multiple of 16, a new key
+    fast.launch(kernel, (3,), x[1:], 32, BLOCK=16, num_warps=4)  # misaligned base, a new key
+    fast.launch(kernel, (3,), x, 32, BLOCK=32, num_warps=4)  # another constexpr, a new key
+    assert len(jit_calls) == 4 and len(launched) == 1
+    fast.launch(kernel, (3,), x, 32, BLOCK=16, FLAG=True, num_warps=4)  # FLAG given: a new key, then a hit
+    fast.launch(kernel, (3,), x, 64, BLOCK=16, FLAG=True, num_warps=4)
+    assert launched[-1][-4:] == (x, 64, 16, True)
+    fast.reset()
