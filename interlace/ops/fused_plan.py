@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from interlace.ops import alloc
-from interlace.ops.launch import cdiv, next_power_of_2, launch
+from interlace.ops.launch import cdiv, launch, next_power_of_2
 from interlace.ops.rows import use_triton
 
 

@@ -57,7 +57,7 @@ import triton.language as tl
 
 from interlace.ops import alloc
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
-from interlace.ops.launch import cdiv, next_power_of_2, launch
+from interlace.ops.launch import cdiv, launch, next_power_of_2
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup, rows_bucket
 from interlace.ops.tuning import generation as tuning_generation
@@ -459,7 +459,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, SHARE_MAPS: tl.constexpr = 1,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -477,7 +477,7 @@ def _wgrad_flat_kernel(
     descriptor per run too. An empty run still takes one step (all zeros), so every block is
     stored once. Triton keeps a ring of such descriptors, one per pipeline stage, so loads in
     flight keep theirs. A map depends only on its run's end, so a program makes one only when
-    that end changes (``SHARE_MAPS``): its consecutive blocks are mostly of one expert (each map
+    that end changes: its consecutive blocks are mostly of one expert (each map
     costs a global write and a proxy fence in the loop). The b rows' and the output's maps are
     made once per program too, not on the host: a host descriptor costs ~10 µs of host time per
     launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1."""
@@ -530,7 +530,7 @@ def _wgrad_flat_kernel(
             # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
             bound = tl.maximum(end, 1)
             start = tl.where(end > start, start, bound)
-            if (bound != map_rows) | (SHARE_MAPS == 0):
+            if bound != map_rows:
                 a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
                                                   block_shape=[BLOCK_R, BLOCK_P])
                 if NUM_SEG != 0:
@@ -633,13 +633,13 @@ def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activ
         return [f or INTERPRETER_CONFIG for f in forced], "interpreter"
     E, N, K = w_down.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    memo = (kernels, index, E, N, K, activation, rows_bucket(num_rows / max(E, 1)), forced, tuning_generation())
+    per_expert = num_rows / max(E, 1)
+    memo = (kernels, index, E, N, K, activation, rows_bucket(per_expert), forced, tuning_generation())
     hit = _CHOICES.get(memo)
     if hit is not None:
         return hit
     name, sms = _device_identity(index)
     shape = ShapeClass(N, K, E, activation)
-    per_expert = num_rows / max(E, 1)
     configs, sources = [], []
     for (table, _, default), f in zip(kernels, forced):
         c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default)
@@ -728,11 +728,6 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     )
 
 
-# INTERLACE_WGRAD_SHARE_MAPS=0: the flat weight-gradient kernel makes a tensor map for every
-# output block, as before run 100 (kept for that A/B).
-_WGRAD_SHARE_MAPS = int(os.environ.get("INTERLACE_WGRAD_SHARE_MAPS", "1"))
-
-
 def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,
                   tma: bool = False):
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
@@ -754,7 +749,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=0 if segments is None else segments.shape[1], SHARE_MAPS=_WGRAD_SHARE_MAPS,
+            NUM_SEG=0 if segments is None else segments.shape[1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out

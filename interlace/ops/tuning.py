@@ -11,7 +11,6 @@ returns the kernel's default and warns once, naming what is missing — never a 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -67,7 +66,6 @@ def rows_bucket(rows_per_expert: float) -> int:
     return 1 << max(0, round(math.log2(max(rows_per_expert, 1.0))))
 
 
-@functools.lru_cache(maxsize=256)
 def table_key(kernel: str, device_name: str, sm_count: int, triton_version: str | None = None) -> str:
     version = triton_version or triton.__version__
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kernel}-{device_name}-sm{sm_count}-triton{version}")
