@@ -16,7 +16,8 @@ path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians o
 backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
-four backward kernels).
+four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
+kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compared kernel by kernel.
 """
 
 import argparse
@@ -141,6 +142,29 @@ def breakdown(cfg, x, w_up, w_down, index):
     return out
 
 
+def profile_forward(backend, cfg, x, w_up, w_down, weights, index, calls: int = 10):
+    """{kernel name: GPU µs per forward call} of one backend's no-grad forward (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def fwd():
+        with torch.no_grad():
+            return block(backend, x, w_up, w_down, weights, index, cfg.activation)
+
+    for _ in range(3):
+        fwd()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fwd()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for evt in prof.key_averages():
+        us = evt.device_time_total
+        if us > 0:
+            per_kernel[evt.key[:60]] = us / calls
+    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
@@ -149,6 +173,7 @@ def main():
     p.add_argument("--no-backward", action="store_true", help="forward only (no check or timing of backward)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--breakdown", action="store_true", help="also time the Triton path's kernels one by one")
+    p.add_argument("--profile-fwd", action="store_true", help="also list each backend's forward kernels (GPU µs)")
     args = p.parse_args()
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -191,6 +216,9 @@ def main():
                 row["flops"] = flops
                 if args.breakdown:
                     row["kernels"] = breakdown(cfg, x, w_up, w_down, index)
+                if args.profile_fwd:
+                    row["fwd_profile"] = {b: profile_forward(b, cfg, x, w_up, w_down, weights, index)
+                                          for b in ("torch", "triton")}
             except Exception as err:  # report the row and go on with the others
                 row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                 print(f"{name} {T}: {row['error']}", flush=True)
@@ -225,6 +253,12 @@ def print_table(results):
             cells += ["-"] * 8
         cells.append(f"{r['first_s']:.1f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    for r in results:
+        for backend, kernels in r.get("fwd_profile", {}).items():
+            print(f"\n{r['config']} {r['tokens']} {backend} forward, GPU µs per call "
+                  f"(sum {sum(kernels.values()):.1f}):")
+            for name, us in kernels.items():
+                print(f"  {us:9.1f}  {name}")
     rows = [r for r in results if "kernels" in r]
     if rows:
         names = list(rows[0]["kernels"])
