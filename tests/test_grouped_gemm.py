@@ -220,6 +220,28 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)
 
 
+@pytest.mark.parametrize("a_tma", [0, 1])
+def test_tma_stored_tiles_match_reference(a_tma, monkeypatch):
+    """``tma_store``: the plain-epilogue GEMMs (GEMM1, dx, d(act) with ``unfused_act``) store full
+    16-row tiles through a descriptor and partial ones (1, 17, 33 rows) masked; a full tile's box
+    must not reach the next expert's rows, nor a partial tile's store skip any (outputs poisoned)."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    for name in ("INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+        monkeypatch.setenv(name, f"16,16,16,4,1,2,0,0,{a_tma},0,0,1")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", f"16,16,16,4,1,2,0,1,{a_tma},0,0,1")
+    check_forward_backward("swiglu", "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    check_forward_backward("gelu", "plain", [16, 0, 3, 32], N=32, K=24)
+
+
+def test_tma_store_with_flatten_is_refused(monkeypatch):
+    """Triton 3.6 cannot compile the branch between the two stores inside a flattened loop
+    (FuseNestedLoops fails on sm90), so the combination is an error, not a silent fallback."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_GEMM1", "16,16,16,4,1,2,1,0,0,0,0,1")
+    with pytest.raises(ValueError, match="tma_store"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
 _SM90_JOINT = r"""
 import json, re
 import triton
@@ -229,7 +251,7 @@ import interlace.ops.grouped_gemm as gg
 
 kernel = gg._gemm0_kernel
 constexprs = dict(ACTIVATION=0, HAS_GATHER=True, STORE_H=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True)
+                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True, TMA_STORE=False)
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     if name in constexprs:

@@ -64,7 +64,7 @@ from interlace.ops.tuning import generation as tuning_generation
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent[,joint]]]]]]``
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent[,joint[,tma_store]]]]]]]``
     forces a config (the :class:`GemmConfig` fields in order)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
@@ -157,9 +157,10 @@ def _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_
     nb = (work % per_group) // group_size
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     row0 = tl.load(tile_start_ptr + tile)
+    row_end = tl.load(tile_end_ptr + tile)
     rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(tile_end_ptr + tile)
-    return e, row0, rows, rmask, nb
+    rmask = rows < row_end
+    return e, row0, rows, rmask, nb, row_end
 
 
 @triton.jit
@@ -171,9 +172,11 @@ def _gemm0_kernel(
     HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False, JOINT: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False,
 ):
     """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N).
-    JOINT (SwiGLU with USE_TMA only): gate and up in one 2·BLOCK_N-wide dot (:func:`gate_up_tile`)."""
+    JOINT (SwiGLU with USE_TMA only): gate and up in one 2·BLOCK_N-wide dot (:func:`gate_up_tile`).
+    TMA_STORE: full tiles' activations stored through a descriptor (as in :func:`_gemm_kernel`)."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
@@ -193,10 +196,13 @@ def _gemm0_kernel(
         # rows into masked output rows; past the last row TMA reads zeros.
         a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, K], strides=[K, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                              tile_end_ptr, BLOCK_M, GROUP_M)
+        e, row0, rows, rmask, nb, row_end = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                                 tile_end_ptr, BLOCK_M, GROUP_M)
         if HAS_GATHER:
             src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
         else:
@@ -210,7 +216,13 @@ def _gemm0_kernel(
         act = activation_epilogue(acc_g, acc_u, ACTIVATION)
         omask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
-        tl.store(out_ptr + rows64[:, None] * K + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=omask)
+        if TMA_STORE:
+            if row_end - row0 == BLOCK_M:
+                out_desc.store([row0, nb * BLOCK_N], act.to(out_ptr.dtype.element_ty))
+            else:
+                tl.store(out_ptr + rows64[:, None] * K + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            tl.store(out_ptr + rows64[:, None] * K + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=omask)
         if STORE_H:
             tl.store(h_ptr + rows64[:, None] * up_width + cols[None, :], acc_g.to(h_ptr.dtype.element_ty), mask=omask)
             if ACTIVATION == 0:
@@ -241,12 +253,16 @@ def _gemm_kernel(
     EPILOGUE: tl.constexpr,  # 0 plain; 1 d(SwiGLU); 2 d(GELU); 3 d(ReLU) — backward of GEMM0's activation
     USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr = False, TMA_STORE: tl.constexpr = False,
 ):
     """out[rows of e] = a[rows] (R, RED) @ B_e (RED, COLS) with B_e the e-th of E contiguous
     weight matrices, stored as B_eᵀ (COLS, RED) when B_TRANS else as B_e. With an
     activation-gradient epilogue, ``a`` is d(act), B_e the down projection, and the kernel
-    writes d(pre-activation) from the stored pre-activation h."""
+    writes d(pre-activation) from the stored pre-activation h.
+
+    TMA_STORE (plain epilogue only): a full tile (BLOCK_M rows of one expert) is stored through a
+    TMA descriptor, which drains while the next tile's main loop starts; a partial tile's box
+    would overwrite the next expert's first rows, so those take the masked store."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
@@ -271,10 +287,13 @@ def _gemm_kernel(
         # A block past the tile's end reads the next expert's rows into masked output rows.
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, COLS], strides=[COLS, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
-        e, row0, rows, rmask, nb = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                              tile_end_ptr, BLOCK_M, GROUP_M)
+        e, row0, rows, rmask, nb, row_end = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                                       tile_end_ptr, BLOCK_M, GROUP_M)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < COLS
@@ -299,7 +318,15 @@ def _gemm_kernel(
             acc = tl.dot(a, b, acc)
         omask = rmask[:, None] & cmask[None, :]
         if EPILOGUE == 0:
-            tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+            if TMA_STORE:
+                if row_end - row0 == BLOCK_M:
+                    out_desc.store([row0, nb * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+                else:
+                    tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                             mask=omask)
+            else:
+                tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=omask)
         elif EPILOGUE == 1:
             _dswiglu_store(acc, h_ptr, out_ptr, rows64, rmask, cols, COLS)
         else:
@@ -682,6 +709,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     E, N_w, K = w_down.shape
     up_width = w_up.shape[1]
     c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
+    _check_tma_store(c0)
     act = alloc.empty((num_rows, K), x.dtype, x.device)
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)
@@ -708,6 +736,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
         ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
         A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu",
+        TMA_STORE=bool(c0.tma_store) and tma and tma_rows_ok(act),
         num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
     _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
@@ -715,8 +744,15 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
 
 
+def _check_tma_store(config: GemmConfig) -> None:
+    if config.tma_store and config.flatten:
+        raise ValueError(f"GEMM config {config}: tma_store and flatten cannot be combined (Triton 3.6 fails to "
+                         "compile the store branch in a flattened loop on sm90)")
+
+
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
+    _check_tma_store(config)
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
     launch(_gemm_kernel, (p,),
@@ -724,6 +760,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         FLATTEN=bool(config.flatten), A_TMA=bool(config.a_tma) and tma and tma_rows_ok(a),
+        TMA_STORE=bool(config.tma_store) and tma and epilogue == 0 and tma_rows_ok(out),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -47,6 +47,10 @@ class GemmConfig:
     # GEMM0 with SwiGLU and TMA weights only: gate and up rows as one 3-D TMA block and one
     # BLOCK_M × 2·BLOCK_N dot (expert_tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
     joint: int = 0
+    # GEMM0's activations and the plain-epilogue grouped GEMMs (GEMM1, dx, d(act)), with TMA
+    # weights: full tiles stored through a TMA descriptor (drains under the next tile's main
+    # loop), an expert's partial last tile by a masked store. Not with flatten (Triton 3.6).
+    tma_store: int = 0
 
 
 @dataclass(frozen=True)
