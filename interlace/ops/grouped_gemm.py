@@ -706,7 +706,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     ``return_schedule``: the GEMM0 tile schedule is appended to the result (None without rows),
     for a backward over the same rows to reuse."""
     N = x.shape[1]
-    E, N_w, K = w_down.shape
+    K = w_down.shape[2]
     up_width = w_up.shape[1]
     c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
     _check_tma_store(c0)
@@ -719,8 +719,17 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     if tma:
         _ensure_allocator()
     sched0 = tile_schedule(ends, num_rows, c0.block_m)
-    work0 = sched0.max_tiles * cdiv(K, c0.block_n)
-    p0 = _num_programs(x.device, work0)
+    _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma)
+    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
+                 schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
+    return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
+
+
+def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
+    """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
+    N = x.shape[1]
+    E, K = w_up.shape[0], act.shape[1]
+    p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
     a_tma = bool(c0.a_tma) and tma
     if a_tma and gather is not None:
         # Hopper has no TMA gather: a TMA-fed GEMM0 reads contiguous rows, so the permuted
@@ -733,15 +742,13 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     launch(_gemm0_kernel, (p0,),
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
-        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=store_h, USE_TMA=tma,
+        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=h is not None, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
         A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu",
         TMA_STORE=bool(c0.tma_store) and tma and tma_rows_ok(act),
         num_warps=c0.num_warps, num_stages=c0.num_stages,
     )
-    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
-                 schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
-    return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
+    return act
 
 
 def _check_tma_store(config: GemmConfig) -> None:
@@ -763,6 +770,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
         TMA_STORE=bool(config.tma_store) and tma and epilogue == 0 and tma_rows_ok(out),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return out
 
 
 def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,

@@ -1,0 +1,140 @@
+"""Interleaved A/B of one Triton expert kernel's configs on a bench shape (one GPU).
+
+    python scripts/ab_expert_kernels.py --config dsv3-like --tokens 4096 --kernel gemm1 \
+        --variants table 128,256,64,8,3,16,0,0,0,0,0,1 [--rounds 5] [--routing balanced|ragged]
+
+The tuner (``interlace tune-experts``) times a forward kernel inside the whole forward and each
+candidate once; its spread (±10% on the same config, run 107) buries the few-percent effects of
+one config field. Here one kernel runs alone on the bench block's rows (``bench_expert_kernels``:
+one GPU's share of a ``--world``-GPU layer; ``balanced``: every expert T·k/E rows, ``ragged``: the
+tuner's counts within ±1/8 of that, so experts end mid-tile), and the variants are timed in turn,
+``--rounds`` times (``do_bench`` medians), so drift between calls hits every variant alike.
+
+Kernels: ``gemm0`` (gate/up GEMM with its activation; with ``a_tma`` the gather copy it needs
+is included), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs). A variant
+is ``table`` (the tuning table's choice for this shape) or a config as in ``INTERLACE_GEMM0``
+(``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``).
+Outputs are checked against the first variant's (bf16 tolerance).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import triton
+
+from interlace.bench.harness import bench_config
+from interlace.experts import init_expert_weights
+from interlace.ops import grouped_gemm as gg
+from interlace.ops.tune_experts import ragged_ends
+from interlace.ops.tuning import GemmConfig
+
+TABLE_INDEX = {"gemm0": (gg.FORWARD_KERNELS, 0), "gemm1": (gg.FORWARD_KERNELS, 1),
+               "d_pre_act": (gg.BACKWARD_KERNELS, 0), "dx": (gg.BACKWARD_KERNELS, 1)}
+
+
+def parse_variant(text: str, kernel: str, x, w_down, rows: int, activation: str) -> GemmConfig:
+    if text == "table":
+        kernels, i = TABLE_INDEX[kernel]
+        return gg._choose(kernels, x, w_down, rows, activation)[0][i]
+    return GemmConfig(*(int(v) for v in text.split(",")))
+
+
+def _host_ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="dsv3-like")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--kernel", choices=list(TABLE_INDEX), default="gemm1")
+    p.add_argument("--variants", nargs="+", required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--routing", choices=["balanced", "ragged"], default="balanced")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")  # CPU: the interpreter at small shapes (a smoke run)
+    cfg = bench_config(args.config, small=not cuda)
+    E = cfg.num_experts // args.world
+    R = args.tokens * cfg.top_k
+    N, K = cfg.hidden, cfg.ffn
+    w_up, w_down = init_expert_weights(cfg, range(E), 0, dev)
+    if args.routing == "balanced":
+        ends = ((torch.arange(1, E + 1, device=dev) * R) // E).to(torch.int32)
+    else:
+        ends = ragged_ends(R // E, E, dev)
+        R = int(ends[-1])  # host sync once, in setup
+    divisor = cfg.top_k
+    x = torch.randn(args.tokens, N, device=dev).to(cfg.dtype)
+    gather = torch.randperm(args.tokens * divisor, device=dev)[:R].to(torch.int32)
+    up_width = w_up.shape[1]
+    act_in = torch.randn(R, K, device=dev).to(cfg.dtype)
+    dy = torch.randn(R, N, device=dev).to(cfg.dtype)
+    h = torch.randn(R, up_width, device=dev).to(cfg.dtype)
+    tma = gg.use_tma(w_up, w_down)
+    if tma:
+        gg._ensure_allocator()
+    variants = [parse_variant(v, args.kernel, x, w_down, R, cfg.activation) for v in args.variants]
+    flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm1": 1, "d_pre_act": 1, "dx": up_width // K}[args.kernel]
+
+    def runner(c: GemmConfig):
+        if args.kernel in ("gemm0", "gemm1"):
+            gg._check_tma_store(c)
+            sched = gg.tile_schedule(ends, R, c.block_m)
+            out = torch.empty(R, K if args.kernel == "gemm0" else N, device=dev, dtype=cfg.dtype)
+            if args.kernel == "gemm0":
+                return out, lambda: gg._launch_gemm0(x, gather, divisor, w_up, out, None, sched, R, cfg.activation,
+                                                     c, tma)
+            return out, lambda: gg._launch_gemm(act_in, w_down, out, None, ends, R, cols=N, red=K, b_trans=True,
+                                                epilogue=0, config=c, schedule=sched, tma=tma)
+        c_act, c_dx, c_w = gg.choose_backward_configs(dy, w_down, R, cfg.activation)[:3]
+        configs = (c, c_dx, c_w) if args.kernel == "d_pre_act" else (c_act, c, c_w)
+        outputs, steps = gg.backward_steps(dy, x, gather, divisor, w_up, w_down, ends, cfg.activation, h, act_in,
+                                           configs)
+        launch = dict((name, fn) for name, _, fn in steps)
+        if args.kernel == "dx":
+            launch["d_pre_act"]()  # dx reads d(pre-activation)
+            return None, lambda: (launch["dx"](), outputs[0])[1]
+        return None, launch["d_pre_act"]  # returns d(pre-activation)
+
+    runs = [runner(c) for c in variants]
+    results = []
+    for (out, fn), c in zip(runs, variants):  # compile, warm, check against the first variant
+        got = fn()
+        got = out if out is not None else got
+        results.append(got.float().clone())
+    for i, got in enumerate(results[1:], 1):
+        err = ((got - results[0]).norm() / results[0].norm()).item()
+        assert err < 1e-2, f"variant {args.variants[i]} differs from {args.variants[0]}: rel err {err:.2e}"
+    del results
+    times = [[] for _ in variants]
+    for _ in range(args.rounds):
+        for i, (_, fn) in enumerate(runs):
+            times[i].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") if cuda
+                            else _host_ms(fn))
+    print(f"# {torch.cuda.get_device_name() if cuda else 'cpu'}, {args.config} {args.tokens} tokens, {R} rows over {E} experts "
+          f"({args.routing}), kernel {args.kernel}, {args.rounds} rounds")
+    print("| variant | config | median ms | min–max ms | TFLOP/s | ÷ first |")
+    print("|---|---|---|---|---|---|")
+    base = statistics.median(times[0])
+    rows = []
+    for text, c, t in zip(args.variants, variants, times):
+        med = statistics.median(t)
+        rows.append({"variant": text, "config": list(c.__dict__.values()), "ms": t})
+        print(f"| {text} | {tuple(c.__dict__.values())} | {med:.4f} | {min(t):.4f}–{max(t):.4f} | "
+              f"{flops / med / 1e9:.0f} | {base / med:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "tokens": args.tokens, "kernel": args.kernel, "routing": args.routing,
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
