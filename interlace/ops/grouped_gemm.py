@@ -64,8 +64,8 @@ from interlace.ops.tuning import generation as tuning_generation
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,
-    programs_per_sm]`` (any prefix of the :class:`GemmConfig` fields, in order) forces a config."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m[,flatten[,unfused_act[,a_tma[,persistent[,joint[,tma_store]]]]]]]``
+    forces a config (the :class:`GemmConfig` fields in order)."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -579,12 +579,11 @@ def _wgrad_flat_kernel(
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
 
 
-def _num_programs(device: torch.device, work_bound: int, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Persistent programs: ``per_sm`` per SM (a config's ``programs_per_sm``), at most one per work item."""
+def _num_programs(device: torch.device, work_bound: int) -> int:
     if device.type != "cuda":
         return max(1, min(work_bound, 4))
     sms = _device_identity(device.index if device.index is not None else torch.cuda.current_device())[1]
-    return max(1, min(work_bound, sms * max(per_sm, 1)))
+    return max(1, min(work_bound, sms * PROGRAMS_PER_SM))
 
 
 @lru_cache(maxsize=None)
@@ -730,7 +729,7 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
     """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
     N = x.shape[1]
     E, K = w_up.shape[0], act.shape[1]
-    p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n), c0.programs_per_sm)
+    p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
     a_tma = bool(c0.a_tma) and tma
     if a_tma and gather is not None:
         # Hopper has no TMA gather: a TMA-fed GEMM0 reads contiguous rows, so the permuted
@@ -762,7 +761,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     _check_tma_store(config)
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
-    p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n), config.programs_per_sm)
+    p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
     launch(_gemm_kernel, (p,),
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
@@ -791,7 +790,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
     if rows_tma and config.persistent == 2 and P % config.block_m == 0:
         _ensure_allocator()  # every descriptor of this kernel is made in the kernel
-        programs = _num_programs(out.device, items, config.programs_per_sm)
+        programs = _num_programs(out.device, items)
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
@@ -810,7 +809,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         a_desc, b_desc = a, b  # unused
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
-        programs = _num_programs(out.device, items, config.programs_per_sm)
+        programs = _num_programs(out.device, items)
         launch(_wgrad_persistent_kernel, (programs,),
             a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
