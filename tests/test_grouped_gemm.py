@@ -233,6 +233,30 @@ def test_tma_stored_tiles_match_reference(a_tma, monkeypatch):
     check_forward_backward("gelu", "plain", [16, 0, 3, 32], N=32, K=24)
 
 
+@pytest.mark.parametrize("joint", [0, 1])
+def test_flat_loop_gemms_match_reference(joint, monkeypatch):
+    """``persistent = 2`` for GEMM0 and the plain-epilogue GEMMs: one flat loop over (tile, k step)
+    steps, A, B and the outputs through descriptors; a partial tile (1, 17, 33 rows) stores through
+    a descriptor ending at its last row, which must clip the next expert's rows (outputs
+    poisoned). K = 24 with 16-wide blocks: the last column block runs past K. The training
+    forward stores h (masked) from the same loop; GELU takes one dot, SwiGLU one joint or two."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_GEMM0", f"16,16,16,4,1,2,0,0,1,2,{joint}")
+    for name in ("INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+        monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1,2")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1,2")
+    check_forward_backward("swiglu", "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,0,1,0")  # GELU's derivative runs in the epilogue
+    check_forward_backward("gelu", "plain", [16, 0, 3, 32], N=32, K=24)
+
+
+def test_flat_loop_with_an_activation_gradient_epilogue_is_refused(monkeypatch):
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,0,1,2")  # fused derivative, flat loop
+    with pytest.raises(ValueError, match="persistent = 2"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
 def test_tma_store_with_flatten_is_refused(monkeypatch):
     """Triton 3.6 cannot compile the branch between the two stores inside a flattened loop
     (FuseNestedLoops fails on sm90), so the combination is an error, not a silent fallback."""

@@ -164,6 +164,18 @@ def _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_
 
 
 @triton.jit
+def _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M: tl.constexpr):
+    """:func:`_tile_work`'s scalars only: (expert, first row, column block, end row)."""
+    per_group = GROUP_M * n_blocks
+    first_tile = (work // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles - first_tile, GROUP_M)
+    tile = first_tile + (work % per_group) % group_size
+    nb = (work % per_group) // group_size
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    return e, tl.load(tile_start_ptr + tile), nb, tl.load(tile_end_ptr + tile)
+
+
+@triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -338,6 +350,148 @@ def _gemm_kernel(
                 deriv = tl.where(pre > 0, 1.0, 0.0)
             tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], (acc * deriv).to(out_ptr.dtype.element_ty),
                      mask=omask)
+
+
+@triton.jit
+def _store_tile(out_desc, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M × BLOCK_N) output tile at rows ``row0 ..`` (valid below ``row_end``), column
+    block ``nb``, through TMA (the store drains under the next tile's loads). A full tile uses
+    ``out_desc`` (all rows); a partial one's box would overwrite the next expert's first rows, so
+    it goes through a descriptor made here whose rows end at ``row_end``: TMA clips the rest.
+    (A masked store instead needs a layout-conversion buffer on top of the TMA store's, which the
+    flat kernels' pipelines leave no shared memory for.)"""
+    if row_end - row0 == BLOCK_M:
+        out_desc.store([row0, nb * BLOCK_N], val.to(out_ptr.dtype.element_ty))
+    else:
+        part = tl.make_tensor_descriptor(out_ptr, shape=[row_end, COLS], strides=[COLS, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+        part.store([row0, nb * BLOCK_N], val.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gemm_flat_kernel(
+    a_ptr, w_ptr, out_ptr,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    COLS, RED, E, num_programs, num_rows,
+    B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """:func:`_gemm_kernel` with the plain epilogue as one flat loop over (tile, k step) steps
+    (``persistent = 2``; the persistent matmul tutorial's form): the software pipeline runs
+    across tiles, so the next tile's first A and B blocks load while this tile's last steps and
+    its store run. A, B and the output all go through TMA descriptors. For short reductions (the
+    down projection's K = ffn of 768–2048: 12–32 steps per tile) the per-tile pipeline fill and
+    epilogue of the nested loop are a large share (Triton 3.6 cannot flatten that loop once it
+    holds the TMA store: FuseNestedLoops fails on sm90)."""
+    pid = tl.program_id(0)
+    num_tiles = tl.load(num_tiles_ptr)
+    n_blocks = tl.cdiv(COLS, BLOCK_N)
+    k_steps = tl.cdiv(RED, BLOCK_K)
+    n_items = num_tiles * n_blocks
+    my_items = tl.maximum(tl.cdiv(n_items - pid, num_programs), 0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_TRANS:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * COLS, RED], strides=[RED, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, COLS], strides=[COLS, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+    work = pid - num_programs
+    ki = k_steps - 1
+    e = tl.full([], 0, tl.int64)
+    row0 = 0
+    row_end = 0
+    nb = 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, my_items * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            work += num_programs
+            e, row0, nb, row_end = _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                                tile_end_ptr, GROUP_M)
+        k0 = ki * BLOCK_K
+        a = a_desc.load([row0, k0])
+        if B_TRANS:
+            b = w_desc.load([(e * COLS + nb * BLOCK_N).to(tl.int32), k0]).T
+        else:
+            b = w_desc.load([(e * RED + k0).to(tl.int32), nb * BLOCK_N])
+        acc = tl.dot(a, b, acc)
+        if ki == k_steps - 1:
+            _store_tile(out_desc, out_ptr, acc, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _gemm0_flat_kernel(
+    x_ptr, w_ptr, out_ptr, h_ptr,
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
+    N, K, E, num_programs, num_rows,
+    ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, JOINT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """:func:`_gemm0_kernel` over contiguous rows as one flat loop over (tile, k step) steps
+    (``persistent = 2``, as :func:`_gemm_flat_kernel`): x rows, weights and the activations
+    through TMA descriptors; SwiGLU's gate and up in one double-width dot (JOINT) or two dots,
+    GELU/ReLU one. The pre-activation h, when stored, takes masked stores."""
+    pid = tl.program_id(0)
+    num_tiles = tl.load(num_tiles_ptr)
+    n_blocks = tl.cdiv(K, BLOCK_N)
+    k_steps = tl.cdiv(N, BLOCK_K)
+    n_items = num_tiles * n_blocks
+    my_items = tl.maximum(tl.cdiv(n_items - pid, num_programs), 0)
+    up_width = 2 * K if ACTIVATION == 0 else K
+    a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if JOINT:
+        w_desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, K], strides=[K, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
+    work = pid - num_programs
+    ki = k_steps - 1
+    e = tl.full([], 0, tl.int64)
+    row0 = 0
+    row_end = 0
+    nb = 0
+    W: tl.constexpr = 2 * BLOCK_N if JOINT else BLOCK_N
+    acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, my_items * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            work += num_programs
+            e, row0, nb, row_end = _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
+                                                tile_end_ptr, GROUP_M)
+        k0 = ki * BLOCK_K
+        a = a_desc.load([row0, k0])
+        if JOINT:
+            b = tl.reshape(w_desc.load([(2 * e).to(tl.int32), nb * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, b.T, acc)
+        else:
+            w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
+            acc = tl.dot(a, w_desc.load([w_row, k0]).T, acc)
+            if ACTIVATION == 0:
+                acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
+        if ki == k_steps - 1:
+            if JOINT:
+                acc_g, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            else:
+                acc_g, acc_up = acc, acc_u
+            _store_tile(out_desc, out_ptr, activation_epilogue(acc_g, acc_up, ACTIVATION), row0, row_end, nb, K,
+                        BLOCK_M, BLOCK_N)
+            if STORE_H:
+                rows = row0 + tl.arange(0, BLOCK_M)
+                cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+                hmask = (rows < row_end)[:, None] & (cols < K)[None, :]
+                h_rows = h_ptr + rows.to(tl.int64)[:, None] * up_width
+                tl.store(h_rows + cols[None, :], acc_g.to(h_ptr.dtype.element_ty), mask=hmask)
+                if ACTIVATION == 0:
+                    tl.store(h_rows + K + cols[None, :], acc_up.to(h_ptr.dtype.element_ty), mask=hmask)
+            acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -739,6 +893,19 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
 
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
     a_tma = a_tma and tma_rows_ok(x)
+    if c0.persistent == 2 and a_tma and tma_rows_ok(act):
+        # Storing h takes masked stores, whose layout-conversion buffer leaves room for at most
+        # 3 pipeline stages of 128 × 2·128 tiles on Hopper (run 112's compile: 4 stages exceed it).
+        stages = min(c0.num_stages, 3) if h is not None else c0.num_stages
+        launch(_gemm0_flat_kernel, (p0,),
+            x, w_up, act, h if h is not None else act, sched0.expert, sched0.start, sched0.end, sched0.count,
+            N, K, E, p0, num_rows,
+            ACTIVATION=_ACTIVATION_ID[activation], STORE_H=h is not None,
+            JOINT=bool(c0.joint) and activation == "swiglu",
+            BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m,
+            num_warps=c0.num_warps, num_stages=stages,
+        )
+        return act
     launch(_gemm0_kernel, (p0,),
         x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
         sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
@@ -752,16 +919,29 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
 
 
 def _check_tma_store(config: GemmConfig) -> None:
+    """Config combinations the GEMM kernels refuse (raised before any launch)."""
     if config.tma_store and config.flatten:
         raise ValueError(f"GEMM config {config}: tma_store and flatten cannot be combined (Triton 3.6 fails to "
                          "compile the store branch in a flattened loop on sm90)")
+    if config.persistent == 2 and config.flatten:
+        raise ValueError(f"GEMM config {config}: persistent = 2 is itself one flat loop; flatten must be 0")
 
 
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     _check_tma_store(config)
+    if config.persistent == 2 and epilogue != 0:
+        raise ValueError(f"GEMM config {config}: persistent = 2 (the flat loop) has the plain epilogue only; "
+                         "with an activation-gradient epilogue use unfused_act = 1 or persistent = 0")
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
+    if config.persistent == 2 and config.a_tma and tma and tma_rows_ok(a) and tma_rows_ok(out):
+        launch(_gemm_flat_kernel, (p,),
+            a, w, out, sched.expert, sched.start, sched.end, sched.count, cols, red, w.shape[0], p, num_rows,
+            B_TRANS=b_trans, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
     launch(_gemm_kernel, (p,),
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,

@@ -36,6 +36,7 @@ J = dict(joint=1)  # GEMM0: gate and up as one 3-D TMA block and one double-widt
 P = dict(a_tma=1, persistent=1)  # weight gradients: persistent programs, TMA stores
 F = dict(a_tma=1, persistent=2)  # the same in one flat loop, pipelined across output blocks
 T = dict(tma_store=1)  # full tiles stored through TMA (not with flatten; smem: 3 stages at 128 × 256)
+L = dict(a_tma=1, persistent=2)  # GEMM0/GEMM1/dx/d(act): one flat loop over (tile, k step), TMA in and out
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                      GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
@@ -44,23 +45,26 @@ CANDIDATES = {
                      GemmConfig(128, 128, 64, 8, 4, **A, **J), GemmConfig(128, 128, 64, 8, 3, **A, **J),
                      GemmConfig(128, 128, 64, 8, 3, **J, **T), GemmConfig(128, 128, 64, 8, 4, **J, **T),
                      GemmConfig(128, 128, 64, 8, 3, **A, **J, **T),
-                     GemmConfig(128, 128, 64, 8, 4, **A, **J, **T)],
+                     GemmConfig(128, 128, 64, 8, 4, **A, **J, **T),
+                     GemmConfig(128, 128, 64, 8, 3, **L, **J), GemmConfig(128, 128, 64, 8, 4, **L, **J)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
                      GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
                      GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A),
                      GemmConfig(128, 256, 64, 8, 3, **T), GemmConfig(128, 256, 64, 8, 3, 16, **T),
-                     GemmConfig(128, 256, 64, 8, 3, **A, **T)],
+                     GemmConfig(128, 256, 64, 8, 3, **A, **T),
+                     GemmConfig(128, 256, 64, 8, 3, **L), GemmConfig(128, 128, 64, 8, 4, **L)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
                        GemmConfig(128, 128, 64, 8, 4, 8, 1), GemmConfig(128, 128, 128, 8, 3),
                        # the SwiGLU derivative in a separate pass (unfused_act=1)
                        # (a plain store holds no h tile in registers: wider tiles fit)
                        GemmConfig(128, 128, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1),
                        GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A),
-                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **T), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A, **T)],
+                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **T), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A, **T),
+                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **L)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
                       GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 3, **T),
-                      GemmConfig(128, 256, 64, 8, 3, **A, **T)],
+                      GemmConfig(128, 256, 64, 8, 3, **A, **T), GemmConfig(128, 256, 64, 8, 3, **L)],
     # a_tma for the weight gradients: an expert's whole blocks of rows (both operands) through
     # descriptors, its last partial block through masked loads
     "expert_wgrad": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),

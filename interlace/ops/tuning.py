@@ -42,7 +42,9 @@ class GemmConfig:
     a_tma: int = 0
     # Weight gradients with a_tma only: persistent programs (one per SM) that store each output
     # block through a TMA descriptor, so the store drains under the next block's loads; 2: the
-    # same as one flat loop over (block, row block) steps, pipelined across blocks.
+    # same as one flat loop over (block, row block) steps, pipelined across blocks. The other
+    # GEMMs with a_tma and TMA weights: 2 = one flat loop over (tile, k step) steps, A, B and the
+    # output through TMA (GEMM0, and the plain-epilogue GEMMs: GEMM1, dx, d(act) unfused).
     persistent: int = 0
     # GEMM0 with SwiGLU and TMA weights only: gate and up rows as one 3-D TMA block and one
     # BLOCK_M × 2·BLOCK_N dot (expert_tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
