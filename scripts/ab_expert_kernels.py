@@ -11,7 +11,8 @@ tuner's counts within ±1/8 of that, so experts end mid-tile), and the variants 
 ``--rounds`` times (``do_bench`` medians), so drift between calls hits every variant alike.
 
 Kernels: ``gemm0`` (gate/up GEMM with its activation; with ``a_tma`` the gather copy it needs
-is included), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs). A variant
+is included), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs), ``dw_down``
+and ``dw_up`` (weight gradients; dW_up includes the gather copy of x's rows). A variant
 is ``table`` (the tuning table's choice for this shape) or a config as in ``INTERLACE_GEMM0``
 (``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``).
 Outputs are checked against the first variant's (bf16 tolerance).
@@ -32,7 +33,8 @@ from interlace.ops.tune_experts import ragged_ends
 from interlace.ops.tuning import GemmConfig
 
 TABLE_INDEX = {"gemm0": (gg.FORWARD_KERNELS, 0), "gemm1": (gg.FORWARD_KERNELS, 1),
-               "d_pre_act": (gg.BACKWARD_KERNELS, 0), "dx": (gg.BACKWARD_KERNELS, 1)}
+               "d_pre_act": (gg.BACKWARD_KERNELS, 0), "dx": (gg.BACKWARD_KERNELS, 1),
+               "dw_down": (gg.BACKWARD_KERNELS, 2), "dw_up": (gg.BACKWARD_KERNELS, 2)}
 
 
 def parse_variant(text: str, kernel: str, x, w_down, rows: int, activation: str) -> GemmConfig:
@@ -82,7 +84,8 @@ def main():
     if tma:
         gg._ensure_allocator()
     variants = [parse_variant(v, args.kernel, x, w_down, R, cfg.activation) for v in args.variants]
-    flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm1": 1, "d_pre_act": 1, "dx": up_width // K}[args.kernel]
+    flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm1": 1, "d_pre_act": 1, "dx": up_width // K, "dw_down": 1,
+                             "dw_up": up_width // K}[args.kernel]
 
     def runner(c: GemmConfig):
         if args.kernel in ("gemm0", "gemm1"):
@@ -95,13 +98,17 @@ def main():
             return out, lambda: gg._launch_gemm(act_in, w_down, out, None, ends, R, cols=N, red=K, b_trans=True,
                                                 epilogue=0, config=c, schedule=sched, tma=tma)
         c_act, c_dx, c_w = gg.choose_backward_configs(dy, w_down, R, cfg.activation)[:3]
-        configs = (c, c_dx, c_w) if args.kernel == "d_pre_act" else (c_act, c, c_w)
+        configs = {"d_pre_act": (c, c_dx, c_w), "dx": (c_act, c, c_w)}.get(args.kernel, (c_act, c_dx, c))
         outputs, steps = gg.backward_steps(dy, x, gather, divisor, w_up, w_down, ends, cfg.activation, h, act_in,
                                            configs)
         launch = dict((name, fn) for name, _, fn in steps)
         if args.kernel == "dx":
             launch["d_pre_act"]()  # dx reads d(pre-activation)
             return None, lambda: (launch["dx"](), outputs[0])[1]
+        if args.kernel in ("dw_down", "dw_up"):
+            launch["d_pre_act"]()  # dW_up reads d(pre-activation)
+            out = outputs[2] if args.kernel == "dw_down" else outputs[1]
+            return out, launch[args.kernel]
         return None, launch["d_pre_act"]  # returns d(pre-activation)
 
     runs = [runner(c) for c in variants]
