@@ -64,8 +64,8 @@ from interlace.ops.tuning import generation as tuning_generation
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,
-    programs_per_sm]`` (any prefix of the :class:`GemmConfig` fields, in order) forces a config."""
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``
+    (any prefix of the :class:`GemmConfig` fields, in order) forces a config."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
 
@@ -733,12 +733,11 @@ def _wgrad_flat_kernel(
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
 
 
-def _num_programs(device: torch.device, work_bound: int, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Persistent programs: ``per_sm`` per SM (a config's ``programs_per_sm``), at most one per work item."""
+def _num_programs(device: torch.device, work_bound: int) -> int:
     if device.type != "cuda":
         return max(1, min(work_bound, 4))
     sms = _device_identity(device.index if device.index is not None else torch.cuda.current_device())[1]
-    return max(1, min(work_bound, sms * max(per_sm, 1)))
+    return max(1, min(work_bound, sms * PROGRAMS_PER_SM))
 
 
 @lru_cache(maxsize=None)
@@ -971,7 +970,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
     if rows_tma and config.persistent == 2 and P % config.block_m == 0:
         _ensure_allocator()  # every descriptor of this kernel is made in the kernel
-        programs = _num_programs(out.device, items, config.programs_per_sm)
+        programs = _num_programs(out.device, items)
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
@@ -990,7 +989,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         a_desc, b_desc = a, b  # unused
     if rows_tma and config.persistent and P % config.block_m == 0:
         out_desc = TensorDescriptor(out, [E * P, Q], [Q, 1], [config.block_m, config.block_n])
-        programs = _num_programs(out.device, items, config.programs_per_sm)
+        programs = _num_programs(out.device, items)
         launch(_wgrad_persistent_kernel, (programs,),
             a, b, out, table, a_desc, b_desc, out_desc, P, Q, E, programs,
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,

@@ -53,11 +53,6 @@ class GemmConfig:
     # weights: full tiles stored through a TMA descriptor (drains under the next tile's main
     # loop), an expert's partial last tile by a masked store. Not with flatten (Triton 3.6).
     tma_store: int = 0
-    # The persistent weight-gradient kernels: programs per SM. 2 with tiles small enough for two
-    # co-resident programs: on short reductions (a few row blocks per output block) one program's
-    # epilogue runs under the other's main loop, a ping-pong of two CTAs where Triton 3.6 has no
-    # working warp specialization on Hopper (run 30). (The forward GEMMs lost with it: run 110.)
-    programs_per_sm: int = 1
 
 
 @dataclass(frozen=True)
