@@ -308,3 +308,86 @@ def test_joint_gate_up_compiles_to_one_wide_wgmma():
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert ["m64n256k16", ""] in found and ["", "3d"] in found, found
     assert ["m64n128k16", ""] not in found, found
+
+
+_SM90_TABLE_CONFIGS = r"""
+import json
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import interlace.ops.grouped_gemm as gg
+from interlace.ops.tuning import PACKAGED_DIR, GemmConfig
+
+DATA = ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "a_ptr")
+
+
+def compile_sm90(kernel, constexprs, warps, stages):
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        pointer = name.endswith("_ptr")
+        sig[name] = ("*bf16" if name in DATA else "*i32") if pointer else "i32"
+        if pointer or name in ("N", "K", "COLS", "RED"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+# What each table's kernel launches with a config (grouped_gemm's launchers, SwiGLU, Hopper).
+jobs = set()
+for path in sorted(PACKAGED_DIR.glob("expert_*-NVIDIA_H*.json")):
+    table = path.name.split("-")[0]
+    for entry in json.loads(path.read_text())["entries"]:
+        c = GemmConfig(**entry["config"])
+        if not (c.tma_store or c.persistent == 2) or table == "expert_wgrad":
+            continue
+        blocks = (("BLOCK_M", c.block_m), ("BLOCK_N", c.block_n), ("BLOCK_K", c.block_k), ("GROUP_M", c.group_m))
+        for store_h in ((False, True) if table == "expert_gemm0" else (False,)):
+            if table == "expert_gemm0" and c.persistent == 2:
+                jobs.add(("_gemm0_flat_kernel", blocks + (("ACTIVATION", 0), ("STORE_H", store_h),
+                          ("JOINT", bool(c.joint))), c.num_warps, gg._gemm0_flat_stages(c, store_h)))
+            elif table == "expert_gemm0":
+                jobs.add(("_gemm0_kernel", blocks + (("ACTIVATION", 0), ("HAS_GATHER", not c.a_tma), ("STORE_H", store_h),
+                          ("USE_TMA", True), ("FLATTEN", bool(c.flatten)), ("A_TMA", bool(c.a_tma)),
+                          ("JOINT", bool(c.joint)), ("TMA_STORE", True)), c.num_warps, c.num_stages))
+            elif c.persistent == 2:
+                jobs.add(("_gemm_flat_kernel", blocks + (("B_TRANS", table == "expert_gemm1"),), c.num_warps,
+                          c.num_stages))
+            else:
+                jobs.add(("_gemm_kernel", blocks + (("B_TRANS", table == "expert_gemm1"), ("EPILOGUE", 0),
+                          ("USE_TMA", True), ("FLATTEN", bool(c.flatten)), ("A_TMA", bool(c.a_tma)),
+                          ("TMA_STORE", True)), c.num_warps, c.num_stages))
+found = []
+for name, constexprs, warps, stages in sorted(jobs, key=str):
+    k = compile_sm90(getattr(gg, name), dict(constexprs), warps, stages)
+    found.append([name, dict(constexprs), warps, stages, k.metadata.shared,
+                  k.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")])
+print(json.dumps(found))
+"""
+
+
+def test_table_configs_with_tma_stores_fit_hopper_shared_memory():
+    """Every packaged H200 table entry that uses a TMA store or the flat loop compiles for sm90
+    within the 227 KB of shared memory a Hopper block may have, as the launcher runs it (GEMM0
+    with and without storing h), and issues TMA stores. A config over the limit only fails at
+    launch on the GPU (e.g. the flat GEMM0 at 4 stages while storing h, which the launcher caps
+    at 3 stages); this catches it on the CPU. Compiled in a child process (no interpreter)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_TABLE_CONFIGS], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    kernels = {f[0] for f in found}
+    assert {"_gemm0_flat_kernel", "_gemm_flat_kernel"} <= kernels, kernels  # the tables use the flat loops
+    for name, constexprs, warps, stages, shared, tma_stores in found:
+        assert shared <= 232448, (name, constexprs, warps, stages, shared)  # sm90's opt-in maximum per block
+        assert tma_stores >= 1, (name, constexprs)

@@ -13,6 +13,10 @@ Rows are expert-major: expert e owns rows ``[offs[e-1], offs[e])``. Three kernel
 * ``_gemm_kernel`` — a grouped GEMM with strided weights: the down projection
   ``act @ W_down^T`` forward; in backward ``dy @ W_down`` with the activation's derivative in
   the epilogue (writing d(pre-activation) from the stored pre-activation) and ``d_h @ W_up``.
+* ``_gemm0_flat_kernel`` and ``_gemm_flat_kernel`` — GEMM0 and the plain-epilogue GEMM as one
+  flat loop over (tile, k step) steps (``persistent = 2`` in the tables), A, B and the outputs
+  through TMA, so the pipeline runs across tiles: the next tile's loads go under this tile's
+  last steps and its store (1–9% faster on most tables' entries, runs 113–114).
 * ``_wgrad_kernel`` — per-expert weight gradients ``aᵀ b`` over the expert's rows, with the
   same gather fused into the load of b; ``_wgrad_persistent_kernel`` and ``_wgrad_flat_kernel``
   the persistent forms over TMA-fed rows (the flat one pipelines across output blocks, which
@@ -34,7 +38,10 @@ older GPUs; ``INTERLACE_TMA=0/1`` forces either.
 
 With ``joint`` (SwiGLU, TMA weights) GEMM0 loads a tile's gate and up weight rows as one 3-D
 TMA block and runs one double-width dot instead of two (1–3% faster forward on most presets,
-runs 84–85).
+runs 84–85). With ``tma_store`` the nested-loop kernels store a full tile of GEMM0's
+activations or of a plain-epilogue GEMM through a TMA descriptor, which drains under the next
+tile's main loop. An expert's partial last tile is stored masked: a whole box would write into
+the next expert's rows.
 
 The d(pre-activation) GEMM applies the activation's derivative in its epilogue, or (SwiGLU,
 ``unfused_act`` in the table) stores d(act) and leaves the derivative to one elementwise pass:
@@ -879,6 +886,14 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
 
 
+def _gemm0_flat_stages(c0: GemmConfig, store_h: bool) -> int:
+    """Pipeline stages of the flat GEMM0 (:func:`_gemm0_flat_kernel`). Storing h takes masked
+    stores, whose layout-conversion buffer leaves room for at most 3 stages of 128 × 2·128 tiles
+    on Hopper (sm90 compile: 4 stages need 229.5 KB without it; a test compiles the tables'
+    configs both ways)."""
+    return min(c0.num_stages, 3) if store_h else c0.num_stages
+
+
 def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
     """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
     N = x.shape[1]
@@ -894,9 +909,7 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
     a_tma = a_tma and tma_rows_ok(x)
     if c0.persistent == 2 and a_tma and tma_rows_ok(act):
-        # Storing h takes masked stores, whose layout-conversion buffer leaves room for at most
-        # 3 pipeline stages of 128 × 2·128 tiles on Hopper (sm90 compile: 4 stages need 229.5 KB without it).
-        stages = min(c0.num_stages, 3) if h is not None else c0.num_stages
+        stages = _gemm0_flat_stages(c0, h is not None)
         launch(_gemm0_flat_kernel, (p0,),
             x, w_up, act, h if h is not None else act, sched0.expert, sched0.start, sched0.end, sched0.count,
             N, K, E, p0, num_rows,
