@@ -266,58 +266,14 @@ def test_tma_store_with_flatten_is_refused(monkeypatch):
         check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
 
 
-_SM90_JOINT = r"""
+# Compiles a kernel for sm90 without a GPU (a child process: the tests' interpreter mode
+# replaces the kernels): bf16 data pointers, int32 tile lists and sizes, 16-divisible pointers and dims.
+_SM90_COMPILE = r"""
 import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import interlace.ops.grouped_gemm as gg
-
-kernel = gg._gemm0_kernel
-constexprs = dict(ACTIVATION=0, HAS_GATHER=True, STORE_H=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True, TMA_STORE=False)
-sig, attrs = {}, {}
-for i, name in enumerate(kernel.arg_names):
-    if name in constexprs:
-        sig[name] = "constexpr"
-        continue
-    pointer = name.endswith("_ptr")
-    sig[name] = ("*bf16" if name in ("x_ptr", "w_ptr", "out_ptr", "h_ptr") else "*i32") if pointer else "i32"
-    if pointer or name in ("N", "K"):
-        attrs[(i,)] = [["tt.divisibility", 16]]
-ptx = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                     options=dict(num_warps=8, num_stages=4)).asm["ptx"]
-print(json.dumps(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)|cp\.async\.bulk\.tensor\.(\dd)",
-                                       ptx)))))
-"""
-
-
-def test_joint_gate_up_compiles_to_one_wide_wgmma():
-    """With ``joint`` the sm90 code of GEMM0 (128 × 128 tiles of gate and up) issues n256 wgmma
-    instructions fed by 3-D TMA loads: one double-width dot, not two n128 ones. Compiled without
-    a GPU in a child process (the tests' interpreter mode replaces the kernels)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_JOINT], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert ["m64n256k16", ""] in found and ["", "3d"] in found, found
-    assert ["m64n128k16", ""] not in found, found
-
-
-_SM90_TABLE_CONFIGS = r"""
-import json
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import interlace.ops.grouped_gemm as gg
-from interlace.ops.tuning import PACKAGED_DIR, GemmConfig
 
 DATA = ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "a_ptr")
 
@@ -334,7 +290,44 @@ def compile_sm90(kernel, constexprs, warps, stages):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=stages))
+"""
 
+
+def _run_sm90(script: str):
+    """Runs ``_SM90_COMPILE + script`` in a child process; returns its last stdout line as JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE + script], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+_SM90_JOINT = r"""
+constexprs = dict(ACTIVATION=0, HAS_GATHER=True, STORE_H=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True, TMA_STORE=False)
+ptx = compile_sm90(gg._gemm0_kernel, constexprs, 8, 4).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)|cp\.async\.bulk\.tensor\.(\dd)",
+                                       ptx)))))
+"""
+
+
+def test_joint_gate_up_compiles_to_one_wide_wgmma():
+    """With ``joint`` the sm90 code of GEMM0 (128 × 128 tiles of gate and up) issues n256 wgmma
+    instructions fed by 3-D TMA loads: one double-width dot, not two n128 ones. Compiled without
+    a GPU in a child process (the tests' interpreter mode replaces the kernels)."""
+    found = _run_sm90(_SM90_JOINT)
+    assert ["m64n256k16", ""] in found and ["", "3d"] in found, found
+    assert ["m64n128k16", ""] not in found, found
+
+
+_SM90_TABLE_CONFIGS = r"""
+from interlace.ops.tuning import PACKAGED_DIR, GemmConfig
 
 # What each table's kernel launches with a config (grouped_gemm's launchers, SwiGLU, Hopper).
 jobs = set()
@@ -375,17 +368,7 @@ def test_table_configs_with_tma_stores_fit_hopper_shared_memory():
     with and without storing h), and issues TMA stores. A config over the limit only fails at
     launch on the GPU (e.g. the flat GEMM0 at 4 stages while storing h, which the launcher caps
     at 3 stages); this catches it on the CPU. Compiled in a child process (no interpreter)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_TABLE_CONFIGS], capture_output=True, text=True, env=env,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = _run_sm90(_SM90_TABLE_CONFIGS)
     kernels = {f[0] for f in found}
     assert {"_gemm0_flat_kernel", "_gemm_flat_kernel"} <= kernels, kernels  # the tables use the flat loops
     for name, constexprs, warps, stages, shared, tma_stores in found:

@@ -183,6 +183,31 @@ def _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, til
 
 
 @triton.jit
+def _flat_items(num_tiles, n_blocks, pid, num_programs):
+    """Work items (tile, column block) of program ``pid`` in a persistent grid of ``num_programs``."""
+    return tl.maximum(tl.cdiv(num_tiles * n_blocks - pid, num_programs), 0)
+
+
+@triton.jit
+def _flat_start(pid, num_programs, k_steps):
+    """The state :func:`_flat_next` starts from: (ki, work, expert, first row, column block, end row)."""
+    return k_steps - 1, pid - num_programs, tl.full([], 0, tl.int64), 0, 0, 0
+
+
+@triton.jit
+def _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks, num_tiles,
+               tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M: tl.constexpr):
+    """One step of a flat (tile, k step) loop: the next k step, and at a tile's first step the
+    program's next work item and its coordinates (from :func:`_flat_start`)."""
+    ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+    if ki == 0:
+        work += num_programs
+        e, row0, nb, row_end = _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                                            GROUP_M)
+    return ki, work, e, row0, nb, row_end
+
+
+@triton.jit
 def _gemm0_kernel(
     x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -394,8 +419,7 @@ def _gemm_flat_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
     k_steps = tl.cdiv(RED, BLOCK_K)
-    n_items = num_tiles * n_blocks
-    my_items = tl.maximum(tl.cdiv(n_items - pid, num_programs), 0)
+    my_items = _flat_items(num_tiles, n_blocks, pid, num_programs)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_TRANS:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * COLS, RED], strides=[RED, 1],
@@ -405,19 +429,11 @@ def _gemm_flat_kernel(
                                            block_shape=[BLOCK_K, BLOCK_N])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, COLS], strides=[COLS, 1],
                                          block_shape=[BLOCK_M, BLOCK_N])
-    work = pid - num_programs
-    ki = k_steps - 1
-    e = tl.full([], 0, tl.int64)
-    row0 = 0
-    row_end = 0
-    nb = 0
+    ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, my_items * k_steps):
-        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
-        if ki == 0:
-            work += num_programs
-            e, row0, nb, row_end = _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                                tile_end_ptr, GROUP_M)
+        ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
+                                                    num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
         k0 = ki * BLOCK_K
         a = a_desc.load([row0, k0])
         if B_TRANS:
@@ -446,8 +462,7 @@ def _gemm0_flat_kernel(
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
     k_steps = tl.cdiv(N, BLOCK_K)
-    n_items = num_tiles * n_blocks
-    my_items = tl.maximum(tl.cdiv(n_items - pid, num_programs), 0)
+    my_items = _flat_items(num_tiles, n_blocks, pid, num_programs)
     up_width = 2 * K if ACTIVATION == 0 else K
     a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_K])
     if JOINT:
@@ -457,21 +472,13 @@ def _gemm0_flat_kernel(
                                            block_shape=[BLOCK_N, BLOCK_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, K], strides=[K, 1],
                                          block_shape=[BLOCK_M, BLOCK_N])
-    work = pid - num_programs
-    ki = k_steps - 1
-    e = tl.full([], 0, tl.int64)
-    row0 = 0
-    row_end = 0
-    nb = 0
+    ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     W: tl.constexpr = 2 * BLOCK_N if JOINT else BLOCK_N
     acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, my_items * k_steps):
-        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
-        if ki == 0:
-            work += num_programs
-            e, row0, nb, row_end = _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
-                                                tile_end_ptr, GROUP_M)
+        ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
+                                                    num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
         k0 = ki * BLOCK_K
         a = a_desc.load([row0, k0])
         if JOINT:
