@@ -79,9 +79,10 @@ def test_tuner_writes_tables_that_lookup_finds(table_dir):
     assert source == "tuned" and config == GemmConfig(**entry["config"])
     # --kernels: only the named kernels are tuned and only their tables written
     only = table_dir / "only"
-    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--kernels", "expert_wgrad",
+    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--kernels", "expert_gemm1", "--rounds", "2",
           "--out", str(only)])
-    assert [p.name.split("-cpu-sm1")[0] for p in only.glob("*.json")] == ["expert_wgrad"]
+    assert [p.name.split("-cpu-sm1")[0] for p in only.glob("*.json")] == ["expert_gemm1"]
+    assert [e["rounds"] for e in json.loads(next(only.glob("*.json")).read_text())["entries"]] == [2]
 
 
 def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():
@@ -97,6 +98,17 @@ def test_fused_split_pick_keeps_the_table_unless_clearly_beaten():
     samples[8] = [0.90, 0.91, 0.92]  # now 10% faster than the incumbent
     assert pick_split(samples, incumbent=16, margin=0.02) == 8
     assert pick_split({4: [1.0], 8: [1.0]}, incumbent=None, margin=0.02) == 4  # ties: the smaller split
+
+
+def test_tuner_picks_the_lowest_median_over_rounds():
+    """`interlace tune-experts` times the candidates in interleaved rounds and keeps the lowest
+    median, not the one fastest call; ties go to the earlier candidate (the default first)."""
+    from interlace.ops.tune_experts import pick_config
+
+    samples = [[1.00, 1.00, 1.00], [0.80, 1.20, 1.10], [0.95, 0.99, 2.00]]  # medians 1.00, 1.10, 0.99
+    assert pick_config(samples) == 2
+    assert pick_config([[1.0, 2.0, 3.0], [2.0, 2.0, 2.5]]) == 0  # equal medians: the earlier
+    assert pick_config([[5.0]]) == 0
 
 
 def test_tuner_rows_are_ragged_around_the_bucket():

@@ -1,20 +1,25 @@
 """``interlace tune-experts``: measure kernel configs of the Triton expert kernels per shape class
 and rows-per-expert bucket, and write the tables :mod:`interlace.ops.tuning` looks up.
 
-For every preset (experts per GPU = E / --world) and every bucket, on balanced gathered rows:
-each candidate of GEMM0 (with GEMM1's default: the forward timed), then of GEMM1 (with the best
-GEMM0), then of the backward's three kernels (d(pre-activation) GEMM, dx GEMM, weight gradients;
-one at a time, the others at their defaults; each timed on its own steps of the backward after
-one whole backward) is timed with ``triton.testing.do_bench`` (median; on the CPU
-interpreter, a host timer). A candidate whose output differs from the default config's (relative
-error > 1e-2) or that fails to compile or run is skipped and reported. Prints the chosen configs,
-their TFLOP/s and the time the tuning took.
+For every preset (experts per GPU = E / --world) and every bucket, on gathered rows whose
+experts end mid-block (counts within ±1/8 of the bucket): the candidates of each kernel in turn
+(GEMM0, GEMM1, then the backward's d(pre-activation) GEMM, dx GEMM and weight gradients), the
+kernels not yet tuned at their defaults. Each candidate first runs the whole forward or backward
+and is checked against the default config's output (relative error > 1e-2, or a failure to
+compile or run: skipped and reported). The survivors are then timed on their own kernel's launches
+only (GEMM0 with its gather copy where the config reads rows through TMA and storing h as training
+does; GEMM1; the backward kernel's steps), ``--rounds`` times in turn, each a
+``triton.testing.do_bench`` median (on the CPU interpreter, one host-timed call), and the
+candidate with the lowest median over the rounds wins. Timing the forward kernels inside the whole
+forward, each once, left a spread of up to ±40% between runs of one config (run 108) and picked by
+noise. Prints the chosen configs, their TFLOP/s and the time the tuning took.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,8 +28,9 @@ import torch
 import triton
 
 from interlace.ops import tuning
-from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, backward_steps,
-                                        expert_ffn_triton, expert_ffn_triton_backward)
+from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, _check_tma_store,
+                                        _ensure_allocator, _launch_gemm, _launch_gemm0, backward_steps,
+                                        expert_ffn_triton, expert_ffn_triton_backward, tile_schedule, use_tma)
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
@@ -120,10 +126,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def pick_config(samples: list[list[float]]) -> int:
+    """Index of the candidate with the lowest median over its rounds (ties: the earlier one)."""
+    medians = [statistics.median(t) for t in samples]
+    return min(range(len(medians)), key=lambda i: (medians[i], i))
+
+
 def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates: dict, show=True,
-               kernels: list[str] | None = None):
+               kernels: list[str] | None = None, rounds: int = 3):
     """Entries per kernel of ``kernels`` (default: all; the others run their default config), one
-    per bucket: {"shape", "bucket", "config", "ms", "tflops"}, and the failures."""
+    per bucket: {"shape", "bucket", "config", "ms", "tflops"} (ms: the winner's median over
+    ``rounds`` interleaved rounds of its own kernel's launches), and the failures."""
     from interlace.config import MoEConfig
     from interlace.experts import init_expert_weights
 
@@ -139,7 +152,6 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
         x = torch.randn(rows, shape.hidden, device=device).to(dtype)
         dy = torch.randn(rows, shape.hidden, device=device).to(dtype)
         gather = torch.randperm(rows, device=device).to(torch.int32)  # rows are gathered in real use
-        flops = 2 * rows * shape.hidden * shape.ffn * (3 if shape.activation == "swiglu" else 2)
         chosen = {k: candidates[k][0] for k in KERNELS}
 
         def forward():
@@ -162,9 +174,28 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             work = sum(f for name, f, _ in steps if name in BACKWARD_STEPS[kernel])
             return (lambda: [launch() for launch in mine]), work
 
+        def forward_kernel(kernel):
+            """A function launching the forward kernel alone with its chosen config, and its FLOPs:
+            GEMM0 (its gather copy included, h stored as in training) or GEMM1 (on act)."""
+            c = chosen[kernel]
+            _check_tma_store(c)
+            tma = use_tma(w_up, w_down)
+            if tma:
+                _ensure_allocator()
+            sched = tile_schedule(ends, rows, c.block_m)
+            if kernel == "expert_gemm0":
+                act_out, h_out = torch.empty_like(act), torch.empty_like(h)
+                return (lambda: _launch_gemm0(x, gather, 1, w_up, act_out, h_out, sched, rows, shape.activation, c,
+                                              tma)), 2 * rows * shape.hidden * w_up.shape[1]
+            y_out = torch.empty(rows, shape.hidden, device=device, dtype=dtype)
+            return (lambda: _launch_gemm(act, w_down, y_out, None, ends, rows, cols=shape.hidden, red=shape.ffn,
+                                         b_trans=True, epilogue=0, config=c, schedule=sched, tma=tma)), \
+                2 * rows * shape.hidden * shape.ffn
+
         for kernel in kernels or KERNELS:
             run = backward if kernel in BACKWARD_NAMES else forward
-            want, timed = None, []
+            make = kernel_steps if run is backward else forward_kernel
+            want, passed = None, []
             for c in candidates[kernel]:
                 chosen[kernel] = c
                 try:
@@ -174,23 +205,34 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                     err = max(_rel(got, ref) for got, ref in zip(outs, want))
                     if err > 1e-2:
                         raise ValueError(f"relative error {err:.1e} against the default config")
-                    timed_fn, work = kernel_steps(kernel) if run is backward else (run, flops)
-                    timed.append((_time_ms(timed_fn, cuda), c, work))
+                    make(kernel)  # compiles the kernel alone too (a different launch for the forward ones)
+                    passed.append(c)
                 except Exception as err:  # a config the compiler, the GPU or the check rejects
                     failures.append(f"{shape} bucket {bucket} {kernel} {c}: {type(err).__name__} {str(err)[:120]}")
-            if not timed:  # every candidate failed: keep the default, write no entry
+            if not passed:  # every candidate failed: keep the default, write no entry
                 chosen[kernel] = candidates[kernel][0]
                 continue
-            t, c, work = min(timed, key=lambda tc: tc[0])
+            # Interleaved rounds: drift between calls hits every candidate alike. Each timing builds
+            # its launch afresh (one candidate's buffers at a time: a backward's are GBs at 16384 rows).
+            samples, work = [[] for _ in passed], 0
+            for _ in range(rounds):
+                for i, c in enumerate(passed):
+                    chosen[kernel] = c
+                    timed_fn, work = make(kernel)
+                    samples[i].append(_time_ms(timed_fn, cuda))
+                    del timed_fn
+            best = pick_config(samples)
+            c, t = passed[best], statistics.median(samples[best])
             chosen[kernel] = c
             entries[kernel].append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
-                                    "ms": t, "tflops": work / t / 1e9})
+                                    "ms": t, "tflops": work / t / 1e9, "rounds": rounds})
             if show:
-                what = "forward" if run is forward else "+".join(BACKWARD_STEPS[kernel])
+                what = "alone" if run is forward else "+".join(BACKWARD_STEPS[kernel])
                 print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
-                      f"{what} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms)", flush=True)
-                print("    candidates (ms): " + "; ".join(f"{tuple(c.__dict__.values())} {t:.3f}" for t, c, _ in timed),
-                      flush=True)
+                      f"{what} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms, median of {rounds})", flush=True)
+                print("    candidates (median ms): " + "; ".join(
+                    f"{tuple(c.__dict__.values())} {statistics.median(ts):.3f}" for c, ts in zip(passed, samples)),
+                    flush=True)
     return entries, failures
 
 
@@ -219,6 +261,8 @@ def main(argv=None) -> int:
                    help="tune only these kernels and write only their tables (default: all)")
     p.add_argument("--out", default=None, help="folder for the tables (default: $INTERLACE_TUNING_DIR or "
                                                 "the package's tuning folder)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved timing rounds per candidate (default 3 on a GPU, 1 on the CPU interpreter)")
     args = p.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -238,7 +282,8 @@ def main(argv=None) -> int:
             {tuning.rows_bucket(t * cfg.top_k / shape.experts) for t in args.tokens})
         print(f"tuning {preset}: {shape} buckets {buckets}", flush=True)
         cands = CANDIDATES if cuda else {k: INTERPRETER_CANDIDATES for k in KERNELS}
-        entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands, kernels=args.kernels)
+        entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands, kernels=args.kernels,
+                                rounds=args.rounds or (3 if cuda else 1))
         for k in KERNELS:
             found[k] += entries[k]
         failures += f
