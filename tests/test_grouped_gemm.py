@@ -257,6 +257,16 @@ def test_flat_loop_with_an_activation_gradient_epilogue_is_refused(monkeypatch):
         check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
 
 
+@pytest.mark.parametrize("name", ["INTERLACE_GEMM1", "INTERLACE_WGRAD"])
+def test_persistent_without_tma_rows_is_refused(name, monkeypatch):
+    """``persistent`` reads rows through descriptors: without ``a_tma`` it is an error, not a
+    silent switch to another kernel."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,0,2")
+    with pytest.raises(ValueError, match="needs a_tma"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
 def test_tma_store_with_flatten_is_refused(monkeypatch):
     """Triton 3.6 cannot compile the branch between the two stores inside a flattened loop
     (FuseNestedLoops fails on sm90), so the combination is an error, not a silent fallback."""

@@ -877,7 +877,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     K = w_down.shape[2]
     up_width = w_up.shape[1]
     c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
-    _check_tma_store(c0)
+    _check_config(c0)
     act = alloc.empty((num_rows, K), x.dtype, x.device)
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)
@@ -938,8 +938,11 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
     return act
 
 
-def _check_tma_store(config: GemmConfig) -> None:
+def _check_config(config: GemmConfig) -> None:
     """Config combinations the GEMM kernels refuse (raised before any launch)."""
+    if config.persistent and not config.a_tma:
+        raise ValueError(f"GEMM config {config}: persistent = {config.persistent} reads rows through TMA descriptors "
+                         "and needs a_tma = 1")
     if config.tma_store and config.flatten:
         raise ValueError(f"GEMM config {config}: tma_store and flatten cannot be combined (Triton 3.6 fails to "
                          "compile the store branch in a flattened loop on sm90)")
@@ -949,7 +952,7 @@ def _check_tma_store(config: GemmConfig) -> None:
 
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
-    _check_tma_store(config)
+    _check_config(config)
     if config.persistent == 2 and epilogue != 0:
         raise ValueError(f"GEMM config {config}: persistent = 2 (the flat loop) has the plain epilogue only; "
                          "with an activation-gradient epilogue use unfused_act = 1 or persistent = 0")
@@ -981,6 +984,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     read through descriptors; with ``config.persistent`` too (and P a multiple of the block),
     persistent programs store the blocks through a descriptor (:func:`_wgrad_persistent_kernel`;
     ``persistent = 2``: :func:`_wgrad_flat_kernel`, one software pipeline across the blocks)."""
+    _check_config(config)
     E = out.shape[0]
     if E == 0:
         return out
