@@ -877,7 +877,6 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     K = w_down.shape[2]
     up_width = w_up.shape[1]
     c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
-    _check_config(c0)
     act = alloc.empty((num_rows, K), x.dtype, x.device)
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)
@@ -903,6 +902,7 @@ def _gemm0_flat_stages(c0: GemmConfig, store_h: bool) -> int:
 
 def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
     """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
+    _check_config(c0)
     N = x.shape[1]
     E, K = w_up.shape[0], act.shape[1]
     p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
@@ -958,7 +958,7 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
                          "with an activation-gradient epilogue use unfused_act = 1 or persistent = 0")
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
-    if config.persistent == 2 and config.a_tma and tma and tma_rows_ok(a) and tma_rows_ok(out):
+    if config.persistent == 2 and tma and tma_rows_ok(a) and tma_rows_ok(out):
         launch(_gemm_flat_kernel, (p,),
             a, w, out, sched.expert, sched.start, sched.end, sched.count, cols, red, w.shape[0], p, num_rows,
             B_TRANS=b_trans, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

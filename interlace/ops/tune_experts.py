@@ -28,9 +28,9 @@ import torch
 import triton
 
 from interlace.ops import tuning
-from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, _check_config,
-                                        _ensure_allocator, _launch_gemm, _launch_gemm0, backward_steps,
-                                        expert_ffn_triton, expert_ffn_triton_backward, tile_schedule, use_tma)
+from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, _ensure_allocator,
+                                        _launch_gemm, _launch_gemm0, backward_steps, expert_ffn_triton,
+                                        expert_ffn_triton_backward, tile_schedule, use_tma)
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
@@ -178,7 +178,6 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             """A function launching the forward kernel alone with its chosen config, and its FLOPs:
             GEMM0 (its gather copy included, h stored as in training) or GEMM1 (on act)."""
             c = chosen[kernel]
-            _check_config(c)
             tma = use_tma(w_up, w_down)
             if tma:
                 _ensure_allocator()
