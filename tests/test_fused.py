@@ -126,6 +126,9 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         # layer0's gate and up as one 3-D block and one dot (ffn 72: the last block's planes run past K)
         variants.append(dict(slice_group=2, joint0=1))
         variants.append(dict(slice_group=2, joint0=1, a_tma0=0))
+        # layer0's local rows gathered into the rank's own recv region first, then read through TMA
+        variants.append(dict(slice_group=2, gather0=1))
+        variants.append(dict(slice_group=2, gather0=1, joint0=1, copy_rows=32))
     # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
     # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))

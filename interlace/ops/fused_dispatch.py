@@ -28,7 +28,7 @@ from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, grouped
 from interlace.ops.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
 from interlace.ops.grouped_gemm import tma_rows_ok
-from interlace.ops.launch import launch
+from interlace.ops.launch import cdiv, launch, next_power_of_2
 from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
@@ -61,6 +61,26 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
 
 
 @triton.jit
+def _gather_local_kernel(x_ptr, assign_ptr, recv_ptr, recv_local_row0, sent_rows, me, cap, N,
+                         TOP_K: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``recv[me·cap + r] = x[assign[first + r] // TOP_K]`` for the ``sent_rows[me]`` rows this
+    rank keeps for its own experts (``first``: their first dispatch row; they are one run in
+    expert order, the same order as the local receive segments' offsets). Region ``me`` of
+    ``recv`` is never written by a peer, so the local tiles can then read contiguous rows
+    through TMA like the remote ones (Hopper has no TMA gather). Grid: cdiv(cap, ROWS)
+    programs × cdiv(N, COLS); the row count stays on the device (no host sync)."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    n = tl.load(sent_rows + me)
+    if tl.program_id(0) * ROWS < n:
+        rmask = r < n
+        tok = (tl.load(assign_ptr + tl.load(recv_local_row0) + r, mask=rmask, other=0) // TOP_K).to(tl.int64)
+        m = rmask[:, None] & (cols < N)[None, :]
+        v = tl.load(x_ptr + tok[:, None] * N + cols[None, :], mask=m)
+        tl.store(recv_ptr + (me * cap + r).to(tl.int64)[:, None] * N + cols[None, :], v, mask=m)
+
+
+@triton.jit
 def _dispatch_gemm0_kernel(
     x_ptr, assign_ptr,  # (T, N) tokens; (R,) int32 dispatch row → assignment t·k + j
     w_ptr, h_ptr,  # (E_l, up_width, N) up projection (B_KMAJOR: (E_l, N, K)); out (W·cap, K)
@@ -84,6 +104,7 @@ def _dispatch_gemm0_kernel(
     SEND_TMA: tl.constexpr = False,  # sends as TMA stores (see _copy_send_tile)
     BULK_WAIT: tl.constexpr = False,  # with SEND_TMA on a GPU: wait for the stores before a flag
     JOINT: tl.constexpr = False,  # SwiGLU with TMA weights: gate and up in one dot (expert_tile.gate_up_tile)
+    LOCAL_TMA: tl.constexpr = False,  # with A_TMA: the local rows were gathered into region me (gather0)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -151,15 +172,19 @@ def _dispatch_gemm0_kernel(
             # Row pointers by select, not by branch: a pointer produced by a branch keeps the
             # compiler from pipelining the A loads (measured: 2.5x slower GEMM0).
             is_local = j == 0
-            local = tl.load(assign_ptr + tl.load(recv_local_row0 + seg) + i * BLOCK_M + offs_m, mask=rmask & is_local,
-                            other=0)
+            if not LOCAL_TMA:  # (a compile-time branch: the select below stays one pointer)
+                local = tl.load(assign_ptr + tl.load(recv_local_row0 + seg) + i * BLOCK_M + offs_m,
+                                mask=rmask & is_local, other=0)
             if not is_local:
                 wait_flag(flags0_ptr + (s * num_local + e) * TPS + i, epoch, max_spins, error_ptr, me, WAIT_LAYER0,
                           s, e, i)
                 if PROXY_FENCE:  # the rows are then read through TMA (the async proxy)
                     fence_proxy_async(epoch)
             t_waited = timeline_now(timeline_clock, TIMELINE)
-            a_rows = tl.where(is_local, x_ptr + (local // TOP_K).to(tl.int64) * N, recv_ptr + h_rows * N)
+            if LOCAL_TMA:
+                a_rows = recv_ptr + h_rows * N
+            else:
+                a_rows = tl.where(is_local, x_ptr + (local // TOP_K).to(tl.int64) * N, recv_ptr + h_rows * N)
             cols = nb * BLOCK_N + offs_n
             cmask = cols < K
             if B_KMAJOR:  # backward: d(act) = dy_rows @ W_down[e], W_down[e] (N, K) as stored
@@ -169,7 +194,11 @@ def _dispatch_gemm0_kernel(
             else:
                 w_base = w_ptr + e.to(tl.int64) * up_width * N
                 w_row = (e * up_width + nb * BLOCK_N).to(tl.int32)
-                if A_TMA and not is_local:  # two main loops, each pipelined on its own
+                if LOCAL_TMA:  # every tile's rows are contiguous in recv (local ones gathered there)
+                    acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, h_row0.to(tl.int32), True,
+                                                JOINT, e.to(tl.int32), nb * BLOCK_N)
+                elif A_TMA and not is_local:  # two main loops, each pipelined on its own
                     acc_g, acc_u = gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION,
                                                 BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, h_row0.to(tl.int32), True,
                                                 JOINT, e.to(tl.int32), nb * BLOCK_N)
@@ -213,6 +242,16 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     send_tma = bool(config.send_tma) and tma and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
+    # gather0: the local rows are copied into region `me` of recv first, so every GEMM0 tile reads
+    # its A rows through TMA (before the GEMM role: the staged transport's exchange runs between
+    # the roles and may rewrite recv).
+    local_tma = a_tma and bool(config.gather0)
+    if local_tma and role in ("all", "gemm"):
+        rows, cols = 32, min(512, next_power_of_2(N))
+        launch(_gather_local_kernel, (cdiv(spec.cap, rows), cdiv(N, cols)),
+            x, assign, v["recv"], plan.recv_local_row0, plan.sent_rows, buf.rank, spec.cap, N,
+            TOP_K=spec.top_k, ROWS=rows, COLS=cols, num_warps=4,
+        )
     launch(_dispatch_gemm0_kernel, (grid,),
         x, assign, w_up, h, pre if pre is not None else h, v["recv"], v["flags0"], buf.tables["recv"],
         buf.tables["flags0"],
@@ -230,6 +269,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
         PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
-        JOINT=bool(config.joint0) and tma and not w_kmajor and activation == "swiglu",
+        JOINT=bool(config.joint0) and tma and not w_kmajor and activation == "swiglu", LOCAL_TMA=local_tma,
     )
 

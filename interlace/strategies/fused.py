@@ -137,6 +137,10 @@ class FusedKernelConfig:
     # BLOCK_M × 2·block_n dot, as the expert kernels' ``joint`` (interlace.ops.expert_tile). Run 86:
     # the local-only time 0.3–3.2% shorter on 10 of 12 rows, the layer 0.930–1.017×: off.
     joint0: int = 0
+    # layer0: this rank's own rows are first gathered (one copy kernel) into its own region of
+    # recv, which no peer writes, so the local tiles read contiguous rows through TMA like the
+    # remote ones instead of a pointer gather (Hopper has no TMA gather). Needs a_tma0 and TMA.
+    gather0: int = 0
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -152,7 +156,8 @@ class FusedKernelConfig:
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
-        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push"):
+        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push",
+                     "joint0", "gather0"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
         # A TMA box is at most 256 elements along each dimension.
