@@ -129,6 +129,10 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         # layer0's local rows gathered into the rank's own recv region first, then read through TMA
         variants.append(dict(slice_group=2, gather0=1))
         variants.append(dict(slice_group=2, gather0=1, joint0=1, copy_rows=32))
+        # layer1's GEMM items in one flat loop, dealt statically, rows home by TMA (counts deferred)
+        variants.append(dict(slice_group=2, flat1=1))
+        variants.append(dict(slice_group=0, flat1=1, gather0=1))
+        variants.append(dict(slice_group=1, flat1=1, defer_count=0))
     # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
     # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))
@@ -440,6 +444,79 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     # push mode: the pushes' counts are relaxed atomics after a system fence (one per batch)
     push_events = json.loads(run.stdout.strip().splitlines()[-4])
     assert "fence.acq_rel.sys" in push_events, push_events
+
+
+_SM90_FLAT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
+
+def compile90(kernel, constexprs, bf16, i64, fp32, stages):
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        pointer = (name in bf16 or name in i64 or name in fp32 or name.endswith("_ptr")
+                   or name.startswith(("send_", "recv_")) or name == "tiles_from_source")
+        sig[name] = ("*bf16" if name in bf16 else "*i64" if name in i64 else "*fp32" if name in fp32
+                     else "*i32") if pointer else "i32"
+        if pointer or name in ("N", "K"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=stages))
+
+flat = compile90(l1._gemm1_combine_kernel,
+                 dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
+                      B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=True,
+                      COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256),
+                 {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
+                 "timeline_clock"}, {"weight_ptr"}, 3)
+ptx = flat.asm["ptx"]
+local = compile90(l0._dispatch_gemm0_kernel,
+                  dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
+                       GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
+                       PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False, JOINT=True, LOCAL_TMA=True),
+                  {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, {"recv_table", "flags0_table", "timeline_ptr",
+                  "timeline_clock"}, (), 4)
+print(json.dumps(dict(
+    shared=flat.metadata.shared,
+    tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared", ptx)),
+    events=re.findall(r"cp\.async\.bulk\.wait_group 0;|atom\.global\.sys\.acq_rel\.add|"
+                      r"cp\.async\.bulk\.tensor\.2d\.global", ptx),
+    layer0_pointer_a=len(re.findall(r"cp\.async\.cg", local.asm["ptx"])),
+)))
+"""
+
+
+def test_flat_layer1_and_gathered_layer0_compile_for_sm90():
+    """sm90 code of ``flat1`` and ``gather0``, compiled without a GPU in a child process:
+    layer1's flat loop is software-pipelined (its TMA loads appear in a prologue as well as in
+    the loop: a barrier in the loop body, as :func:`_count_tile` has, makes Triton give up
+    pipelining it), fits the 227 KB of shared memory at 3 stages beside the tile store, and every
+    tile count comes after a full bulk wait; with the local rows gathered, layer0's GEMM reads no
+    A rows through pointers."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_FLAT], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["shared"] <= 232448, got["shared"]
+    assert got["tma_loads"] >= 6, f"layer1's flat loop is not pipelined: {got['tma_loads']} TMA loads"
+    events = got["events"]
+    assert "cp.async.bulk.tensor.2d.global" in events, events
+    counts = [i for i, e in enumerate(events) if e.startswith("atom")]
+    assert len(counts) == 2, events  # in the loop (the previous tile) and after it (the last)
+    for i in counts:
+        assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
+    assert got["layer0_pointer_a"] == 0, got
 
 
 def test_plan_orders_local_tiles_first():

@@ -164,6 +164,110 @@ def _push_tile(h_ptr, y_ptr, items_ptr, ret_table, recv_count, recv_off, recv_re
 
 
 @triton.jit
+def _count_tile_each_thread(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, me, epoch, valid,
+                            THREADS: tl.constexpr, BULK_WAIT: tl.constexpr):
+    """:func:`_count_tile` without a barrier, for the flat loop (a ``debug_barrier`` in a loop
+    keeps Triton from pipelining it): *every thread* counts, so the counter of (home ``s``,
+    slice ``sl``) ends at tiles × THREADS. Each thread's acq_rel count releases its own
+    earlier writes — for the thread that issued the tile's TMA store, after it waited for the
+    store to complete (``BULK_WAIT``) —, so whichever thread issued it, the last arriver has
+    acquired every store before it releases the home's flag. ``valid`` False: a no-op."""
+    if BULK_WAIT:
+        bulk_stores_done(epoch)
+    sv = tl.maximum(s, 0)
+    lanes = tl.arange(0, THREADS)
+    counter = counters_ptr + sv * n_slices + sl + lanes * 0
+    done = tl.atomic_add(counter, tl.full((THREADS,), 1, tl.int32), sem="acq_rel", scope="sys",
+                         mask=valid & (lanes >= 0))
+    last = valid & (done == tl.load(tiles_from_source + sv) * THREADS - 1)
+    tl.atomic_xchg(counter, tl.zeros((THREADS,), tl.int32), sem="relaxed", scope="gpu", mask=last)
+    flags = peer_region(flags1_table, sv, tl.int32)
+    tl.atomic_xchg(flags + me * n_slices + sl + lanes * 0, tl.full((THREADS,), 0, tl.int32) + epoch, sem="release",
+                   scope="sys", mask=last)
+
+
+@triton.jit
+def _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source, recv_count, recv_off,
+                recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, epoch, me, W, N, K, cap, num_local,
+                n_comm, n_programs, pid, slice_group, H_ROWS, timeline_ptr, timeline_clock, timeline_cap,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                TIMELINE: tl.constexpr, BULK_WAIT: tl.constexpr, THREADS: tl.constexpr):
+    """The GEMM programs' work as one flat loop over (item, k step) steps (``flat1``; the form
+    of the expert kernels' ``persistent = 2``): the software pipeline runs across items, so the
+    next tile's first h and W_down blocks load while this tile's last steps and its store run.
+    GEMM1's reduction is short (K = ffn: 12–32 steps of 64), so a nested loop's pipeline fill
+    and epilogue per tile are a large share of it.
+
+    Items are dealt statically, ``g, g + G, …`` for GEMM program g of G (a loop's trip count
+    must be known for Triton to pipeline it, which a claimed queue does not give), in the same
+    slice-grouped order as the queue. GEMM programs still never wait, so every slice flag is
+    published once they have run; a combine program that waits on a GEMM program not yet
+    resident only holds its own SM (grid ≤ SM count, one program per SM).
+
+    A tile's rows go to their home's ``ret`` as one TMA store (through a descriptor made per
+    tile whose rows end at the segment's last row, so a partial tile's other rows are clipped)
+    that drains under the next tile's loads. Its count is deferred to the next tile's end, after
+    a wait for the store to complete (``BULK_WAIT`` on GPUs): the count releases the rows."""
+    n_slices = tl.cdiv(N, BLOCK_N)
+    n_tiles = tl.load(recv_num_tiles)
+    n_gemm = n_programs - n_comm
+    g = pid - n_comm
+    k_steps = tl.cdiv(K, BLOCK_K)
+    my_items = tl.maximum(tl.cdiv(n_slices * n_tiles - g, n_gemm), 0)
+    a_desc = tl.make_tensor_descriptor(h_ptr, shape=[H_ROWS, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    ki = k_steps - 1
+    work = g - n_gemm
+    seg = tl.full((), 0, tl.int32)
+    i = tl.full((), 0, tl.int32)
+    sl = tl.full((), 0, tl.int32)
+    s = tl.full((), 0, tl.int32)
+    e = tl.full((), 0, tl.int32)
+    h_row0 = tl.full((), 0, tl.int32)
+    pend_s = tl.full((), -1, tl.int32)
+    pend_sl = tl.full((), 0, tl.int32)
+    t_start = timeline_now(timeline_clock, TIMELINE)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, my_items * k_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            work += n_gemm
+            tile, sl = slice_grouped_work(work, n_tiles, n_slices, slice_group, GROUP_M)
+            seg = tl.load(recv_tile_seg + tile)
+            i = tl.load(recv_tile_idx + tile)
+            e = seg % num_local
+            s = (me + seg // num_local) % W
+            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            if TIMELINE:
+                t_start = timeline_now(timeline_clock, TIMELINE)
+        a = a_desc.load([h_row0, ki * BLOCK_K])
+        b = w_desc.load([e * N + sl * BLOCK_N, ki * BLOCK_K])
+        acc = tl.dot(a, b.T, acc)
+        if ki == k_steps - 1:
+            # the previous tile, whose store has drained under this tile's loop
+            _count_tile_each_thread(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me,
+                                    epoch, pend_s >= 0, THREADS, BULK_WAIT)
+            ret_row0 = tl.load(recv_ret_row0 + seg)
+            dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
+            # (a descriptor per tile: the previous tile's store, the last user of this one's
+            # scratch, has completed: its count waited for it)
+            ret_desc = tl.make_tensor_descriptor(dst, shape=[ret_row0 + tl.load(recv_count + seg), N],
+                                                 strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+            ret_desc.store([ret_row0 + i * BLOCK_M, sl * BLOCK_N], acc.to(h_ptr.dtype.element_ty))
+            pend_s = s
+            pend_sl = sl
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if TIMELINE:
+                kind = tl.where(s == me, KIND_GEMM1, KIND_GEMM1_REMOTE)  # by the rows' home
+                timeline_record(timeline_ptr, timeline_cap, work, epoch, pid, kind, work, t_start, t_start,
+                                timeline_now(timeline_clock, TIMELINE), TIMELINE)
+    # the last tile, before this program joins the combine (which may wait on it)
+    _count_tile_each_thread(counters_ptr, tiles_from_source, flags1_table, pend_s, pend_sl, n_slices, me, epoch,
+                            pend_s >= 0, THREADS, BULK_WAIT)
+
+
+@triton.jit
 def _gemm1_combine_kernel(
     h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
     ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
@@ -192,11 +296,19 @@ def _gemm1_combine_kernel(
     PUSH_ROWS: tl.constexpr = 128,  # push mode: rows per load/store step of a push
     PUSH_BATCH: tl.constexpr = 8,  # push mode: items a program claims, pushes, then counts together
     PUSH_FENCED: tl.constexpr = False,  # push mode on a GPU: one system fence per batch, relaxed counts
+    FLAT: tl.constexpr = False,  # GEMM items as one flat pipelined loop, rows stored by TMA (_gemm1_flat)
+    THREADS: tl.constexpr = 256,  # FLAT: threads per program (32 · num_warps)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
     n_slices = tl.cdiv(N, BLOCK_N)
-    if pid >= n_comm:
+    if FLAT:
+        if pid >= n_comm:
+            _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source, recv_count, recv_off,
+                        recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, epoch, me, W, N, K, cap,
+                        num_local, n_comm, n_programs, pid, slice_group, H_ROWS, timeline_ptr, timeline_clock,
+                        timeline_cap, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TIMELINE, BULK_WAIT, THREADS)
+    elif pid >= n_comm:
         # ---- GEMM program: y slices, stored at the home rank, slice-major order ----
         n_tiles = tl.load(recv_num_tiles)
         offs_m = tl.arange(0, BLOCK_M)
@@ -395,6 +507,9 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     ret_tma = bool(config.ret_tma) and tma and N * h.element_size() % 16 == 0
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
+    # flat1: the default mode only (the rows straight to ret), forward weights, everything through TMA
+    flat = (bool(config.flat1) and tma and a_tma and not (w_kmajor or pull or push or ret_tma)
+            and N * h.element_size() % 16 == 0)
     if push and spec.num_slices * plan.recv_tiles[3] > buf.items1.numel():
         raise ValueError(f"push mode: {spec.num_slices} slices × {plan.recv_tiles[3]} tiles exceed the buffer's "
                          f"{buf.items1.numel()} item flags")
@@ -409,9 +524,10 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
-        num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma, H_ROWS=h.shape[0],
-        DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not (pull or push),
-        BULK_WAIT=ret_tma and not (pull or push) and h.is_cuda, COMBINE_PULL=pull,
+        # the flat loop's TMA store stages a whole tile in shared memory: 3 stages fit beside it
+        num_stages=min(config.num_stages, 3) if flat else config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
+        H_ROWS=h.shape[0], DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not (pull or push),
+        BULK_WAIT=(flat or (ret_tma and not (pull or push))) and h.is_cuda, COMBINE_PULL=pull, FLAT=flat, THREADS=32 * config.num_warps,
         y_ptr=v["recv"] if pull or push else None, y_table=buf.tables["recv"] if pull else None,
         send_row0_ptr=plan.send_row0 if pull else None,
         PUSH_RET=push, items_ptr=buf.items1 if push else None, push_only=int(role == "push"),

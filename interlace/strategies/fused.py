@@ -141,6 +141,10 @@ class FusedKernelConfig:
     # recv, which no peer writes, so the local tiles read contiguous rows through TMA like the
     # remote ones instead of a pointer gather (Hopper has no TMA gather). Needs a_tma0 and TMA.
     gather0: int = 0
+    # layer1's GEMM items as one flat loop over (item, k step), statically dealt to the GEMM
+    # programs, each tile's rows stored to its home by TMA (interlace.ops.fused_combine._gemm1_flat):
+    # the pipeline runs across tiles. Needs TMA and a_tma1; the default layer1 mode, forward only.
+    flat1: int = 0
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -157,7 +161,7 @@ class FusedKernelConfig:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
         for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push",
-                     "joint0", "gather0"):
+                     "joint0", "gather0", "flat1"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
         # A TMA box is at most 256 elements along each dimension.
