@@ -349,6 +349,8 @@ from triton.compiler import ASTSource
 import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
 
 def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
+    defaults = dict(FLAT=False, THREADS=256, LOCAL_TMA=False)  # compile-time switches not varied here
+    constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs}
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -517,6 +519,17 @@ def test_flat_layer1_and_gathered_layer0_compile_for_sm90():
     for i in counts:
         assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
     assert got["layer0_pointer_a"] == 0, got
+
+
+def test_layer0_auto_switches_follow_the_hidden_size():
+    """``gather0`` / ``joint0`` at -1 (the default) turn on from AUTO_GATHER0_MIN_HIDDEN; 0 and 1 force."""
+    from interlace.ops.fused_dispatch import AUTO_GATHER0_MIN_HIDDEN, layer0_switch
+    from interlace.strategies.fused import GPU_CONFIG
+
+    assert GPU_CONFIG.gather0 == GPU_CONFIG.joint0 == -1
+    assert layer0_switch(-1, AUTO_GATHER0_MIN_HIDDEN) and layer0_switch(-1, 7168)
+    assert not layer0_switch(-1, AUTO_GATHER0_MIN_HIDDEN - 16) and not layer0_switch(-1, 2048)
+    assert layer0_switch(1, 40) and not layer0_switch(0, 8192)
 
 
 def test_plan_orders_local_tiles_first():

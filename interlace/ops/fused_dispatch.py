@@ -33,6 +33,20 @@ from interlace.ops.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEN
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
 
+# ``gather0`` and ``joint0`` at -1 (auto) are on where the hidden size (GEMM0's reduction) is at
+# least this. Runs 126–127 (2× H200, interleaved rounds against both off): with hidden 4096 and
+# 7168 (mixtral-8x7b, phi3.5-moe, dsv3-like at 8192/16384 tokens) the two together made layer0
+# without remote traffic 8–9% shorter (dsv3-like 8192: 6.61 → 6.01 ms, mixtral-8x7b 6.55 → 5.99)
+# and the layer 1.7–4.8% faster on 9 of 12 row-runs; with hidden 2048 (qwen2-moe, qwen3-30b-a3b,
+# flashdmoe-cfg) the layer moved 0.965–1.022×, every 16384-token row 0.2–2.2% slower: there the
+# gather's extra copy of the local rows weighs more against a short GEMM0.
+AUTO_GATHER0_MIN_HIDDEN = 4096
+
+
+def layer0_switch(value: int, hidden: int) -> bool:
+    """A ``gather0`` / ``joint0`` setting (-1 auto, 0, 1) for a layer of this hidden size."""
+    return bool(value) if value >= 0 else hidden >= AUTO_GATHER0_MIN_HIDDEN
+
 
 @triton.jit
 def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K: tl.constexpr,
@@ -245,7 +259,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     # gather0: the local rows are copied into region `me` of recv first, so every GEMM0 tile reads
     # its A rows through TMA (before the GEMM role: the staged transport's exchange runs between
     # the roles and may rewrite recv).
-    local_tma = a_tma and bool(config.gather0)
+    local_tma = a_tma and layer0_switch(config.gather0, N)
     if local_tma and role in ("all", "gemm"):
         rows, cols = 32, min(512, next_power_of_2(N))
         launch(_gather_local_kernel, (cdiv(spec.cap, rows), cdiv(N, cols)),
@@ -269,6 +283,6 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
         PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
-        JOINT=bool(config.joint0) and tma and not w_kmajor and activation == "swiglu", LOCAL_TMA=local_tma,
+        JOINT=layer0_switch(config.joint0, N) and tma and not w_kmajor and activation == "swiglu", LOCAL_TMA=local_tma,
     )
 

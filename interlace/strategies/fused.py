@@ -134,16 +134,21 @@ class FusedKernelConfig:
     push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
     push_rows: int = 128  # push mode: rows per load/store step of a push (capped at block_m)
     # layer0 with SwiGLU and TMA weights: a tile's gate and up rows as one 3-D TMA block and one
-    # BLOCK_M × 2·block_n dot, as the expert kernels' ``joint`` (interlace.ops.expert_tile). Run 86:
-    # the local-only time 0.3–3.2% shorter on 10 of 12 rows, the layer 0.930–1.017×: off.
-    joint0: int = 0
+    # BLOCK_M × 2·block_n dot, as the expert kernels' ``joint`` (interlace.ops.expert_tile). Run 86
+    # (alone): the local-only time 0.3–3.2% shorter on 10 of 12 rows, the layer 0.930–1.017×.
     # layer0: this rank's own rows are first gathered (one copy kernel) into its own region of
     # recv, which no peer writes, so the local tiles read contiguous rows through TMA like the
-    # remote ones instead of a pointer gather (Hopper has no TMA gather). Needs a_tma0 and TMA.
-    gather0: int = 0
+    # remote ones instead of a pointer gather (Hopper has no TMA gather; gather0, needs a_tma0).
+    # -1 (auto) turns each on where the hidden size is at least AUTO_GATHER0_MIN_HIDDEN
+    # (interlace.ops.fused_dispatch, which gives the measurements); 0 / 1 force it.
+    joint0: int = -1
+    gather0: int = -1
     # layer1's GEMM items as one flat loop over (item, k step), statically dealt to the GEMM
     # programs, each tile's rows stored to its home by TMA (interlace.ops.fused_combine._gemm1_flat):
     # the pipeline runs across tiles. Needs TMA and a_tma1; the default layer1 mode, forward only.
+    # Run 127: layer1 3–5% shorter without remote traffic (dsv3-like 8192: 3.935 → 3.724 ms), but
+    # not with it (4.440 → 4.358 ms; the layer 0.996–1.045× the default over the 12 rows): a
+    # tile's TMA store to a peer holds the loop until NVLink has taken it. Off.
     flat1: int = 0
 
     def __post_init__(self):
@@ -161,9 +166,12 @@ class FusedKernelConfig:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
         for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push",
-                     "joint0", "gather0", "flat1"):
+                     "flat1"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
+        for name in ("joint0", "gather0"):
+            if getattr(self, name) not in (-1, 0, 1):
+                raise ValueError(f"fused kernel config: {name} is -1 (auto), 0 or 1, got {getattr(self, name)!r}")
         # A TMA box is at most 256 elements along each dimension.
         if self.send_tma and max(self.copy_rows, self.copy_cols) > 256:
             raise ValueError(f"fused kernel config: send_tma stores copy_rows × copy_cols boxes, each side ≤ 256; got "
