@@ -31,6 +31,8 @@ CONFIGS = {
     "sigmoid-64e": MoEConfig(hidden=2048, ffn=256, num_experts=64, top_k=8, router="sigmoid", renormalize=True,
                              route_scale=2.5),
     "gelu": MoEConfig(hidden=256, ffn=512, num_experts=4, top_k=1, activation="gelu"),
+    # hidden ≥ 4096: fused's layer0 gathers its local rows first and joins gate and up (gather0 / joint0 auto)
+    "swiglu-h4096": MoEConfig(hidden=4096, ffn=384, num_experts=8, top_k=2),
 }
 
 

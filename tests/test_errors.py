@@ -69,7 +69,7 @@ def test_bad_strategy_and_options():
         ("copy_cols=500", "copy_cols must be a power of two"),
         ("block_t=0", "block_t must be a power of two"),
         ("defer_count=2", "defer_count is a switch"),
-        ("flat1=-1", "flat1 is a switch"),
+        ("flat1=3", "flat1 is 0"),
         ("gather0=2", "gather0 is -1"),
         ("slice_group=-1", "slice_group"),
         ("send_tma=1", "send_tma stores"),  # copy_cols 512 is past a TMA box's 256

@@ -133,6 +133,7 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
         variants.append(dict(slice_group=2, flat1=1))
         variants.append(dict(slice_group=0, flat1=1, gather0=1))
         variants.append(dict(slice_group=1, flat1=1, defer_count=0))
+        variants.append(dict(slice_group=2, flat1=2))
     # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
     # remote tiles staged locally, the combine programs pushing them home first
     variants.append(dict(slice_group=2, combine_pull=1))
@@ -473,10 +474,16 @@ def compile90(kernel, constexprs, bf16, i64, fp32, stages):
 flat = compile90(l1._gemm1_combine_kernel,
                  dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
                       B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=True,
-                      COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256),
+                      COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256, FLAT_TMA=True),
                  {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
                  "timeline_clock"}, {"weight_ptr"}, 3)
 ptx = flat.asm["ptx"]
+flat_reg = compile90(l1._gemm1_combine_kernel,
+                     dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False,
+                          COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256, FLAT_TMA=False),
+                     {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
+                     "timeline_clock"}, {"weight_ptr"}, 4)
 local = compile90(l0._dispatch_gemm0_kernel,
                   dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                        GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
@@ -489,6 +496,8 @@ print(json.dumps(dict(
     events=re.findall(r"cp\.async\.bulk\.wait_group 0;|atom\.global\.sys\.acq_rel\.add|"
                       r"cp\.async\.bulk\.tensor\.2d\.global", ptx),
     layer0_pointer_a=len(re.findall(r"cp\.async\.cg", local.asm["ptx"])),
+    reg_shared=flat_reg.metadata.shared,
+    reg_tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared", flat_reg.asm["ptx"])),
 )))
 """
 
@@ -519,6 +528,8 @@ def test_flat_layer1_and_gathered_layer0_compile_for_sm90():
     for i in counts:
         assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
     assert got["layer0_pointer_a"] == 0, got
+    # flat1 = 2 (register stores): pipelined too, and 4 stages fit
+    assert got["reg_shared"] <= 232448 and got["reg_tma_loads"] >= 8, got
 
 
 def test_layer0_auto_switches_follow_the_hidden_size():

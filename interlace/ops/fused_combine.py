@@ -191,7 +191,7 @@ def _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_
                 recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, epoch, me, W, N, K, cap, num_local,
                 n_comm, n_programs, pid, slice_group, H_ROWS, timeline_ptr, timeline_clock, timeline_cap,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                TIMELINE: tl.constexpr, BULK_WAIT: tl.constexpr, THREADS: tl.constexpr):
+                TIMELINE: tl.constexpr, BULK_WAIT: tl.constexpr, THREADS: tl.constexpr, TMA_STORE: tl.constexpr):
     """The GEMM programs' work as one flat loop over (item, k step) steps (``flat1``; the form
     of the expert kernels' ``persistent = 2``): the software pipeline runs across items, so the
     next tile's first h and W_down blocks load while this tile's last steps and its store run.
@@ -250,11 +250,19 @@ def _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_
                                     epoch, pend_s >= 0, THREADS, BULK_WAIT)
             ret_row0 = tl.load(recv_ret_row0 + seg)
             dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
-            # (a descriptor per tile: the previous tile's store, the last user of this one's
-            # scratch, has completed: its count waited for it)
-            ret_desc = tl.make_tensor_descriptor(dst, shape=[ret_row0 + tl.load(recv_count + seg), N],
-                                                 strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-            ret_desc.store([ret_row0 + i * BLOCK_M, sl * BLOCK_N], acc.to(h_ptr.dtype.element_ty))
+            if TMA_STORE:
+                # (a descriptor per tile: the previous tile's store, the last user of this one's
+                # scratch, has completed: its count waited for it)
+                ret_desc = tl.make_tensor_descriptor(dst, shape=[ret_row0 + tl.load(recv_count + seg), N],
+                                                     strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+                ret_desc.store([ret_row0 + i * BLOCK_M, sl * BLOCK_N], acc.to(h_ptr.dtype.element_ty))
+            else:  # register stores (each thread's count below releases its own)
+                offs_m = tl.arange(0, BLOCK_M)
+                cols = sl * BLOCK_N + tl.arange(0, BLOCK_N)
+                rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
+                ret_rows = (ret_row0 + i * BLOCK_M + offs_m).to(tl.int64)
+                tl.store(dst + ret_rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & (cols < N)[None, :])
             pend_s = s
             pend_sl = sl
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -298,6 +306,7 @@ def _gemm1_combine_kernel(
     PUSH_FENCED: tl.constexpr = False,  # push mode on a GPU: one system fence per batch, relaxed counts
     FLAT: tl.constexpr = False,  # GEMM items as one flat pipelined loop, rows stored by TMA (_gemm1_flat)
     THREADS: tl.constexpr = 256,  # FLAT: threads per program (32 · num_warps)
+    FLAT_TMA: tl.constexpr = True,  # FLAT: the rows go home as TMA stores (else register stores)
 ):
     pid = tl.program_id(0) + pid_base
     epoch = tl.load(epoch_ptr)
@@ -307,7 +316,7 @@ def _gemm1_combine_kernel(
             _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_source, recv_count, recv_off,
                         recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, epoch, me, W, N, K, cap,
                         num_local, n_comm, n_programs, pid, slice_group, H_ROWS, timeline_ptr, timeline_clock,
-                        timeline_cap, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TIMELINE, BULK_WAIT, THREADS)
+                        timeline_cap, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TIMELINE, BULK_WAIT, THREADS, FLAT_TMA)
     elif pid >= n_comm:
         # ---- GEMM program: y slices, stored at the home rank, slice-major order ----
         n_tiles = tl.load(recv_num_tiles)
@@ -524,11 +533,13 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
         tl_records, tl_clock, tl_cap,
         TOP_K=spec.top_k, BLOCK_M=spec.block_m, BLOCK_N=spec.block_n1, BLOCK_K=config.block_k,
         BLOCK_T=config.block_t, GROUP_M=config.group_m, USE_TMA=tma, B_KMAJOR=w_kmajor, num_warps=config.num_warps,
-        # the flat loop's TMA store stages a whole tile in shared memory: 3 stages fit beside it
-        num_stages=min(config.num_stages, 3) if flat else config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
+        # the flat loop's TMA store stages a whole tile in shared memory: 3 stages fit beside it (sm90:
+        # 213 KB; 4 with register stores, whose layout conversion takes less: 229 KB)
+        num_stages=min(config.num_stages, 3) if flat and config.flat1 == 1 else config.num_stages,
+        TIMELINE=tl_mode, A_TMA=a_tma,
         H_ROWS=h.shape[0], DEFER_COUNT=bool(config.defer_count), RET_TMA=ret_tma and not (pull or push),
-        BULK_WAIT=(flat or (ret_tma and not (pull or push))) and h.is_cuda, COMBINE_PULL=pull,
-        FLAT=flat, THREADS=32 * config.num_warps,
+        BULK_WAIT=((flat and config.flat1 == 1) or (ret_tma and not (pull or push))) and h.is_cuda,
+        COMBINE_PULL=pull, FLAT=flat, THREADS=32 * config.num_warps, FLAT_TMA=config.flat1 == 1,
         y_ptr=v["recv"] if pull or push else None, y_table=buf.tables["recv"] if pull else None,
         send_row0_ptr=plan.send_row0 if pull else None,
         PUSH_RET=push, items_ptr=buf.items1 if push else None, push_only=int(role == "push"),

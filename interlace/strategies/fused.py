@@ -148,7 +148,8 @@ class FusedKernelConfig:
     # the pipeline runs across tiles. Needs TMA and a_tma1; the default layer1 mode, forward only.
     # Run 127: layer1 3–5% shorter without remote traffic (dsv3-like 8192: 3.935 → 3.724 ms), but
     # not with it (4.440 → 4.358 ms; the layer 0.996–1.045× the default over the 12 rows): a
-    # tile's TMA store to a peer holds the loop until NVLink has taken it. Off.
+    # tile's TMA store to a peer holds the loop until NVLink has taken it. Off. 2: the same loop
+    # with register stores (every thread counts its own).
     flat1: int = 0
 
     def __post_init__(self):
@@ -165,13 +166,15 @@ class FusedKernelConfig:
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
             raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
                              f"{self.num_stages}, {self.group_m}, {self.slice_group}")
-        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push",
-                     "flat1"):
+        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
         for name in ("joint0", "gather0"):
             if getattr(self, name) not in (-1, 0, 1):
                 raise ValueError(f"fused kernel config: {name} is -1 (auto), 0 or 1, got {getattr(self, name)!r}")
+        if self.flat1 not in (0, 1, 2):
+            raise ValueError(f"fused kernel config: flat1 is 0 (off), 1 (TMA stores) or 2 (register stores), "
+                             f"got {self.flat1!r}")
         # A TMA box is at most 256 elements along each dimension.
         if self.send_tma and max(self.copy_rows, self.copy_cols) > 256:
             raise ValueError(f"fused kernel config: send_tma stores copy_rows × copy_cols boxes, each side ≤ 256; got "
