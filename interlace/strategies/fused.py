@@ -148,8 +148,9 @@ class FusedKernelConfig:
     # the pipeline runs across tiles. Needs TMA and a_tma1; the default layer1 mode, forward only.
     # Run 127: layer1 3–5% shorter without remote traffic (dsv3-like 8192: 3.935 → 3.724 ms), but
     # not with it (4.440 → 4.358 ms; the layer 0.996–1.045× the default over the 12 rows): a
-    # tile's TMA store to a peer holds the loop until NVLink has taken it. Off. 2: the same loop
-    # with register stores (every thread counts its own).
+    # tile's TMA store to a peer holds the loop until NVLink has taken it. 2: the same loop with
+    # register stores (every thread counts its own; 4 stages fit). Run 130: layer1 4–9% shorter in
+    # the phase measurement, the graph-replayed layer 0.993–1.052× (9 of 12 rows slower). Off.
     flat1: int = 0
 
     def __post_init__(self):
