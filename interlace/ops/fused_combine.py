@@ -204,10 +204,11 @@ def _gemm1_flat(h_ptr, w_ptr, ret_table, flags1_table, counters_ptr, tiles_from_
     published once they have run; a combine program that waits on a GEMM program not yet
     resident only holds its own SM (grid ≤ SM count, one program per SM).
 
-    A tile's rows go to their home's ``ret`` as one TMA store (through a descriptor made per
-    tile whose rows end at the segment's last row, so a partial tile's other rows are clipped)
-    that drains under the next tile's loads. Its count is deferred to the next tile's end, after
-    a wait for the store to complete (``BULK_WAIT`` on GPUs): the count releases the rows."""
+    ``TMA_STORE`` (``flat1 = 1``): a tile's rows go to their home's ``ret`` as one TMA store
+    (through a descriptor made per tile whose rows end at the segment's last row, so a partial
+    tile's other rows are clipped) that drains under the next tile's loads; else (``flat1 = 2``)
+    as masked register stores. Its count is deferred to the next tile's end, after a wait for the
+    TMA store to complete (``BULK_WAIT`` on GPUs): the count releases the rows."""
     n_slices = tl.cdiv(N, BLOCK_N)
     n_tiles = tl.load(recv_num_tiles)
     n_gemm = n_programs - n_comm

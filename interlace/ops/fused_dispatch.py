@@ -283,6 +283,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
         PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
-        JOINT=layer0_switch(config.joint0, N) and tma and not w_kmajor and activation == "swiglu", LOCAL_TMA=local_tma,
+        JOINT=layer0_switch(config.joint0, N) and tma and not w_kmajor and activation == "swiglu",
+        LOCAL_TMA=local_tma,
     )
 
