@@ -654,7 +654,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, DEFER_STORE: tl.constexpr = False,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -710,10 +710,6 @@ def _wgrad_flat_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Rb, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
     map_rows = R  # the rows the current maps end at
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    if DEFER_STORE:
-        prev = tl.zeros((BLOCK_P, BLOCK_Q), dtype=out_ptr.dtype.element_ty)
-        prev_row = tl.full((), -1, tl.int32)
-        prev_col = tl.full((), 0, tl.int32)
     for _ in range(0, total):
         ki += 1
         if ki == n_k:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
@@ -743,24 +739,9 @@ def _wgrad_flat_kernel(
         else:
             b = b_desc.load([r0, qb * BLOCK_Q])
         acc = tl.dot(a.T, b, acc)
-        if DEFER_STORE:
-            # the previous block's store after this step's dot is issued: the dot runs
-            # asynchronously (wgmma) while the block goes to shared memory and out
-            if (ki == 0) & (sg == 0) & (prev_row >= 0):
-                out_desc.store([prev_row, prev_col], prev)
         if (ki == n_k - 1) & (sg == RUNS - 1):
-            if DEFER_STORE:
-                prev = acc.to(out_ptr.dtype.element_ty)
-                prev_row = (e * P + pb * BLOCK_P).to(tl.int32)
-                prev_col = qb * BLOCK_Q
-            else:
-                out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
+            out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    if DEFER_STORE:  # the last block (register stores: a second TMA store would stage in more shared memory)
-        if prev_row >= 0:
-            rows = prev_row + tl.arange(0, BLOCK_P)
-            cols = prev_col + tl.arange(0, BLOCK_Q)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * Q + cols[None, :], prev, mask=(cols < Q)[None, :])
 
 
 _ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}
@@ -1017,7 +998,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=0 if segments is None else segments.shape[1], DEFER_STORE=os.environ.get("INTERLACE_WGRAD_DEFER") == "1",
+            NUM_SEG=0 if segments is None else segments.shape[1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
