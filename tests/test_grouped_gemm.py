@@ -220,6 +220,17 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+def test_flat_d_act_config_runs_for_every_activation(activation, monkeypatch):
+    """A d(act) config with the flat loop (``persistent = 2``, ``unfused_act``), as the H200 tables
+    hold for SwiGLU shapes: a GELU or ReLU layer borrowing it computes the derivative in the
+    epilogue, which the flat loop has no form of, so it runs the nested kernel instead of failing
+    (gpu_check's GELU config raised here on 2× H200 before 2026-11-23's fix)."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1,2")
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
 @pytest.mark.parametrize("a_tma", [0, 1])
 def test_tma_stored_tiles_match_reference(a_tma, monkeypatch):
     """``tma_store``: the plain-epilogue GEMMs (GEMM1, dx, d(act) with ``unfused_act``) store full

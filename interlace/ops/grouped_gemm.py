@@ -55,7 +55,7 @@ k rows): deterministic, no atomics.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -1036,7 +1036,12 @@ def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sch
     epilogue. ``config.unfused_act`` (SwiGLU): the GEMM stores d(act) plainly and one elementwise
     pass applies the derivative — on H200 the fused epilogue (two h loads, two stores per tile,
     not overlapped with the short main loop of this K=hidden reduction) cost 25–38% of the
-    kernel, more than the pass's extra R·K round trip (run 31)."""
+    kernel, more than the pass's extra R·K round trip (run 31).
+
+    The flat loop (``persistent = 2``) has the plain epilogue only, so where the derivative runs
+    in the epilogue (GELU and ReLU, or SwiGLU without ``unfused_act``) such a config runs the
+    nested kernel (``persistent = 0``), as ``joint`` only applies to SwiGLU: the tables' entries
+    are measured on SwiGLU shapes, and other activations borrow the nearest one."""
     if config.unfused_act and activation == "swiglu":
         from interlace.ops.activation import swiglu_backward
 
@@ -1044,6 +1049,8 @@ def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sch
         _launch_gemm(dy, w_down, d_act, None, ends, R, cols=K, red=N, b_trans=False, epilogue=0, config=config,
                      schedule=sched, tma=tma)
         return swiglu_backward(h, d_act, out=d_h)
+    if config.persistent == 2:
+        config = replace(config, persistent=0)
     return _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
                         epilogue=1 + _ACTIVATION_ID[activation], config=config, schedule=sched, tma=tma)
 
