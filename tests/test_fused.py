@@ -367,7 +367,8 @@ def test_peer_tables_must_be_16_byte_aligned():
         bufs[0]._set_tables([good[0], good[1] + 8])
 
 
-_SM90_STORES = r"""
+# The fused kernels compiled for sm90 without a GPU (child processes of the tests below).
+_SM90_COMPILE90 = r"""
 import json, re, sys
 from collections import Counter
 import triton
@@ -375,8 +376,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
 
-def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
-    defaults = dict(FLAT=False, THREADS=256, LOCAL_TMA=False)  # compile-time switches not varied here
+def compile90(kernel, constexprs, bf16, i64, fp32=(), stages=4):
+    defaults = dict(FLAT=False, THREADS=256, LOCAL_TMA=False)  # compile-time switches not given
     constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs}
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -389,8 +390,13 @@ def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
                      else "*i32") if pointer else "i32"
         if pointer or name in ("N", "K"):
             attrs[(i,)] = [["tt.divisibility", 16]]  # how Triton's launcher specializes aligned args
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=8, num_stages=4))
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=8, num_stages=stages))
+"""
+
+_SM90_STORES = _SM90_COMPILE90 + r"""
+def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
+    compiled = compile90(kernel, constexprs, bf16, i64, fp32)
     if ptx_out is not None:
         ptx_out.append(compiled.asm["ptx"])
     return Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(st\.global[\w.]*)", compiled.asm["ptx"]))
@@ -475,41 +481,19 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     assert "fence.acq_rel.sys" in push_events, push_events
 
 
-_SM90_FLAT = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import interlace.ops.fused_combine as l1, interlace.ops.fused_dispatch as l0
-
-def compile90(kernel, constexprs, bf16, i64, fp32, stages):
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            continue
-        pointer = (name in bf16 or name in i64 or name in fp32 or name.endswith("_ptr")
-                   or name.startswith(("send_", "recv_")) or name == "tiles_from_source")
-        sig[name] = ("*bf16" if name in bf16 else "*i64" if name in i64 else "*fp32" if name in fp32
-                     else "*i32") if pointer else "i32"
-        if pointer or name in ("N", "K"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=8, num_stages=stages))
-
-flat = compile90(l1._gemm1_combine_kernel,
-                 dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                      B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=True,
-                      COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256, FLAT_TMA=True),
-                 {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
-                 "timeline_clock"}, {"weight_ptr"}, 3)
-ptx = flat.asm["ptx"]
-flat_reg = compile90(l1._gemm1_combine_kernel,
+_SM90_FLAT = _SM90_COMPILE90 + r"""
+def flat_layer1(tma_store, stages):
+    return compile90(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False,
-                          COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256, FLAT_TMA=False),
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
+                          BULK_WAIT=tma_store, COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256,
+                          FLAT_TMA=tma_store),
                      {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
-                     "timeline_clock"}, {"weight_ptr"}, 4)
+                     "timeline_clock"}, {"weight_ptr"}, stages)
+
+flat = flat_layer1(True, 3)
+ptx = flat.asm["ptx"]
+flat_reg = flat_layer1(False, 4)
 local = compile90(l0._dispatch_gemm0_kernel,
                   dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                        GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
