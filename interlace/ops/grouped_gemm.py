@@ -859,8 +859,17 @@ def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activat
 
 
 def choose_backward_configs(dy: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
-    """(d(pre-activation) GEMM, dx GEMM, weight-gradient kernel) configs and their source."""
+    """(d(pre-activation) GEMM, dx GEMM, weight-gradient kernel) configs and their source.
+
+    The flat loop (``persistent = 2``) has the plain epilogue only. A d(act) config from a table
+    that has it, where this layer computes the derivative in the epilogue (GELU and ReLU, or
+    SwiGLU without ``unfused_act``), runs the nested kernel instead: the tables' entries are
+    measured on SwiGLU shapes and other activations borrow the nearest one (as ``joint`` applies
+    to SwiGLU only). The same config given explicitly (``INTERLACE_BWD_ACT``) stays an error."""
     (ca, cd, cw), source = _choose(BACKWARD_KERNELS, dy, w_down, num_rows, activation)
+    if (ca.persistent == 2 and not (ca.unfused_act and activation == "swiglu")
+            and _config_from_env(BACKWARD_KERNELS[0][1]) is None):
+        ca = replace(ca, persistent=0)
     return ca, cd, cw, source
 
 
@@ -1036,12 +1045,7 @@ def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sch
     epilogue. ``config.unfused_act`` (SwiGLU): the GEMM stores d(act) plainly and one elementwise
     pass applies the derivative — on H200 the fused epilogue (two h loads, two stores per tile,
     not overlapped with the short main loop of this K=hidden reduction) cost 25–38% of the
-    kernel, more than the pass's extra R·K round trip (run 31).
-
-    The flat loop (``persistent = 2``) has the plain epilogue only, so where the derivative runs
-    in the epilogue (GELU and ReLU, or SwiGLU without ``unfused_act``) such a config runs the
-    nested kernel (``persistent = 0``), as ``joint`` only applies to SwiGLU: the tables' entries
-    are measured on SwiGLU shapes, and other activations borrow the nearest one."""
+    kernel, more than the pass's extra R·K round trip (run 31)."""
     if config.unfused_act and activation == "swiglu":
         from interlace.ops.activation import swiglu_backward
 
@@ -1049,8 +1053,6 @@ def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sch
         _launch_gemm(dy, w_down, d_act, None, ends, R, cols=K, red=N, b_trans=False, epilogue=0, config=config,
                      schedule=sched, tma=tma)
         return swiglu_backward(h, d_act, out=d_h)
-    if config.persistent == 2:
-        config = replace(config, persistent=0)
     return _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
                         epilogue=1 + _ACTIVATION_ID[activation], config=config, schedule=sched, tma=tma)
 
