@@ -654,7 +654,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, CHUNK: tl.constexpr = 1, BOUND: tl.constexpr = True,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -682,9 +682,11 @@ def _wgrad_flat_kernel(
     n_items = E * per_expert
     # this program's steps: over its blocks and their runs, max(row blocks of the run, 1)
     total = 0
-    for i0 in range(pid, n_items, num_programs * BLOCK_I):
-        its = i0 + num_programs * tl.arange(0, BLOCK_I)
-        valid = its < n_items
+    n_turns = tl.cdiv(n_items, num_programs * CHUNK) * CHUNK  # this program's item slots (some past the end)
+    for j0 in range(0, n_turns, BLOCK_I):
+        js = j0 + tl.arange(0, BLOCK_I)
+        its = (js // CHUNK) * (num_programs * CHUNK) + pid * CHUNK + js % CHUNK
+        valid = (its < n_items) & (js < n_turns)
         ex = its // per_expert
         if NUM_SEG == 0:
             hi = tl.load(ends_ptr + ex, mask=valid, other=0)
@@ -694,7 +696,8 @@ def _wgrad_flat_kernel(
             for sg in tl.static_range(NUM_SEG):
                 count = tl.load(ends_ptr + (NUM_SEG + sg) * E + ex, mask=valid, other=0)
                 total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(count, BLOCK_R), 1), 0))
-    item = pid - num_programs
+    turn = -1
+    item = 0
     sg = RUNS - 1
     ki = -1
     n_k = 0
@@ -715,7 +718,8 @@ def _wgrad_flat_kernel(
         if ki == n_k:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
             sg += 1
             next_block = sg == RUNS
-            item = tl.where(next_block, item + num_programs, item)
+            turn = tl.where(next_block, turn + 1, turn)
+            item = (turn // CHUNK) * (num_programs * CHUNK) + pid * CHUNK + turn % CHUNK
             sg = tl.where(next_block, 0, sg)
             e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
             start, end = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG)
@@ -725,7 +729,7 @@ def _wgrad_flat_kernel(
             # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
             bound = tl.maximum(end, 1)
             start = tl.where(end > start, start, bound)
-            if bound != map_rows:
+            if BOUND and bound != map_rows:
                 a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
                                                   block_shape=[BLOCK_R, BLOCK_P])
                 if NUM_SEG != 0:
@@ -985,6 +989,9 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     return out
 
 
+_WGRAD_PROBE = {"chunk": 1, "bound": True}  # PROBE (temporary)
+
+
 def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,
                   tma: bool = False):
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
@@ -1007,7 +1014,8 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=0 if segments is None else segments.shape[1],
+            NUM_SEG=0 if segments is None else segments.shape[1], CHUNK=_WGRAD_PROBE["chunk"],
+            BOUND=_WGRAD_PROBE["bound"],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
