@@ -655,6 +655,7 @@ def _wgrad_flat_kernel(
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, CHUNK: tl.constexpr = 1, BOUND: tl.constexpr = True,
+    A_PTR: tl.constexpr = False,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -705,6 +706,7 @@ def _wgrad_flat_kernel(
     pb = 0
     qb = 0
     start = 0
+    end = 0
     a_run = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
     if NUM_SEG != 0:
@@ -729,7 +731,7 @@ def _wgrad_flat_kernel(
             # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
             bound = tl.maximum(end, 1)
             start = tl.where(end > start, start, bound)
-            if BOUND and bound != map_rows:
+            if BOUND and not A_PTR and bound != map_rows:
                 a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
                                                   block_shape=[BLOCK_R, BLOCK_P])
                 if NUM_SEG != 0:
@@ -737,7 +739,12 @@ def _wgrad_flat_kernel(
                                                       block_shape=[BLOCK_R, BLOCK_Q])
                 map_rows = bound
         r0 = start + ki * BLOCK_R
-        a = a_run.load([r0, pb * BLOCK_P])
+        if A_PTR:
+            a_rows = r0 + tl.arange(0, BLOCK_R)
+            a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * P + (pb * BLOCK_P + tl.arange(0, BLOCK_P))[None, :],
+                        mask=(a_rows < end)[:, None], other=0.0)
+        else:
+            a = a_run.load([r0, pb * BLOCK_P])
         if NUM_SEG != 0:
             b = b_run.load([r0, qb * BLOCK_Q])
         else:
@@ -1015,7 +1022,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
             NUM_SEG=0 if segments is None else segments.shape[1], CHUNK=_WGRAD_PROBE["chunk"],
-            BOUND=_WGRAD_PROBE["bound"],
+            BOUND=_WGRAD_PROBE["bound"], A_PTR=_WGRAD_PROBE.get("a_ptr", False),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
