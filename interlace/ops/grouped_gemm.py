@@ -655,7 +655,7 @@ def _wgrad_flat_kernel(
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
     NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, CHUNK: tl.constexpr = 1, BOUND: tl.constexpr = True,
-    A_PTR: tl.constexpr = False,
+    A_PTR: tl.constexpr = False, WINDOW: tl.constexpr = False,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -713,6 +713,12 @@ def _wgrad_flat_kernel(
         b_run = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Rb, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
+    if WINDOW:
+        a_win = tl.make_tensor_descriptor(a_ptr - BLOCK_R * P, shape=[R + BLOCK_R, BLOCK_R, P], strides=[P, P, 1],
+                                          block_shape=[1, BLOCK_R, BLOCK_P])
+        if NUM_SEG != 0:
+            b_win = tl.make_tensor_descriptor(b_ptr - BLOCK_R * Q, shape=[R + BLOCK_R, BLOCK_R, Q], strides=[Q, Q, 1],
+                                              block_shape=[1, BLOCK_R, BLOCK_Q])
     map_rows = R  # the rows the current maps end at
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
@@ -731,7 +737,7 @@ def _wgrad_flat_kernel(
             # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
             bound = tl.maximum(end, 1)
             start = tl.where(end > start, start, bound)
-            if BOUND and not A_PTR and bound != map_rows:
+            if BOUND and not A_PTR and not WINDOW and bound != map_rows:
                 a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
                                                   block_shape=[BLOCK_R, BLOCK_P])
                 if NUM_SEG != 0:
@@ -739,13 +745,19 @@ def _wgrad_flat_kernel(
                                                       block_shape=[BLOCK_R, BLOCK_Q])
                 map_rows = bound
         r0 = start + ki * BLOCK_R
-        if A_PTR:
+        if WINDOW:
+            i0 = BLOCK_R - tl.minimum(end - r0, BLOCK_R)
+            s_win = r0 - i0 + BLOCK_R
+            a = tl.reshape(a_win.load([s_win, i0, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
+        elif A_PTR:
             a_rows = r0 + tl.arange(0, BLOCK_R)
             a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * P + (pb * BLOCK_P + tl.arange(0, BLOCK_P))[None, :],
                         mask=(a_rows < end)[:, None], other=0.0)
         else:
             a = a_run.load([r0, pb * BLOCK_P])
-        if NUM_SEG != 0:
+        if NUM_SEG != 0 and WINDOW:
+            b = tl.reshape(b_win.load([s_win, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
+        elif NUM_SEG != 0:
             b = b_run.load([r0, qb * BLOCK_Q])
         else:
             b = b_desc.load([r0, qb * BLOCK_Q])
@@ -1023,6 +1035,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
             NUM_SEG=0 if segments is None else segments.shape[1], CHUNK=_WGRAD_PROBE["chunk"],
             BOUND=_WGRAD_PROBE["bound"], A_PTR=_WGRAD_PROBE.get("a_ptr", False),
+            WINDOW=_WGRAD_PROBE.get("window", False),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
