@@ -667,7 +667,8 @@ def test_fused_train_gloo_four_ranks_and_tma_path(persistent, monkeypatch):
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
     expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads; persistent
     programs storing the blocks through a descriptor; 2: one flat loop over the blocks' runs, each
-    run through a descriptor ending at its end, an empty run one all-zero step)."""
+    run's rows through window maps that read the rows past its end as zeros, an empty run one
+    all-zero step)."""
     from helpers import run_gloo
     from test_distributed import _check_all
 

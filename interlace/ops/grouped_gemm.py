@@ -654,8 +654,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, CHUNK: tl.constexpr = 1, BOUND: tl.constexpr = True,
-    A_PTR: tl.constexpr = False, WINDOW: tl.constexpr = False,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -665,29 +664,32 @@ def _wgrad_flat_kernel(
 
     An expert's rows are one run (``NUM_SEG = 0``: from ``ends``) or NUM_SEG runs (the fused
     training path: one per source rank). Every step reads a whole BLOCK_R block of rows through
-    TMA. The a rows come through a descriptor made in the kernel for each run, whose rows end at
-    the run's end: rows past it read as zeros, so the b rows that follow add nothing (zeroing
-    them in registers instead fed the dot from registers: 14-52% slower, run 88). With ``ends``
-    those b rows are the next expert's (or TMA's zeros past the last row). Runs leave unwritten
-    rows between them, which may hold NaN (0 · NaN is NaN), so there the b rows come through a
-    descriptor per run too. An empty run still takes one step (all zeros), so every block is
-    stored once. Triton keeps a ring of such descriptors, one per pipeline stage, so loads in
-    flight keep theirs. A map depends only on its run's end, so a program makes one only when
-    that end changes: its consecutive blocks are mostly of one expert (each map
-    costs a global write and a proxy fence in the loop). The b rows' and the output's maps are
-    made once per program too, not on the host: a host descriptor costs ~10 µs of host time per
-    launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1."""
+    TMA, and the rows of a step past its run's end must read as zeros, so that the rows paired
+    with them add nothing (zeroing them in registers instead fed the dot from registers: 14-52%
+    slower, run 88). The a rows come through one **window map** made once per program: a 3-D
+    view (s, i, column) ↦ a[s - BLOCK_R + i, column] whose middle dimension has BLOCK_R entries.
+    A step whose run has v < BLOCK_R rows left loads the box at i = BLOCK_R - v and
+    s = r0 + v: its first v rows are the run's, and the rest fall past the middle dimension's
+    bound, which TMA fills with zeros (the base sits BLOCK_R rows before a; no element outside
+    a is ever read). So no map depends on a run's end. Maps made per run instead (one whenever a
+    program's next block had another expert, nearly every block at 4096 tokens) cost each
+    program a global write and a proxy fence in the loop: 5-10% of these kernels at 4096 tokens
+    on the small-expert configs (run 138). With ``ends`` the b rows past a run are the next
+    expert's (or TMA's zeros past the last row). Runs leave unwritten rows between them, which
+    may hold NaN (0 · NaN is NaN), so there the b rows come through a window map too. An empty
+    run still takes one step (all zeros), so every block is stored once. The b rows' and the
+    output's maps are made in the kernel too, not on the host: a host descriptor costs ~10 µs of
+    host time per launch to build and encode (run 105). R and Rb are a's and b's row counts, at
+    least 1."""
     RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
     n_items = E * per_expert
     # this program's steps: over its blocks and their runs, max(row blocks of the run, 1)
     total = 0
-    n_turns = tl.cdiv(n_items, num_programs * CHUNK) * CHUNK  # this program's item slots (some past the end)
-    for j0 in range(0, n_turns, BLOCK_I):
-        js = j0 + tl.arange(0, BLOCK_I)
-        its = (js // CHUNK) * (num_programs * CHUNK) + pid * CHUNK + js % CHUNK
-        valid = (its < n_items) & (js < n_turns)
+    for i0 in range(pid, n_items, num_programs * BLOCK_I):
+        its = i0 + num_programs * tl.arange(0, BLOCK_I)
+        valid = its < n_items
         ex = its // per_expert
         if NUM_SEG == 0:
             hi = tl.load(ends_ptr + ex, mask=valid, other=0)
@@ -697,8 +699,7 @@ def _wgrad_flat_kernel(
             for sg in tl.static_range(NUM_SEG):
                 count = tl.load(ends_ptr + (NUM_SEG + sg) * E + ex, mask=valid, other=0)
                 total += tl.sum(tl.where(valid, tl.maximum(tl.cdiv(count, BLOCK_R), 1), 0))
-    turn = -1
-    item = 0
+    item = pid - num_programs
     sg = RUNS - 1
     ki = -1
     n_k = 0
@@ -707,58 +708,33 @@ def _wgrad_flat_kernel(
     qb = 0
     start = 0
     end = 0
-    a_run = tl.make_tensor_descriptor(a_ptr, shape=[R, P], strides=[P, 1], block_shape=[BLOCK_R, BLOCK_P])
+    a_win = tl.make_tensor_descriptor(a_ptr - BLOCK_R * P, shape=[R + BLOCK_R, BLOCK_R, P], strides=[P, P, 1],
+                                      block_shape=[1, BLOCK_R, BLOCK_P])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
     if NUM_SEG != 0:
-        b_run = tl.make_tensor_descriptor(b_ptr, shape=[R, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
+        b_win = tl.make_tensor_descriptor(b_ptr - BLOCK_R * Q, shape=[R + BLOCK_R, BLOCK_R, Q], strides=[Q, Q, 1],
+                                          block_shape=[1, BLOCK_R, BLOCK_Q])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Rb, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
-    if WINDOW:
-        a_win = tl.make_tensor_descriptor(a_ptr - BLOCK_R * P, shape=[R + BLOCK_R, BLOCK_R, P], strides=[P, P, 1],
-                                          block_shape=[1, BLOCK_R, BLOCK_P])
-        if NUM_SEG != 0:
-            b_win = tl.make_tensor_descriptor(b_ptr - BLOCK_R * Q, shape=[R + BLOCK_R, BLOCK_R, Q], strides=[Q, Q, 1],
-                                              block_shape=[1, BLOCK_R, BLOCK_Q])
-    map_rows = R  # the rows the current maps end at
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
         ki += 1
         if ki == n_k:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
             sg += 1
             next_block = sg == RUNS
-            turn = tl.where(next_block, turn + 1, turn)
-            item = (turn // CHUNK) * (num_programs * CHUNK) + pid * CHUNK + turn % CHUNK
+            item = tl.where(next_block, item + num_programs, item)
             sg = tl.where(next_block, 0, sg)
             e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
             start, end = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG)
             n_k = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
             ki = 0
-            # A tensor map may not have an empty dimension (an illegal instruction on H200 when
-            # the first run is empty): bound at ≥ 1 row, and an empty run reads from that bound.
-            bound = tl.maximum(end, 1)
-            start = tl.where(end > start, start, bound)
-            if BOUND and not A_PTR and not WINDOW and bound != map_rows:
-                a_run = tl.make_tensor_descriptor(a_ptr, shape=[bound, P], strides=[P, 1],
-                                                  block_shape=[BLOCK_R, BLOCK_P])
-                if NUM_SEG != 0:
-                    b_run = tl.make_tensor_descriptor(b_ptr, shape=[bound, Q], strides=[Q, 1],
-                                                      block_shape=[BLOCK_R, BLOCK_Q])
-                map_rows = bound
+            start = tl.minimum(start, end)  # an empty run: its one step reads no row of the run
         r0 = start + ki * BLOCK_R
-        if WINDOW:
-            i0 = BLOCK_R - tl.minimum(end - r0, BLOCK_R)
-            s_win = r0 - i0 + BLOCK_R
-            a = tl.reshape(a_win.load([s_win, i0, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
-        elif A_PTR:
-            a_rows = r0 + tl.arange(0, BLOCK_R)
-            a = tl.load(a_ptr + a_rows.to(tl.int64)[:, None] * P + (pb * BLOCK_P + tl.arange(0, BLOCK_P))[None, :],
-                        mask=(a_rows < end)[:, None], other=0.0)
-        else:
-            a = a_run.load([r0, pb * BLOCK_P])
-        if NUM_SEG != 0 and WINDOW:
-            b = tl.reshape(b_win.load([s_win, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
-        elif NUM_SEG != 0:
-            b = b_run.load([r0, qb * BLOCK_Q])
+        skip = BLOCK_R - tl.minimum(end - r0, BLOCK_R)  # the step's rows past the run: zeros
+        s_win = r0 + BLOCK_R - skip
+        a = tl.reshape(a_win.load([s_win, skip, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
+        if NUM_SEG != 0:
+            b = tl.reshape(b_win.load([s_win, skip, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
         else:
             b = b_desc.load([r0, qb * BLOCK_Q])
         acc = tl.dot(a.T, b, acc)
@@ -1008,9 +984,6 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
     return out
 
 
-_WGRAD_PROBE = {"chunk": 1, "bound": True}  # PROBE (temporary)
-
-
 def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torch.Tensor | None = None,
                   tma: bool = False):
     """out[e] = a[rows of e]ᵀ b[src(rows of e)]; the rows of e from the inclusive ``ends`` (E,),
@@ -1033,9 +1006,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=0 if segments is None else segments.shape[1], CHUNK=_WGRAD_PROBE["chunk"],
-            BOUND=_WGRAD_PROBE["bound"], A_PTR=_WGRAD_PROBE.get("a_ptr", False),
-            WINDOW=_WGRAD_PROBE.get("window", False),
+            NUM_SEG=0 if segments is None else segments.shape[1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
