@@ -7,7 +7,9 @@ Runs the routing cases of the CPU tests (random, balanced, all tokens to one exp
 that receives nothing, an empty rank, an empty batch) on several configs, forward and
 backward, checks outputs and every gradient, that two runs are bitwise identical
 (deterministic combine), and that a NaN token stays in its own row. Exits non-zero on any
-failure; prints one line per check and a summary last.
+failure; prints one line per check and a summary last. ``GPU_CHECK_CONFIGS``,
+``GPU_CHECK_CASES`` and ``GPU_CHECK_STRATEGIES`` (space-separated names) narrow it to a subset,
+e.g. to repeat one failing check under ``CUDA_LAUNCH_BLOCKING=1``.
 """
 
 import os
@@ -36,6 +38,15 @@ CONFIGS = {
 }
 
 
+def _only(name: str, default):
+    """The names in env ``name`` (space-separated) that are in ``default``, or all of it."""
+    chosen = os.environ.get(name, "").split()
+    unknown = [c for c in chosen if c not in default]
+    if unknown:
+        raise SystemExit(f"{name}: unknown {unknown}; choose from {list(default)}")
+    return [d for d in default if not chosen or d in chosen]
+
+
 def rel(a, b):
     a, b = a.detach().float(), b.detach().float()
     if not torch.isfinite(a).all():
@@ -62,7 +73,12 @@ def main():
         if rank == 0 or not ok:
             print(("PASS " if ok else "FAIL ") + what, flush=True)
 
-    for name, cfg in CONFIGS.items():
+    configs = _only("GPU_CHECK_CONFIGS", CONFIGS)
+    cases = _only("GPU_CHECK_CASES", CASES)
+    strategies = _only("GPU_CHECK_STRATEGIES",
+                       ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train"))
+    for name in configs:
+        cfg = CONFIGS[name]
         if cfg.num_experts % world:
             if rank == 0:
                 print(f"SKIP {name}: {cfg.num_experts} experts do not divide over {world} ranks", flush=True)
@@ -70,7 +86,7 @@ def main():
         seed = 3
         rw = Router(cfg, seed, dev).weight.detach().float()
         wu, wd = (w.float() for w in init_expert_weights(cfg, range(cfg.num_experts), seed, dev))
-        for case in CASES:
+        for case in cases:
             tokens = case_tokens(case, world, base=256)
             indices = case_indices(case, cfg, world, tokens, seed=1)
             indices = None if indices is None else [i.to(dev) for i in indices]
@@ -92,7 +108,7 @@ def main():
             # sequential:triton: interlace's expert kernels (forward and backward) in sequential;
             # fused: its kernels forward, sequential's backward (the default train path);
             # fused:train: the fused kernels both ways.
-            for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train"):
+            for strategy in strategies:
                 layer = MoELayer(cfg, strategy=strategy, seed=seed, device=dev)
                 lo, hi = layer.ep.first_expert, layer.ep.first_expert + layer.ep.num_local
                 runs = []
@@ -120,8 +136,12 @@ def main():
 
     # A NaN token stays in its own row.
     cfg = CONFIGS["swiglu-16e"]
+    if os.environ.get("GPU_CHECK_CONFIGS") and "swiglu-16e" not in configs:
+        strategies_nan = ()
+    else:
+        strategies_nan = ("naive", "sequential")
     x = torch.randn(300, cfg.hidden, device=dev).to(cfg.dtype)
-    for strategy in ("naive", "sequential"):
+    for strategy in strategies_nan:
         layer = MoELayer(cfg, strategy=strategy, seed=0, device=dev)
         clean = layer(x)
         bad = x.clone()

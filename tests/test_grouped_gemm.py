@@ -223,12 +223,12 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
 @pytest.mark.parametrize("num_seg", [0, 2])
 def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg, monkeypatch):
     """The flat weight-gradient loop (``persistent = 2``) reads whole 16-row steps through its
-    window maps; the rows of a step past its run's end must read as zeros. Here every row that is
-    not a run's (the gaps between runs, and the rows before and after them) holds NaN, and each
-    run is a few rows short of a step or ends exactly on one; an expert with no rows at all gets
-    an all-zero block. With runs per source (``num_seg = 2``, the fused training path) both a and
-    b come through window maps; with ``ends`` (0) the runs are back to back (no gaps), so only a's
-    zeros keep the next expert's rows out."""
+    window maps; the rows of a step past its run's end must read as zeros in a and b. Here every
+    row that is not a run's (the gaps between runs, and the row after the last) holds NaN, and
+    each run is a few rows short of a step or ends exactly on one, the first one at row 0; an
+    expert with no rows at all gets an all-zero block. Runs per source (``num_seg = 2``, the fused
+    training path) leave gaps; with ``ends`` (0) the runs are back to back, so the rows past a
+    run are the next expert's."""
     import interlace.ops.grouped_gemm as gg
     from interlace.ops.tuning import GemmConfig
 

@@ -666,21 +666,21 @@ def _wgrad_flat_kernel(
     training path: one per source rank). Every step reads a whole BLOCK_R block of rows through
     TMA, and the rows of a step past its run's end must read as zeros, so that the rows paired
     with them add nothing (zeroing them in registers instead fed the dot from registers: 14-52%
-    slower, run 88). The a rows come through one **window map** made once per program: a 3-D
-    view (s, i, column) ↦ a[s - BLOCK_R + i, column] whose middle dimension has BLOCK_R entries.
-    A step whose run has v < BLOCK_R rows left loads the box at i = BLOCK_R - v and
-    s = r0 + v: its first v rows are the run's, and the rest fall past the middle dimension's
-    bound, which TMA fills with zeros (the base sits BLOCK_R rows before a; no element outside
-    a is ever read). So no map depends on a run's end. Maps made per run instead (one whenever a
-    program's next block had another expert, nearly every block at 4096 tokens) cost each
-    program a global write and a proxy fence in the loop: 5-10% of these kernels at 4096 tokens
-    on the small-expert configs (run 138). With ``ends`` the b rows past a run are the next
-    expert's (or TMA's zeros past the last row). Runs leave unwritten rows between them, which
-    may hold NaN (0 · NaN is NaN), so there the b rows come through a window map too. An empty
-    run still takes one step (all zeros), so every block is stored once. The b rows' and the
-    output's maps are made in the kernel too, not on the host: a host descriptor costs ~10 µs of
-    host time per launch to build and encode (run 105). R and Rb are a's and b's row counts, at
-    least 1."""
+    slower, run 88). a and b come through one **window map** each, made once per program: a 3-D
+    view (s, i, column) ↦ a[s + i, column] whose middle dimension has BLOCK_R entries. A step at
+    row r0 with v ≤ BLOCK_R rows of its run left loads the box at s = r0, i = v - BLOCK_R: its
+    last v rows are the run's rows r0 .. r0+v-1, and its first BLOCK_R - v rows fall before the
+    middle dimension's start, which TMA fills with zeros in both operands alike (the order of the
+    rows in a step does not matter to the reduction). Only a run's own rows are ever read, and no
+    map depends on a run's end. Maps made per run instead (one whenever a program's next block
+    had another expert, nearly every block at 4096 tokens) cost each program a global write and
+    a proxy fence in the loop: 5-10% of these kernels at 4096 tokens on the small-expert configs
+    (run 138). (A window whose zeros came past the middle dimension's end needed a base pointer
+    BLOCK_R rows before a; on the GPU that faulted where a began an allocation, run 139.) Runs
+    may leave unwritten rows between them that hold NaN (0 · NaN is NaN); no step reads them. An
+    empty run still takes one step (all zeros), so every block is stored once. The output's map
+    is made in the kernel too, not on the host: a host descriptor costs ~10 µs of host time per
+    launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1."""
     RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
@@ -708,14 +708,9 @@ def _wgrad_flat_kernel(
     qb = 0
     start = 0
     end = 0
-    a_win = tl.make_tensor_descriptor(a_ptr - BLOCK_R * P, shape=[R + BLOCK_R, BLOCK_R, P], strides=[P, P, 1],
-                                      block_shape=[1, BLOCK_R, BLOCK_P])
+    a_win = tl.make_tensor_descriptor(a_ptr, shape=[R, BLOCK_R, P], strides=[P, P, 1], block_shape=[1, BLOCK_R, BLOCK_P])
+    b_win = tl.make_tensor_descriptor(b_ptr, shape=[Rb, BLOCK_R, Q], strides=[Q, Q, 1], block_shape=[1, BLOCK_R, BLOCK_Q])
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
-    if NUM_SEG != 0:
-        b_win = tl.make_tensor_descriptor(b_ptr - BLOCK_R * Q, shape=[R + BLOCK_R, BLOCK_R, Q], strides=[Q, Q, 1],
-                                          block_shape=[1, BLOCK_R, BLOCK_Q])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[Rb, Q], strides=[Q, 1], block_shape=[BLOCK_R, BLOCK_Q])
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
         ki += 1
@@ -730,13 +725,9 @@ def _wgrad_flat_kernel(
             ki = 0
             start = tl.minimum(start, end)  # an empty run: its one step reads no row of the run
         r0 = start + ki * BLOCK_R
-        skip = BLOCK_R - tl.minimum(end - r0, BLOCK_R)  # the step's rows past the run: zeros
-        s_win = r0 + BLOCK_R - skip
-        a = tl.reshape(a_win.load([s_win, skip, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
-        if NUM_SEG != 0:
-            b = tl.reshape(b_win.load([s_win, skip, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
-        else:
-            b = b_desc.load([r0, qb * BLOCK_Q])
+        i0 = tl.minimum(end - r0, BLOCK_R) - BLOCK_R  # -(rows of the step past the run): zeros first
+        a = tl.reshape(a_win.load([r0, i0, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
+        b = tl.reshape(b_win.load([r0, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
         acc = tl.dot(a.T, b, acc)
         if (ki == n_k - 1) & (sg == RUNS - 1):
             out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
