@@ -676,7 +676,7 @@ def _wgrad_flat_kernel(
     had another expert, nearly every block at 4096 tokens) cost each program a global write and
     a proxy fence in the loop: 5-10% of these kernels at 4096 tokens on the small-expert configs
     (run 138). (A window whose zeros came past the middle dimension's end needed a base pointer
-    BLOCK_R rows before a; on the GPU that faulted where a began an allocation, run 139.) Runs
+    BLOCK_R rows before a; gpu_check once hit an illegal address with it, run 139.) Runs
     may leave unwritten rows between them that hold NaN (0 · NaN is NaN); no step reads them. An
     empty run still takes one step (all zeros), so every block is stored once. The output's map
     is made in the kernel too, not on the host: a host descriptor costs ~10 µs of host time per
