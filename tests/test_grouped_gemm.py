@@ -435,7 +435,7 @@ found = []
 for name, constexprs, warps, stages in sorted(jobs, key=str):
     k = compile_sm90(getattr(gg, name), dict(constexprs), warps, stages)
     found.append([name, dict(constexprs), warps, stages, k.metadata.shared,
-                  k.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")])
+                  len(re.findall(r"cp\.async\.bulk\.tensor\.[2-5]d\.global\.shared", k.asm["ptx"]))])
 print(json.dumps(found))
 """
 
