@@ -385,10 +385,25 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _tile_window(row0, row_end, BLOCK_M: tl.constexpr):
-    """The middle coordinate of a tile's box in a window map (see :func:`_gemm_flat_kernel`):
-    minus the tile's rows short of BLOCK_M (0 for a full tile)."""
-    return tl.minimum(row_end - row0, BLOCK_M) - BLOCK_M
+def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M × BLOCK_N) output tile at rows ``row0 ..`` (valid below ``row_end``), column
+    block ``nb``, through TMA (the store drains under the next tile's loads). A partial tile's
+    box must not reach the next expert's first rows. ``out_win`` is a **window map** over the
+    output, (s, i, column) ↦ row s + i with BLOCK_M entries in the middle dimension, made once
+    per program: the box at s = row_end - BLOCK_M, i = BLOCK_M - v (v valid rows) puts the tile's
+    rows on rows row0 .. row_end-1 and its other rows past that dimension's end, where TMA drops
+    them. Only a tile ending before row BLOCK_M (s would be negative: a TMA store with a negative
+    coordinate is an illegal instruction on H200, run 141) takes a map made here, ending at
+    ``row_end``. (A map per partial tile costs a global write and a proxy fence in the loop; a
+    masked store instead needs a layout-conversion buffer on top of the TMA store's, which the
+    flat kernels' pipelines leave no shared memory for.)"""
+    box = tl.reshape(val.to(out_ptr.dtype.element_ty), (1, BLOCK_M, BLOCK_N))
+    if row_end >= BLOCK_M:
+        out_win.store([row_end - BLOCK_M, BLOCK_M - (row_end - row0), nb * BLOCK_N], box)
+    else:  # (a 3-D box too, so both stores share one staging buffer)
+        part = tl.make_tensor_descriptor(out_ptr, shape=[1, row_end, COLS], strides=[COLS, COLS, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_N])
+        part.store([0, row0, nb * BLOCK_N], box)
 
 
 @triton.jit
@@ -405,23 +420,13 @@ def _gemm_flat_kernel(
     its store run. A, B and the output all go through TMA descriptors. For short reductions (the
     down projection's K = ffn of 768–2048: 12–32 steps per tile) the per-tile pipeline fill and
     epilogue of the nested loop are a large share (Triton 3.6 cannot flatten that loop once it
-    holds the TMA store: FuseNestedLoops fails on sm90).
-
-    A tile with v < BLOCK_M rows (an expert's last) must not store past them: the next expert's
-    rows follow. The A rows and the output go through **window maps** (s, i, column) ↦
-    row s + i whose middle dimension has BLOCK_M entries, made once per program: a tile at row0
-    loads and stores its box at s = row0, i = v - BLOCK_M, so its first BLOCK_M - v rows lie
-    before that dimension's start. TMA reads them as zeros and drops their stores, and the tile's
-    v rows are the last of its box. (A map per partial tile, made in the loop, costs each a global
-    write and a proxy fence; a masked store needs a layout-conversion buffer on top of the TMA
-    store's, which these pipelines leave no shared memory for.)"""
+    holds the TMA store: FuseNestedLoops fails on sm90)."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
     k_steps = tl.cdiv(RED, BLOCK_K)
     my_items = _flat_items(num_tiles, n_blocks, pid, num_programs)
-    a_win = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, BLOCK_M, RED], strides=[RED, RED, 1],
-                                      block_shape=[1, BLOCK_M, BLOCK_K])
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_rows, RED], strides=[RED, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_TRANS:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * COLS, RED], strides=[RED, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
@@ -436,15 +441,14 @@ def _gemm_flat_kernel(
         ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
                                                     num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
         k0 = ki * BLOCK_K
-        i0 = _tile_window(row0, row_end, BLOCK_M)
-        a = tl.reshape(a_win.load([row0, i0, k0]), (BLOCK_M, BLOCK_K))
+        a = a_desc.load([row0, k0])
         if B_TRANS:
             b = w_desc.load([(e * COLS + nb * BLOCK_N).to(tl.int32), k0]).T
         else:
             b = w_desc.load([(e * RED + k0).to(tl.int32), nb * BLOCK_N])
         acc = tl.dot(a, b, acc)
         if ki == k_steps - 1:
-            out_win.store([row0, i0, nb * BLOCK_N], tl.reshape(acc.to(out_ptr.dtype.element_ty), (1, BLOCK_M, BLOCK_N)))
+            _store_tile(out_win, out_ptr, acc, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
@@ -459,16 +463,14 @@ def _gemm0_flat_kernel(
     """:func:`_gemm0_kernel` over contiguous rows as one flat loop over (tile, k step) steps
     (``persistent = 2``, as :func:`_gemm_flat_kernel`): x rows, weights and the activations
     through TMA descriptors; SwiGLU's gate and up in one double-width dot (JOINT) or two dots,
-    GELU/ReLU one. A partial tile's rows are placed last in its boxes through window maps, as in
-    :func:`_gemm_flat_kernel`. The pre-activation h, when stored, takes masked stores."""
+    GELU/ReLU one. The pre-activation h, when stored, takes masked stores."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(K, BLOCK_N)
     k_steps = tl.cdiv(N, BLOCK_K)
     my_items = _flat_items(num_tiles, n_blocks, pid, num_programs)
     up_width = 2 * K if ACTIVATION == 0 else K
-    a_win = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, BLOCK_M, N], strides=[N, N, 1],
-                                      block_shape=[1, BLOCK_M, BLOCK_K])
+    a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_K])
     if JOINT:
         w_desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
     else:
@@ -484,8 +486,7 @@ def _gemm0_flat_kernel(
         ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
                                                     num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
         k0 = ki * BLOCK_K
-        i0 = _tile_window(row0, row_end, BLOCK_M)
-        a = tl.reshape(a_win.load([row0, i0, k0]), (BLOCK_M, BLOCK_K))
+        a = a_desc.load([row0, k0])
         if JOINT:
             b = tl.reshape(w_desc.load([(2 * e).to(tl.int32), nb * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, b.T, acc)
@@ -499,12 +500,12 @@ def _gemm0_flat_kernel(
                 acc_g, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             else:
                 acc_g, acc_up = acc, acc_u
-            act = activation_epilogue(acc_g, acc_up, ACTIVATION).to(out_ptr.dtype.element_ty)
-            out_win.store([row0, i0, nb * BLOCK_N], tl.reshape(act, (1, BLOCK_M, BLOCK_N)))
-            if STORE_H:  # (the tile's rows are the last v of its box)
-                rows = row0 + i0 + tl.arange(0, BLOCK_M)
+            _store_tile(out_win, out_ptr, activation_epilogue(acc_g, acc_up, ACTIVATION), row0, row_end, nb, K,
+                        BLOCK_M, BLOCK_N)
+            if STORE_H:
+                rows = row0 + tl.arange(0, BLOCK_M)
                 cols = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-                hmask = (tl.arange(0, BLOCK_M) >= -i0)[:, None] & (cols < K)[None, :]
+                hmask = (rows < row_end)[:, None] & (cols < K)[None, :]
                 h_rows = h_ptr + rows.to(tl.int64)[:, None] * up_width
                 tl.store(h_rows + cols[None, :], acc_g.to(h_ptr.dtype.element_ty), mask=hmask)
                 if ACTIVATION == 0:
