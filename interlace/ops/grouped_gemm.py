@@ -393,7 +393,7 @@ def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.cons
     per program: the box at s = row_end - BLOCK_M, i = BLOCK_M - v (v valid rows) puts the tile's
     rows on rows row0 .. row_end-1 and its other rows past that dimension's end, where TMA drops
     them. Only a tile ending before row BLOCK_M (s would be negative: a TMA store with a negative
-    coordinate is an illegal instruction on H200, run 141) takes a map made here, ending at
+    coordinate hit an illegal instruction on H200, run 141) takes a map made here, ending at
     ``row_end``. (A map per partial tile costs a global write and a proxy fence in the loop; a
     masked store instead needs a layout-conversion buffer on top of the TMA store's, which the
     flat kernels' pipelines leave no shared memory for.)"""
