@@ -174,8 +174,10 @@ def main():
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--breakdown", action="store_true", help="also time the Triton path's kernels one by one")
     p.add_argument("--profile-fwd", action="store_true", help="also list each backend's forward kernels (GPU µs)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the routing permutation, tokens and gradients")
     args = p.parse_args()
     dev = torch.device("cuda")
+    torch.manual_seed(args.seed)  # the same rows in every process (run 144: the spread is not the data's)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     results = []
     for name in args.configs:
