@@ -183,6 +183,21 @@ def _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, til
 
 
 @triton.jit
+def _window_map(ptr, rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A **window map** over a row-major (rows, cols) matrix: the 3-D view (s, i, c) ↦ row s + i,
+    column c, whose middle dimension has BLOCK_ROWS entries, loaded or stored in boxes of
+    (1, BLOCK_ROWS, BLOCK_COLS). Moving a box's middle coordinate below 0 (loads) or past
+    BLOCK_ROWS - 1 (stores) puts some of its rows outside that dimension: TMA reads those as
+    zeros and drops their stores, while the other rows are rows of the matrix. So one map made
+    before a loop bounds every step at a step-dependent row, where a 2-D map would have to be
+    made again per step (a global write and a proxy fence each). Boxes never reach before row 0
+    or past ``rows``; TMA stores take no negative coordinate (an illegal instruction on H200,
+    run 141)."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, BLOCK_ROWS, cols], strides=[cols, cols, 1],
+                                     block_shape=[1, BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
 def _flat_items(num_tiles, n_blocks, pid, num_programs):
     """Work items (tile, column block) of program ``pid`` in a persistent grid of ``num_programs``."""
     return tl.maximum(tl.cdiv(num_tiles * n_blocks - pid, num_programs), 0)
@@ -388,13 +403,11 @@ def _gemm_kernel(
 def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A (BLOCK_M × BLOCK_N) output tile at rows ``row0 ..`` (valid below ``row_end``), column
     block ``nb``, through TMA (the store drains under the next tile's loads). A partial tile's
-    box must not reach the next expert's first rows. ``out_win`` is a **window map** over the
-    output, (s, i, column) ↦ row s + i with BLOCK_M entries in the middle dimension, made once
-    per program: the box at s = row_end - BLOCK_M, i = BLOCK_M - v (v valid rows) puts the tile's
-    rows on rows row0 .. row_end-1 and its other rows past that dimension's end, where TMA drops
-    them. Only a tile ending before row BLOCK_M (s would be negative: a TMA store with a negative
-    coordinate hit an illegal instruction on H200, run 141) takes a map made here, ending at
-    ``row_end``. (A map per partial tile costs a global write and a proxy fence in the loop; a
+    box must not reach the next expert's first rows. ``out_win`` is the output's
+    :func:`_window_map` (BLOCK_M rows), made once per program: the box at s = row_end - BLOCK_M,
+    i = BLOCK_M - v (v valid rows) puts the tile's rows on rows row0 .. row_end-1 and its other
+    rows past the middle dimension's end, where TMA drops them. Only a tile ending before row
+    BLOCK_M (s would be negative) takes a map made here, ending at ``row_end``. (A map per partial tile costs a global write and a proxy fence in the loop; a
     masked store instead needs a layout-conversion buffer on top of the TMA store's, which the
     flat kernels' pipelines leave no shared memory for.)"""
     box = tl.reshape(val.to(out_ptr.dtype.element_ty), (1, BLOCK_M, BLOCK_N))
@@ -433,8 +446,7 @@ def _gemm_flat_kernel(
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    out_win = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, BLOCK_M, COLS], strides=[COLS, COLS, 1],
-                                        block_shape=[1, BLOCK_M, BLOCK_N])
+    out_win = _window_map(out_ptr, num_rows, COLS, BLOCK_M, BLOCK_N)
     ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, my_items * k_steps):
@@ -476,8 +488,7 @@ def _gemm0_flat_kernel(
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    out_win = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, BLOCK_M, K], strides=[K, K, 1],
-                                        block_shape=[1, BLOCK_M, BLOCK_N])
+    out_win = _window_map(out_ptr, num_rows, K, BLOCK_M, BLOCK_N)
     ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     W: tl.constexpr = 2 * BLOCK_N if JOINT else BLOCK_N
     acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
@@ -672,8 +683,8 @@ def _wgrad_flat_kernel(
     training path: one per source rank). Every step reads a whole BLOCK_R block of rows through
     TMA, and the rows of a step past its run's end must read as zeros, so that the rows paired
     with them add nothing (zeroing them in registers instead fed the dot from registers: 14-52%
-    slower, run 88). a and b come through one **window map** each, made once per program: a 3-D
-    view (s, i, column) ↦ a[s + i, column] whose middle dimension has BLOCK_R entries. A step at
+    slower, run 88). a and b come through one :func:`_window_map` each (BLOCK_R rows), made once
+    per program: (s, i, column) ↦ a[s + i, column]. A step at
     row r0 with v ≤ BLOCK_R rows of its run left loads the box at s = r0, i = v - BLOCK_R: its
     last v rows are the run's rows r0 .. r0+v-1, and its first BLOCK_R - v rows fall before the
     middle dimension's start, which TMA fills with zeros in both operands alike (the order of the
@@ -714,8 +725,8 @@ def _wgrad_flat_kernel(
     qb = 0
     start = 0
     end = 0
-    a_win = tl.make_tensor_descriptor(a_ptr, shape=[R, BLOCK_R, P], strides=[P, P, 1], block_shape=[1, BLOCK_R, BLOCK_P])
-    b_win = tl.make_tensor_descriptor(b_ptr, shape=[Rb, BLOCK_R, Q], strides=[Q, Q, 1], block_shape=[1, BLOCK_R, BLOCK_Q])
+    a_win = _window_map(a_ptr, R, P, BLOCK_R, BLOCK_P)
+    b_win = _window_map(b_ptr, Rb, Q, BLOCK_R, BLOCK_Q)
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for _ in range(0, total):
