@@ -809,3 +809,79 @@ def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_pat
     assert lookup_split(cfg, 3000, world=2, sm_count=77) == (24, 12)
     with pytest.warns(UserWarning, match="no tuned fused block split"):
         assert lookup_split(cfg, 5000, world=2, sm_count=78) is None
+
+
+def _train_calls(recorder, order, cfg, xs, gs):
+    """Run ``fused:train`` calls in ``order`` ("f", i): forward of input i; "b": backward of the
+    latest forward not yet backwarded) and return, per backward, (input, out, dx, dW_up,
+    dW_down, router grad) and the layer."""
+    from interlace import MoELayer
+
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    layer.strategy.graph_recorder = recorder
+    pending, got = [], []
+    for op, i in order:
+        if op == "f":
+            x = xs[i].clone().requires_grad_()
+            pending.append((i, x, layer(x)))
+            continue
+        j, x, out = pending.pop()
+        layer.zero_grad(set_to_none=True)
+        out.backward(gs[j])
+        got.append((j, out.detach().clone(), x.grad.clone(), layer.experts.w_up.grad.clone(),
+                     layer.experts.w_down.grad.clone(), layer.router.weight.grad.clone()))
+    return got, layer
+
+
+def test_fused_train_graphs_match_eager_and_never_share_buffers():
+    """``fused:train``'s captured graphs (here :class:`EagerRecorder`, which keeps a graph's
+    static-buffer contract on the CPU: every replay rewrites the captured outputs in place)
+    against the eager calls, bitwise: first call eager, then capture and replays, and two
+    forwards before their backwards. The second of those must run eagerly, since the first one's
+    saved state lives in the graph's buffers until its backward (without that guard its
+    gradients come out wrong)."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace.strategies.fused_train import EagerRecorder
+
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [11, 11, 11, 11], seed=4)
+    order = [("f", 0), ("b", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 0), ("f", 3), ("f", 0), ("b", 0), ("b", 0),
+             ("f", 1), ("b", 0)]
+    eager, _ = _train_calls(None, order, cfg, xs, gs)
+    graphs, layer = _train_calls(EagerRecorder, order, cfg, xs, gs)
+    entry = layer.strategy._train_graphs[11]
+    assert entry.fwd is not None and entry.bwd is not None and entry.owner is None
+    assert [g[0] for g in graphs] == [0, 1, 2, 0, 3, 1]
+    for want, have in zip(eager, graphs):
+        for name, a, b in zip(("out", "dx", "dW_up", "dW_down", "router"), want[1:], have[1:]):
+            assert torch.equal(a, b), f"call with input {want[0]}: {name} differs on the graph path"
+
+
+def test_fused_train_graph_freed_by_a_forward_without_backward():
+    """A training forward whose autograd graph is dropped without a backward releases its hold
+    on the captured buffers, so the next call with that token count replays the graph again."""
+    import gc
+
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+    from interlace.strategies.fused_train import EagerRecorder
+
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [9], seed=5)
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    layer.strategy.graph_recorder = EagerRecorder
+    layer(xs[0].clone().requires_grad_()).backward(gs[0])  # eager: compiles
+    out = layer(xs[0].clone().requires_grad_())  # captured
+    entry = layer.strategy._train_graphs[9]
+    assert entry.owner is not None
+    del out
+    gc.collect()
+    assert entry.owner is None
+    x = xs[0].clone().requires_grad_()
+    layer(x).backward(gs[0])
+    assert entry.owner is None and entry.bwd is not None
+    assert torch.isfinite(x.grad).all()

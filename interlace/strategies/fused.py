@@ -367,6 +367,11 @@ class FusedStrategy(Strategy):
         self.cuda_graph = bool(cuda_graph)
         self._graphs: OrderedDict = OrderedDict()  # T → (CUDAGraph, static inputs, static output, weights)
         self._graph_seen: set = set()
+        # fused:train's graphs: T → TrainGraph; token counts seen by an eager forward / backward.
+        self._train_graphs: OrderedDict = OrderedDict()
+        self._train_seen: set = set()
+        self._train_backward_seen: set = set()
+        self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
         if train_path not in TRAIN_PATHS:
             raise ValueError(f"train_path must be one of {TRAIN_PATHS}, got {train_path!r}")
         self.train_path = train_path
@@ -463,6 +468,40 @@ class FusedStrategy(Strategy):
     def _graphable(self) -> bool:
         return (self.buf.kind == "symmetric" and not _INTERPRET and self.engine.timeline is None
                 and not getattr(self, "profile_phases", False) and not torch.cuda.is_current_stream_capturing())
+
+    def _train_graph(self, x, w_up, w_down):
+        """This call's :class:`~interlace.strategies.fused_train.TrainGraph`, or None to run
+        eagerly: CUDA graphs off or impossible here, the first training call with this token
+        count (it compiles the kernels), or that count's graph still held by a call whose
+        backward has not run."""
+        from interlace.strategies.fused_train import CudaGraphRecorder, TrainGraph
+
+        recorder = self.graph_recorder
+        if recorder is None:
+            if not (self.cuda_graph and self._graphable()):
+                return None
+            recorder = CudaGraphRecorder
+        elif getattr(self, "profile_phases", False) or self.engine.timeline is not None:
+            return None
+        T = x.shape[0]
+        weights = (w_up.data_ptr(), w_down.data_ptr())
+        entry = self._train_graphs.get(T)
+        if entry is not None and entry.owner is not None:
+            return None
+        if entry is None or entry.weights != weights:
+            if T not in self._train_seen:
+                self._train_seen.add(T)
+                return None
+            if entry is not None:
+                del self._train_graphs[T]
+            while len(self._train_graphs) >= MAX_GRAPHS:  # drop the least recently used idle one
+                idle = next((t for t, e in self._train_graphs.items() if e.owner is None), None)
+                if idle is None:
+                    return None
+                del self._train_graphs[idle]
+            entry = self._train_graphs[T] = TrainGraph(weights, recorder)
+        self._train_graphs.move_to_end(T)
+        return entry
 
     def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down):
         T = x.shape[0]

@@ -31,6 +31,7 @@ return exchange counts rows on the host, as in the forward).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -115,95 +116,271 @@ def step_ms(strategy) -> list[tuple[str, float]]:
     return [(name, a.elapsed_time(b)) for (_, a), (name, b) in zip(marks, marks[1:])]
 
 
+@dataclass
+class TrainState:
+    """What one ``fused:train`` forward leaves for its backward (device tensors; on the graph path
+    they are a captured graph's static buffers, valid until its next replay)."""
+
+    out: torch.Tensor  # (T, N) the layer's output
+    topk_weight: torch.Tensor  # (T, k) fp32
+    row_of_assignment: torch.Tensor
+    assignment_of_row: torch.Tensor
+    plan: object  # FusedPlan (device tensors)
+    pre: torch.Tensor  # (W·cap, up) pre-activation; the backward writes d(pre-activation) over it
+    act: torch.Tensor  # (W·cap, K) activations (layer1's input)
+    x_rows: torch.Tensor  # (W·cap, N) the expert input rows in buffer order
+    y_rows: torch.Tensor  # (T·k, N) expert outputs returned home, dispatch order
+    segments: torch.Tensor
+    local_row: torch.Tensor
+    kept: torch.Tensor
+
+
+def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+    """The forward's device work, from the routing to the saved rows (no host sync: capturable)."""
+    buf = strategy.buf
+    spec = buf.spec
+    mark(strategy, "start")
+    call, index = strategy._prepare_call(x, topk_idx, topk_weight)
+    pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
+    mark(strategy, "fwd prepare")
+    strategy._run_layers(call, w_up, w_down, pre=pre)
+    mark(strategy, "fwd layers")
+    rows = owner_rows(call.plan, spec, buf.rank)
+    k, me, cap = spec.top_k, buf.rank, spec.cap
+    # The expert input rows, in buffer order: the peers' rows as received, this rank's own
+    # rows gathered into its (otherwise unused) region.
+    x_rows = buf.views["recv"].view(-1, x.shape[1]).clone()
+    token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
+    x_rows[me * cap:(me + 1) * cap] = local_rows(x, token)
+    y_rows = buf.views["ret"][:x.shape[0] * k].clone()
+    mark(strategy, "fwd saves")
+    return TrainState(call.out, call.topk_weight, call.row_of_assignment, call.assignment_of_row, call.plan, pre,
+                      call.h, x_rows, y_rows, rows.segments, rows.local_row, index[2])
+
+
+def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str):
+    """Steps 1–4 of the backward and the own g rows into the receive buffer (capturable):
+    ``(dx (T, N), d_weight (T, k), d_h (W·cap, up))``; ``d_h`` is written over ``st.pre``
+    for SwiGLU."""
+    from interlace.strategies.fused import FusedCall
+
+    buf, spec = strategy.buf, strategy.buf.spec
+    T, N = grad.shape
+    k = spec.top_k
+    mark(strategy, "bwd start")
+    # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
+    g_rows, d_weight = combine_rows_backward(grad, st.y_rows, st.row_of_assignment, st.topk_weight)
+    mark(strategy, "bwd combine grad")
+    # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
+    # A later layer's backward may still read the shared buffers on a peer: order first.
+    strategy._order_after_peers()
+    buf.advance_epoch()
+    identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
+    dx = alloc.empty((T, N), grad.dtype, grad.device)
+    ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
+    # call.h: layer0's output d_act (W·cap, K), then d_h (W·cap, up) written over pre. Only
+    # the call holds d_act, so it is freed as soon as the derivative has read it.
+    call = FusedCall(g_rows, ones, st.row_of_assignment, identity, st.plan,
+                     alloc.empty(st.act.shape, st.act.dtype, st.act.device), dx, st.kept)
+
+    # Rows received from each source (buffer region s = source s): the derivative skips the
+    # rest of each region, about half of it with balanced routing.
+    used = torch.roll(st.plan.recv_count.view(spec.world, -1).sum(1, dtype=torch.int32), buf.rank)
+
+    def between():
+        mark(strategy, "bwd layer0")
+        call.h = activation_backward(st.pre, call.h, activation, used)
+        mark(strategy, "bwd act")
+
+    strategy._run_layers(call, w_down, w_up, backward=True, between=between)
+    mark(strategy, "bwd layer1")
+    # 5. (first part) this rank's own g rows go into its unused region of the receive buffer
+    # (no peer writes there, and the next call's writes wait for _order_after_peers / the
+    # count exchange), where dW_down reads them with the peers' rows.
+    buf.views["recv"][buf.rank].copy_(local_rows(g_rows, st.local_row))
+    mark(strategy, "bwd local rows")
+    return dx, d_weight, call.h
+
+
+def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor, w_up, w_down, activation: str):
+    """5. owner: dW_up and dW_down into fresh tensors, reducing each expert's rows from every
+    source where they lie (runs after :func:`backward_body`, on the same stream)."""
+    from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
+
+    N = grad.shape[1]
+    _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
+    tma = use_tma(w_up, w_down)
+    dw_up = _launch_wgrad(d_h, st.x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
+                          w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
+    mark(strategy, "bwd dW_up")
+    recv = strategy.buf.views["recv"].view(-1, N)
+    dw_down = _launch_wgrad(recv, st.act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
+                            N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
+    mark(strategy, "bwd dW_down")
+    return dw_up, dw_down
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+class CudaGraphRecorder:
+    """Captures ``fn()`` into a CUDA graph once; its outputs become static buffers that every
+    :meth:`replay` rewrites in place. Capture records without running: replay after it."""
+
+    def capture(self, fn, device):
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)  # a capture syncs once (the first graph call of a token count)
+        with torch.cuda.graph(self.graph):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _copy_into(dst, src) -> None:
+    """Copy every tensor of ``src`` into the same place of ``dst`` (dataclasses, tuples, lists)."""
+    if isinstance(dst, torch.Tensor):
+        if dst is not src:
+            dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src):
+            _copy_into(a, b)
+    elif hasattr(dst, "__dataclass_fields__"):
+        for name in dst.__dataclass_fields__:
+            _copy_into(getattr(dst, name), getattr(src, name))
+
+
+class EagerRecorder:
+    """:class:`CudaGraphRecorder`'s contract without CUDA (tests on the CPU): the outputs of the
+    capture are the static buffers, and each later replay runs ``fn`` again and copies its
+    results into them, so a call that reads them after another call's replay sees that
+    call's values, as it would with a real graph. The capture itself runs ``fn`` (a real
+    capture does not), so the replay right after it is skipped."""
+
+    def capture(self, fn, device):
+        self.fn, self.fresh = fn, True
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        if self.fresh:
+            self.fresh = False
+            return
+        _copy_into(self.out, self.fn())
+
+
+class TrainGraph:
+    """One token count's captured ``fused:train`` forward and backward.
+
+    The forward graph's outputs (the layer output and the :class:`TrainState`) are static
+    buffers, so one call at a time may hold them: from its forward until its backward has
+    launched (or its autograd graph is freed without one), :attr:`owner` is set and further
+    calls with this token count run eagerly. The backward graph covers steps 1–4 (its dx and
+    routing-weight gradient are static buffers too: the caller copies them out); the weight
+    gradients are launched after it into fresh tensors, since autograd may keep them as
+    ``.grad``."""
+
+    def __init__(self, weights: tuple, recorder):
+        self.weights = weights
+        self.recorder = recorder
+        self.owner: int | None = None
+        self.fwd = None  # (recorder, static inputs, TrainState)
+        self.bwd = None  # (recorder, static grad, (dx, d_weight, d_h))
+        self._leases = 0
+
+    def lease(self) -> "_Lease":
+        self._leases += 1
+        return _Lease(self, self._leases)
+
+    def forward(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+        if self.fwd is None:
+            static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
+            rec = self.recorder()
+            state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down), x.device)
+            self.fwd = (rec, static, state)
+        rec, (sx, sidx, sw), state = self.fwd
+        sx.copy_(x)
+        sidx.copy_(topk_idx)
+        sw.copy_(topk_weight)
+        rec.replay()
+        return state
+
+    def backward(self, strategy, state: TrainState, grad, w_up, w_down, activation: str, capture: bool):
+        """``(dx, d_weight, d_h)``. Before any eager backward of this token count compiled the
+        kernels (``capture`` False), runs the steps eagerly on the static buffers instead."""
+        if self.bwd is None:
+            if not capture:
+                return backward_body(strategy, state, grad, w_up, w_down, activation)
+            sgrad = grad.clone()
+            rec = self.recorder()
+            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation), grad.device)
+            self.bwd = (rec, sgrad, outs)
+        rec, sgrad, outs = self.bwd
+        sgrad.copy_(grad)
+        rec.replay()
+        return outs
+
+
+class _Lease:
+    """A call's hold on its :class:`TrainGraph`'s static buffers (kept in its autograd context):
+    released after its backward, or when the context is freed without one."""
+
+    def __init__(self, graph: TrainGraph, token: int):
+        graph.owner = token
+        self._finalizer = weakref.finalize(self, _release, graph, token)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _release(graph: TrainGraph, token: int) -> None:
+    if graph.owner == token:
+        graph.owner = None
+
+
 class FusedTrain(torch.autograd.Function):
-    """The fused layer forward and backward (see the module docstring)."""
+    """The fused layer forward and backward (see the module docstring); through
+    :class:`TrainGraph` when the strategy has one for this call."""
 
     @staticmethod
     def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
-        buf, cfg = strategy.buf, strategy.config
-        spec = buf.spec
-        mark(strategy, "start")
-        call, index = strategy._prepare_call(x, topk_idx, topk_weight)
-        pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
-        mark(strategy, "fwd prepare")
-        strategy._run_layers(call, w_up, w_down, pre=pre)
-        mark(strategy, "fwd layers")
-        rows = owner_rows(call.plan, spec, buf.rank)
-        k, me, cap = spec.top_k, buf.rank, spec.cap
-        # The expert input rows, in buffer order: the peers' rows as received, this rank's own
-        # rows gathered into its (otherwise unused) region.
-        x_rows = buf.views["recv"].view(-1, x.shape[1]).clone()
-        token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
-        x_rows[me * cap:(me + 1) * cap] = local_rows(x, token)
-        y_rows = buf.views["ret"][:x.shape[0] * k].clone()
-        ctx.strategy, ctx.activation = strategy, cfg.activation
-        ctx.save_for_backward(topk_weight, w_up, w_down, call.row_of_assignment, call.assignment_of_row, pre, call.h,
-                              x_rows, y_rows, rows.segments, rows.local_row, index[2])
-        ctx.plan = call.plan
-        ctx.x_shape = x.shape
+        graph = strategy._train_graph(x, w_up, w_down)
+        if graph is None:
+            state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down)
+            ctx.lease, out = None, state.out
+        else:
+            state = graph.forward(strategy, x, topk_idx, topk_weight, w_up, w_down)
+            ctx.lease, out = graph.lease(), state.out.clone()  # the static output: the next replay rewrites it
+        ctx.save_for_backward(w_up, w_down)
+        ctx.strategy, ctx.activation, ctx.graph, ctx.state = strategy, strategy.config.activation, graph, state
         ctx.pre_consumed = False
-        mark(strategy, "fwd saves")
         strategy._check_errors()
-        return call.out
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        from interlace.ops.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
-        from interlace.strategies.fused import FusedCall
-
-        (topk_weight, w_up, w_down, row_of_assignment, assignment_of_row, pre, act, x_rows, y_rows, segments,
-         local_row, kept) = ctx.saved_tensors
-        strategy = ctx.strategy
-        buf, spec = strategy.buf, strategy.buf.spec
-        T, N = ctx.x_shape
-        k = spec.top_k
-        grad = grad.contiguous()
         if ctx.pre_consumed:
             raise RuntimeError(
                 "fused:train: backward ran twice through one forward (retain_graph=True). The first "
                 "backward overwrote the saved pre-activation with its gradient, to save memory; run "
                 "the forward again for a second backward, or use train_path='sequential'")
-        mark(strategy, "bwd start")
-        # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
-        g_rows, d_weight = combine_rows_backward(grad, y_rows, row_of_assignment, topk_weight)
-        mark(strategy, "bwd combine grad")
-        # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
-        # A later layer's backward may still read the shared buffers on a peer: order first.
-        strategy._order_after_peers()
-        buf.advance_epoch()
-        identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
-        dx = alloc.empty((T, N), grad.dtype, grad.device)
-        ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
-        # call.h: layer0's output d_act (W·cap, K), then d_h (W·cap, up) written over pre. Only
-        # the call holds d_act, so it is freed as soon as the derivative has read it.
-        call = FusedCall(g_rows, ones, row_of_assignment, identity, ctx.plan,
-                         alloc.empty(act.shape, act.dtype, act.device), dx, kept)
-
-        # Rows received from each source (buffer region s = source s): the derivative skips the
-        # rest of each region, about half of it with balanced routing.
-        used = torch.roll(ctx.plan.recv_count.view(spec.world, -1).sum(1, dtype=torch.int32), buf.rank)
-
-        def between():
-            mark(strategy, "bwd layer0")
-            call.h = activation_backward(pre, call.h, ctx.activation, used)
-            ctx.pre_consumed = call.h is pre
-            mark(strategy, "bwd act")
-
-        strategy._run_layers(call, w_down, w_up, backward=True, between=between)
-        mark(strategy, "bwd layer1")
-        # 5. owner: weight gradients, reducing each expert's rows from every source where they
-        # lie. This rank's own g rows go into its unused region of the receive buffer (no peer
-        # writes there, and the next call's writes wait for _order_after_peers / the count exchange).
-        recv = buf.views["recv"]
-        recv[buf.rank].copy_(local_rows(g_rows, local_row))
-        mark(strategy, "bwd local rows")
-        _, _, c_w, _ = choose_backward_configs(grad, w_down, T * k, ctx.activation)  # ≈ rows received
-        tma = use_tma(w_up, w_down)
-        dw_up = _launch_wgrad(call.h, x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
-                              w_up.shape[1], N, c_w, segments=segments, tma=tma)
-        mark(strategy, "bwd dW_up")
-        dw_down = _launch_wgrad(recv.view(-1, N), act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device),
-                                None, N, w_down.shape[2], c_w, segments=segments, tma=tma)
-        mark(strategy, "bwd dW_down")
+        w_up, w_down = ctx.saved_tensors
+        strategy, state, graph = ctx.strategy, ctx.state, ctx.graph
+        grad = grad.contiguous()
+        T = grad.shape[0]
+        if graph is not None:
+            dx, d_weight, d_h = graph.backward(strategy, state, grad, w_up, w_down, ctx.activation,
+                                               capture=T in strategy._train_backward_seen)
+            dx, d_weight = dx.clone(), d_weight.clone()  # static buffers once captured
+        else:
+            dx, d_weight, d_h = backward_body(strategy, state, grad, w_up, w_down, ctx.activation)
+        strategy._train_backward_seen.add(T)
+        # A graph's buffers go to the next call after this backward; an eager call's pre-activation
+        # is gone if the derivative was written over it (SwiGLU).
+        ctx.pre_consumed = graph is not None or d_h is state.pre
+        dw_up, dw_down = weight_grads(strategy, state, d_h, grad, w_up, w_down, ctx.activation)
+        if ctx.pre_consumed:
+            ctx.state = None
+        if ctx.lease is not None:
+            ctx.lease.release()  # stream order: the next replay runs after these kernels
         strategy._check_errors()
         return dx, d_weight, dw_up, dw_down, None, None
