@@ -885,3 +885,44 @@ def test_fused_train_graph_freed_by_a_forward_without_backward():
     layer(x).backward(gs[0])
     assert entry.owner is None and entry.bwd is not None
     assert torch.isfinite(x.grad).all()
+
+
+def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_runs():
+    """``release_shared_buffers`` (the step before ``destroy_process_group``) drops every captured
+    graph: NCCL cannot destroy a communicator that a live graph captured. A forward replayed
+    before that still gets its backward (eagerly, on the state it saved), and later calls
+    capture again; every call bitwise as on the eager path."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace.strategies.fused_train import EagerRecorder
+    from interlace.transport import release_shared_buffers
+
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [10, 10, 10, 10], seed=6)
+    order = [("f", 0), ("b", 0), ("f", 1), ("b", 0), ("f", 2), ("release", 0), ("b", 0), ("f", 3), ("b", 0),
+             ("f", 0), ("b", 0)]
+    eager, _ = _train_calls(None, [o for o in order if o[0] != "release"], cfg, xs, gs)
+
+    from interlace import MoELayer
+
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    layer.strategy.graph_recorder = EagerRecorder
+    pending, got = [], []
+    for op, i in order:
+        if op == "release":
+            assert len(layer.strategy._train_graphs) == 1
+            release_shared_buffers()
+            assert not layer.strategy._train_graphs
+        elif op == "f":
+            x = xs[i].clone().requires_grad_()
+            pending.append((i, x, layer(x)))
+        else:
+            j, x, out = pending.pop()
+            layer.zero_grad(set_to_none=True)
+            out.backward(gs[j])
+            got.append((j, out.detach().clone(), x.grad.clone(), layer.experts.w_up.grad.clone(),
+                        layer.experts.w_down.grad.clone(), layer.router.weight.grad.clone()))
+    assert layer.strategy._train_graphs[10].bwd is not None  # captured again after the release
+    for want, have in zip(eager, got):
+        assert all(torch.equal(a, b) for a, b in zip(want[1:], have[1:])), f"call with input {want[0]}"

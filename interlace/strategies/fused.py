@@ -63,6 +63,7 @@ the caller). The error record is checked after every replay.
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 
@@ -79,8 +80,23 @@ from interlace.ops.timeline import CLOCK_GPU, CLOCK_LOGICAL, TimelineBuffer, lay
 from interlace.ops.rows import _INTERPRET
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy
-from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, shared_buffer
+from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 
+
+_LIVE = weakref.WeakSet()  # every FusedStrategy: release_shared_buffers drops their graphs
+
+
+def release_graphs() -> int:
+    """Drop the captured CUDA graphs of every live ``fused`` strategy (run by
+    :func:`interlace.transport.release_shared_buffers`, before the process group goes);
+    returns how many. A strategy captures again on its next calls."""
+    n = 0
+    for strategy in list(_LIVE):
+        n += strategy.release_graphs()
+    return n
+
+
+on_release(release_graphs)
 
 TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
@@ -372,6 +388,7 @@ class FusedStrategy(Strategy):
         self._train_seen: set = set()
         self._train_backward_seen: set = set()
         self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
+        _LIVE.add(self)
         if train_path not in TRAIN_PATHS:
             raise ValueError(f"train_path must be one of {TRAIN_PATHS}, got {train_path!r}")
         self.train_path = train_path
@@ -468,6 +485,17 @@ class FusedStrategy(Strategy):
     def _graphable(self) -> bool:
         return (self.buf.kind == "symmetric" and not _INTERPRET and self.engine.timeline is None
                 and not getattr(self, "profile_phases", False) and not torch.cuda.is_current_stream_capturing())
+
+    def release_graphs(self) -> int:
+        """Drop this strategy's captured CUDA graphs (inference and training); returns how many.
+        A call whose backward is still to come keeps its saved state and runs that backward
+        eagerly."""
+        n = len(self._graphs) + len(self._train_graphs)
+        for entry in self._train_graphs.values():
+            entry.retire()
+        self._graphs.clear()
+        self._train_graphs.clear()
+        return n
 
     def _train_graph(self, x, w_up, w_down):
         """This call's :class:`~interlace.strategies.fused_train.TrainGraph`, or None to run

@@ -286,6 +286,13 @@ class TrainGraph:
         self.fwd = None  # (recorder, static inputs, TrainState)
         self.bwd = None  # (recorder, static grad, (dx, d_weight, d_h))
         self._leases = 0
+        self.retired = False
+
+    def retire(self) -> None:
+        """Drop both graphs (their buffers live on while a call's state refers to them); a
+        pending backward then runs eagerly."""
+        self.fwd = self.bwd = None
+        self.retired = True
 
     def lease(self) -> "_Lease":
         self._leases += 1
@@ -308,7 +315,7 @@ class TrainGraph:
         """``(dx, d_weight, d_h)``. Before any eager backward of this token count compiled the
         kernels (``capture`` False), runs the steps eagerly on the static buffers instead."""
         if self.bwd is None:
-            if not capture:
+            if not capture or self.retired:
                 return backward_body(strategy, state, grad, w_up, w_down, activation)
             sgrad = grad.clone()
             rec = self.recorder()

@@ -254,12 +254,26 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     return buf
 
 
+_RELEASE_HOOKS: list = []  # callables run first by release_shared_buffers (e.g. dropping CUDA graphs)
+
+
+def on_release(fn) -> None:
+    """Run ``fn()`` at the start of every :func:`release_shared_buffers` (once per ``fn``)."""
+    if fn not in _RELEASE_HOOKS:
+        _RELEASE_HOOKS.append(fn)
+
+
 def release_shared_buffers() -> int:
     """Drop every buffer :func:`shared_buffer` holds (and with it the process groups they
-    reference); returns how many. Call it before ``dist.destroy_process_group()``: a cached
-    buffer otherwise keeps its group (and, on GPUs, its symmetric memory) alive until the
-    interpreter exits. Layers that still hold a buffer keep it; the next new layer makes a
-    fresh one."""
+    reference) and, first, every captured CUDA graph of the fused strategies (a graph with a
+    captured NCCL collective makes ``ncclCommDestroy`` wait forever: pytorch/pytorch#115388;
+    2× H200, docs/benchmarks.md run 151); returns how many buffers. Call it before
+    ``dist.destroy_process_group()``: a cached buffer otherwise keeps its group (and, on GPUs,
+    its symmetric memory) alive until the interpreter exits. Layers that still hold a buffer
+    keep it; the next new layer makes a fresh one, and the next call of a layer captures its
+    graphs again."""
+    for fn in _RELEASE_HOOKS:
+        fn()
     n = len(_CACHE)
     _CACHE.clear()
     return n
