@@ -17,13 +17,15 @@ memory), ``staged`` on other process groups (gloo in CI: the same kernels, with 
 moving the staged regions between the kernel phases).
 
 Training (a call that builds an autograd graph). ``train_path`` says what such a call runs:
-* ``"sequential"`` (default) runs the ``sequential`` strategy's forward and backward — the
-  fastest measured (2× H200, docs/benchmarks.md run 36: ``"fused"`` below is 0.72–1.01× of it);
+* ``"sequential"`` (default) runs the ``sequential`` strategy's forward and backward;
 * ``"fused"`` (``"fused:train"``) runs the fused kernels forward *and* backward
   (:mod:`interlace.strategies.fused_train`: the backward's dispatch is the forward's combine and
   vice versa, the same two kernels with their roles swapped, weight gradients by the expert
-  kernels' weight-gradient kernel). Its backward GEMMs are the Triton kernels, slower than
-  CUTLASS's on the GEMM-bound shapes, and it keeps more activation memory;
+  kernels' weight-gradient kernel). With CUDA graphs (below) it is 1.10–1.23× ``sequential``
+  on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–8192 tokens (2× H200, docs/benchmarks.md
+  run 151) and 0.93–1.02× on the GEMM-bound mixtral-8x7b, phi3.5-moe and dsv3-like; it keeps
+  more activation memory (up to 1.4× ``sequential``'s peak). ``auto`` picks it per shape from
+  the measured profile;
 * ``"recompute"`` (``"fused:recompute"``) runs the fused kernels forward, saves only the
   layer's inputs, and recomputes the forward through ``sequential`` in the backward
   (activation checkpointing: less activation memory, one extra forward of time).
@@ -58,6 +60,15 @@ graph (least recently used dropped); a capture synchronizes the device once, so 
 cycles through more token counts than that pays a sync per returning T — use ``"fused:eager"``
 there. Inside a caller's own CUDA-graph capture the kernels run eagerly (and are captured by
 the caller). The error record is checked after every replay.
+``fused:train`` does the same for training calls (:class:`~interlace.strategies.fused_train.TrainGraph`):
+the forward and the backward up to the weight gradients are captured per token count; the
+saved state lives in the graph's buffers, so while one call's backward is pending, other
+calls with that token count run eagerly. Eager, that call was bound by the host (2× H200,
+run 150: 3.3–4.3 ms of host work per qwen2-moe/flashdmoe-cfg/qwen3-30b-a3b 4096 step against
+2.8–3.8 ms of kernels); replayed, its host time is 1.6–2.1 ms (run 151).
+Before ``dist.destroy_process_group()`` call :func:`interlace.transport.release_shared_buffers`:
+it drops every captured graph, since a live graph with a captured NCCL collective makes the
+communicator's destruction wait forever.
 """
 
 from __future__ import annotations
