@@ -354,6 +354,7 @@ class FusedTrain(torch.autograd.Function):
         if graph is None:
             state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down)
             ctx.lease, out = None, state.out
+            state.out = None  # ctx keeps the state: holding the output too would be a reference cycle
         else:
             state = graph.forward(strategy, x, topk_idx, topk_weight, w_up, w_down)
             ctx.lease, out = graph.lease(), state.out.clone()  # the static output: the next replay rewrites it
