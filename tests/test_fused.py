@@ -843,7 +843,7 @@ def test_fused_train_graphs_match_eager_and_never_share_buffers():
     from cases import make_inputs
     from test_distributed import CONFIGS
 
-    from interlace.strategies.fused_train import EagerRecorder
+    from interlace.strategies.graphs import EagerRecorder
 
     cfg = CONFIGS["swiglu"]
     xs, gs = make_inputs(cfg, [11, 11, 11, 11], seed=4)
@@ -868,7 +868,7 @@ def test_fused_train_graph_freed_by_a_forward_without_backward():
     from test_distributed import CONFIGS
 
     from interlace import MoELayer
-    from interlace.strategies.fused_train import EagerRecorder
+    from interlace.strategies.graphs import EagerRecorder
 
     cfg = CONFIGS["swiglu"]
     xs, gs = make_inputs(cfg, [9], seed=5)
@@ -895,7 +895,7 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
     from cases import make_inputs
     from test_distributed import CONFIGS
 
-    from interlace.strategies.fused_train import EagerRecorder
+    from interlace.strategies.graphs import EagerRecorder
     from interlace.transport import release_shared_buffers
 
     cfg = CONFIGS["swiglu"]
@@ -926,3 +926,47 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
     assert layer.strategy._train_graphs[10].bwd is not None  # captured again after the release
     for want, have in zip(eager, got):
         assert all(torch.equal(a, b) for a, b in zip(want[1:], have[1:])), f"call with input {want[0]}"
+
+
+def test_graph_recorder_keeps_collectives_out_of_the_graphs():
+    """A capture is cut at each collective: the graphs (fakes here) hold the kernels between
+    collectives, sharing one memory pool, and a replay runs them and the collectives in the
+    order of the call. Outside a capture a collective runs at once."""
+    from interlace.strategies.graphs import CudaGraphRecorder, collective
+
+    log = []
+
+    class FakeGraph:
+        made = 0
+
+        def __init__(self):
+            FakeGraph.made += 1
+            self.id = FakeGraph.made
+
+        def capture_begin(self, pool=None):
+            log.append(("begin", self.id, pool))
+
+        def capture_end(self):
+            log.append(("end", self.id))
+
+        def replay(self):
+            log.append(("replay", self.id))
+
+    def body():
+        log.append("kernel a")
+        collective(lambda: log.append("all_gather"))
+        log.append("kernel b")
+        collective(lambda: log.append("all_reduce"))
+        log.append("kernel c")
+        return "out"
+
+    rec = CudaGraphRecorder(new_graph=FakeGraph, new_pool=lambda: "pool")
+    assert rec.capture(body, "cpu") == "out"
+    assert log == [("begin", 1, "pool"), "kernel a", ("end", 1), ("begin", 2, "pool"), "kernel b", ("end", 2),
+                   ("begin", 3, "pool"), "kernel c", ("end", 3)]
+    log.clear()
+    rec.replay()
+    assert log == [("replay", 1), "all_gather", ("replay", 2), "all_reduce", ("replay", 3)]
+    log.clear()
+    collective(lambda: log.append("now"))
+    assert log == ["now"]

@@ -90,6 +90,7 @@ from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.timeline import CLOCK_GPU, CLOCK_LOGICAL, TimelineBuffer, layer_capacities
 from interlace.ops.rows import _INTERPRET
 from interlace.strategies.base import Strategy, register_strategy
+from interlace.strategies.graphs import CudaGraphRecorder, collective
 from interlace.strategies.sequential import SequentialStrategy
 from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 
@@ -513,7 +514,7 @@ class FusedStrategy(Strategy):
         eagerly: CUDA graphs off or impossible here, the first training call with this token
         count (it compiles the kernels), or that count's graph still held by a call whose
         backward has not run."""
-        from interlace.strategies.fused_train import CudaGraphRecorder, TrainGraph
+        from interlace.strategies.fused_train import TrainGraph
 
         recorder = self.graph_recorder
         if recorder is None:
@@ -553,10 +554,8 @@ class FusedStrategy(Strategy):
             if entry is not None or len(self._graphs) >= MAX_GRAPHS:  # free before capturing anew
                 del self._graphs[T if entry is not None else next(iter(self._graphs))]
             static = (x.clone(), topk_idx.clone(), topk_weight.clone())
-            graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize(x.device)
-            with torch.cuda.graph(graph):
-                out = self._forward_kernels(*static, w_up, w_down)
+            graph = CudaGraphRecorder()  # the count exchange runs eagerly between its two segments
+            out = graph.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device)
             entry = self._graphs[T] = (graph, static, out, weights)
             # Capture records the work without running it: replay it below like any later call.
         self._graphs.move_to_end(T)
@@ -581,7 +580,8 @@ class FusedStrategy(Strategy):
         does not start with the count exchange (the backward): no peer writes into this rank's
         shared buffers for it until this rank is done with its previous use of them."""
         if self.ep.world > 1:
-            dist.all_reduce(torch.zeros(1, device=self.ep.collective_device()), group=self.ep.group)
+            token = torch.zeros(1, device=self.ep.collective_device())
+            collective(lambda: dist.all_reduce(token, group=self.ep.group))  # eager between graph segments
 
     def _check_errors(self) -> None:
         """After the kernels: a timed-out wait raises (on the symmetric transport at the next
@@ -606,7 +606,8 @@ class FusedStrategy(Strategy):
         if ep.world > 1:
             # Device collective, no host sync; also orders this call after every rank's
             # previous call (buffers are reused only once all peers are done with them).
-            dist.all_gather_into_tensor(counts_all, kept.to(torch.int32), group=ep.group)
+            kept32 = kept.to(torch.int32)
+            collective(lambda: dist.all_gather_into_tensor(counts_all, kept32, group=ep.group))
         else:
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
