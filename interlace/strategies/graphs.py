@@ -67,7 +67,12 @@ class CudaGraphRecorder:
 
     def _begin(self) -> None:
         self._graph = self._new_graph()
-        self._graph.capture_begin(pool=self._pool)
+        if self._new_graph is torch.cuda.CUDAGraph:
+            # "thread_local": a call another thread makes meanwhile (NCCL's watchdog querying
+            # the events of an eager collective) must not invalidate this capture.
+            self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+        else:
+            self._graph.capture_begin(pool=self._pool)
 
     def _end(self) -> None:
         with warnings.catch_warnings():  # a segment of a rank with no tokens may hold no kernel
