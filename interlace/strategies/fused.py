@@ -490,7 +490,7 @@ class FusedStrategy(Strategy):
             return FusedTrain.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if training:
             return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
-        if self.cuda_graph and self._graphable():
+        if self.cuda_graph and self._graphable() and x.shape[0] > 0:
             return self._graph_forward(x, topk_idx, topk_weight, w_up, w_down)
         return self._forward(x, topk_idx, topk_weight, w_up, w_down)
 
@@ -524,6 +524,8 @@ class FusedStrategy(Strategy):
         elif getattr(self, "profile_phases", False) or self.engine.timeline is not None:
             return None
         T = x.shape[0]
+        if T == 0:  # nothing to save on an empty batch (and its captures would hold empty segments)
+            return None
         weights = (w_up.data_ptr(), w_down.data_ptr())
         entry = self._train_graphs.get(T)
         if entry is not None and entry.owner is not None:
