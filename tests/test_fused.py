@@ -928,45 +928,25 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
         assert all(torch.equal(a, b) for a, b in zip(want[1:], have[1:])), f"call with input {want[0]}"
 
 
-def test_graph_recorder_keeps_collectives_out_of_the_graphs():
-    """A capture is cut at each collective: the graphs (fakes here) hold the kernels between
-    collectives, sharing one memory pool, and a replay runs them and the collectives in the
-    order of the call. Outside a capture a collective runs at once."""
-    from interlace.strategies.graphs import CudaGraphRecorder, collective
+def test_destroy_process_group_drops_the_fused_graphs_first(monkeypatch):
+    """Once a fused strategy captures a graph, ``torch.distributed.destroy_process_group`` drops
+    every fused graph before it destroys the group (a live graph with a captured NCCL
+    collective would keep the communicator's destruction waiting forever); installed once."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    log = []
+    import interlace.strategies.fused as fused
 
-    class FakeGraph:
-        made = 0
+    calls = []
 
-        def __init__(self):
-            FakeGraph.made += 1
-            self.id = FakeGraph.made
+    def fake_destroy(group=None):
+        calls.append(("destroy", group))
 
-        def capture_begin(self, pool=None):
-            log.append(("begin", self.id, pool))
-
-        def capture_end(self):
-            log.append(("end", self.id))
-
-        def replay(self):
-            log.append(("replay", self.id))
-
-    def body():
-        log.append("kernel a")
-        collective(lambda: log.append("all_gather"))
-        log.append("kernel b")
-        collective(lambda: log.append("all_reduce"))
-        log.append("kernel c")
-        return "out"
-
-    rec = CudaGraphRecorder(new_graph=FakeGraph, new_pool=lambda: "pool")
-    assert rec.capture(body, "cpu") == "out"
-    assert log == [("begin", 1, "pool"), "kernel a", ("end", 1), ("begin", 2, "pool"), "kernel b", ("end", 2),
-                   ("begin", 3, "pool"), "kernel c", ("end", 3)]
-    log.clear()
-    rec.replay()
-    assert log == [("replay", 1), "all_gather", ("replay", 2), "all_reduce", ("replay", 3)]
-    log.clear()
-    collective(lambda: log.append("now"))
-    assert log == ["now"]
+    monkeypatch.setattr(dist, "destroy_process_group", fake_destroy)
+    monkeypatch.setattr(distributed_c10d, "destroy_process_group", fake_destroy)
+    monkeypatch.setattr(fused, "release_graphs", lambda: calls.append("release") or 0)
+    fused.guard_destroy_process_group()
+    fused.guard_destroy_process_group()  # idempotent
+    assert distributed_c10d.destroy_process_group is dist.destroy_process_group
+    dist.destroy_process_group("g")
+    assert calls == ["release", ("destroy", "g")]

@@ -90,7 +90,7 @@ from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.timeline import CLOCK_GPU, CLOCK_LOGICAL, TimelineBuffer, layer_capacities
 from interlace.ops.rows import _INTERPRET
 from interlace.strategies.base import Strategy, register_strategy
-from interlace.strategies.graphs import CudaGraphRecorder, collective
+from interlace.strategies.graphs import CudaGraphRecorder
 from interlace.strategies.sequential import SequentialStrategy
 from interlace.transport.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 
@@ -109,6 +109,33 @@ def release_graphs() -> int:
 
 
 on_release(release_graphs)
+
+
+def guard_destroy_process_group() -> None:
+    """Make ``torch.distributed.destroy_process_group`` drop interlace's CUDA graphs first.
+
+    A live graph with a captured NCCL collective keeps ``ncclCommDestroy`` waiting forever
+    (pytorch/pytorch#115388; run 151): a script that destroys its group while a layer still
+    holds a graph would hang at exit. Installed once, at a strategy's first capture. A
+    reference to the function taken before that (``from torch.distributed import
+    destroy_process_group``) is not covered: call :func:`interlace.transport.release_shared_buffers`
+    before it, which also frees the buffers."""
+    from torch.distributed import distributed_c10d
+
+    current = dist.destroy_process_group
+    if getattr(current, "interlace_releases_graphs", False):
+        return
+
+    def destroy_process_group(*args, **kwargs):
+        release_graphs()
+        return current(*args, **kwargs)
+
+    destroy_process_group.__doc__ = current.__doc__
+    destroy_process_group.__wrapped__ = current
+    destroy_process_group.interlace_releases_graphs = True
+    dist.destroy_process_group = destroy_process_group
+    if distributed_c10d.destroy_process_group is current:
+        distributed_c10d.destroy_process_group = destroy_process_group
 
 TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
@@ -541,6 +568,8 @@ class FusedStrategy(Strategy):
                 if idle is None:
                     return None
                 del self._train_graphs[idle]
+            if recorder is CudaGraphRecorder:
+                guard_destroy_process_group()
             entry = self._train_graphs[T] = TrainGraph(weights, recorder)
         self._train_graphs.move_to_end(T)
         return entry
@@ -556,7 +585,8 @@ class FusedStrategy(Strategy):
             if entry is not None or len(self._graphs) >= MAX_GRAPHS:  # free before capturing anew
                 del self._graphs[T if entry is not None else next(iter(self._graphs))]
             static = (x.clone(), topk_idx.clone(), topk_weight.clone())
-            graph = CudaGraphRecorder()  # the count exchange runs eagerly between its two segments
+            guard_destroy_process_group()
+            graph = CudaGraphRecorder()
             out = graph.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device)
             entry = self._graphs[T] = (graph, static, out, weights)
             # Capture records the work without running it: replay it below like any later call.
@@ -582,8 +612,7 @@ class FusedStrategy(Strategy):
         does not start with the count exchange (the backward): no peer writes into this rank's
         shared buffers for it until this rank is done with its previous use of them."""
         if self.ep.world > 1:
-            token = torch.zeros(1, device=self.ep.collective_device())
-            collective(lambda: dist.all_reduce(token, group=self.ep.group))  # eager between graph segments
+            dist.all_reduce(torch.zeros(1, device=self.ep.collective_device()), group=self.ep.group)
 
     def _check_errors(self) -> None:
         """After the kernels: a timed-out wait raises (on the symmetric transport at the next
@@ -608,8 +637,7 @@ class FusedStrategy(Strategy):
         if ep.world > 1:
             # Device collective, no host sync; also orders this call after every rank's
             # previous call (buffers are reused only once all peers are done with them).
-            kept32 = kept.to(torch.int32)
-            collective(lambda: dist.all_gather_into_tensor(counts_all, kept32, group=ep.group))
+            dist.all_gather_into_tensor(counts_all, kept.to(torch.int32), group=ep.group)
         else:
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
