@@ -66,9 +66,11 @@ saved state lives in the graph's buffers, so while one call's backward is pendin
 calls with that token count run eagerly. Eager, that call was bound by the host (2× H200,
 run 150: 3.3–4.3 ms of host work per qwen2-moe/flashdmoe-cfg/qwen3-30b-a3b 4096 step against
 2.8–3.8 ms of kernels); replayed, its host time is 1.6–2.1 ms (run 151).
-Before ``dist.destroy_process_group()`` call :func:`interlace.transport.release_shared_buffers`:
-it drops every captured graph, since a live graph with a captured NCCL collective makes the
-communicator's destruction wait forever.
+A live graph with a captured NCCL collective makes the communicator's destruction wait forever
+(run 151), so once a strategy captures, ``dist.destroy_process_group`` is wrapped to drop every
+fused graph first (:func:`guard_destroy_process_group`); call
+:func:`interlace.transport.release_shared_buffers` before it as well (it drops the graphs and the
+buffers, and covers a ``destroy_process_group`` imported before the wrapping).
 """
 
 from __future__ import annotations

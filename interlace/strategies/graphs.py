@@ -19,7 +19,7 @@ class CudaGraphRecorder:
     (pytorch/pytorch#115388; 2× H200, docs/benchmarks.md run 151), so
     :func:`interlace.transport.release_shared_buffers` drops every graph first and must run
     before ``destroy_process_group()``. (Keeping the collectives out, as eager steps between
-    graph segments, invalidated backward captures now and then on 2× H200: run 153.)"""
+    graph segments, invalidated backward captures now and then on 2× H200: runs 154–156.)"""
 
     def capture(self, fn, device):
         self.graph = torch.cuda.CUDAGraph()

@@ -269,9 +269,11 @@ def release_shared_buffers() -> int:
     captured NCCL collective makes ``ncclCommDestroy`` wait forever: pytorch/pytorch#115388;
     2× H200, docs/benchmarks.md run 151); returns how many buffers. Call it before
     ``dist.destroy_process_group()``: a cached buffer otherwise keeps its group (and, on GPUs,
-    its symmetric memory) alive until the interpreter exits. Layers that still hold a buffer
-    keep it; the next new layer makes a fresh one, and the next call of a layer captures its
-    graphs again."""
+    its symmetric memory) alive until the interpreter exits. (``destroy_process_group`` itself
+    drops the graphs too once a fused strategy has captured one, see
+    :func:`interlace.strategies.fused.guard_destroy_process_group`.) Layers that still hold a
+    buffer keep it; the next new layer makes a fresh one, and the next call of a layer captures
+    its graphs again."""
     for fn in _RELEASE_HOOKS:
         fn()
     n = len(_CACHE)
