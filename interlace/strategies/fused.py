@@ -21,8 +21,8 @@ Training (a call that builds an autograd graph). ``train_path`` says what such a
 * ``"fused"`` (``"fused:train"``) runs the fused kernels forward *and* backward
   (:mod:`interlace.strategies.fused_train`: the backward's dispatch is the forward's combine and
   vice versa, the same two kernels with their roles swapped, weight gradients by the expert
-  kernels' weight-gradient kernel). With CUDA graphs (below) it is 1.10–1.23× ``sequential``
-  on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–8192 tokens (2× H200, docs/benchmarks.md
+  kernels' weight-gradient kernel). With CUDA graphs (below) it is 1.05–1.23× ``sequential``
+  on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–16384 tokens (2× H200, docs/benchmarks.md
   run 151) and 0.93–1.02× on the GEMM-bound mixtral-8x7b, phi3.5-moe and dsv3-like; it keeps
   more activation memory (up to 1.4× ``sequential``'s peak). ``auto`` picks it per shape from
   the measured profile;
@@ -138,6 +138,7 @@ def guard_destroy_process_group() -> None:
     dist.destroy_process_group = destroy_process_group
     if distributed_c10d.destroy_process_group is current:
         distributed_c10d.destroy_process_group = destroy_process_group
+
 
 TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
