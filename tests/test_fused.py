@@ -950,3 +950,54 @@ def test_destroy_process_group_drops_the_fused_graphs_first(monkeypatch):
     assert distributed_c10d.destroy_process_group is dist.destroy_process_group
     dist.destroy_process_group("g")
     assert calls == ["release", ("destroy", "g")]
+
+
+def test_fused_train_graph_eviction_skips_held_graphs_and_new_weights_recapture(monkeypatch):
+    """With room for one graph: a second token count runs eagerly while the first count's graph
+    holds a pending call's state, and evicts it once that call's backward has run; replacing a
+    weight tensor (not an in-place update) captures anew. Every call bitwise as on the eager path."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    import interlace.strategies.fused as fused
+    from interlace import MoELayer
+    from interlace.strategies.graphs import EagerRecorder
+
+    monkeypatch.setattr(fused, "MAX_GRAPHS", 1)
+    cfg = CONFIGS["swiglu"]
+    xs, gs = make_inputs(cfg, [8, 9, 8, 9], seed=7)
+    layers = [MoELayer(cfg, strategy="fused:train", seed=11, device="cpu", strategy_options={"max_tokens": 9})
+              for _ in range(2)]
+    layers[1].strategy.graph_recorder = EagerRecorder
+    st = layers[1].strategy
+
+    def step(layer, i, backward=True):
+        x = xs[i].clone().requires_grad_()
+        out = layer(x)
+        if not backward:
+            return x, out
+        layer.zero_grad(set_to_none=True)
+        out.backward(gs[i])
+        return out.detach(), x.grad, layer.experts.w_up.grad, layer.experts.w_down.grad
+
+    def same(a, b):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+    for i in (0, 1, 0, 1):  # both token counts seen (eager), then T = 8 captured; T = 9 needs the one slot
+        same(step(layers[0], i), step(layers[1], i))
+    assert list(st._train_graphs) == [9]  # T = 9 evicted the idle T = 8 graph
+    held_x, held = step(layers[1], 2, backward=False)  # T = 8: captured again, held until its backward
+    assert list(st._train_graphs) == [8] and st._train_graphs[8].owner is not None
+    same(step(layers[0], 3), step(layers[1], 3))  # T = 9: the slot is held, so eagerly
+    assert list(st._train_graphs) == [8]
+    layers[1].zero_grad(set_to_none=True)
+    held.backward(gs[2])
+    x0 = xs[2].clone().requires_grad_()
+    layers[0].zero_grad(set_to_none=True)
+    layers[0](x0).backward(gs[2])
+    same((held_x.grad, layers[1].experts.w_up.grad), (x0.grad, layers[0].experts.w_up.grad))
+    first = st._train_graphs[8]
+    for layer in layers:  # new weight tensors with the same values
+        layer.experts.w_up = torch.nn.Parameter(layer.experts.w_up.detach().clone())
+    same(step(layers[0], 0), step(layers[1], 0))
+    assert st._train_graphs[8] is not first and st._train_graphs[8].fwd is not None
