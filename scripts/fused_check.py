@@ -445,7 +445,7 @@ def step_graph(env, args, log):
                     layer.strategy = graph
                     captured = graph._graphs.get(tokens)
                     if captured is not None:  # a replay must rewrite every row of its static output
-                        captured[2].fill_(float("nan"))
+                        captured.out.fill_(float("nan"))
                     alloc.poison(i != 1)  # not while capturing: the fills would be part of the graph
                     out = layer(x, expert_indices=idx)
                     alloc.poison(False)

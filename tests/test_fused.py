@@ -1001,3 +1001,29 @@ def test_fused_train_graph_eviction_skips_held_graphs_and_new_weights_recapture(
         layer.experts.w_up = torch.nn.Parameter(layer.experts.w_up.detach().clone())
     same(step(layers[0], 0), step(layers[1], 0))
     assert st._train_graphs[8] is not first and st._train_graphs[8].fwd is not None
+
+
+def test_fused_inference_graphs_match_eager():
+    """Inference calls through the graph path (:class:`EagerRecorder` on the CPU): the first call
+    with a token count eager, then capture and replays, then new weight tensors capture anew;
+    every output bitwise as on the eager path."""
+    from cases import make_inputs
+    from test_distributed import CONFIGS
+
+    from interlace import MoELayer
+    from interlace.strategies.graphs import EagerRecorder
+
+    cfg = CONFIGS["swiglu"]
+    xs, _ = make_inputs(cfg, [10, 10, 10, 10, 10], seed=8)
+    layers = [MoELayer(cfg, strategy="fused", seed=11, device="cpu") for _ in range(2)]
+    layers[1].strategy.graph_recorder = EagerRecorder
+    with torch.no_grad():
+        for i in range(5):
+            if i == 4:
+                for layer in layers:
+                    layer.experts.w_down = torch.nn.Parameter(layer.experts.w_down.detach().clone())
+            want, have = layers[0](xs[i]), layers[1](xs[i])
+            assert torch.equal(want, have), f"call {i}"
+            if i == 3:
+                first = layers[1].strategy._graphs[10]
+    assert layers[1].strategy._graphs[10] is not first and not layers[0].strategy._graphs

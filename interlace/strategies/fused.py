@@ -272,6 +272,19 @@ def default_split(num_programs: int) -> tuple[int, int]:
 
 
 @dataclass
+class ForwardGraph:
+    """One token count's captured inference call: its recorder, static inputs (x, expert
+    indices, routing weights) and static output, and the weights' addresses it was captured
+    with. Nothing holds it between calls (``owner`` is always None)."""
+
+    weights: tuple
+    recorder: object
+    static: tuple
+    out: torch.Tensor
+    owner = None
+
+
+@dataclass
 class FusedCall:
     """One rank's state of one call between the kernel phases."""
 
@@ -423,7 +436,7 @@ class FusedStrategy(Strategy):
                  train_path: str = "sequential", cuda_graph: bool = True):
         super().__init__(config, ep)
         self.cuda_graph = bool(cuda_graph)
-        self._graphs: OrderedDict = OrderedDict()  # T → (CUDAGraph, static inputs, static output, weights)
+        self._graphs: OrderedDict = OrderedDict()  # T → ForwardGraph (inference calls)
         self._graph_seen: set = set()
         # fused:train's graphs: T → TrainGraph; token counts seen by an eager forward / backward.
         self._train_graphs: OrderedDict = OrderedDict()
@@ -520,8 +533,9 @@ class FusedStrategy(Strategy):
             return FusedTrain.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if training:
             return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
-        if self.cuda_graph and self._graphable() and x.shape[0] > 0:
-            return self._graph_forward(x, topk_idx, topk_weight, w_up, w_down)
+        recorder = self._recorder(x)
+        if recorder is not None:
+            return self._graph_forward(x, topk_idx, topk_weight, w_up, w_down, recorder)
         return self._forward(x, topk_idx, topk_weight, w_up, w_down)
 
     def _graphable(self) -> bool:
@@ -539,68 +553,72 @@ class FusedStrategy(Strategy):
         self._train_graphs.clear()
         return n
 
-    def _train_graph(self, x, w_up, w_down):
-        """This call's :class:`~interlace.strategies.fused_train.TrainGraph`, or None to run
-        eagerly: CUDA graphs off or impossible here, the first training call with this token
-        count (it compiles the kernels), or that count's graph still held by a call whose
-        backward has not run."""
-        from interlace.strategies.fused_train import TrainGraph
+    def _recorder(self, x):
+        """The graph recorder for this call, or None to run it eagerly (CUDA graphs off or
+        impossible here, or an empty batch: nothing to gain). Tests set ``graph_recorder``."""
+        if x.shape[0] == 0 or getattr(self, "profile_phases", False) or self.engine.timeline is not None:
+            return None
+        if self.graph_recorder is not None:
+            return self.graph_recorder
+        if not (self.cuda_graph and self._graphable()):
+            return None
+        guard_destroy_process_group()
+        return CudaGraphRecorder
 
-        recorder = self.graph_recorder
-        if recorder is None:
-            if not (self.cuda_graph and self._graphable()):
-                return None
-            recorder = CudaGraphRecorder
-        elif getattr(self, "profile_phases", False) or self.engine.timeline is not None:
-            return None
-        T = x.shape[0]
-        if T == 0:  # nothing to save on an empty batch (and its captures would hold empty segments)
-            return None
-        weights = (w_up.data_ptr(), w_down.data_ptr())
-        entry = self._train_graphs.get(T)
+    def _graph_entry(self, table: OrderedDict, seen: set, T: int, weights: tuple, make):
+        """Token count T's graph in ``table`` (least recently used first), made by ``make()``
+        when there is none for these weights, or None to run eagerly: the first call with T
+        (it compiles the kernels and warms NCCL), T's graph held by a call whose backward has
+        not run (``owner``), or no room that an idle graph could free."""
+        entry = table.get(T)
         if entry is not None and entry.owner is not None:
             return None
         if entry is None or entry.weights != weights:
-            if T not in self._train_seen:
-                self._train_seen.add(T)
+            if T not in seen:
+                seen.add(T)
                 return None
             if entry is not None:
-                del self._train_graphs[T]
-            while len(self._train_graphs) >= MAX_GRAPHS:  # drop the least recently used idle one
-                idle = next((t for t, e in self._train_graphs.items() if e.owner is None), None)
+                del table[T]
+            while len(table) >= MAX_GRAPHS:  # drop the least recently used idle one
+                idle = next((t for t, e in table.items() if e.owner is None), None)
                 if idle is None:
                     return None
-                del self._train_graphs[idle]
-            if recorder is CudaGraphRecorder:
-                guard_destroy_process_group()
-            entry = self._train_graphs[T] = TrainGraph(weights, recorder)
-        self._train_graphs.move_to_end(T)
+                del table[idle]
+            entry = table[T] = make()
+        table.move_to_end(T)
         return entry
 
-    def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down):
-        T = x.shape[0]
+    def _train_graph(self, x, w_up, w_down):
+        """This training call's :class:`~interlace.strategies.fused_train.TrainGraph`, or None
+        to run it eagerly (:meth:`_recorder`, :meth:`_graph_entry`)."""
+        from interlace.strategies.fused_train import TrainGraph
+
+        recorder = self._recorder(x)
+        if recorder is None:
+            return None
         weights = (w_up.data_ptr(), w_down.data_ptr())
-        entry = self._graphs.get(T)
-        if entry is None or entry[3] != weights:
-            if T not in self._graph_seen:  # first call with this T: eager (compiles, warms NCCL)
-                self._graph_seen.add(T)
-                return self._forward(x, topk_idx, topk_weight, w_up, w_down)
-            if entry is not None or len(self._graphs) >= MAX_GRAPHS:  # free before capturing anew
-                del self._graphs[T if entry is not None else next(iter(self._graphs))]
+        return self._graph_entry(self._train_graphs, self._train_seen, x.shape[0], weights,
+                                 lambda: TrainGraph(weights, recorder))
+
+    def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down, recorder):
+        weights = (w_up.data_ptr(), w_down.data_ptr())
+
+        def capture():
             static = (x.clone(), topk_idx.clone(), topk_weight.clone())
-            guard_destroy_process_group()
-            graph = CudaGraphRecorder()
-            out = graph.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device)
-            entry = self._graphs[T] = (graph, static, out, weights)
-            # Capture records the work without running it: replay it below like any later call.
-        self._graphs.move_to_end(T)
-        graph, (sx, sidx, sw), out, _ = entry
+            rec = recorder()
+            out = rec.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device)
+            return ForwardGraph(weights, rec, static, out)
+
+        entry = self._graph_entry(self._graphs, self._graph_seen, x.shape[0], weights, capture)
+        if entry is None:
+            return self._forward(x, topk_idx, topk_weight, w_up, w_down)
+        sx, sidx, sw = entry.static
         sx.copy_(x)
         sidx.copy_(topk_idx)
         sw.copy_(topk_weight)
-        graph.replay()
-        self._record_error_check()
-        return out.clone()  # the static output is overwritten by the next replay
+        entry.recorder.replay()  # (after a capture too: capture records the work without running it)
+        self._check_errors()
+        return entry.out.clone()  # the static output is overwritten by the next replay
 
     def recompute(self, x, topk_idx, topk_weight, w_up, w_down):
         return self._recompute(x, topk_idx, topk_weight, w_up, w_down)
