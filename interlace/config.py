@@ -16,9 +16,11 @@ import torch
 
 Activation = Literal["swiglu", "gelu", "relu"]
 RouterKind = Literal["softmax", "sigmoid"]
+RouterGemm = Literal["input", "router"]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu", "relu")
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
+ROUTER_GEMMS: tuple[str, ...] = ("input", "router")
 # Activation / weight dtypes the fast paths support. fp64 is for references and CPU tests.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
@@ -49,7 +51,15 @@ class MoEConfig:
         aux_loss_coef: weight of the Switch-style load-balancing loss ``E * sum_e f_e * P_e``
             computed over this rank's tokens; 0 disables it.
         dtype: dtype of the expert weights and the activations the layer takes.
-        router_dtype: dtype of the router weights and the routing computation.
+        router_dtype: dtype of the router weights, the logits and the routing computation.
+        router_gemm: operands of the router's logits GEMM ``x @ W_router^T``. ``"input"``: in
+            the activations' dtype when that is 16-bit (the weight is rounded to it; products
+            accumulate and the logits come out in ``router_dtype``; the backward rounds the
+            logits' gradient to that dtype too), so the GEMM runs on tensor cores as the
+            experts' do. ``"router"``: in ``router_dtype`` (the activations converted up): an
+            fp32 GEMM, which on dsv3-like 8192 tokens took 0.62 ms plus 0.18 ms for the
+            conversion, about 6% of the fused layer (2× H200, run 160). With fp32/fp64
+            activations the two are the same.
         source: where the shape comes from (for presets).
     """
 
@@ -65,6 +75,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     dtype: torch.dtype = torch.bfloat16
     router_dtype: torch.dtype = torch.float32
+    router_gemm: RouterGemm = "input"
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -91,6 +102,8 @@ class MoEConfig:
             raise TypeError(f"unsupported dtype {self.dtype}; choose one of {SUPPORTED_DTYPES}")
         if not isinstance(self.router_dtype, torch.dtype) or self.router_dtype not in ROUTER_DTYPES:
             raise TypeError(f"unsupported router_dtype {self.router_dtype}; choose one of {ROUTER_DTYPES}")
+        if self.router_gemm not in ROUTER_GEMMS:
+            raise ValueError(f"unsupported router_gemm {self.router_gemm!r}; choose one of {ROUTER_GEMMS}")
         if self.capacity_factor is not None:
             if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)):
                 raise TypeError("capacity_factor must be a number or None")

@@ -3,6 +3,8 @@ reference, and the auxiliary load-balancing loss."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -24,6 +26,75 @@ def topk_weights(scores: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig
     if config.route_scale != 1.0:
         weight = weight * config.route_scale
     return weight
+
+
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+
+
+def router_operand_dtype(config: MoEConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the router GEMM's operands (``MoEConfig.router_gemm``) for activations of
+    ``x_dtype`` and a router weight of ``weight_dtype``."""
+    if config.router_gemm == "input" and x_dtype in LOW_PRECISION:
+        return x_dtype
+    return weight_dtype
+
+
+_MM_OUT_DTYPE: bool | None = None  # does this torch have torch.mm(..., out_dtype=) on CUDA?
+
+
+def _cuda_mm_out_dtype(a: torch.Tensor, b: torch.Tensor) -> bool:
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is None:
+        try:
+            torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+        except (RuntimeError, TypeError, NotImplementedError) as exc:
+            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) is not available ({exc}); the router GEMM "
+                          "upcasts its rounded operands to fp32 instead (same logits, slower)", stacklevel=3)
+            _MM_OUT_DTYPE = False
+    return _MM_OUT_DTYPE
+
+
+def _mm_accumulate(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands, accumulated and returned in ``out_dtype``: one tensor-core
+    GEMM with an fp32 output on CUDA (``torch.mm(..., out_dtype=)``); elsewhere (CPU, fp64)
+    the same exact products, upcast first."""
+    if a.is_cuda and out_dtype == torch.float32 and a.numel() and b.numel() and _cuda_mm_out_dtype(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(out_dtype) @ b.to(out_dtype)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x @ W^T`` with both operands rounded to a 16-bit dtype and the products accumulated in
+    ``W``'s dtype (``router_gemm="input"``). Backward: the logits' gradient is rounded to the
+    same 16-bit dtype, and both gradient GEMMs accumulate in fp32 (``dW`` in ``W``'s dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, operand_dtype):
+        xo, wo = x.to(operand_dtype), weight.to(operand_dtype)
+        ctx.save_for_backward(xo, wo)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return _mm_accumulate(xo, wo.t(), weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xo, wo = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        go = grad.to(xo.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_accumulate(go, wo, torch.float32 if w_dtype == torch.float32 else w_dtype).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm_accumulate(go.t(), xo, w_dtype)
+        return grad_x, grad_w, None
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, operand_dtype: torch.dtype) -> torch.Tensor:
+    """(T, N) tokens, (E, N) router weight → (T, E) logits in ``weight.dtype``, the GEMM's
+    operands in ``operand_dtype`` (:func:`router_operand_dtype`)."""
+    if operand_dtype == weight.dtype:
+        return x.to(weight.dtype) @ weight.t()
+    return _RouterLogits.apply(x, weight, operand_dtype)
 
 
 class _FusedRouteTopK(torch.autograd.Function):
@@ -56,6 +127,7 @@ def route(
     config: MoEConfig,
     expert_indices: torch.Tensor | None = None,
     fused: bool = False,
+    operand_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route T tokens to k experts.
 
@@ -66,12 +138,17 @@ def route(
         expert_indices: optional (T, k) forced choice (benchmarks and tests); the weights are
             still the router's scores of those experts, so the router still gets gradients.
         fused: take the one-kernel Triton path (fp32 logits on a Triton device).
+        operand_dtype: dtype of the logits GEMM's operands; None: from ``config.router_gemm``
+            and ``x.dtype`` (:func:`router_operand_dtype`). The fp64 reference passes the
+            layer's, so it rounds the operands as the layer does.
 
     Returns:
         topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in weight.dtype,
         logits (T, E).
     """
-    logits = x.to(weight.dtype) @ weight.t()
+    if operand_dtype is None:
+        operand_dtype = router_operand_dtype(config, x.dtype, weight.dtype)
+    logits = router_logits(x, weight, operand_dtype)
     if fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits):
         topk_idx, topk_weight = _FusedRouteTopK.apply(logits, expert_bias, config)
         return topk_idx, topk_weight, logits

@@ -17,6 +17,7 @@ BASE = dict(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
         (dict(router="hash"), ValueError, "router"),
         (dict(dtype=torch.int8), TypeError, "dtype"),
         (dict(router_dtype=torch.bfloat16), TypeError, "router_dtype"),
+        (dict(router_gemm="fp8"), ValueError, "router_gemm"),
         (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
         (dict(capacity_factor=-1.5), ValueError, "capacity_factor"),
         (dict(capacity_factor=float("nan")), ValueError, "capacity_factor"),

@@ -135,6 +135,37 @@ def test_fused_router_matches_torch(router, T, E, k):
         assert rel_err(w.grad, w_ref.grad) < 1e-6
 
 
+@pytest.mark.parametrize("T", [0, 37])
+def test_router_gemm_input_rounds_operands_and_logit_grad(T):
+    """router_gemm="input" with bf16 activations: the logits are the products of the
+    bf16-rounded operands accumulated in fp32; the backward rounds the logits' gradient to bf16.
+    "router" is the fp32 GEMM of the unrounded weight, so the two differ."""
+    from interlace import MoEConfig
+    from interlace.routing import route
+
+    cfg = MoEConfig(hidden=64, ffn=8, num_experts=16, top_k=4, dtype=torch.bfloat16)
+    x = torch.randn(T, 64).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(16, 64, requires_grad=True)
+    idx, wt, logits = route(x, w, None, cfg)
+    assert logits.dtype == torch.float32
+    wb = w.detach().to(torch.bfloat16).float()
+    assert torch.allclose(logits, x.detach().float() @ wb.t(), rtol=1e-6, atol=1e-6)
+    g = torch.randn(T, 16)
+    logits.backward(g)
+    gb = g.to(torch.bfloat16).float()
+    assert torch.equal(x.grad, (gb @ wb).to(torch.bfloat16))
+    assert torch.allclose(w.grad, gb.t() @ x.detach().float(), rtol=1e-5, atol=1e-5)
+    if T:
+        full = route(x.detach(), w.detach(), None, cfg.with_(router_gemm="router"))[2]
+        assert torch.allclose(full, x.detach().float() @ w.detach().t(), rtol=1e-6, atol=1e-6)
+        assert not torch.equal(full, logits.detach())
+    # fp32 activations: both settings are the fp32 GEMM
+    x32 = torch.randn(T, 64)
+    cfg32 = cfg.with_(dtype=torch.float32)
+    assert torch.equal(route(x32, w.detach(), None, cfg32)[2],
+                       route(x32, w.detach(), None, cfg32.with_(router_gemm="router"))[2])
+
+
 def test_fused_router_nan_row_gets_valid_distinct_experts():
     from interlace.ops.router_topk import route_topk
 
