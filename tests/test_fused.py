@@ -770,15 +770,17 @@ def test_owner_rows_runs_per_source_and_expert():
     assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
 
 
+@pytest.mark.parametrize("block_t", [None, 2])
 @pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])
-def test_plan_kernel_matches_reference(W, El, me):
-    """The one-program plan kernel against the plain-torch plan, ragged counts with zeros."""
+def test_plan_kernel_matches_reference(W, El, me, block_t):
+    """The plan kernel against the plain-torch plan, ragged counts with zeros; ``block_t=2``:
+    many programs share the tile lists."""
     from interlace.ops.fused_plan import build_plan_reference
 
     gen = torch.Generator().manual_seed(W * 10 + El)
     counts = torch.randint(0, 9, (W, W * El), generator=gen, dtype=torch.int32)
     counts[:, 0] = 0
-    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4)
+    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4, block_t=block_t)
     ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4)
     for name in ("send_count", "send_row0", "send_dst_off", "recv_count", "recv_off", "recv_ret_row0",
                  "recv_local_row0", "tiles_from_source", "sent_rows"):

@@ -126,10 +126,11 @@ def build_plan_reference(counts_all: torch.Tensor, me: int, num_local: int, max_
 
 
 @triton.jit
-def _emit_tiles(tiles2, first2, segid2, total, tile_seg_ptr, tile_idx_ptr, BLOCK_T: tl.constexpr):
-    """Write (segment, tile index) of every tile; segment a·E_l + el has tiles2[a, el] tiles
-    starting at global tile first2[a, el]."""
-    for t0 in range(0, total, BLOCK_T):
+def _emit_tiles(tiles2, first2, segid2, total, tile_seg_ptr, tile_idx_ptr, pid, n_programs, BLOCK_T: tl.constexpr):
+    """Write (segment, tile index) of this program's tiles (blocks of ``BLOCK_T``, every
+    ``n_programs``-th); segment a·E_l + el has tiles2[a, el] tiles starting at global tile
+    first2[a, el]."""
+    for t0 in range(pid * BLOCK_T, total, n_programs * BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t3 = t[:, None, None]
         owns = (first2[None, :, :] <= t3) & (t3 < (first2 + tiles2)[None, :, :])
@@ -155,7 +156,13 @@ def _plan_kernel(
     me, W, E_l,
     BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    # One program; 3-D index (source s, destination d, local expert el).
+    # Every program computes the (small) per-segment tables; program 0 stores them, and the
+    # programs share the tile lists (one program emitting ~1000 tiles took ~100 µs on H200 at
+    # dsv3-like 8192 tokens, run 160, with every later kernel of the call waiting on it).
+    # 3-D index (source s, destination d, local expert el).
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    first = pid == 0
     s3 = tl.arange(0, W_PAD)[:, None, None]
     d3 = tl.arange(0, W_PAD)[None, :, None]
     el3 = tl.arange(0, EL_PAD)[None, None, :]
@@ -175,25 +182,27 @@ def _plan_kernel(
     is_me = s3 == me
     row_me = tl.sum(tl.where(is_me, cnt, 0), axis=0)  # (d, el) rows this rank keeps per expert
     send_cnt = tl.where(a2 == me, 0, row_me)
-    tl.store(out_ptr + segid2, send_cnt, mask=seg_mask)
-    tl.store(out_ptr + E + segid2, tl.sum(tl.where(is_me, start, 0), axis=0), mask=seg_mask)
-    tl.store(out_ptr + 2 * E + segid2, tl.sum(tl.where(is_me, within, 0), axis=0), mask=seg_mask)
+    tl.store(out_ptr + segid2, send_cnt, mask=seg_mask & first)
+    tl.store(out_ptr + E + segid2, tl.sum(tl.where(is_me, start, 0), axis=0), mask=seg_mask & first)
+    tl.store(out_ptr + 2 * E + segid2, tl.sum(tl.where(is_me, within, 0), axis=0), mask=seg_mask & first)
     w1 = tl.arange(0, W_PAD)
-    tl.store(sent_rows_ptr + w1, tl.sum(row_me, axis=1), mask=w1 < W)  # to itself too: it waits on itself
+    tl.store(sent_rows_ptr + w1, tl.sum(row_me, axis=1), mask=(w1 < W) & first)  # to itself too: it waits on itself
     # Receive side: column d = me, rows reordered to j = (s − me) mod W (local source first).
     to_me = d3 == me
     col_cnt = tl.sum(tl.where(to_me, cnt, 0), axis=1)  # (s, el)
     col_within = tl.sum(tl.where(to_me, within, 0), axis=1)
     col_start = tl.sum(tl.where(to_me, start, 0), axis=1)
     tiles_by_source = tl.sum((col_cnt + BLOCK_M - 1) // BLOCK_M, axis=1)
-    tl.store(tiles_from_source_ptr + w1, tiles_by_source, mask=w1 < W)
+    tl.store(tiles_from_source_ptr + w1, tiles_by_source, mask=(w1 < W) & first)
     j3 = tl.arange(0, W_PAD)[:, None, None]
     src_of_j = (j3 + me) % W
     pick = tl.arange(0, W_PAD)[None, :, None] == src_of_j  # (j, s, 1)
     recv_cnt = tl.sum(tl.where(pick, col_cnt[None, :, :], 0), axis=1)
-    tl.store(out_ptr + 3 * E + segid2, recv_cnt, mask=seg_mask)
-    tl.store(out_ptr + 4 * E + segid2, tl.sum(tl.where(pick, col_within[None, :, :], 0), axis=1), mask=seg_mask)
-    tl.store(out_ptr + 5 * E + segid2, tl.sum(tl.where(pick, col_start[None, :, :], 0), axis=1), mask=seg_mask)
+    tl.store(out_ptr + 3 * E + segid2, recv_cnt, mask=seg_mask & first)
+    tl.store(out_ptr + 4 * E + segid2, tl.sum(tl.where(pick, col_within[None, :, :], 0), axis=1),
+             mask=seg_mask & first)
+    tl.store(out_ptr + 5 * E + segid2, tl.sum(tl.where(pick, col_start[None, :, :], 0), axis=1),
+             mask=seg_mask & first)
     # Tile lists. Send tiles by position p with destination (me - 1 - p) mod W (module docstring).
     p3 = tl.arange(0, W_PAD)[:, None, None]
     dest_of_p = (me - 1 - p3 + W) % W  # (p, 1, 1); p < W only (seg_mask below)
@@ -204,17 +213,25 @@ def _plan_kernel(
     recv_tiles = tl.where(seg_mask, (recv_cnt + BLOCK_M - 1) // BLOCK_M, 0)
     n_send = tl.sum(tl.sum(send_tiles, axis=1), axis=0)
     n_recv = tl.sum(tl.sum(recv_tiles, axis=1), axis=0)
-    tl.store(send_num_ptr, n_send)
-    tl.store(recv_num_ptr, n_recv)
-    _emit_tiles(send_tiles, _first_tiles(send_tiles), send_segid, n_send, send_seg_ptr, send_idx_ptr, BLOCK_T)
-    _emit_tiles(recv_tiles, _first_tiles(recv_tiles), segid2, n_recv, recv_seg_ptr, recv_idx_ptr, BLOCK_T)
+    if first:
+        tl.store(send_num_ptr, n_send)
+        tl.store(recv_num_ptr, n_recv)
+    _emit_tiles(send_tiles, _first_tiles(send_tiles), send_segid, n_send, send_seg_ptr, send_idx_ptr, pid, n_programs,
+                BLOCK_T)
+    _emit_tiles(recv_tiles, _first_tiles(recv_tiles), segid2, n_recv, recv_seg_ptr, recv_idx_ptr, pid, n_programs,
+                BLOCK_T)
+
+
+# Most programs of the plan kernel (each emits blocks of tiles; see _plan_kernel).
+PLAN_PROGRAMS = 64
 
 
 def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: int, top_k: int,
-               block_m: int) -> FusedPlan:
+               block_m: int, block_t: int | None = None) -> FusedPlan:
     """The :class:`FusedPlan` of rank ``me`` from every rank's kept counts (W, E) int32: one
-    single-program kernel (the prologue of the fused layer is bound by the host's launch rate,
-    so one launch instead of ~25 small torch ops matters). No host sync."""
+    kernel launch (the prologue of the fused layer is bound by the host's launch rate, so one
+    launch instead of ~25 small torch ops matters). No host sync. ``block_t``: tiles a
+    program emits per step (default: from the padded segment count; tests pass small ones)."""
     if not use_triton(counts_all):
         return build_plan_reference(counts_all, me, num_local, max_tokens, top_k, block_m)
     W, E = counts_all.shape
@@ -235,8 +252,11 @@ def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: in
     recv_seg, recv_idx = flat[o:o + max_recv], flat[o + max_recv:o + 2 * max_recv]
     el_pad = next_power_of_2(num_local)
     w_pad = next_power_of_2(W)
-    block_t = max(1, min(64, 4096 // (w_pad * el_pad)))
-    launch(_plan_kernel, (1,),
+    if block_t is None:
+        block_t = max(1, min(64, 4096 // (w_pad * el_pad)))
+    block_t = next_power_of_2(block_t)
+    programs = max(1, min(PLAN_PROGRAMS, cdiv(max(max_send, max_recv), block_t)))
+    launch(_plan_kernel, (programs,),
         counts_all.to(torch.int32).contiguous(), cols, tiles_from_source, sent_rows,
         send_seg, send_idx, send_num, recv_seg, recv_idx, recv_num,
         me, W, num_local,
