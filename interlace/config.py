@@ -16,11 +16,11 @@ import torch
 
 Activation = Literal["swiglu", "gelu", "relu"]
 RouterKind = Literal["softmax", "sigmoid"]
-RouterGemm = Literal["input", "router"]
+RouterGemm = Literal["split", "input", "upcast"]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu", "relu")
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
-ROUTER_GEMMS: tuple[str, ...] = ("input", "router")
+ROUTER_GEMMS: tuple[str, ...] = ("split", "input", "upcast")
 # Activation / weight dtypes the fast paths support. fp64 is for references and CPU tests.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
@@ -52,14 +52,17 @@ class MoEConfig:
             computed over this rank's tokens; 0 disables it.
         dtype: dtype of the expert weights and the activations the layer takes.
         router_dtype: dtype of the router weights, the logits and the routing computation.
-        router_gemm: operands of the router's logits GEMM ``x @ W_router^T``. ``"input"``: in
-            the activations' dtype when that is 16-bit (the weight is rounded to it; products
-            accumulate and the logits come out in ``router_dtype``; the backward rounds the
-            logits' gradient to that dtype too), so the GEMM runs on tensor cores as the
-            experts' do. ``"router"``: in ``router_dtype`` (the activations converted up): an
-            fp32 GEMM, which on dsv3-like 8192 tokens took 0.62 ms plus 0.18 ms for the
-            conversion, about 6% of the fused layer (2× H200, run 160). With fp32/fp64
-            activations the two are the same.
+        router_gemm: how the router's logits GEMM ``x @ W_router^T`` runs when the activations
+            are 16-bit. ``"split"`` (bf16 activations, fp32 router): one bf16 tensor-core GEMM
+            against the weight's three bf16 pieces (their sum is the fp32 weight exactly), fp32
+            accumulation: the fp32 GEMM's logits up to summation order, at a bf16 GEMM's cost.
+            ``"input"``: both operands rounded to the activations' dtype, fp32 accumulation;
+            the fastest, but the rounded weight changes the top-k of some tokens (with random
+            weights, 7% of dsv3-like's tokens; 2× H200 run 161). ``"upcast"``: the activations
+            converted to ``router_dtype`` and an fp32 (fp64) GEMM. On H200 at dsv3-like 8192
+            tokens that took 0.62 ms plus 0.18 ms for the conversion, about 6% of the fused
+            layer (run 160). Other cases (fp16 with ``"split"``, fp32/fp64 activations) take
+            ``"upcast"``'s path.
         source: where the shape comes from (for presets).
     """
 
@@ -75,7 +78,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     dtype: torch.dtype = torch.bfloat16
     router_dtype: torch.dtype = torch.float32
-    router_gemm: RouterGemm = "input"
+    router_gemm: RouterGemm = "split"
     source: str = ""
 
     def __post_init__(self) -> None:

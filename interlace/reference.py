@@ -7,7 +7,7 @@ import torch
 
 from interlace.config import MoEConfig
 from interlace.ops.activation import activation_reference
-from interlace.routing import load_balance_loss, route, router_operand_dtype
+from interlace.routing import load_balance_loss, route
 
 
 def capacity_keep_mask(topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -50,14 +50,11 @@ def reference_moe(
         out (T, N) in compute_dtype, aux_loss (scalar, unscaled).
     """
     c = compute_dtype
-    # The router GEMM's operands are rounded as the layer's are (MoEConfig.router_gemm: the
-    # layer takes activations in config.dtype); otherwise they are computed in compute_dtype.
-    operand = router_operand_dtype(config, config.dtype, config.router_dtype)
-    if operand == config.router_dtype:
-        operand = c
     x, router_weight, w_up, w_down = (t.to(c) for t in (x, router_weight, w_up, w_down))
+    # input_dtype: the router GEMM rounds as the layer's does (MoEConfig.router_gemm; the layer
+    # takes activations in config.dtype).
     topk_idx, topk_weight, logits = route(x, router_weight, expert_bias, config, expert_indices,
-                                          operand_dtype=operand)
+                                          input_dtype=config.dtype)
     keep = capacity_keep_mask(topk_idx.cpu(), config).to(x.device)
     out = torch.zeros_like(x)
     for e in range(config.num_experts):

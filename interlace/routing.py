@@ -30,15 +30,6 @@ def topk_weights(scores: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig
 
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
-
-def router_operand_dtype(config: MoEConfig, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the router GEMM's operands (``MoEConfig.router_gemm``) for activations of
-    ``x_dtype`` and a router weight of ``weight_dtype``."""
-    if config.router_gemm == "input" and x_dtype in LOW_PRECISION:
-        return x_dtype
-    return weight_dtype
-
-
 _MM_OUT_DTYPE: bool | None = None  # does this torch have torch.mm(..., out_dtype=) on CUDA?
 
 
@@ -49,8 +40,8 @@ def _cuda_mm_out_dtype(a: torch.Tensor, b: torch.Tensor) -> bool:
             torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
             _MM_OUT_DTYPE = True
         except (RuntimeError, TypeError, NotImplementedError) as exc:
-            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) is not available ({exc}); the router GEMM "
-                          "upcasts its rounded operands to fp32 instead (same logits, slower)", stacklevel=3)
+            warnings.warn(f"torch.mm(..., out_dtype=torch.float32) is not available ({exc}); the router GEMMs "
+                          "upcast their 16-bit operands to fp32 instead (same products, slower)", stacklevel=3)
             _MM_OUT_DTYPE = False
     return _MM_OUT_DTYPE
 
@@ -64,9 +55,58 @@ def _mm_accumulate(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
     return a.to(out_dtype) @ b.to(out_dtype)
 
 
+def split_bf16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 ``t`` as three bf16 pieces stacked on a new first dim, ``t == hi + mid + lo``
+    exactly (each piece holds the next 8+ bits of the significand; bf16 has fp32's exponent
+    range, so only residuals below ~1e-38 are lost; values past bf16's largest, 3.39e38,
+    round to inf)."""
+    hi = t.to(torch.bfloat16)
+    rest = t - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    return torch.stack((hi, mid, lo))
+
+
+def _sum_pieces(y: torch.Tensor, E: int) -> torch.Tensor:
+    """(.., 3E) → (.., E): the three pieces' products summed, smallest first."""
+    return (y[..., 2 * E:] + y[..., E:2 * E]) + y[..., :E]
+
+
+class _SplitRouterLogits(torch.autograd.Function):
+    """``router_gemm="split"``: bf16 ``x`` (T, N) @ fp32 ``W`` (E, N)ᵀ as one bf16 GEMM against
+    W's three bf16 pieces (3E, N), fp32 accumulation. Every product is exact (8-bit × 8-bit
+    significands), so the logits are the fp32 GEMM's up to the order of the fp32 sums.
+    Backward: dW = gᵀ x with g (T, E) split the same way (exact products again); dx = g W
+    from the three leading cross terms (hi·hi, hi·mid, mid·hi), about 2^-16 relative before
+    the rounding of dx to bf16."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        E = weight.shape[0]
+        w3 = split_bf16(weight)  # (3, E, N)
+        ctx.save_for_backward(x, w3)
+        return _sum_pieces(_mm_accumulate(x, w3.reshape(3 * E, -1).t(), torch.float32), E)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w3 = ctx.saved_tensors
+        E = w3.shape[1]
+        g3 = split_bf16(grad.float())  # (3, T, E)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            a = torch.cat((g3[0], g3[0], g3[1]), dim=1)  # (T, 3E)
+            b = torch.cat((w3[0], w3[1], w3[0]), dim=0)  # (3E, N)
+            grad_x = _mm_accumulate(a, b, torch.float32).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            # (3E, T) @ (T, N) → (3, E, N), the pieces' products summed, smallest first
+            y = _mm_accumulate(g3.transpose(1, 2).reshape(3 * E, -1), x, torch.float32).view(3, E, -1)
+            grad_w = (y[2] + y[1]) + y[0]
+        return grad_x, grad_w
+
+
 class _RouterLogits(torch.autograd.Function):
-    """``x @ W^T`` with both operands rounded to a 16-bit dtype and the products accumulated in
-    ``W``'s dtype (``router_gemm="input"``). Backward: the logits' gradient is rounded to the
+    """``router_gemm="input"``: ``x @ W^T`` with both operands rounded to a 16-bit dtype and the
+    products accumulated in ``W``'s dtype. Backward: the logits' gradient is rounded to the
     same 16-bit dtype, and both gradient GEMMs accumulate in fp32 (``dW`` in ``W``'s dtype)."""
 
     @staticmethod
@@ -89,12 +129,19 @@ class _RouterLogits(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, operand_dtype: torch.dtype) -> torch.Tensor:
-    """(T, N) tokens, (E, N) router weight → (T, E) logits in ``weight.dtype``, the GEMM's
-    operands in ``operand_dtype`` (:func:`router_operand_dtype`)."""
-    if operand_dtype == weight.dtype:
-        return x.to(weight.dtype) @ weight.t()
-    return _RouterLogits.apply(x, weight, operand_dtype)
+def router_logits(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig,
+                  input_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(T, N) tokens, (E, N) router weight → (T, E) logits in ``weight.dtype``, the GEMM as
+    ``config.router_gemm`` says. ``input_dtype``: the dtype of the activations the layer takes
+    (default ``x.dtype``); the fp64 reference passes the layer's, so ``"input"`` rounds its
+    operands as the layer does (``"split"`` is exact, so the reference's plain GEMM is its
+    reference)."""
+    act = x.dtype if input_dtype is None else input_dtype
+    if config.router_gemm == "input" and act in LOW_PRECISION:
+        return _RouterLogits.apply(x, weight, act)
+    if config.router_gemm == "split" and x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return _SplitRouterLogits.apply(x, weight)
+    return x.to(weight.dtype) @ weight.t()
 
 
 class _FusedRouteTopK(torch.autograd.Function):
@@ -127,7 +174,7 @@ def route(
     config: MoEConfig,
     expert_indices: torch.Tensor | None = None,
     fused: bool = False,
-    operand_dtype: torch.dtype | None = None,
+    input_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route T tokens to k experts.
 
@@ -138,17 +185,14 @@ def route(
         expert_indices: optional (T, k) forced choice (benchmarks and tests); the weights are
             still the router's scores of those experts, so the router still gets gradients.
         fused: take the one-kernel Triton path (fp32 logits on a Triton device).
-        operand_dtype: dtype of the logits GEMM's operands; None: from ``config.router_gemm``
-            and ``x.dtype`` (:func:`router_operand_dtype`). The fp64 reference passes the
-            layer's, so it rounds the operands as the layer does.
+        input_dtype: the dtype of the activations the layer takes (default ``x.dtype``), for
+            the logits GEMM (:func:`router_logits`).
 
     Returns:
         topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in weight.dtype,
         logits (T, E).
     """
-    if operand_dtype is None:
-        operand_dtype = router_operand_dtype(config, x.dtype, weight.dtype)
-    logits = router_logits(x, weight, operand_dtype)
+    logits = router_logits(x, weight, config, input_dtype)
     if fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits):
         topk_idx, topk_weight = _FusedRouteTopK.apply(logits, expert_bias, config)
         return topk_idx, topk_weight, logits

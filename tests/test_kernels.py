@@ -139,11 +139,11 @@ def test_fused_router_matches_torch(router, T, E, k):
 def test_router_gemm_input_rounds_operands_and_logit_grad(T):
     """router_gemm="input" with bf16 activations: the logits are the products of the
     bf16-rounded operands accumulated in fp32; the backward rounds the logits' gradient to bf16.
-    "router" is the fp32 GEMM of the unrounded weight, so the two differ."""
+    "upcast" is the fp32 GEMM of the unrounded weight, so the two differ."""
     from interlace import MoEConfig
     from interlace.routing import route
 
-    cfg = MoEConfig(hidden=64, ffn=8, num_experts=16, top_k=4, dtype=torch.bfloat16)
+    cfg = MoEConfig(hidden=64, ffn=8, num_experts=16, top_k=4, dtype=torch.bfloat16, router_gemm="input")
     x = torch.randn(T, 64).to(torch.bfloat16).requires_grad_()
     w = torch.randn(16, 64, requires_grad=True)
     idx, wt, logits = route(x, w, None, cfg)
@@ -156,14 +156,57 @@ def test_router_gemm_input_rounds_operands_and_logit_grad(T):
     assert torch.equal(x.grad, (gb @ wb).to(torch.bfloat16))
     assert torch.allclose(w.grad, gb.t() @ x.detach().float(), rtol=1e-5, atol=1e-5)
     if T:
-        full = route(x.detach(), w.detach(), None, cfg.with_(router_gemm="router"))[2]
+        full = route(x.detach(), w.detach(), None, cfg.with_(router_gemm="upcast"))[2]
         assert torch.allclose(full, x.detach().float() @ w.detach().t(), rtol=1e-6, atol=1e-6)
         assert not torch.equal(full, logits.detach())
-    # fp32 activations: both settings are the fp32 GEMM
+    # fp32 activations: every setting is the fp32 GEMM
     x32 = torch.randn(T, 64)
     cfg32 = cfg.with_(dtype=torch.float32)
-    assert torch.equal(route(x32, w.detach(), None, cfg32)[2],
-                       route(x32, w.detach(), None, cfg32.with_(router_gemm="router"))[2])
+    for mode in ("split", "upcast"):
+        assert torch.equal(route(x32, w.detach(), None, cfg32)[2],
+                           route(x32, w.detach(), None, cfg32.with_(router_gemm=mode))[2])
+
+
+def test_split_bf16_is_exact():
+    from interlace.routing import split_bf16
+
+    # (finite weights below bf16's largest value, 3.39e38, whose rounding would overflow)
+    w = torch.cat((torch.randn(1000) * 1e-3, torch.randn(1000) * 1e3, torch.tensor([0.0, -1.0, 3.3e38, 1e-30])))
+    pieces = split_bf16(w)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, w.numel())
+    assert torch.equal(pieces[0].double() + pieces[1].double() + pieces[2].double(), w.double())
+
+
+@pytest.mark.parametrize("T", [0, 1, 300])
+def test_router_gemm_split_is_the_fp32_gemm(T):
+    """router_gemm="split" (the default) with bf16 activations and an fp32 router: logits,
+    top-k and dW as the exact (fp64) GEMM to fp32 accuracy; dx within bf16 rounding of exact."""
+    from interlace import MoEConfig
+    from interlace.routing import route
+
+    E, N = 64, 256
+    cfg = MoEConfig(hidden=N, ffn=8, num_experts=E, top_k=6, dtype=torch.bfloat16)
+    assert cfg.router_gemm == "split"
+    x = torch.randn(T, N).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, N) / N**0.5).requires_grad_()
+    idx, wt, logits = route(x, w, None, cfg)
+    exact = x.detach().double() @ w.detach().double().t()
+    if T:
+        assert rel_err(logits, exact) < 1e-6
+        assert torch.equal(idx, torch.topk(exact, 6, dim=-1).indices)
+    g = torch.randn(T, E)
+    logits.backward(g)
+    dx_exact = g.double() @ w.detach().double()
+    dw_exact = g.double().t() @ x.detach().double()
+    if T:
+        assert rel_err(w.grad, dw_exact) < 1e-6
+        # dx is bf16: within its rounding (2^-8 relative) of the exact value, plus the dropped
+        # cross terms' ~2^-16 of the summands' magnitude (which shows where the sum cancels)
+        scale = g.abs().double() @ w.detach().abs().double()
+        assert ((x.grad.double() - dx_exact).abs() <= dx_exact.abs() * 2**-8 + scale * 2**-14).all()
+        assert (x.grad == dx_exact.to(torch.bfloat16)).float().mean() > 0.99  # mostly correctly rounded
+    else:
+        assert x.grad.shape == (0, N) and not w.grad.any()
 
 
 def test_fused_router_nan_row_gets_valid_distinct_experts():
