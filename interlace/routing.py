@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from interlace.config import MoEConfig
+from interlace.ops.router_gemm import split_mm, split_mm_reference
 from interlace.ops.router_topk import route_topk
 from interlace.ops.rows import use_triton
 
@@ -55,52 +56,32 @@ def _mm_accumulate(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
     return a.to(out_dtype) @ b.to(out_dtype)
 
 
-def split_bf16(t: torch.Tensor) -> torch.Tensor:
-    """fp32 ``t`` as three bf16 pieces stacked on a new first dim, ``t == hi + mid + lo``
-    exactly (each piece holds the next 8+ bits of the significand; bf16 has fp32's exponent
-    range, so only residuals below ~1e-38 are lost; values past bf16's largest, 3.39e38,
-    round to inf)."""
-    hi = t.to(torch.bfloat16)
-    rest = t - hi.float()
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.float()).to(torch.bfloat16)
-    return torch.stack((hi, mid, lo))
-
-
-def _sum_pieces(y: torch.Tensor, E: int) -> torch.Tensor:
-    """(.., 3E) → (.., E): the three pieces' products summed, smallest first."""
-    return (y[..., 2 * E:] + y[..., E:2 * E]) + y[..., :E]
+def _split_mm(a, b, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(a):
+        return split_mm(a, b, pieces_a, pieces_b, out_dtype)
+    return split_mm_reference(a, b, pieces_a, pieces_b, out_dtype)
 
 
 class _SplitRouterLogits(torch.autograd.Function):
-    """``router_gemm="split"``: bf16 ``x`` (T, N) @ fp32 ``W`` (E, N)ᵀ as one bf16 GEMM against
-    W's three bf16 pieces (3E, N), fp32 accumulation. Every product is exact (8-bit × 8-bit
-    significands), so the logits are the fp32 GEMM's up to the order of the fp32 sums.
-    Backward: dW = gᵀ x with g (T, E) split the same way (exact products again); dx = g W
-    from the three leading cross terms (hi·hi, hi·mid, mid·hi), about 2^-16 relative before
-    the rounding of dx to bf16."""
+    """``router_gemm="split"``: bf16 ``x`` (T, N) @ fp32 ``W`` (E, N)ᵀ over W's three bf16
+    pieces, fp32 accumulation (:mod:`interlace.ops.router_gemm`): the fp32 GEMM's logits at
+    a bf16 GEMM's cost. Backward: dW = gᵀ x with g (T, E) in three pieces (the fp32 GEMM's
+    again); dx = g W from two pieces each (~2^-16 relative before dx's bf16 rounding)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        E = weight.shape[0]
-        w3 = split_bf16(weight)  # (3, E, N)
-        ctx.save_for_backward(x, w3)
-        return _sum_pieces(_mm_accumulate(x, w3.reshape(3 * E, -1).t(), torch.float32), E)
+        ctx.save_for_backward(x, weight)
+        return _split_mm(x, weight.t(), 1, 3, torch.float32)
 
     @staticmethod
     def backward(ctx, grad):
-        x, w3 = ctx.saved_tensors
-        E = w3.shape[1]
-        g3 = split_bf16(grad.float())  # (3, T, E)
+        x, weight = ctx.saved_tensors
+        grad = grad.float()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            a = torch.cat((g3[0], g3[0], g3[1]), dim=1)  # (T, 3E)
-            b = torch.cat((w3[0], w3[1], w3[0]), dim=0)  # (3E, N)
-            grad_x = _mm_accumulate(a, b, torch.float32).to(x.dtype)
+            grad_x = _split_mm(grad, weight, 2, 2, x.dtype)
         if ctx.needs_input_grad[1]:
-            # (3E, T) @ (T, N) → (3, E, N), the pieces' products summed, smallest first
-            y = _mm_accumulate(g3.transpose(1, 2).reshape(3 * E, -1), x, torch.float32).view(3, E, -1)
-            grad_w = (y[2] + y[1]) + y[0]
+            grad_w = _split_mm(grad.t(), x, 3, 1, torch.float32)
         return grad_x, grad_w
 
 

@@ -168,13 +168,45 @@ def test_router_gemm_input_rounds_operands_and_logit_grad(T):
 
 
 def test_split_bf16_is_exact():
-    from interlace.routing import split_bf16
+    from interlace.ops.router_gemm import split_bf16
 
     # (finite weights below bf16's largest value, 3.39e38, whose rounding would overflow)
     w = torch.cat((torch.randn(1000) * 1e-3, torch.randn(1000) * 1e3, torch.tensor([0.0, -1.0, 3.3e38, 1e-30])))
     pieces = split_bf16(w)
     assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, w.numel())
     assert torch.equal(pieces[0].double() + pieces[1].double() + pieces[2].double(), w.double())
+
+
+@pytest.mark.parametrize("pieces", [(1, 3), (3, 1), (2, 2)])
+@pytest.mark.parametrize("M,N,K", [(37, 20, 150), (5, 130, 64), (0, 8, 16), (9, 0, 16), (6, 7, 0)])
+def test_split_mm_kernel(pieces, M, N, K):
+    """The one-launch piece GEMM (interpreter) against its torch twin and the exact product:
+    3 pieces reproduce the fp32 operand's GEMM; 2×2 keeps ~2^-16 relative. Poisoned output."""
+    from interlace.ops.router_gemm import split_mm, split_mm_reference
+
+    pa, pb = pieces
+    a = torch.randn(M, K) if pa > 1 else torch.randn(M, K).to(torch.bfloat16)
+    b = (torch.randn(N, K) / 8).t() if pb > 1 else torch.randn(K, N).to(torch.bfloat16)  # a transposed view
+    got = split_mm(a, b, pa, pb, torch.float32)  # (outputs are poisoned: conftest)
+    ref = split_mm_reference(a, b, pa, pb, torch.float32)
+    exact = a.double() @ b.double()
+    assert got.shape == (M, N) and torch.isfinite(got).all()
+    if M and N:
+        # (the interpreter truncates fp32 → bf16 where GPUs round to nearest: with 3 pieces the
+        # split is exact either way; 2 × 2 pieces agree to their precision)
+        three = max(pa, pb) == 3
+        assert rel_err(got, ref) < (1e-6 if three else 2**-12)
+        scale = a.double().abs() @ b.double().abs()
+        assert ((got.double() - exact).abs() <= scale * (2**-20 if three else 2**-13) + 1e-30).all()
+
+
+def test_split_mm_rejects_wrong_dtypes():
+    from interlace.ops.router_gemm import split_mm
+
+    with pytest.raises(ValueError, match="piece"):
+        split_mm(torch.randn(4, 4), torch.randn(4, 4), 1, 3, torch.float32)
+    with pytest.raises(ValueError, match="chain"):
+        split_mm(torch.randn(4, 4).bfloat16(), torch.randn(5, 4), 1, 3, torch.float32)
 
 
 @pytest.mark.parametrize("T", [0, 1, 300])
@@ -200,11 +232,11 @@ def test_router_gemm_split_is_the_fp32_gemm(T):
     dw_exact = g.double().t() @ x.detach().double()
     if T:
         assert rel_err(w.grad, dw_exact) < 1e-6
-        # dx is bf16: within its rounding (2^-8 relative) of the exact value, plus the dropped
-        # cross terms' ~2^-16 of the summands' magnitude (which shows where the sum cancels)
+        # dx is bf16: within its rounding (2^-8 relative; 2^-7 where the interpreter truncates)
+        # of the exact value, plus the dropped cross terms' ~2^-16 of the summands' magnitude
+        # (which shows where the sum cancels)
         scale = g.abs().double() @ w.detach().abs().double()
-        assert ((x.grad.double() - dx_exact).abs() <= dx_exact.abs() * 2**-8 + scale * 2**-14).all()
-        assert (x.grad == dx_exact.to(torch.bfloat16)).float().mean() > 0.99  # mostly correctly rounded
+        assert ((x.grad.double() - dx_exact).abs() <= dx_exact.abs() * 2**-7 + scale * 2**-14).all()
     else:
         assert x.grad.shape == (0, N) and not w.grad.any()
 
