@@ -770,18 +770,18 @@ def test_owner_rows_runs_per_source_and_expert():
     assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
 
 
-@pytest.mark.parametrize("block_t", [None, 2])
+@pytest.mark.parametrize("block_t,lead", [(None, None), (2, None), (None, 0), (2, 1), (None, 2)])
 @pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])
-def test_plan_kernel_matches_reference(W, El, me, block_t):
+def test_plan_kernel_matches_reference(W, El, me, block_t, lead):
     """The plan kernel against the plain-torch plan, ragged counts with zeros; ``block_t=2``:
-    many programs share the tile lists."""
+    many programs share the tile lists; ``lead``: the interleaved receive order."""
     from interlace.ops.fused_plan import build_plan_reference
 
     gen = torch.Generator().manual_seed(W * 10 + El)
     counts = torch.randint(0, 9, (W, W * El), generator=gen, dtype=torch.int32)
     counts[:, 0] = 0
-    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4, block_t=block_t)
-    ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4)
+    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4, block_t=block_t, lead=lead)
+    ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4, lead=lead)
     for name in ("send_count", "send_row0", "send_dst_off", "recv_count", "recv_off", "recv_ret_row0",
                  "recv_local_row0", "tiles_from_source", "sent_rows"):
         assert getattr(kernel, name).tolist() == getattr(ref, name).tolist(), name
@@ -790,6 +790,55 @@ def test_plan_kernel_matches_reference(W, El, me, block_t):
         assert int(getattr(kernel, side)[2]) == n, side
         for i in (0, 1):
             assert getattr(kernel, side)[i][:n].tolist() == getattr(ref, side)[i][:n].tolist(), side
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_plan_interleaved_order(W):
+    """lead = 1 of E_l = 3: expert 0's local rows alone, then experts 1 and 2 local and first
+    remote source back to back, then expert 0's first-remote rows, then the other sources; the
+    first destination gets this rank's experts rotated (1, 2, 0), the others in order."""
+    from interlace.ops.fused_plan import recv_segment_order, send_expert_order
+
+    El, me, bm = 3, 0, 4
+    counts = torch.full((W, W * El), 5, dtype=torch.int32)  # 2 tiles per segment
+    plan = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=bm, lead=1)
+    n = int(plan.recv_tiles[2])
+    segs = plan.recv_tiles[0][:n].tolist()
+    want = [0, 1, El + 1, 2, El + 2, El + 0] + list(range(2 * El, W * El)) if W > 1 else [0, 1, 2]
+    assert recv_segment_order(W, El, 1) == want
+    assert segs == [s for s in want for _ in range(2)]
+    assert plan.recv_tiles[1][:n].tolist() == [0, 1] * len(want)
+    assert send_expert_order(El, 1) == [1, 2, 0]
+    if W > 1:
+        n = int(plan.send_tiles[2])
+        sent = [seg for i, seg in enumerate(plan.send_tiles[0][:n].tolist()) if i % 2 == 0]
+        first = (me - 1) % W
+        want_send = [first * El + e for e in (1, 2, 0)]
+        for p in range(1, W - 1):
+            want_send += [((me - 1 - p) % W) * El + e for e in range(El)]
+        assert sent == want_send
+
+
+@pytest.mark.parametrize("world,tokens,interleave", [
+    (2, [37, 21], 2),     # 2 experts per rank: expert 0 leads, expert 1 interleaved
+    (3, [9, 0, 26], 1),   # lead = every expert: local first
+    (4, [5, 17, 1, 12], 3),
+    (2, [40, 33], 8),     # 3 experts per rank, lead 1
+])
+def test_fused_interleaved_order_matches_reference(world, tokens, interleave):
+    """The fused layer with layer0's interleaved receive order (simulated ranks, two calls)
+    against the reference, with the recv buffers poisoned."""
+    from dataclasses import replace
+
+    El = 3 if world == 2 and interleave == 8 else 2
+    kernel = replace(INTERPRETER_CONFIG, interleave0=interleave)
+    assert kernel.lead0(3) == -(-3 // interleave) and replace(kernel, interleave0=0).lead0(4) == 4
+    cfg = MoEConfig(hidden=40, ffn=24, num_experts=El * world, top_k=2, dtype=torch.float32)
+    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 70))
+    results, _ = simulate(cfg, tokens, idxs, calls=2, kernel=kernel, poison_recv=True)
+    for outs, refs in results:
+        for out, ref in zip(outs, refs):
+            assert rel_err(out, ref) < 1e-5
 
 
 def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_path, monkeypatch):

@@ -17,6 +17,17 @@ form one contiguous *segment* starting at ``start_all[s, d·E_l + e]``.
   source would, at W ≥ 3, send to it last, and its GEMM programs would stall behind the flags;
   at W = 2 the two orders are the same.)
 
+**Interleaved order** (``lead`` < E_l, W ≥ 2). Local-first reads every expert's weights twice
+per layer0, once for its local rows and again for its remote rows half a layer later (run 160:
+dsv3-like's GEMM0 items ran 10% slower than without remote rows; run 162: 7% for the expert
+block with its weights read twice). But the first remote source's rows all arrive early (the
+sends took 1.3 of 6 ms there), so the receive tiles go: the local segments of the first
+``lead`` experts (time for the first sends to land), then for each later expert its local
+segment and the first remote source's (``j = 1``) segment back to back (its weights read
+once), then the first ``lead`` experts' ``j = 1`` segments, then the other sources in order.
+The first remote source sends to this rank first, its experts in the same rotated order
+(``lead``, lead+1, …, then 0 … lead−1). ``lead = E_l`` is plain local-first.
+
 Segments are cut into row tiles of ``BLOCK_M``; tile i of a segment is the unit of readiness
 (flag ``flags0[s, e, i]``) and of the GEMMs. ``_plan_kernel`` computes everything in one launch;
 :func:`build_plan_reference` is its plain-torch twin.
@@ -88,11 +99,31 @@ class FusedPlan:
     sent_rows: torch.Tensor
 
 
+def recv_segment_order(W: int, El: int, lead: int) -> list[int]:
+    """Receive segment ids ``j·E_l + e`` in GEMM order (the module docstring's interleaved order;
+    ``lead = E_l``: local first)."""
+    if W == 1:
+        return list(range(El))
+    lead = max(0, min(lead, El))
+    order = list(range(lead))
+    for e in range(lead, El):
+        order += [e, El + e]
+    return order + [El + e for e in range(lead)] + list(range(2 * El, W * El))
+
+
+def send_expert_order(El: int, lead: int) -> list[int]:
+    """Experts in the order this rank sends them to its first destination: ``lead`` … E_l−1,
+    then 0 … lead−1 (the order its owner consumes them in)."""
+    lead = max(0, min(lead, El)) % El if El else 0
+    return list(range(lead, El)) + list(range(lead))
+
+
 def build_plan_reference(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: int, top_k: int,
-                         block_m: int) -> FusedPlan:
+                         block_m: int, lead: int | None = None) -> FusedPlan:
     """Plain-torch twin of :func:`build_plan` (about 25 small ops: tests and CPU without Triton)."""
     W, E = counts_all.shape
     El = num_local
+    lead = El if lead is None else lead
     counts = counts_all.to(torch.int32)
     start_all = (counts.cumsum(1, dtype=torch.int32) - counts).view(W, W, El)  # [source, dest, e]
     cnt = counts.view(W, W, El)
@@ -114,11 +145,16 @@ def build_plan_reference(counts_all: torch.Tensor, me: int, num_local: int, max_
     rows_max = max_tokens * top_k
     # Send tiles in destination order me-1, me-2, ... (see the module docstring): tile
     # positions p, then map each position's segment back to its (destination, expert) id.
-    dest_of_p = torch.tensor([(me - 1 - p) % W for p in range(W)], dtype=torch.long, device=counts.device)
-    seg_of_pos = (dest_of_p[:, None] * El + torch.arange(El, device=counts.device)[None, :]).reshape(-1)
+    # (the first destination's experts in send_expert_order: module docstring)
+    dev = counts.device
+    seg_of_pos = torch.tensor([((me - 1 - p) % W) * El + e
+                               for p in range(W) for e in (send_expert_order(El, lead) if p == 0 else range(El))],
+                              dtype=torch.long, device=dev)
     send_tiles = segment_tiles(send_count[seg_of_pos], rows_max, block_m)
     send_tiles = (seg_of_pos[send_tiles[0].long().clamp(0, W * El - 1)].to(torch.int32),) + send_tiles[1:]
-    recv_tiles = segment_tiles(recv_count, W * max_tokens * min(top_k, El), block_m)
+    recv_order = torch.tensor(recv_segment_order(W, El, lead), dtype=torch.long, device=dev)
+    recv_tiles = segment_tiles(recv_count[recv_order], W * max_tokens * min(top_k, El), block_m)
+    recv_tiles = (recv_order[recv_tiles[0].long().clamp(0, W * El - 1)].to(torch.int32),) + recv_tiles[1:]
     tiles_from_source = ((cnt[:, me] + block_m - 1) // block_m).sum(1, dtype=torch.int32)
     sent_rows = cnt[me].sum(1, dtype=torch.int32)
     return FusedPlan(send_count, send_row0, send_dst_off, send_tiles, recv_count, recv_off, recv_ret_row0,
@@ -153,7 +189,7 @@ def _plan_kernel(
     out_ptr,  # (8, W·E_l) int32: send_count, send_row0, send_dst_off, recv_count, recv_off, recv_ret_row0
     tiles_from_source_ptr, sent_rows_ptr,  # (W,) int32 each
     send_seg_ptr, send_idx_ptr, send_num_ptr, recv_seg_ptr, recv_idx_ptr, recv_num_ptr,
-    me, W, E_l,
+    me, W, E_l, lead, lead_send,  # lead: see the module docstring (E_l at W = 1); lead_send = lead % E_l
     BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     # Every program computes the (small) per-segment tables; program 0 stores them, and the
@@ -203,14 +239,26 @@ def _plan_kernel(
              mask=seg_mask & first)
     tl.store(out_ptr + 5 * E + segid2, tl.sum(tl.where(pick, col_start[None, :, :], 0), axis=1),
              mask=seg_mask & first)
-    # Tile lists. Send tiles by position p with destination (me - 1 - p) mod W (module docstring).
-    p3 = tl.arange(0, W_PAD)[:, None, None]
-    dest_of_p = (me - 1 - p3 + W) % W  # (p, 1, 1); p < W only (seg_mask below)
-    by_pos = tl.arange(0, W_PAD)[None, :, None] == dest_of_p  # (p, d, 1)
-    send_tiles_d = (send_cnt + BLOCK_M - 1) // BLOCK_M  # (d, el)
-    send_tiles = tl.where(seg_mask, tl.sum(tl.where(by_pos, send_tiles_d[None, :, :], 0), axis=1), 0)
-    send_segid = tl.sum(tl.where(by_pos, segid2[None, :, :], 0), axis=1)  # (p, el) → d·E_l + el
-    recv_tiles = tl.where(seg_mask, (recv_cnt + BLOCK_M - 1) // BLOCK_M, 0)
+    # Tile lists, by position (p, el) in row-major order; each position's count is read straight
+    # from counts. Send tiles: destination (me - 1 - p) mod W (module docstring), the first
+    # destination's experts rotated by lead_send.
+    dest2 = (me - 1 - a2 + W) % W
+    send_e = tl.where(a2 == 0, (el2 + lead_send) % E_l, el2)
+    send_segid = dest2 * E_l + send_e
+    send_tiles = tl.where(seg_mask, (tl.load(counts_ptr + me * E + send_segid, mask=seg_mask & (dest2 != me),
+                                             other=0) + BLOCK_M - 1) // BLOCK_M, 0)
+    # Receive tiles in the interleaved order: position q → (source j, expert e).
+    q = a2 * E_l + el2
+    mix_end = lead + 2 * (E_l - lead)
+    r = q - lead
+    in_lead = q < lead
+    in_mix = (q >= lead) & (q < mix_end)
+    in_tail = (q >= mix_end) & (q < 2 * E_l)
+    pos_j = tl.where(in_lead, 0, tl.where(in_mix, r % 2, tl.where(in_tail, 1, q // E_l)))
+    pos_e = tl.where(in_lead, q, tl.where(in_mix, lead + r // 2, tl.where(in_tail, q - mix_end, q % E_l)))
+    recv_segid = pos_j * E_l + pos_e
+    recv_tiles = tl.where(seg_mask, (tl.load(counts_ptr + ((me + pos_j) % W) * E + me * E_l + pos_e, mask=seg_mask,
+                                             other=0) + BLOCK_M - 1) // BLOCK_M, 0)
     n_send = tl.sum(tl.sum(send_tiles, axis=1), axis=0)
     n_recv = tl.sum(tl.sum(recv_tiles, axis=1), axis=0)
     if first:
@@ -218,8 +266,8 @@ def _plan_kernel(
         tl.store(recv_num_ptr, n_recv)
     _emit_tiles(send_tiles, _first_tiles(send_tiles), send_segid, n_send, send_seg_ptr, send_idx_ptr, pid, n_programs,
                 BLOCK_T)
-    _emit_tiles(recv_tiles, _first_tiles(recv_tiles), segid2, n_recv, recv_seg_ptr, recv_idx_ptr, pid, n_programs,
-                BLOCK_T)
+    _emit_tiles(recv_tiles, _first_tiles(recv_tiles), recv_segid, n_recv, recv_seg_ptr, recv_idx_ptr, pid,
+                n_programs, BLOCK_T)
 
 
 # Most programs of the plan kernel (each emits blocks of tiles; see _plan_kernel).
@@ -227,14 +275,16 @@ PLAN_PROGRAMS = 64
 
 
 def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: int, top_k: int,
-               block_m: int, block_t: int | None = None) -> FusedPlan:
+               block_m: int, block_t: int | None = None, lead: int | None = None) -> FusedPlan:
     """The :class:`FusedPlan` of rank ``me`` from every rank's kept counts (W, E) int32: one
     kernel launch (the prologue of the fused layer is bound by the host's launch rate, so one
     launch instead of ~25 small torch ops matters). No host sync. ``block_t``: tiles a
-    program emits per step (default: from the padded segment count; tests pass small ones)."""
+    program emits per step (default: from the padded segment count; tests pass small ones).
+    ``lead``: the receive order (module docstring); None or ``num_local``: local first."""
     if not use_triton(counts_all):
-        return build_plan_reference(counts_all, me, num_local, max_tokens, top_k, block_m)
+        return build_plan_reference(counts_all, me, num_local, max_tokens, top_k, block_m, lead)
     W, E = counts_all.shape
+    lead = num_local if lead is None or W == 1 else max(0, min(lead, num_local))
     dev = counts_all.device
     S = E
     max_send = cdiv(max_tokens * top_k, block_m) + S
@@ -259,7 +309,7 @@ def build_plan(counts_all: torch.Tensor, me: int, num_local: int, max_tokens: in
     launch(_plan_kernel, (programs,),
         counts_all.to(torch.int32).contiguous(), cols, tiles_from_source, sent_rows,
         send_seg, send_idx, send_num, recv_seg, recv_idx, recv_num,
-        me, W, num_local,
+        me, W, num_local, lead, lead % num_local,
         BLOCK_M=block_m, W_PAD=w_pad, EL_PAD=el_pad, BLOCK_T=block_t, num_warps=4,
     )
     return FusedPlan(cols[0], cols[1], cols[2], (send_seg, send_idx, send_num, max_send), cols[3], cols[4], cols[5],

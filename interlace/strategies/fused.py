@@ -210,6 +210,15 @@ class FusedKernelConfig:
     # register stores (every thread counts its own; 4 stages fit). Run 130: layer1 4–9% shorter in
     # the phase measurement, the graph-replayed layer 0.993–1.052× (9 of 12 rows slower). Off.
     flat1: int = 0
+    # layer0's receive order (interlace.ops.fused_plan, "interleaved order"): the first 1/k of the
+    # experts run their local rows alone, then every later expert's local and first remote
+    # source's rows back to back, so their weights are read once per layer0 instead of twice.
+    # 0: local rows first (every expert's weights read twice).
+    interleave0: int = 0
+
+    def lead0(self, num_local: int) -> int:
+        """Experts whose local rows run alone first (:attr:`interleave0`)."""
+        return -(-num_local // self.interleave0) if self.interleave0 > 0 else num_local
 
     def __post_init__(self):
         """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
@@ -220,6 +229,9 @@ class FusedKernelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"fused kernel config: {name} must be a power of two ≥ 1, got {v!r}")
+        if not isinstance(self.interleave0, int) or self.interleave0 < 0:
+            raise ValueError(f"fused kernel config: interleave0 must be ≥ 0 (0: local rows first), got "
+                             f"{self.interleave0!r}")
         if self.push_batch < 1:
             raise ValueError(f"fused kernel config: push_batch must be ≥ 1, got {self.push_batch!r}")
         if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
@@ -342,7 +354,8 @@ class FusedEngine:
         """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``."""
         row_of_assignment, assignment_of_row, _, _ = index
         spec = self.buf.spec
-        plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m)
+        plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m,
+                          lead=self.kernel.lead0(spec.num_local))
         K = self.cfg.ffn
         h = alloc.empty((spec.world * spec.cap, K), x.dtype, x.device)
         out = alloc.empty(x.shape, x.dtype, x.device)
