@@ -770,18 +770,20 @@ def test_owner_rows_runs_per_source_and_expert():
     assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
 
 
-@pytest.mark.parametrize("block_t,lead", [(None, None), (2, None), (None, 0), (2, 1), (None, 2)])
+@pytest.mark.parametrize("block_t,interleave", [(None, (0, 0)), (2, (0, 0)), (None, (8, 1 << 20)), (2, (2, 1 << 20)),
+                                                 (None, (1, 1 << 20)), (None, (2, 3))])
 @pytest.mark.parametrize("W,El,me", [(2, 2, 1), (3, 5, 0), (4, 3, 2), (1, 6, 0)])
-def test_plan_kernel_matches_reference(W, El, me, block_t, lead):
+def test_plan_kernel_matches_reference(W, El, me, block_t, interleave):
     """The plan kernel against the plain-torch plan, ragged counts with zeros; ``block_t=2``:
-    many programs share the tile lists; ``lead``: the interleaved receive order."""
+    many programs share the tile lists; ``interleave``: the interleaved receive order (max_rows
+    3: only owners with few rows per expert interleave)."""
     from interlace.ops.fused_plan import build_plan_reference
 
     gen = torch.Generator().manual_seed(W * 10 + El)
     counts = torch.randint(0, 9, (W, W * El), generator=gen, dtype=torch.int32)
     counts[:, 0] = 0
-    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4, block_t=block_t, lead=lead)
-    ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4, lead=lead)
+    kernel = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=4, block_t=block_t, interleave=interleave)
+    ref = build_plan_reference(counts, me, El, max_tokens=40, top_k=3, block_m=4, interleave=interleave)
     for name in ("send_count", "send_row0", "send_dst_off", "recv_count", "recv_off", "recv_ret_row0",
                  "recv_local_row0", "tiles_from_source", "sent_rows"):
         assert getattr(kernel, name).tolist() == getattr(ref, name).tolist(), name
@@ -799,9 +801,15 @@ def test_plan_interleaved_order(W):
     first destination gets this rank's experts rotated (1, 2, 0), the others in order."""
     from interlace.ops.fused_plan import recv_segment_order, send_expert_order
 
+    from interlace.ops.fused_plan import owner_leads
+
     El, me, bm = 3, 0, 4
     counts = torch.full((W, W * El), 5, dtype=torch.int32)  # 2 tiles per segment
-    plan = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=bm, lead=1)
+    rows_per_expert = 5 * W
+    assert owner_leads(counts, El, (3, rows_per_expert)) == ([1] * W if W > 1 else [El])
+    assert owner_leads(counts, El, (3, rows_per_expert - 1)) == [El] * W  # more rows than max_rows
+    assert owner_leads(counts, El, (0, 1 << 20)) == [El] * W
+    plan = build_plan(counts, me, El, max_tokens=40, top_k=3, block_m=bm, interleave=(3, rows_per_expert))
     n = int(plan.recv_tiles[2])
     segs = plan.recv_tiles[0][:n].tolist()
     want = [0, 1, El + 1, 2, El + 2, El + 0] + list(range(2 * El, W * El)) if W > 1 else [0, 1, 2]
@@ -820,6 +828,7 @@ def test_plan_interleaved_order(W):
 
 
 @pytest.mark.parametrize("world,tokens,interleave", [
+    (2, [37, 21], 0),     # local first (the default, auto, interleaves at these few rows)
     (2, [37, 21], 2),     # 2 experts per rank: expert 0 leads, expert 1 interleaved
     (3, [9, 0, 26], 1),   # lead = every expert: local first
     (4, [5, 17, 1, 12], 3),
@@ -832,7 +841,7 @@ def test_fused_interleaved_order_matches_reference(world, tokens, interleave):
 
     El = 3 if world == 2 and interleave == 8 else 2
     kernel = replace(INTERPRETER_CONFIG, interleave0=interleave)
-    assert kernel.lead0(3) == -(-3 // interleave) and replace(kernel, interleave0=0).lead0(4) == 4
+    assert kernel.interleave0_args()[0] == interleave and replace(kernel, interleave0=0).interleave0_args()[0] == 0
     cfg = MoEConfig(hidden=40, ffn=24, num_experts=El * world, top_k=2, dtype=torch.float32)
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 70))
     results, _ = simulate(cfg, tokens, idxs, calls=2, kernel=kernel, poison_recv=True)
