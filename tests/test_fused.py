@@ -850,6 +850,32 @@ def test_fused_interleaved_order_matches_reference(world, tokens, interleave):
             assert rel_err(out, ref) < 1e-5
 
 
+def test_fused_interleave_decided_per_owner(monkeypatch):
+    """Auto interleave with a low row threshold: rank 0's experts get many rows (local first),
+    rank 1's few (interleaved); each sender follows its destination's choice. Two calls against
+    the reference, the recv buffers poisoned."""
+    import interlace.strategies.fused as fused_mod
+    from interlace.ops.fused_plan import owner_leads
+
+    monkeypatch.setattr(fused_mod, "AUTO_INTERLEAVE0_MAX_ROWS", 6)
+    assert INTERPRETER_CONFIG.interleave0 == -1 and INTERPRETER_CONFIG.interleave0_args() == (8, 6)
+    cfg = MoEConfig(hidden=40, ffn=24, num_experts=6, top_k=2, dtype=torch.float32)  # 3 experts per rank
+    tokens = [30, 26]
+    gen = torch.Generator().manual_seed(77)
+    # both choices on rank 0's experts, but every 7th token's second choice on rank 1's
+    def choice(t):
+        first, second = torch.randperm(3, generator=gen)[:2].tolist()
+        return [first, 3 + second if t % 7 == 0 else second]
+    idxs = [torch.tensor([choice(t) for t in range(T)]) for T in tokens]
+    counts = torch.stack([torch.bincount(i.flatten(), minlength=6).to(torch.int32) for i in idxs])
+    # rank 0 receives over 30 rows per expert (local first), rank 1 under 6 (interleaved)
+    assert owner_leads(counts, 3, (8, 6)) == [3, 1]
+    results, _ = simulate(cfg, tokens, idxs, calls=2, poison_recv=True)
+    for outs, refs in results:
+        for out, ref in zip(outs, refs):
+            assert rel_err(out, ref) < 1e-5
+
+
 def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_path, monkeypatch):
     import json
 
