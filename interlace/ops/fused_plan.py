@@ -260,12 +260,11 @@ def _plan_kernel(
              mask=seg_mask & first)
     # Every owner's lead from the rows it receives (the same on every rank): this rank's for
     # its receive order, its first destination's for its send order.
-    w1d = tl.arange(0, W_PAD)
     rows_d = tl.sum(tl.sum(cnt, axis=2), axis=0)  # (d,) rows owner d receives
     short = (rows_d <= interleave_max_rows * E_l) & (interleave_k > 0) & (W > 1)
     lead_d = tl.where(short, (E_l + interleave_k - 1) // tl.maximum(interleave_k, 1), E_l)
-    lead = tl.sum(tl.where(w1d == me, lead_d, 0))
-    lead_send = tl.sum(tl.where(w1d == (me - 1 + W) % W, lead_d, 0)) % E_l
+    lead = tl.sum(tl.where(w1 == me, lead_d, 0))
+    lead_send = tl.sum(tl.where(w1 == (me - 1 + W) % W, lead_d, 0)) % E_l
     # Tile lists, by position (p, el) in row-major order; each position's count is read straight
     # from counts. Send tiles: destination (me - 1 - p) mod W (module docstring), the first
     # destination's experts rotated by lead_send.
