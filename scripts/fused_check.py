@@ -33,23 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from interlace import MoELayer  # noqa: E402
 from interlace.bench.harness import init_env, make_routing, reduce_max, time_cuda  # noqa: E402
+from interlace.bench.harness import rel_err as rel  # noqa: E402
 from interlace.config import preset  # noqa: E402
 from interlace.ops import alloc  # noqa: E402
 from interlace.transport import release_shared_buffers  # noqa: E402
-
-
-def rel(a, b, chunk: int = 1 << 26):
-    """‖a − b‖ / ‖b‖ in fp64, over chunks of ``chunk`` elements (dsv3-like's expert gradients
-    are 28 GiB in fp64 whole); inf where ``a`` has a non-finite value."""
-    a, b = a.reshape(-1), b.reshape(-1)
-    diff = ref = 0.0
-    for i in range(0, a.numel(), chunk):
-        ac, bc = a[i:i + chunk].double(), b[i:i + chunk].double()
-        if not torch.isfinite(ac).all():
-            return float("inf")
-        diff += (ac - bc).square().sum().item()
-        ref += bc.square().sum().item()
-    return diff**0.5 / max(ref**0.5, 1e-30)
 
 
 def worst(env, v: float) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import triton
 
+from interlace.bench.harness import rel_err
 from interlace.ops import tuning
 from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, _ensure_allocator,
                                         _launch_gemm, _launch_gemm0, backward_steps, expert_ffn_triton,
@@ -121,11 +123,6 @@ def _time_ms(fn, cuda: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def pick_config(samples: list[list[float]]) -> int:
     """Index of the candidate with the lowest median over its rounds (ties: the earlier one)."""
     medians = [statistics.median(t) for t in samples]
@@ -198,10 +195,13 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             for c in candidates[kernel]:
                 chosen[kernel] = c
                 try:
-                    outs = [t.clone() for t in run() if t is not None]
+                    # fresh outputs every call (no clone: dsv3-like's weight gradients are 11 GB,
+                    # and clones plus fp32 copies ran an 80 GB H100 out of memory, run 169)
+                    outs = [t for t in run() if t is not None]
                     if want is None:  # the first candidate (the default) is the reference
                         want = outs
-                    err = max(_rel(got, ref) for got, ref in zip(outs, want))
+                    err = max(rel_err(got, ref) for got, ref in zip(outs, want))
+                    del outs
                     if err > 1e-2:
                         raise ValueError(f"relative error {err:.1e} against the default config")
                     make(kernel)  # compiles the kernel alone too (a different launch for the forward ones)
@@ -236,13 +236,45 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
 
 
 def write_tables(out: Path, name: str, sms: int, found: dict, seconds: float, argv, kernels=None) -> list[Path]:
+    """Write each kernel's table, merged into the table already at that path: entries of a
+    (shape class, bucket) this run did not measure are kept, so tuning one preset does not drop
+    the others' entries (``meta["kept"]`` counts them; ``meta["previous"]`` is the old meta)."""
     defaults = {k: d.__dict__ for k, _, d in FORWARD_KERNELS + BACKWARD_KERNELS}
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tuning_seconds": round(seconds, 1), "device": name, "sm_count": sms, "triton": triton.__version__,
-            "torch": torch.__version__, "defaults": defaults,
+            "torch": torch.__version__, "capability": list(_capability()), "defaults": defaults,
             "command": "interlace tune-experts " + " ".join(argv if argv is not None else sys.argv[1:])}
-    return [tuning.write_table(out / f"{tuning.table_key(kernel, name, sms)}.json", found[kernel], meta)
-            for kernel in kernels or KERNELS]
+    paths = []
+    for kernel in kernels or KERNELS:
+        path = out / f"{tuning.table_key(kernel, name, sms)}.json"
+        entries, kernel_meta = merge_entries(path, found[kernel]), dict(meta)
+        kept = len(entries) - len(found[kernel])
+        if kept:
+            kernel_meta.update(kept=kept, previous=_read_meta(path))
+        paths.append(tuning.write_table(path, entries, kernel_meta))
+    return paths
+
+
+def _entry_key(entry: dict) -> tuple:
+    return tuple(sorted(entry["shape"].items())), entry["bucket"]
+
+
+def merge_entries(path: Path, new: list[dict]) -> list[dict]:
+    """The entries of the table at ``path`` (if any) that ``new`` does not re-measure, then ``new``."""
+    if not path.exists():
+        return list(new)
+    measured = {_entry_key(e) for e in new}
+    old = json.loads(path.read_text()).get("entries", [])
+    return [e for e in old if _entry_key(e) not in measured] + list(new)
+
+
+def _read_meta(path: Path) -> dict:
+    meta = json.loads(path.read_text()).get("meta", {})
+    return meta.get("previous", meta) if "kept" in meta else meta  # one level: not a growing chain
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 
 
 def main(argv=None) -> int:
