@@ -39,6 +39,69 @@ def test_missing_table_warns_once_and_uses_the_default(table_dir):
         lookup("k", "GPU X", 100, shape, 300, DEFAULT)
 
 
+def write_kin(table_dir, kernel, device, sms, triton_version, capability, block_m):
+    """A table of another device or Triton version, with the meta lookup borrows by."""
+    key = tuning.table_key(kernel, device, sms, triton_version)
+    meta = {"device": device, "sm_count": sms, "triton": triton_version, "capability": list(capability)}
+    tuning.write_table(table_dir / f"{key}.json", [entry(2048, 256, block_m)], meta)
+
+
+def test_a_device_without_a_table_borrows_its_kin(table_dir):
+    """No table for this device: the same device under another Triton version first, then a
+    device of the same compute capability (nearest SM count, this Triton version first); each
+    borrow warns once, and the source names the table it came from."""
+    import triton
+
+    shape = ShapeClass(2048, 1024, 8, "swiglu")
+    write_kin(table_dir, "k", "GPU Y", 132, triton.__version__, (9, 0), 16)
+    write_kin(table_dir, "k", "GPU Z", 114, triton.__version__, (9, 0), 32)
+    write_kin(table_dir, "k", "GPU W", 132, triton.__version__, (8, 0), 64)
+    with pytest.warns(UserWarning, match="borrowing k-GPU_Y-sm132"):
+        config, source = lookup("k", "GPU X", 132, shape, 256, DEFAULT, (9, 0))
+    assert config.block_m == 16 and source.startswith("borrowed from k-GPU_Y-sm132") and source.endswith("tuned")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per missing table
+        assert lookup("k", "GPU X", 132, shape, 1024, DEFAULT, (9, 0))[0].block_m == 16
+    assert lookup("k", "GPU V", 110, shape, 256, DEFAULT, (9, 0))[0].block_m == 32  # nearest SM count: 114
+    assert lookup("k", "GPU U", 132, shape, 256, DEFAULT, (8, 0))[0].block_m == 64  # capability must match
+    with pytest.warns(UserWarning, match="using the default"):
+        assert lookup("k", "GPU T", 132, shape, 256, DEFAULT, (10, 0)) == (DEFAULT, "default (no table)")
+    with pytest.warns(UserWarning, match="using the default"):  # capability unknown: nothing is kin
+        assert lookup("k", "GPU S", 132, shape, 256, DEFAULT)[0] == DEFAULT
+    # the same device under another Triton version beats a same-capability device
+    write_kin(table_dir, "k", "GPU X", 132, "0.0.1", (9, 0), 128)
+    tuning.clear_cache()
+    with pytest.warns(UserWarning, match="borrowing k-GPU_X-sm132-triton0.0.1"):
+        assert lookup("k", "GPU X", 132, shape, 256, DEFAULT, (9, 0))[0].block_m == 128
+
+
+def test_packaged_hopper_tables_are_kin(table_dir):
+    """The packaged tables say their compute capability, so another Hopper part (an H100 PCIe,
+    say) borrows them instead of running untuned defaults."""
+    shape = ShapeClass(2048, 1408, 30, "swiglu")
+    for kernel in ("expert_gemm0", "expert_gemm1", "expert_bwd_act", "expert_bwd_dx", "expert_wgrad"):
+        with pytest.warns(UserWarning, match="borrowing"):
+            config, source = lookup(kernel, "NVIDIA H100 PCIe", 114, shape, 512, DEFAULT, (9, 0))
+        assert config != DEFAULT and source.startswith(f"borrowed from {kernel}-NVIDIA_H")
+
+
+def test_tuning_one_preset_keeps_the_others_entries(tmp_path):
+    """`interlace tune-experts --configs X` merges into an existing table: entries of shapes and
+    buckets it did not measure stay, those it measured are replaced."""
+    from interlace.ops.tune_experts import KERNELS, write_tables
+
+    old = [entry(2048, 256, 16), entry(4096, 256, 32)]
+    found = {k: [] for k in KERNELS}
+    found["expert_gemm0"] = [entry(4096, 256, 64), entry(4096, 1024, 128)]
+    write_tables(tmp_path, "GPU X", 100, {k: old for k in KERNELS}, 1.0, ["--first"], ["expert_gemm0"])
+    path, = write_tables(tmp_path, "GPU X", 100, found, 2.0, ["--configs", "x"], ["expert_gemm0"])
+    data = json.loads(path.read_text())
+    got = {(e["shape"]["hidden"], e["bucket"]): e["config"]["block_m"] for e in data["entries"]}
+    assert got == {(2048, 256): 16, (4096, 256): 64, (4096, 1024): 128}
+    assert data["meta"]["kept"] == 1 and data["meta"]["previous"]["command"].endswith("--first")
+    assert "capability" in data["meta"]
+
+
 def test_nearest_bucket_then_nearest_shape(table_dir):
     write(table_dir, "k", [entry(2048, 64, 16), entry(2048, 1024, 32), entry(4096, 256, 64)])
     shape = ShapeClass(2048, 1024, 8, "swiglu")
@@ -136,7 +199,7 @@ def test_expert_config_choice_is_memoized_until_tables_change(table_dir, monkeyp
 
     import interlace.ops.grouped_gemm as gg
 
-    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100))
+    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100, (9, 0)))
     calls = []
     real_lookup = gg.lookup
 

@@ -762,9 +762,10 @@ def _num_programs(device: torch.device, work_bound: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def _device_identity(index: int) -> tuple[str, int]:
+def _device_identity(index: int) -> tuple[str, int, tuple[int, int]]:
+    """(name, SM count, compute capability): what the tuning tables are keyed and borrowed by."""
     props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
+    return props.name, props.multi_processor_count, (props.major, props.minor)
 
 
 @lru_cache(maxsize=None)
@@ -840,11 +841,11 @@ def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activ
     hit = _CHOICES.get(memo)
     if hit is not None:
         return hit
-    name, sms = _device_identity(index)
+    name, sms, capability = _device_identity(index)
     shape = ShapeClass(N, K, E, activation)
     configs, sources = [], []
     for (table, _, default), f in zip(kernels, forced):
-        c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default)
+        c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default, capability)
         configs.append(c)
         sources.append(f"{table.removeprefix('expert_')} {src}")
     if len(_CHOICES) > 1024:

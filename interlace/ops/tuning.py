@@ -4,9 +4,13 @@ A table is a JSON file (in ``interlace/tuning/`` or ``$INTERLACE_TUNING_DIR``) f
 (kernel, device name, SM count, Triton version). Each entry gives the best measured config for
 a shape class — hidden N, FFN K, experts per rank, activation — and a rows-per-expert bucket
 (powers of two). Lookup takes the entry of the same shape class with the nearest bucket (in
-log2), else the nearest shape class; with no table for this device and Triton version it
-returns the kernel's default and warns once, naming what is missing — never a silent fallback.
-``interlace tune-experts`` measures and writes the tables.
+log2), else the nearest shape class. With no table for this device and Triton version it
+borrows the table of the nearest kin, in this order: the same device and SM count under
+another Triton version; then a device of the same compute capability (the table's
+``meta["capability"]``), nearest SM count, the same Triton version first (an H100 runs the
+H200's configs: the same SM architecture, so the same tiles fit). Only where nothing is kin does
+it return the kernel's default. Either way it warns once, naming what is missing and what it
+uses instead — never a silent fallback. ``interlace tune-experts`` measures and writes the tables.
 """
 
 from __future__ import annotations
@@ -107,27 +111,65 @@ def _load(key: str) -> list[dict] | None:
 
 
 def lookup(kernel: str, device_name: str, sm_count: int, shape: ShapeClass, rows_per_expert: float,
-           default: GemmConfig) -> tuple[GemmConfig, str]:
-    """The config for this kernel, device and shape, and where it came from."""
+           default: GemmConfig, capability: tuple[int, int] | None = None) -> tuple[GemmConfig, str]:
+    """The config for this kernel, device and shape, and where it came from. ``capability``
+    (the device's compute capability) lets a device without a table borrow a kin's."""
     key = table_key(kernel, device_name, sm_count)
     bucket = rows_bucket(rows_per_expert)
-    memo = (key, shape, bucket, default)
+    memo = (key, shape, bucket, default, capability)
     if memo in _LOOKUPS:
         return _LOOKUPS[memo]
-    result = _lookup(key, kernel, shape, bucket, default)
+    result = _lookup(key, kernel, device_name, sm_count, capability, shape, bucket, default)
     _LOOKUPS[memo] = result
     return result
 
 
-def _lookup(key: str, kernel: str, shape: ShapeClass, bucket: int, default: GemmConfig) -> tuple[GemmConfig, str]:
-    entries = _load(key)
+def _tables_of(kernel: str) -> list[tuple[str, dict]]:
+    """(key, meta) of every table of ``kernel`` in the tuning folders (the first folder wins a key)."""
+    found: dict[str, dict] = {}
+    for d in tuning_dirs():
+        for path in sorted(d.glob(f"{kernel}-*.json")) if d.is_dir() else []:
+            if path.stem not in found:
+                try:
+                    found[path.stem] = json.loads(path.read_text()).get("meta", {})
+                except (OSError, ValueError):
+                    continue
+    return list(found.items())
+
+
+def kin_table(kernel: str, device_name: str, sm_count: int, capability: tuple[int, int] | None) -> str | None:
+    """The key of the table a device without its own borrows, or None: the same device and SM
+    count under another Triton version first, then the same compute capability with the nearest
+    SM count, the same Triton version preferred; ties by key, so the choice is reproducible."""
+    here = triton.__version__
+
+    def rank(item):
+        key, meta = item
+        same_device = meta.get("device") == device_name and meta.get("sm_count") == sm_count
+        sms = max(int(meta.get("sm_count") or 1), 1)
+        return (0 if same_device else 1, abs(math.log(sms / max(sm_count, 1))), meta.get("triton") != here, key)
+
+    kin = [(key, meta) for key, meta in _tables_of(kernel)
+           if (meta.get("device") == device_name and meta.get("sm_count") == sm_count)
+           or (capability is not None and tuple(meta.get("capability") or ()) == tuple(capability))]
+    return min(kin, key=rank)[0] if kin else None
+
+
+def _lookup(key: str, kernel: str, device_name: str, sm_count: int, capability, shape: ShapeClass, bucket: int,
+            default: GemmConfig) -> tuple[GemmConfig, str]:
+    entries, borrowed = _load(key), None
     if not entries:
+        borrowed = kin_table(kernel, device_name, sm_count, capability)
+        entries = _load(borrowed) if borrowed else None
         if key not in _WARNED:
             _WARNED.add(key)
-            warnings.warn(f"no tuning table {key}.json in {', '.join(map(str, tuning_dirs()))}: using the default "
-                          f"{kernel} config {asdict(default)} (run `interlace tune-experts` on this GPU)",
-                          stacklevel=4)
-        return default, "default (no table)"
+            instead = (f"borrowing {borrowed}.json, its nearest kin by device, compute capability and SM count"
+                       if entries else
+                       f"using the default {kernel} config {asdict(default)}")
+            warnings.warn(f"no tuning table {key}.json in {', '.join(map(str, tuning_dirs()))}: {instead} "
+                          f"(run `interlace tune-experts` on this GPU)", stacklevel=4)
+        if not entries:
+            return default, "default (no table)"
 
     def score(entry):
         other = ShapeClass(**entry["shape"])
@@ -135,7 +177,8 @@ def _lookup(key: str, kernel: str, shape: ShapeClass, bucket: int, default: Gemm
 
     best = min(entries, key=score)
     exact = ShapeClass(**best["shape"]) == shape and best["bucket"] == bucket
-    return GemmConfig(**best["config"]), "tuned" if exact else f"tuned, nearest {best['shape']} bucket {best['bucket']}"
+    source = "tuned" if exact else f"tuned, nearest {best['shape']} bucket {best['bucket']}"
+    return GemmConfig(**best["config"]), source if borrowed is None else f"borrowed from {borrowed}, {source}"
 
 
 def write_table(path: Path, entries: list[dict], meta: dict) -> Path:
