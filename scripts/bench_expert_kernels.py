@@ -12,16 +12,25 @@ fused into its A load and the activation in its epilogue, GEMM1, the same combin
 Correctness: forward and backward (dx, dW_up, dW_down, d routing weights) of both bf16 paths
 against an fp32 per-expert loop, fresh random inputs; a Triton error more than 2× the torch
 path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians of forward
-(no grad) and forward+backward, ≥ 20 timed calls; TFLOP/s of the three expert GEMMs (×3 with backward); the
+(no grad) and forward+backward, ≥ 20 timed calls (``--bench-rounds R``: R rounds alternating
+torch and Triton, the median over the rounds: one process's torch-then-Triton order moved rows
+by up to 12% between passes, run 173); TFLOP/s of the three expert GEMMs (×3 with backward); the
 backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
 four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
 kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compared kernel by kernel.
+
+``--tables NAME=DIR …`` instead A/Bs sets of tuning tables in one process: per row, ``--rounds``
+interleaved rounds, each timing the Triton block's forward and forward+backward once per set
+(tables from DIR through ``$INTERLACE_TUNING_DIR``; an empty DIR: the packaged tables), then the
+medians per set. Drift between processes (up to 6% on a row, run 143) hits every set alike there.
 """
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
@@ -33,6 +42,7 @@ from interlace.experts import init_expert_weights
 from interlace.ops.activation import activation_reference
 from interlace.ops.grouped_gemm import (TritonExpertFFN, backward_steps, choose_backward_configs,
                                         choose_configs, expert_ffn_triton)
+from interlace.ops import tuning
 from interlace.ops.routing_index import build_dispatch_index
 from interlace.ops.rows import CombineRows, DispatchRows
 from interlace.strategies.sequential import expert_ffn
@@ -58,38 +68,66 @@ def block(backend: str, x, w_up, w_down, weights, index, activation: str):
     return CombineRows.apply(y, weights, row_of_assignment, x.dtype)
 
 
-def reference_block(x, w_up, w_down, weights, index, activation: str):
-    """fp32 per-expert loop with autograd (the leaves are fp32 copies)."""
+def reference_block(x, w_up, w_down, weights, index, activation: str, first: int = 0):
+    """fp32 per-expert loop with autograd (the leaves are fp32 copies). ``w_up``/``w_down`` may hold
+    a slice of the experts, those from ``first`` on: the result is then their contribution alone
+    (the other experts' rows count as zero)."""
     row_of_assignment, assignment_of_row, ends, rows = index
     k = row_of_assignment.shape[1]
-    ys, start = [], 0
-    for e, end in enumerate(ends.tolist()):
+    bounds = [0] + ends.tolist()
+    lo, hi = bounds[first], bounds[first + w_up.shape[0]]
+    ys = []
+    for e in range(w_up.shape[0]):
+        start, end = bounds[first + e], bounds[first + e + 1]
         xs = x[assignment_of_row[start:end].long() // k]
         ys.append(activation_reference(xs @ w_up[e].t(), activation) @ w_down[e].t())
-        start = end
-    y = torch.cat(ys)
+    pad = [x.new_zeros(lo, x.shape[1]), x.new_zeros(bounds[-1] - hi, x.shape[1])]
+    y = torch.cat([pad[0]] + ys + [pad[1]])
     return (y[row_of_assignment.long()] * weights[..., None]).sum(1)
 
 
-def rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def check(cfg, x, w_up, w_down, weights, index, grad, group_bytes: float = 2e9):
+    """Max relative errors vs fp32 of (out, dx, dW_up, dW_down, d weights) for torch and triton.
 
-
-def check(cfg, x, w_up, w_down, weights, index, grad):
-    """Max relative errors vs fp32 of (out, dx, dW_up, dW_down, d weights) for torch and triton."""
-    leaves32 = [t.detach().float().requires_grad_() for t in (x, w_up, w_down, weights)]
-    ref = reference_block(*leaves32, index, cfg.activation)
-    ref.backward(grad.float())
-    refs = [ref] + [t.grad for t in leaves32]
-    del leaves32
-    errs = {}
+    The fp32 reference runs over groups of experts whose fp32 weights take at most ``group_bytes``
+    and is compared group by group: fp32 copies and gradients of every expert at once, beside
+    both backends' gradients, were more than an 80 GB H100 holds at dsv3-like 16384 (run 170)."""
+    got = {}
     for backend in ("torch", "triton"):
         leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down)] + [weights.detach().requires_grad_()]
         out = block(backend, *leaves, index, cfg.activation)
         out.backward(grad)
-        errs[backend] = [rel(got, want) for got, want in zip([out] + [t.grad for t in leaves], refs)]
-    return errs
+        got[backend] = [out.detach()] + [t.grad for t in leaves]
+        del out, leaves
+    E = w_up.shape[0]
+    per_expert = (w_up[0].numel() + w_down[0].numel()) * 4
+    group = max(1, min(E, int(group_bytes // per_expert)))
+    sq = {b: [[0.0, 0.0] for _ in range(5)] for b in got}  # per tensor: Σ diff², Σ ref²
+    whole = [torch.zeros(x.shape, device=x.device), torch.zeros(x.shape, device=x.device),
+             torch.zeros(weights.shape, device=x.device)]  # out, dx, d weights: sums over the groups
+
+    def add(b, i, mine, ref, chunk=1 << 26):
+        mine, ref = mine.reshape(-1), ref.reshape(-1)
+        for j in range(0, ref.numel(), chunk):
+            m, r = mine[j:j + chunk].double(), ref[j:j + chunk].double()
+            sq[b][i][0] += (m - r).square().sum().item() if torch.isfinite(m).all() else float("inf")
+            sq[b][i][1] += r.square().sum().item()
+
+    for first in range(0, E, group):
+        sl = slice(first, min(E, first + group))
+        leaves32 = [t.detach().float().requires_grad_() for t in (x, w_up[sl], w_down[sl], weights)]
+        part = reference_block(*leaves32, index, cfg.activation, first=first)
+        part.backward(grad.float())
+        for acc, t in zip(whole, (part.detach(), leaves32[0].grad, leaves32[3].grad)):
+            acc += t
+        for b in got:
+            add(b, 2, got[b][2][sl], leaves32[1].grad)
+            add(b, 3, got[b][3][sl], leaves32[2].grad)
+        del leaves32, part
+    for b in got:
+        for i, ref in zip((0, 1, 4), whole):
+            add(b, i, got[b][i], ref)
+    return {b: [d**0.5 / max(r**0.5, 1e-30) for d, r in sq[b]] for b in got}
 
 
 def bench_ms(fn, grad_to_none=None) -> float:
@@ -175,63 +213,130 @@ def main():
     p.add_argument("--breakdown", action="store_true", help="also time the Triton path's kernels one by one")
     p.add_argument("--profile-fwd", action="store_true", help="also list each backend's forward kernels (GPU µs)")
     p.add_argument("--seed", type=int, default=0, help="seeds the routing permutation, tokens and gradients")
+    p.add_argument("--tables", nargs="+", default=None, metavar="NAME=DIR",
+                   help="A/B these sets of tuning tables instead (interleaved rounds, Triton block only)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables A/B")
+    p.add_argument("--bench-rounds", type=int, default=1,
+                   help="interleaved torch/Triton rounds per row (medians over them; the order alternates)")
     args = p.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(args.seed)  # the same rows in every process (run 144: the spread is not the data's)
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    if args.tables:
+        return ab_tables(args)
     results = []
+    for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
+        row = {"config": name, "tokens": T, "rows": T * cfg.top_k}
+        try:
+            row["configs"] = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
+                              + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
+            leaves = [t.detach().requires_grad_(not args.no_backward) for t in (x, w_up, w_down, weights)]
+            t0 = time.perf_counter()
+            out = block("triton", *leaves, index, cfg.activation)
+            if not args.no_backward:
+                out.backward(grad)
+            torch.cuda.synchronize()
+            row["first_s"] = time.perf_counter() - t0
+            del out, leaves
+            if not args.no_backward:
+                errs = check(cfg, x, w_up, w_down, weights, index, grad)
+                row["err_torch"], row["err_triton"] = errs["torch"], errs["triton"]
+                row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
+            flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
+            samples = {"torch": [], "triton": []}
+            for r in range(args.bench_rounds):  # interleaved, the order alternating per round
+                for backend in ("torch", "triton") if r % 2 == 0 else ("triton", "torch"):
+                    if args.no_backward:
+                        def fwd(b=backend):
+                            with torch.no_grad():
+                                return block(b, x, w_up, w_down, weights, index, cfg.activation)
+                        samples[backend].append((bench_ms(fwd), None))
+                    else:
+                        samples[backend].append(time_backend(backend, cfg, x, w_up, w_down, weights, index, grad))
+            for backend, ts in samples.items():
+                fb = None if args.no_backward else statistics.median(t[1] for t in ts)
+                row[backend] = (statistics.median(t[0] for t in ts), fb)
+                row[f"{backend}_rounds"] = ts
+            row["flops"] = flops
+            if args.breakdown:
+                row["kernels"] = breakdown(cfg, x, w_up, w_down, index)
+            if args.profile_fwd:
+                row["fwd_profile"] = {b: profile_forward(b, cfg, x, w_up, w_down, weights, index)
+                                      for b in ("torch", "triton")}
+        except Exception as err:  # report the row and go on with the others
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"{name} {T}: {row['error']}", flush=True)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print_table(results)
+
+
+def bench_rows(args):
+    """Every bench row's data, seeded (the same rows in every process; run 144: the spread is not the
+    data's): (config name, cfg, T, w_up, w_down, routing weights, dispatch index, x, grad)."""
+    dev = torch.device("cuda")
+    torch.manual_seed(args.seed)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for name in args.configs:
         cfg = bench_config(name, small=False)
         E_local = cfg.num_experts // args.world
         w_up, w_down = init_expert_weights(cfg, range(E_local), 0, dev)
         for T in args.tokens:
-            row = {"config": name, "tokens": T, "rows": T * cfg.top_k}
-            try:
-                idx, weights = balanced_routing(T, cfg.top_k, E_local, dev)
-                roa, aor, _, ends = build_dispatch_index(idx, E_local, None)
-                index = (roa, aor, ends, T * cfg.top_k)
-                x = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
-                grad = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
-                row["configs"] = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
-                                  + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
-                leaves = [t.detach().requires_grad_(not args.no_backward) for t in (x, w_up, w_down, weights)]
-                t0 = time.perf_counter()
-                out = block("triton", *leaves, index, cfg.activation)
-                if not args.no_backward:
-                    out.backward(grad)
-                torch.cuda.synchronize()
-                row["first_s"] = time.perf_counter() - t0
-                del out, leaves
-                if not args.no_backward:
-                    errs = check(cfg, x, w_up, w_down, weights, index, grad)
-                    row["err_torch"], row["err_triton"] = errs["torch"], errs["triton"]
-                    row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
-                flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
-                for backend in ("torch", "triton"):
-                    if args.no_backward:
-                        def fwd(b=backend):
-                            with torch.no_grad():
-                                return block(b, x, w_up, w_down, weights, index, cfg.activation)
-                        row[backend] = (bench_ms(fwd), None)
-                    else:
-                        row[backend] = time_backend(backend, cfg, x, w_up, w_down, weights, index, grad)
-                row["flops"] = flops
-                if args.breakdown:
-                    row["kernels"] = breakdown(cfg, x, w_up, w_down, index)
-                if args.profile_fwd:
-                    row["fwd_profile"] = {b: profile_forward(b, cfg, x, w_up, w_down, weights, index)
-                                          for b in ("torch", "triton")}
-            except Exception as err:  # report the row and go on with the others
-                row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-                print(f"{name} {T}: {row['error']}", flush=True)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            idx, weights = balanced_routing(T, cfg.top_k, E_local, dev)
+            roa, aor, _, ends = build_dispatch_index(idx, E_local, None)
+            x = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
+            grad = torch.randn(T, cfg.hidden, device=dev).to(cfg.dtype)
+            yield name, cfg, T, w_up, w_down, weights, (roa, aor, ends, T * cfg.top_k), x, grad
+            del x, grad, weights
             torch.cuda.empty_cache()
+        del w_up, w_down
         torch.cuda.empty_cache()
+
+
+def use_tables(directory: str) -> None:
+    """Lookups from now on read ``directory``'s tables first (empty: the packaged ones only)."""
+    if directory:
+        os.environ["INTERLACE_TUNING_DIR"] = directory
+    else:
+        os.environ.pop("INTERLACE_TUNING_DIR", None)
+    tuning.clear_cache()  # also expires the expert block's memo of its configs
+
+
+def ab_tables(args) -> None:
+    """Interleaved A/B of table sets: per row and round, the Triton block timed once per set."""
+    sets = [(spec.split("=", 1) + [""])[:2] for spec in args.tables]
+    results = []
+    for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
+        row = {"config": name, "tokens": T, "sets": {}}
+        times = {label: ([], []) for label, _ in sets}
+        for _ in range(args.rounds):
+            for label, directory in sets:
+                use_tables(directory)
+                f, fb = time_backend("triton", cfg, x, w_up, w_down, weights, index, grad)
+                times[label][0].append(f)
+                times[label][1].append(fb)
+        for label, directory in sets:
+            use_tables(directory)
+            source = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
+                      + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
+            f, fb = times[label]
+            row["sets"][label] = {"fwd": f, "fb": fb, "configs": source}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    print_table(results)
+    first = sets[0][0]
+    print(f"\nmedian ms over {args.rounds} interleaved rounds; ratio = {first} ÷ set (> 1: the set is faster)\n")
+    print("| config | tokens | " + " | ".join(f"{lb} fwd | {lb} bwd" for lb, _ in sets) + " | "
+          + " | ".join(f"fwd {first}/{lb} | bwd {first}/{lb}" for lb, _ in sets[1:]) + " |")
+    print("|---|---|" + "---|---|" * len(sets) + "---|---|" * (len(sets) - 1))
+    for r in results:
+        med = {lb: (statistics.median(v["fwd"]), statistics.median(v["fb"]) - statistics.median(v["fwd"]))
+               for lb, v in r["sets"].items()}
+        cells = [f"{med[lb][0]:.3f} | {med[lb][1]:.3f}" for lb, _ in sets]
+        cells += [f"{med[first][0] / med[lb][0]:.3f} | {med[first][1] / med[lb][1]:.3f}" for lb, _ in sets[1:]]
+        print(f"| {r['config']} | {r['tokens']} | " + " | ".join(cells) + " |")
 
 
 def print_table(results):
