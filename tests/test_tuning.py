@@ -62,8 +62,10 @@ def test_a_device_without_a_table_borrows_its_kin(table_dir):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per missing table
         assert lookup("k", "GPU X", 132, shape, 1024, DEFAULT, (9, 0))[0].block_m == 16
-    assert lookup("k", "GPU V", 110, shape, 256, DEFAULT, (9, 0))[0].block_m == 32  # nearest SM count: 114
-    assert lookup("k", "GPU U", 132, shape, 256, DEFAULT, (8, 0))[0].block_m == 64  # capability must match
+    with pytest.warns(UserWarning, match="borrowing k-GPU_Z-sm114"):  # nearest SM count: 114
+        assert lookup("k", "GPU V", 110, shape, 256, DEFAULT, (9, 0))[0].block_m == 32
+    with pytest.warns(UserWarning, match="borrowing k-GPU_W-sm132"):  # capability must match
+        assert lookup("k", "GPU U", 132, shape, 256, DEFAULT, (8, 0))[0].block_m == 64
     with pytest.warns(UserWarning, match="using the default"):
         assert lookup("k", "GPU T", 132, shape, 256, DEFAULT, (10, 0)) == (DEFAULT, "default (no table)")
     with pytest.warns(UserWarning, match="using the default"):  # capability unknown: nothing is kin
