@@ -111,8 +111,10 @@ def main():
         return None, launch["d_pre_act"]  # returns d(pre-activation)
 
     runs = [runner(c) for c in variants]
-    first = None  # the first variant's output; each other variant is compared as it runs (one copy held:
-    for i, ((out, fn), c) in enumerate(zip(runs, variants)):  # fp32 copies of dsv3-like's dW_up ran an H100 out of memory, run 173)
+    # Compile, warm, and compare each variant with the first as it runs, holding one copy of the first's
+    # output (fp32 copies of every variant's dsv3-like dW_up ran an H100 out of memory, run 173).
+    first = None
+    for i, (out, fn) in enumerate(runs):
         got = fn()
         got = out if out is not None else got
         if first is None:

@@ -36,7 +36,7 @@ import time
 import torch
 import triton
 
-from interlace.bench.harness import bench_config
+from interlace.bench.harness import bench_config, squared_error_sums
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
 from interlace.ops.activation import activation_reference
@@ -106,12 +106,10 @@ def check(cfg, x, w_up, w_down, weights, index, grad, group_bytes: float = 2e9):
     whole = [torch.zeros(x.shape, device=x.device), torch.zeros(x.shape, device=x.device),
              torch.zeros(weights.shape, device=x.device)]  # out, dx, d weights: sums over the groups
 
-    def add(b, i, mine, ref, chunk=1 << 26):
-        mine, ref = mine.reshape(-1), ref.reshape(-1)
-        for j in range(0, ref.numel(), chunk):
-            m, r = mine[j:j + chunk].double(), ref[j:j + chunk].double()
-            sq[b][i][0] += (m - r).square().sum().item() if torch.isfinite(m).all() else float("inf")
-            sq[b][i][1] += r.square().sum().item()
+    def add(b, i, mine, ref):
+        d, r = squared_error_sums(mine, ref)
+        sq[b][i][0] += d
+        sq[b][i][1] += r
 
     for first in range(0, E, group):
         sl = slice(first, min(E, first + group))

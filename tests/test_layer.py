@@ -180,3 +180,18 @@ def test_bench_routings_local_stays_on_its_rank_and_balanced_spreads():
         assert torch.bincount(bal.flatten(), minlength=8).tolist() == [10] * 8
     with pytest.raises(ValueError, match="experts per rank"):
         make_routing(cfg.with_(top_k=3), "local", 5, SimpleNamespace(rank=0, world=4, device="cpu"), 0)
+
+
+def test_bench_rel_err_in_chunks_equals_the_whole():
+    """The harness's error (fp64, chunked so a 7.5 GB gradient needs no fp32 copy) equals the
+    plain norm ratio, its squared sums add over pieces, and a NaN in the result is inf."""
+    from interlace.bench.harness import rel_err, squared_error_sums
+
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    want = ((a - b).norm() / b.norm()).item()
+    assert abs(rel_err(a, b) - want) < 1e-12
+    pieces = [squared_error_sums(a[i:i + 300], b[i:i + 300], chunk=7) for i in range(0, 1000, 300)]
+    d, r = (sum(p[j] for p in pieces) for j in (0, 1))
+    assert abs((d / r) ** 0.5 - want) < 1e-12
+    a[517] = float("nan")
+    assert rel_err(a, b) == float("inf")
