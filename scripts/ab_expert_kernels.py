@@ -1,7 +1,9 @@
-"""Interleaved A/B of one Triton expert kernel's configs on a bench shape (one GPU).
+"""Interleaved A/B of one Triton expert kernel's configs on bench shapes (one GPU).
 
-    python scripts/ab_expert_kernels.py --config dsv3-like --tokens 4096 --kernel gemm1 \
-        --variants table 128,256,64,8,3,16,0,0,0,0,0,1 [--rounds 5] [--routing balanced|ragged]
+    python scripts/ab_expert_kernels.py --config dsv3-like [qwen2-moe ...] --tokens 4096 [16384 ...] \
+        --kernel gemm1 --variants table 128,256,64,8,3,16,0,0,0,0,0,1 [--rounds 5] [--routing balanced|ragged]
+
+Each (config, tokens) pair is one A/B, run in turn in this process (one compile per kernel).
 
 The tuner (``interlace tune-experts``) times a forward kernel inside the whole forward and each
 candidate once; its spread (±10% on the same config, run 107) buries the few-percent effects of
@@ -52,8 +54,8 @@ def _host_ms(fn) -> float:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--config", default="dsv3-like")
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--config", nargs="+", default=["dsv3-like"], help="one A/B per config and token count")
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--kernel", choices=list(TABLE_INDEX), default="gemm1")
     p.add_argument("--variants", nargs="+", required=True)
@@ -61,11 +63,23 @@ def main():
     p.add_argument("--routing", choices=["balanced", "ragged"], default="balanced")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    results = []
+    for config in args.config:
+        for tokens in args.tokens:
+            results.append(ab_one(args, config, tokens))
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=1)
+
+
+def ab_one(args, config: str, tokens: int) -> dict:
+    """One interleaved A/B of ``args.variants`` on one bench shape; prints its table, returns its rows."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")  # CPU: the interpreter at small shapes (a smoke run)
-    cfg = bench_config(args.config, small=not cuda)
+    cfg = bench_config(config, small=not cuda)
     E = cfg.num_experts // args.world
-    R = args.tokens * cfg.top_k
+    R = tokens * cfg.top_k
     N, K = cfg.hidden, cfg.ffn
     w_up, w_down = init_expert_weights(cfg, range(E), 0, dev)
     if args.routing == "balanced":
@@ -74,8 +88,8 @@ def main():
         ends = ragged_ends(R // E, E, dev)
         R = int(ends[-1])  # host sync once, in setup
     divisor = cfg.top_k
-    x = torch.randn(args.tokens, N, device=dev).to(cfg.dtype)
-    gather = torch.randperm(args.tokens * divisor, device=dev)[:R].to(torch.int32)
+    x = torch.randn(tokens, N, device=dev).to(cfg.dtype)
+    gather = torch.randperm(tokens * divisor, device=dev)[:R].to(torch.int32)
     up_width = w_up.shape[1]
     act_in = torch.randn(R, K, device=dev).to(cfg.dtype)
     dy = torch.randn(R, N, device=dev).to(cfg.dtype)
@@ -128,7 +142,7 @@ def main():
         for i, (_, fn) in enumerate(runs):
             times[i].append(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") if cuda
                             else _host_ms(fn))
-    print(f"# {torch.cuda.get_device_name() if cuda else 'cpu'}, {args.config} {args.tokens} tokens, {R} rows over {E} experts "
+    print(f"# {torch.cuda.get_device_name() if cuda else 'cpu'}, {config} {tokens} tokens, {R} rows over {E} experts "
           f"({args.routing}), kernel {args.kernel}, {args.rounds} rounds")
     print("| variant | config | median ms | min–max ms | TFLOP/s | ÷ first |")
     print("|---|---|---|---|---|---|")
@@ -139,10 +153,7 @@ def main():
         rows.append({"variant": text, "config": list(c.__dict__.values()), "ms": t})
         print(f"| {text} | {tuple(c.__dict__.values())} | {med:.4f} | {min(t):.4f}–{max(t):.4f} | "
               f"{flops / med / 1e9:.0f} | {base / med:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "tokens": args.tokens, "kernel": args.kernel, "routing": args.routing,
-                       "rows": rows}, f, indent=1)
+    return {"config": config, "tokens": tokens, "kernel": args.kernel, "routing": args.routing, "rows": rows}
 
 
 if __name__ == "__main__":
