@@ -428,6 +428,22 @@ def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _load_tile(win, ptr, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pitch=None):
+    """The (BLOCK_M × BLOCK_N) block of rows ``row0 ..`` (valid below ``row_end``; zeros past it),
+    column block ``nb``, through TMA: :func:`_store_tile`'s boxes, read. ``win`` is the matrix's
+    :func:`_window_map` (BLOCK_M rows); a tile ending before row BLOCK_M takes a map made here."""
+    if pitch is None:
+        pitch = COLS
+    if row_end >= BLOCK_M:
+        box = win.load([row_end - BLOCK_M, BLOCK_M - (row_end - row0), nb * BLOCK_N])
+    else:
+        part = tl.make_tensor_descriptor(ptr, shape=[1, row_end, COLS], strides=[pitch, pitch, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_N])
+        box = part.load([0, row0, nb * BLOCK_N])
+    return tl.reshape(box, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _gemm_flat_kernel(
     a_ptr, w_ptr, out_ptr, h_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
@@ -463,26 +479,17 @@ def _gemm_flat_kernel(
                                            block_shape=[BLOCK_K, BLOCK_N])
     H_WIDTH: tl.constexpr = 2 if EPILOGUE == 1 else 1  # h (and out) is (R, H_WIDTH·COLS)
     out_win = _window_map(out_ptr, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=H_WIDTH * COLS)
+    h_win = _window_map(h_ptr, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=H_WIDTH * COLS)
     if EPILOGUE == 1:
         up_win = _window_map(out_ptr + COLS, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS)
+        hu_win = _window_map(h_ptr + COLS, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    h0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)  # the tile's h blocks (gate, up)
-    h1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
     for step in range(0, my_items * k_steps):
         ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
                                                     num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
-        if EPILOGUE != 0:
-            if ki == 0:  # prefetch: used at this tile's last step
-                rows = row0 + offs_m
-                cols = nb * BLOCK_N + offs_n
-                hmask = (rows < row_end)[:, None] & (cols < COLS)[None, :]
-                h_rows = h_ptr + rows.to(tl.int64)[:, None] * (H_WIDTH * COLS) + cols[None, :]
-                h0 = tl.load(h_rows, mask=hmask, other=0.0)
-                if EPILOGUE == 1:
-                    h1 = tl.load(h_rows + COLS, mask=hmask, other=0.0)
         k0 = ki * BLOCK_K
         a = a_desc.load([row0, k0])
         if B_TRANS:
@@ -494,15 +501,16 @@ def _gemm_flat_kernel(
             if EPILOGUE == 0:
                 _store_tile(out_win, out_ptr, acc, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
             elif EPILOGUE == 1:
-                gate = h0.to(tl.float32)
-                up = h1.to(tl.float32)
+                gate = _load_tile(h_win, h_ptr, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS).to(tl.float32)
+                up = _load_tile(hu_win, h_ptr + COLS, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N,
+                                pitch=2 * COLS).to(tl.float32)
                 sig = tl.sigmoid(gate)
                 _store_tile(out_win, out_ptr, acc * up * sig * (1.0 + gate * (1.0 - sig)), row0, row_end, nb, COLS,
                             BLOCK_M, BLOCK_N, pitch=2 * COLS)
                 _store_tile(up_win, out_ptr + COLS, acc * gate * sig, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N,
                             pitch=2 * COLS)
             else:
-                pre = h0.to(tl.float32)
+                pre = _load_tile(h_win, h_ptr, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N).to(tl.float32)
                 if EPILOGUE == 2:
                     cdf = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476))
                     deriv = cdf + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre)
