@@ -13,11 +13,10 @@ Rows are expert-major: expert e owns rows ``[offs[e-1], offs[e])``. Three kernel
 * ``_gemm_kernel`` — a grouped GEMM with strided weights: the down projection
   ``act @ W_down^T`` forward; in backward ``dy @ W_down`` with the activation's derivative in
   the epilogue (writing d(pre-activation) from the stored pre-activation) and ``d_h @ W_up``.
-* ``_gemm0_flat_kernel`` and ``_gemm_flat_kernel`` — GEMM0 and the other GEMMs as one
+* ``_gemm0_flat_kernel`` and ``_gemm_flat_kernel`` — GEMM0 and the plain-epilogue GEMM as one
   flat loop over (tile, k step) steps (``persistent = 2`` in the tables), A, B and the outputs
   through TMA, so the pipeline runs across tiles: the next tile's loads go under this tile's
-  last steps and its store (1–9% faster on most tables' entries, runs 113–114). The d(act)
-  GEMM's derivative epilogue runs there too, its h blocks loaded at the tile's first step.
+  last steps and its store (1–9% faster on most tables' entries, runs 113–114).
 * ``_wgrad_kernel`` — per-expert weight gradients ``aᵀ b`` over the expert's rows, with the
   same gather fused into the load of b; ``_wgrad_persistent_kernel`` and ``_wgrad_flat_kernel``
   the persistent forms over TMA-fed rows (the flat one pipelines across output blocks, which
@@ -46,8 +45,7 @@ the next expert's rows.
 
 The d(pre-activation) GEMM applies the activation's derivative in its epilogue, or (SwiGLU,
 ``unfused_act`` in the table) stores d(act) and leaves the derivative to one elementwise pass:
-in the nested kernel the epilogue's two h loads and two stores after a short main loop cost
-more (run 31); the flat loop loads h under the main loop instead.
+the epilogue's two h loads and two stores after a short main loop cost more (run 31).
 
 :class:`TritonExpertFFN` runs forward and backward on these kernels; gradients of the gathered
 rows are returned to the caller's rows by a gather (bijection) or a fixed-order sum (a token's
@@ -57,7 +55,7 @@ k rows): deterministic, no atomics.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -185,7 +183,7 @@ def _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, til
 
 
 @triton.jit
-def _window_map(ptr, rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, pitch=None):
+def _window_map(ptr, rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """A **window map** over a row-major (rows, cols) matrix: the 3-D view (s, i, c) ↦ row s + i,
     column c, whose middle dimension has BLOCK_ROWS entries, loaded or stored in boxes of
     (1, BLOCK_ROWS, BLOCK_COLS). Moving a box's middle coordinate below 0 (loads) or past
@@ -194,11 +192,8 @@ def _window_map(ptr, rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.conste
     before a loop bounds every step at a step-dependent row, where a 2-D map would have to be
     made again per step (a global write and a proxy fence each). Boxes never reach before row 0
     or past ``rows``; TMA stores take no negative coordinate (an illegal instruction on H200,
-    run 141). ``pitch``: the rows' pitch when it is not ``cols`` (one half of a wider matrix,
-    as SwiGLU's d(gate) and d(up) halves of d(pre-activation))."""
-    if pitch is None:
-        pitch = cols
-    return tl.make_tensor_descriptor(ptr, shape=[rows, BLOCK_ROWS, cols], strides=[pitch, pitch, 1],
+    run 141)."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, BLOCK_ROWS, cols], strides=[cols, cols, 1],
                                      block_shape=[1, BLOCK_ROWS, BLOCK_COLS])
 
 
@@ -405,8 +400,7 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                pitch=None):
+def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A (BLOCK_M × BLOCK_N) output tile at rows ``row0 ..`` (valid below ``row_end``), column
     block ``nb``, through TMA (the store drains under the next tile's loads). A partial tile's
     box must not reach the next expert's first rows. ``out_win`` is the output's
@@ -415,56 +409,31 @@ def _store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.cons
     rows past the middle dimension's end, where TMA drops them. Only a tile ending before row
     BLOCK_M (s would be negative) takes a map made here, ending at ``row_end``. (A map per partial tile costs a global write and a proxy fence in the loop; a
     masked store instead needs a layout-conversion buffer on top of the TMA store's, which the
-    flat kernels' pipelines leave no shared memory for.) ``pitch``: as in :func:`_window_map`."""
-    if pitch is None:
-        pitch = COLS
+    flat kernels' pipelines leave no shared memory for.)"""
     box = tl.reshape(val.to(out_ptr.dtype.element_ty), (1, BLOCK_M, BLOCK_N))
     if row_end >= BLOCK_M:
         out_win.store([row_end - BLOCK_M, BLOCK_M - (row_end - row0), nb * BLOCK_N], box)
     else:  # (a 3-D box too, so both stores share one staging buffer)
-        part = tl.make_tensor_descriptor(out_ptr, shape=[1, row_end, COLS], strides=[pitch, pitch, 1],
+        part = tl.make_tensor_descriptor(out_ptr, shape=[1, row_end, COLS], strides=[COLS, COLS, 1],
                                          block_shape=[1, BLOCK_M, BLOCK_N])
         part.store([0, row0, nb * BLOCK_N], box)
 
 
 @triton.jit
-def _load_tile(win, ptr, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pitch=None):
-    """The (BLOCK_M × BLOCK_N) block of rows ``row0 ..`` (valid below ``row_end``; zeros past it),
-    column block ``nb``, through TMA: :func:`_store_tile`'s boxes, read. ``win`` is the matrix's
-    :func:`_window_map` (BLOCK_M rows); a tile ending before row BLOCK_M takes a map made here."""
-    if pitch is None:
-        pitch = COLS
-    if row_end >= BLOCK_M:
-        box = win.load([row_end - BLOCK_M, BLOCK_M - (row_end - row0), nb * BLOCK_N])
-    else:
-        part = tl.make_tensor_descriptor(ptr, shape=[1, row_end, COLS], strides=[pitch, pitch, 1],
-                                         block_shape=[1, BLOCK_M, BLOCK_N])
-        box = part.load([0, row0, nb * BLOCK_N])
-    return tl.reshape(box, (BLOCK_M, BLOCK_N))
-
-
-@triton.jit
 def _gemm_flat_kernel(
-    a_ptr, w_ptr, out_ptr, h_ptr,
+    a_ptr, w_ptr, out_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
     COLS, RED, E, num_programs, num_rows,
     B_TRANS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EPILOGUE: tl.constexpr = 0,
+    GROUP_M: tl.constexpr,
 ):
-    """:func:`_gemm_kernel` as one flat loop over (tile, k step) steps (``persistent = 2``; the
-    persistent matmul tutorial's form): the software pipeline runs across tiles, so the next
-    tile's first A and B blocks load while this tile's last steps and its store run. A, B and the
-    output all go through TMA descriptors. For short reductions (the down projection's K = ffn of
-    768–2048: 12–32 steps per tile) the per-tile pipeline fill and epilogue of the nested loop are
-    a large share (Triton 3.6 cannot flatten that loop once it holds the TMA store: FuseNestedLoops
-    fails on sm90).
-
-    EPILOGUE as :func:`_gemm_kernel`'s: 0 plain, or the d(pre-activation) GEMM's activation
-    derivative (1 SwiGLU, 2 GELU, 3 ReLU) from the stored pre-activation h. A tile's h blocks are
-    loaded at its *first* k step and held in registers, so their latency runs under the main loop
-    instead of in the epilogue (the nested kernel loads them after its last step, which is what
-    made the fused derivative lose to a separate pass there, run 31). SwiGLU's d(gate) and d(up)
-    go to the two halves of out (R, 2·COLS) through two window maps of pitch 2·COLS."""
+    """:func:`_gemm_kernel` with the plain epilogue as one flat loop over (tile, k step) steps
+    (``persistent = 2``; the persistent matmul tutorial's form): the software pipeline runs
+    across tiles, so the next tile's first A and B blocks load while this tile's last steps and
+    its store run. A, B and the output all go through TMA descriptors. For short reductions (the
+    down projection's K = ffn of 768–2048: 12–32 steps per tile) the per-tile pipeline fill and
+    epilogue of the nested loop are a large share (Triton 3.6 cannot flatten that loop once it
+    holds the TMA store: FuseNestedLoops fails on sm90)."""
     pid = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
@@ -477,14 +446,7 @@ def _gemm_flat_kernel(
     else:
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * RED, COLS], strides=[COLS, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
-    H_WIDTH: tl.constexpr = 2 if EPILOGUE == 1 else 1  # h (and out) is (R, H_WIDTH·COLS)
-    out_win = _window_map(out_ptr, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=H_WIDTH * COLS)
-    h_win = _window_map(h_ptr, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=H_WIDTH * COLS)
-    if EPILOGUE == 1:
-        up_win = _window_map(out_ptr + COLS, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS)
-        hu_win = _window_map(h_ptr + COLS, num_rows, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    out_win = _window_map(out_ptr, num_rows, COLS, BLOCK_M, BLOCK_N)
     ki, work, e, row0, nb, row_end = _flat_start(pid, num_programs, k_steps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, my_items * k_steps):
@@ -498,25 +460,7 @@ def _gemm_flat_kernel(
             b = w_desc.load([(e * RED + k0).to(tl.int32), nb * BLOCK_N])
         acc = tl.dot(a, b, acc)
         if ki == k_steps - 1:
-            if EPILOGUE == 0:
-                _store_tile(out_win, out_ptr, acc, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
-            elif EPILOGUE == 1:
-                gate = _load_tile(h_win, h_ptr, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N, pitch=2 * COLS).to(tl.float32)
-                up = _load_tile(hu_win, h_ptr + COLS, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N,
-                                pitch=2 * COLS).to(tl.float32)
-                sig = tl.sigmoid(gate)
-                _store_tile(out_win, out_ptr, acc * up * sig * (1.0 + gate * (1.0 - sig)), row0, row_end, nb, COLS,
-                            BLOCK_M, BLOCK_N, pitch=2 * COLS)
-                _store_tile(up_win, out_ptr + COLS, acc * gate * sig, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N,
-                            pitch=2 * COLS)
-            else:
-                pre = _load_tile(h_win, h_ptr, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N).to(tl.float32)
-                if EPILOGUE == 2:
-                    cdf = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476))
-                    deriv = cdf + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre)
-                else:
-                    deriv = tl.where(pre > 0, 1.0, 0.0)
-                _store_tile(out_win, out_ptr, acc * deriv, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
+            _store_tile(out_win, out_ptr, acc, row0, row_end, nb, COLS, BLOCK_M, BLOCK_N)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
@@ -925,10 +869,15 @@ def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activat
 def choose_backward_configs(dy: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
     """(d(pre-activation) GEMM, dx GEMM, weight-gradient kernel) configs and their source.
 
-    A d(act) config with ``unfused_act`` stores d(act) and leaves SwiGLU's derivative to a separate
-    pass; GELU and ReLU, which have no such pass, take the derivative in the epilogue of whichever
-    kernel the config names (the flat loop included), as a layer borrowing a SwiGLU shape's entry."""
+    The flat loop (``persistent = 2``) has the plain epilogue only. A d(act) config from a table
+    that has it, where this layer computes the derivative in the epilogue (GELU and ReLU, or
+    SwiGLU without ``unfused_act``), runs the nested kernel instead: the tables' entries are
+    measured on SwiGLU shapes and other activations borrow the nearest one (as ``joint`` applies
+    to SwiGLU only). The same config given explicitly (``INTERLACE_BWD_ACT``) stays an error."""
     (ca, cd, cw), source = _choose(BACKWARD_KERNELS, dy, w_down, num_rows, activation)
+    if (ca.persistent == 2 and not (ca.unfused_act and activation == "swiglu")
+            and _config_from_env(BACKWARD_KERNELS[0][1]) is None):
+        ca = replace(ca, persistent=0)
     return ca, cd, cw, source
 
 
@@ -966,24 +915,6 @@ def _gemm0_flat_stages(c0: GemmConfig, store_h: bool) -> int:
     on Hopper (sm90 compile: 4 stages need 229.5 KB without it; a test compiles the tables'
     configs both ways)."""
     return min(c0.num_stages, 3) if store_h else c0.num_stages
-
-
-# sm90's opt-in shared memory per block (bytes); flat configs over it fail at launch.
-_HOPPER_SHARED_BYTES = 232448
-
-
-def _flat_gemm_stages(config: GemmConfig, epilogue: int, element_size: int) -> int:
-    """Pipeline stages of the flat GEMM (:func:`_gemm_flat_kernel`). The plain epilogue keeps the
-    table's. A derivative epilogue needs shared memory beside the stages for its store staging
-    (SwiGLU's two boxes) and the h blocks' layout conversion: sm90 compiles measured 64 KB at
-    128 × 128 (SwiGLU) and 96 KB at 128 × 256 (GELU, SwiGLU); two output tiles are budgeted. So
-    a GELU layer borrowing a SwiGLU shape's 128 × 256 flat entry at 3 stages (245.8 KB, over the
-    limit) runs at 2. A cap below 2 stages sends the caller to the nested kernel."""
-    if epilogue == 0:
-        return config.num_stages
-    stage = (config.block_m + config.block_n) * config.block_k * element_size
-    fixed = 2 * config.block_m * config.block_n * element_size
-    return min(config.num_stages, (_HOPPER_SHARED_BYTES - fixed) // stage)
 
 
 def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
@@ -1039,18 +970,16 @@ def _check_config(config: GemmConfig) -> None:
 def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, config, schedule=None, tma=False):
     """out = a @ B_e per expert, w (E, cols, red) with ``b_trans`` (B_e = w[e]ᵀ) else (E, red, cols)."""
     _check_config(config)
+    if config.persistent == 2 and epilogue != 0:
+        raise ValueError(f"GEMM config {config}: persistent = 2 (the flat loop) has the plain epilogue only; "
+                         "with an activation-gradient epilogue use unfused_act = 1 or persistent = 0")
     sched = schedule or tile_schedule(ends, num_rows, config.block_m)
     p = _num_programs(a.device, sched.max_tiles * cdiv(cols, config.block_n))
-    # SwiGLU's d(up) half of out starts COLS elements in: a TMA base must be 16-byte aligned.
-    halves_ok = epilogue != 1 or cols * out.element_size() % 16 == 0
-    stages = _flat_gemm_stages(config, epilogue, out.element_size())
-    fits = stages == config.num_stages or stages >= 2
-    if config.persistent == 2 and tma and tma_rows_ok(a) and tma_rows_ok(out) and halves_ok and fits:
+    if config.persistent == 2 and tma and tma_rows_ok(a) and tma_rows_ok(out):
         launch(_gemm_flat_kernel, (p,),
-            a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count, cols, red,
-            w.shape[0], p, num_rows,
+            a, w, out, sched.expert, sched.start, sched.end, sched.count, cols, red, w.shape[0], p, num_rows,
             B_TRANS=b_trans, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, EPILOGUE=epilogue, num_warps=config.num_warps, num_stages=stages,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     launch(_gemm_kernel, (p,),
@@ -1124,7 +1053,10 @@ def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sch
     epilogue. ``config.unfused_act`` (SwiGLU): the GEMM stores d(act) plainly and one elementwise
     pass applies the derivative — on H200 the fused epilogue (two h loads, two stores per tile,
     not overlapped with the short main loop of this K=hidden reduction) cost 25–38% of the
-    kernel, more than the pass's extra R·K round trip (run 31)."""
+    kernel, more than the pass's extra R·K round trip (run 31). The flat loop with the derivative
+    in its epilogue (h through TMA after the main loop; 128 × 128 tiles, as the two h blocks and
+    the accumulator fill the registers) was correct but 0.77–1.01× the tables' unfused 128 × 256
+    entries on an H100 (runs 179–180), and was removed again."""
     if config.unfused_act and activation == "swiglu":
         from interlace.ops.activation import swiglu_backward
 

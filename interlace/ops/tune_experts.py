@@ -68,11 +68,7 @@ CANDIDATES = {
                        GemmConfig(128, 128, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1),
                        GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A),
                        GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **T), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A, **T),
-                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **L),
-                       # the flat loop with the derivative in its epilogue, the h blocks loaded at a
-                       # tile's first step (two fp32-sized h tiles beside the accumulator: 128 wide)
-                       GemmConfig(128, 128, 64, 8, 4, **L), GemmConfig(128, 128, 64, 8, 3, **L),
-                       GemmConfig(128, 128, 64, 8, 4, 16, **L)],
+                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **L)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
                       GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 3, **T),
