@@ -25,6 +25,9 @@ kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compar
 interleaved rounds, each timing the Triton block's forward and forward+backward once per set
 (tables from DIR through ``$INTERLACE_TUNING_DIR``; an empty DIR: the packaged tables), then the
 medians per set. Drift between processes (up to 6% on a row, run 143) hits every set alike there.
+``--envs NAME=VAR=VALUE[,VAR=VALUE] …`` does the same for environment settings (e.g.
+``off=INTERLACE_BWD_OVERLAP=0 on=INTERLACE_BWD_OVERLAP=1``) and checks that every set's output and
+gradients are bitwise equal to the first set's.
 """
 
 import argparse
@@ -213,11 +216,14 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="seeds the routing permutation, tokens and gradients")
     p.add_argument("--tables", nargs="+", default=None, metavar="NAME=DIR",
                    help="A/B these sets of tuning tables instead (interleaved rounds, Triton block only)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables A/B")
+    p.add_argument("--envs", nargs="+", default=None, metavar="NAME=VAR=VALUE[,VAR=VALUE]",
+                   help="A/B these environment settings instead (interleaved rounds, Triton block only; the "
+                        "gradients of every set are compared with the first's, bitwise)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables or --envs A/B")
     p.add_argument("--bench-rounds", type=int, default=1,
                    help="interleaved torch/Triton rounds per row (medians over them; the order alternates)")
     args = p.parse_args()
-    if args.tables:
+    if args.tables or args.envs:
         return ab_tables(args)
     results = []
     for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
@@ -300,25 +306,60 @@ def use_tables(directory: str) -> None:
     tuning.clear_cache()  # also expires the expert block's memo of its configs
 
 
+def use_envs(settings: str) -> None:
+    """``VAR=VALUE[,VAR=VALUE]`` into the environment (``VAR=`` removes VAR)."""
+    for item in filter(None, settings.split(",")):
+        var, value = item.split("=", 1)
+        if value:
+            os.environ[var] = value
+        else:
+            os.environ.pop(var, None)
+    tuning.clear_cache()
+
+
+def block_grads(cfg, x, w_up, w_down, weights, index, grad) -> list[torch.Tensor]:
+    """The Triton block's output and gradients (x, W_up, W_down, routing weights) for ``grad``."""
+    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
+    out = block("triton", *leaves, index, cfg.activation)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
 def ab_tables(args) -> None:
-    """Interleaved A/B of table sets: per row and round, the Triton block timed once per set."""
-    sets = [(spec.split("=", 1) + [""])[:2] for spec in args.tables]
+    """Interleaved A/B of table sets (``--tables``) or environment settings (``--envs``): per row
+    and round, the Triton block timed once per set."""
+    if args.tables:
+        sets = [(spec.split("=", 1) + [""])[:2] for spec in args.tables]
+        apply = use_tables
+    else:
+        sets = [(spec.split("=", 1) + [""])[:2] for spec in args.envs]
+        apply = use_envs
     results = []
     for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
         row = {"config": name, "tokens": T, "sets": {}}
         times = {label: ([], []) for label, _ in sets}
         for _ in range(args.rounds):
-            for label, directory in sets:
-                use_tables(directory)
+            for label, setting in sets:
+                apply(setting)
                 f, fb = time_backend("triton", cfg, x, w_up, w_down, weights, index, grad)
                 times[label][0].append(f)
                 times[label][1].append(fb)
-        for label, directory in sets:
-            use_tables(directory)
+        reference = None
+        for label, setting in sets:
+            apply(setting)
             source = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
                       + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
             f, fb = times[label]
             row["sets"][label] = {"fwd": f, "fb": fb, "configs": source}
+            if args.envs:  # the same kernels on other streams or orders: the same bits
+                got = block_grads(cfg, x, w_up, w_down, weights, index, grad)
+                if reference is None:
+                    reference = got
+                else:
+                    row["sets"][label]["bitwise_equal_to_first"] = all(torch.equal(a, b)
+                                                                       for a, b in zip(reference, got))
+                del got
+        del reference
         results.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
@@ -334,7 +375,10 @@ def ab_tables(args) -> None:
                for lb, v in r["sets"].items()}
         cells = [f"{med[lb][0]:.3f} | {med[lb][1]:.3f}" for lb, _ in sets]
         cells += [f"{med[first][0] / med[lb][0]:.3f} | {med[first][1] / med[lb][1]:.3f}" for lb, _ in sets[1:]]
-        print(f"| {r['config']} | {r['tokens']} | " + " | ".join(cells) + " |")
+        same = [str(r["sets"][lb]["bitwise_equal_to_first"]) for lb, _ in sets[1:]
+                if "bitwise_equal_to_first" in r["sets"][lb]]
+        print(f"| {r['config']} | {r['tokens']} | " + " | ".join(cells) + " |" + (" bitwise equal: " + ", ".join(same)
+                                                                                 if same else ""))
 
 
 def print_table(results):

@@ -159,6 +159,71 @@ def test_unfused_activation_gradient_matches_reference(activation, monkeypatch):
     check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_dw_down_overlaps_the_derivative_pass_on_a_side_stream(activation, monkeypatch):
+    """With SwiGLU's derivative as a separate pass, dW_down runs on the side stream, forked after
+    the d(act) GEMM and before the pass, and the caller's stream joins it after the last kernel
+    of the backward; the gradients still match the fp64 reference (outputs poisoned). GELU, whose
+    derivative is in the GEMM's epilogue, has no pass to overlap and stays on one stream. The
+    streams are stand-ins (no GPU here): the order of forks, joins and launches is what is checked."""
+    import contextlib
+
+    import interlace.ops.activation as act_mod
+    from interlace.ops import grouped_gemm as gg
+
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1")
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    main, side = Stream("main"), Stream("side")
+
+    @contextlib.contextmanager
+    def on(stream):
+        events.append(f"enter {stream.name}")
+        yield
+        events.append(f"leave {stream.name}")
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            events.append(name(*args) if callable(name) else name)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(gg, "_overlap_stream", lambda dy: side)
+    monkeypatch.setattr(gg.torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(gg.torch.cuda, "stream", on)
+    monkeypatch.setattr(gg, "backward_steps", spy("backward", gg.backward_steps))
+    monkeypatch.setattr(gg, "launch", spy(lambda kernel, *a: kernel.__name__, gg.launch))
+    # _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config): P = N = 32 is dW_down's
+    monkeypatch.setattr(gg, "_launch_wgrad", spy(lambda *a: "dw_down" if a[6] == 32 else "dw_up", gg._launch_wgrad))
+    monkeypatch.setattr(act_mod, "swiglu_backward", spy("derivative", act_mod.swiglu_backward))
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    bwd = events[events.index("backward"):]
+    if activation == "swiglu":
+        fork = bwd.index("side waits for main")
+        assert "_gemm_flat_kernel" in bwd[:fork] or "_gemm_kernel" in bwd[:fork], bwd  # after the d(act) GEMM
+        assert bwd[fork + 1:fork + 3] == ["enter side", "dw_down"], bwd
+        leave = bwd.index("leave side")
+        assert "derivative" not in bwd[fork:leave] and bwd.index("derivative") > leave, bwd  # before the pass
+        join = bwd.index("main waits for side")
+        assert bwd.index("dw_up") < join and not any(e.endswith("_kernel") for e in bwd[join:]), bwd
+    else:
+        assert not any("waits" in e or "enter" in e for e in events), events
+        assert "derivative" not in events, events
+
+
+def test_overlap_stream_is_for_cuda_tensors_only():
+    from interlace.ops import grouped_gemm as gg
+
+    assert gg._overlap_stream(torch.randn(4, 8)) is None
+
+
 def test_swiglu_backward_into_out_uses_the_first_rows_of_h():
     from interlace.ops.activation import swiglu_backward
 
