@@ -26,8 +26,8 @@ interleaved rounds, each timing the Triton block's forward and forward+backward 
 (tables from DIR through ``$INTERLACE_TUNING_DIR``; an empty DIR: the packaged tables), then the
 medians per set. Drift between processes (up to 6% on a row, run 143) hits every set alike there.
 ``--envs NAME=VAR=VALUE[,VAR=VALUE] …`` does the same for environment settings (e.g.
-``off=INTERLACE_BWD_OVERLAP=0 on=INTERLACE_BWD_OVERLAP=1``) and checks that every set's output and
-gradients are bitwise equal to the first set's.
+``copy=INTERLACE_WGRAD_GATHER=copy fused=INTERLACE_WGRAD_GATHER=fused``) and reports whether every
+set's output and gradients are bitwise equal to the first set's (run 186 A/B'd a code path this way).
 """
 
 import argparse
@@ -351,7 +351,7 @@ def ab_tables(args) -> None:
                       + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
             f, fb = times[label]
             row["sets"][label] = {"fwd": f, "fb": fb, "configs": source}
-            if args.envs:  # the same kernels on other streams or orders: the same bits
+            if args.envs:  # e.g. the same kernels on other streams or in another order: the same bits
                 got = block_grads(cfg, x, w_up, w_down, weights, index, grad)
                 if reference is None:
                     reference = got

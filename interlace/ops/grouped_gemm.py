@@ -1048,39 +1048,26 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
     return out
 
 
-def _d_pre_act_launches(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma):
-    """d_h = act'(h) ⊙ (dy @ W_down[e]) per expert, as (GEMM launch, derivative-pass launch or None).
-    By default the derivative runs in the GEMM's epilogue and there is no pass. ``config.unfused_act``
-    (SwiGLU): the GEMM stores d(act) plainly and one elementwise pass applies the derivative — on
-    H200 the fused epilogue (two h loads, two stores per tile, not overlapped with the short main
-    loop of this K=hidden reduction) cost 25–38% of the kernel, more than the pass's extra R·K
-    round trip (run 31). The flat loop with the derivative in its epilogue (h through TMA after
-    the main loop; 128 × 128 tiles, as the two h blocks and the accumulator fill the registers)
-    was correct but 0.77–1.01× the tables' unfused 128 × 256 entries on an H100 (runs 179–180),
-    and was removed again."""
+def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma):
+    """d_h = act'(h) ⊙ (dy @ W_down[e]) per expert. By default the derivative runs in the GEMM's
+    epilogue. ``config.unfused_act`` (SwiGLU): the GEMM stores d(act) plainly and one elementwise
+    pass applies the derivative — on H200 the fused epilogue (two h loads, two stores per tile,
+    not overlapped with the short main loop of this K=hidden reduction) cost 25–38% of the
+    kernel, more than the pass's extra R·K round trip (run 31). The flat loop with the derivative
+    in its epilogue (h through TMA after the main loop; 128 × 128 tiles, as the two h blocks and
+    the accumulator fill the registers) was correct but 0.77–1.01× the tables' unfused 128 × 256
+    entries on an H100 (runs 179–180), and was removed again. Running dW_down on a side stream
+    beside that pass (forked after the d(act) GEMM) was bitwise identical but slowed the block's
+    backward on 9 of 12 bench rows (0.935–0.998×, run 186), and was removed too."""
     if config.unfused_act and activation == "swiglu":
         from interlace.ops.activation import swiglu_backward
 
-        held = []  # d(act) (R, K): allocated by the GEMM's launch, dropped after the pass's
-
-        def gemm():
-            held.append(alloc.empty((R, K), dy.dtype, dy.device))
-            _launch_gemm(dy, w_down, held[-1], None, ends, R, cols=K, red=N, b_trans=False, epilogue=0,
-                         config=config, schedule=sched, tma=tma)
-
-        return gemm, lambda: swiglu_backward(h, held.pop(), out=d_h)
-    return (lambda: _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
-                                 epilogue=1 + _ACTIVATION_ID[activation], config=config, schedule=sched, tma=tma),
-            None)
-
-
-def _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma):
-    """:func:`_d_pre_act_launches`, run: returns d_h."""
-    gemm, derivative = _d_pre_act_launches(dy, w_down, d_h, h, ends, R, N, K, activation, config, sched, tma)
-    gemm()
-    if derivative is not None:
-        derivative()
-    return d_h
+        d_act = alloc.empty((R, K), dy.dtype, dy.device)
+        _launch_gemm(dy, w_down, d_act, None, ends, R, cols=K, red=N, b_trans=False, epilogue=0, config=config,
+                     schedule=sched, tma=tma)
+        return swiglu_backward(h, d_act, out=d_h)
+    return _launch_gemm(dy, w_down, d_h, h, ends, R, cols=K, red=N, b_trans=False,
+                        epilogue=1 + _ACTIVATION_ID[activation], config=config, schedule=sched, tma=tma)
 
 
 def _wgrad_gather_mode() -> str:
@@ -1104,21 +1091,6 @@ def _launch_dw_up(d_h, x, gather, divisor, out, ends, P, Q, config, tma=False):
     return _launch_wgrad(d_h, x, gather, divisor, out, ends, P, Q, config, tma=tma)
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _overlap_stream(dy: torch.Tensor) -> torch.cuda.Stream | None:
-    """The side stream dW_down runs on beside the d(act) derivative pass (CUDA only;
-    ``INTERLACE_BWD_OVERLAP=0`` turns it off), one per device."""
-    if not dy.is_cuda or os.environ.get("INTERLACE_BWD_OVERLAP", "1") == "0":
-        return None
-    index = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
 def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None,
                                schedule: TileSchedule | None = None):
     """Gradients of :func:`expert_ffn_triton` from dy (R, N) in expert-major order.
@@ -1129,38 +1101,19 @@ def expert_ffn_triton_backward(dy, x, gather, divisor, w_up, w_down, ends, activ
     the activation's derivative in the epilogue, dW_down, dW_up (over a gathered copy of x's
     rows), dx_rows. ``configs`` = (d(pre-activation) GEMM, dx GEMM, wgrad) forces the configs.
     ``schedule``: the forward's tile schedule of these rows, reused where the tile heights match.
-
-    Where the derivative is a separate pass (``unfused_act``), dW_down — which needs neither it
-    nor the GEMM before it — runs on a side stream forked after that GEMM, so the memory-bound
-    pass shares the SMs with dW_down's MMAs instead of running alone; the caller's stream waits
-    for the side stream before this returns (a fork and join CUDA graphs capture as well). The
-    kernels and their results are the same either way."""
-    side = _overlap_stream(dy)
+    """
     outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs,
-                                    schedule, split_derivative=side is not None)
-    if side is None or "d_act_derivative" not in (name for name, _, _ in steps):
-        for _, _, run_step in steps:
-            run_step()
-        return tuple(outputs)
-    main = torch.cuda.current_stream(dy.device)
-    for name, _, run_step in steps:
-        if name == "dw_down":
-            side.wait_stream(main)  # after the d(act) GEMM, before the derivative pass
-            with torch.cuda.stream(side):
-                run_step()
-        else:
-            run_step()
-    main.wait_stream(side)
+                                    schedule)
+    for _, _, run_step in steps:
+        run_step()
     return tuple(outputs)
 
 
 def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, act, configs=None,
-                   schedule: TileSchedule | None = None, split_derivative: bool = False):
+                   schedule: TileSchedule | None = None):
     """The backward's outputs ``[dx_rows, dw_up, dw_down]`` (a list: the weight gradients
     allocated, not yet written; ``dx_rows`` set by its step) and its kernels in order as
-    ``(name, FLOPs, launch)`` (the bench times them one by one). ``split_derivative``: a separate
-    derivative pass (``unfused_act``) is its own step, ``d_act_derivative``, after ``dw_down``
-    (which does not read it), and ``d_pre_act`` is the GEMM alone.
+    ``(name, FLOPs, launch)`` (the bench times them one by one).
 
     dW_up runs before dx and dx_rows is allocated at its step: dW_up reads a gathered copy of
     x's rows (R × N), which is freed before dx_rows (R × N) exists, so the two never coexist
@@ -1191,21 +1144,11 @@ def backward_steps(dy, x, gather, divisor, w_up, w_down, ends, activation, h, ac
         _launch_gemm(d_h, w_up, outputs[0], None, ends, R, cols=N, red=up_width, b_trans=False, epilogue=0,
                      config=c_dx, schedule=sched_dx, tma=tma)
 
-    # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
-    gemm, derivative = _d_pre_act_launches(dy, w_down, d_h, h, ends, R, N, K, activation, c_act, sched, tma)
-    dw_down_step = ("dw_down", 2 * R * N * K,  # dyᵀ act
-                    lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w, tma=tma))
-    if split_derivative and derivative is not None:
-        steps = [("d_pre_act", 2 * R * N * K, gemm), dw_down_step, ("d_act_derivative", 0, derivative)]
-    else:
-        def d_pre_act_step():
-            gemm()
-            if derivative is not None:
-                derivative()
-            return d_h
-
-        steps = [("d_pre_act", 2 * R * N * K, d_pre_act_step), dw_down_step]
-    steps += [
+    steps = [
+        # d_act = dy @ W_down[e]  (W_down[e] is (N, K) row-major) → d_h through the activation
+        ("d_pre_act", 2 * R * N * K, lambda: _launch_d_pre_act(dy, w_down, d_h, h, ends, R, N, K, activation, c_act,
+                                                               sched, tma)),
+        ("dw_down", 2 * R * N * K, lambda: _launch_wgrad(dy, act, None, 1, dw_down, ends, N, K, c_w, tma=tma)),  # dyᵀ act
         ("dw_up", 2 * R * up_width * N,  # d_hᵀ x[g]
          lambda: _launch_dw_up(d_h, x, gather, divisor, dw_up, ends, up_width, N, c_w, tma)),
         ("dx", 2 * R * up_width * N, dx_step),
