@@ -61,16 +61,17 @@ def main():
     p.add_argument("--variants", nargs="+", required=True)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--routing", choices=["balanced", "ragged"], default="balanced")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the A/Bs here: a list, one entry per (config, tokens)")
     args = p.parse_args()
     results = []
     for config in args.config:
         for tokens in args.tokens:
             results.append(ab_one(args, config, tokens))
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the next shape's weights
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results if len(results) > 1 else results[0], f, indent=1)
+            json.dump(results, f, indent=1)
 
 
 def ab_one(args, config: str, tokens: int) -> dict:
