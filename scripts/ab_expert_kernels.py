@@ -13,7 +13,7 @@ tuner's counts within ±1/8 of that, so experts end mid-tile), and the variants 
 ``--rounds`` times (``do_bench`` medians), so drift between calls hits every variant alike.
 
 Kernels: ``gemm0`` (gate/up GEMM with its activation; with ``a_tma`` the gather copy it needs
-is included), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs), ``dw_down``
+is included; ``gemm0_train`` storing h as well, from the training table), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs), ``dw_down``
 and ``dw_up`` (weight gradients; dW_up includes the gather copy of x's rows). A variant
 is ``table`` (the tuning table's choice for this shape) or a config as in ``INTERLACE_GEMM0``
 (``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``).
@@ -34,7 +34,8 @@ from interlace.ops import grouped_gemm as gg
 from interlace.ops.tune_experts import ragged_ends
 from interlace.ops.tuning import GemmConfig
 
-TABLE_INDEX = {"gemm0": (gg.FORWARD_KERNELS, 0), "gemm1": (gg.FORWARD_KERNELS, 1),
+TABLE_INDEX = {"gemm0": (gg.FORWARD_KERNELS, 0), "gemm0_train": (gg.TRAIN_FORWARD_KERNELS, 0),
+               "gemm1": (gg.FORWARD_KERNELS, 1),
                "d_pre_act": (gg.BACKWARD_KERNELS, 0), "dx": (gg.BACKWARD_KERNELS, 1),
                "dw_down": (gg.BACKWARD_KERNELS, 2), "dw_up": (gg.BACKWARD_KERNELS, 2)}
 
@@ -99,15 +100,16 @@ def ab_one(args, config: str, tokens: int) -> dict:
     if tma:
         gg._ensure_allocator()
     variants = [parse_variant(v, args.kernel, x, w_down, R, cfg.activation) for v in args.variants]
-    flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm1": 1, "d_pre_act": 1, "dx": up_width // K, "dw_down": 1,
-                             "dw_up": up_width // K}[args.kernel]
+    flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm0_train": up_width // K, "gemm1": 1, "d_pre_act": 1,
+                             "dx": up_width // K, "dw_down": 1, "dw_up": up_width // K}[args.kernel]
 
     def runner(c: GemmConfig):
-        if args.kernel in ("gemm0", "gemm1"):
+        if args.kernel in ("gemm0", "gemm0_train", "gemm1"):
             sched = gg.tile_schedule(ends, R, c.block_m)
-            out = torch.empty(R, K if args.kernel == "gemm0" else N, device=dev, dtype=cfg.dtype)
-            if args.kernel == "gemm0":
-                return out, lambda: gg._launch_gemm0(x, gather, divisor, w_up, out, None, sched, R, cfg.activation,
+            out = torch.empty(R, N if args.kernel == "gemm1" else K, device=dev, dtype=cfg.dtype)
+            if args.kernel != "gemm1":  # gemm0_train stores h too, as the training forward does
+                h_out = torch.empty_like(h) if args.kernel == "gemm0_train" else None
+                return out, lambda: gg._launch_gemm0(x, gather, divisor, w_up, out, h_out, sched, R, cfg.activation,
                                                      c, tma)
             return out, lambda: gg._launch_gemm(act_in, w_down, out, None, ends, R, cols=N, red=K, b_trans=True,
                                                 epilogue=0, config=c, schedule=sched, tma=tma)

@@ -81,7 +81,8 @@ def test_packaged_hopper_tables_are_kin(table_dir):
     """The packaged tables say their compute capability, so another Hopper part (an H100 PCIe,
     say) borrows them instead of running untuned defaults."""
     shape = ShapeClass(2048, 1408, 30, "swiglu")
-    for kernel in ("expert_gemm0", "expert_gemm1", "expert_bwd_act", "expert_bwd_dx", "expert_wgrad"):
+    for kernel in ("expert_gemm0", "expert_gemm0_train", "expert_gemm1", "expert_bwd_act", "expert_bwd_dx",
+                   "expert_wgrad"):
         with pytest.warns(UserWarning, match="borrowing"):
             config, source = lookup(kernel, "NVIDIA H100 PCIe", 114, shape, 512, DEFAULT, (9, 0))
         assert config != DEFAULT and source.startswith(f"borrowed from {kernel}-NVIDIA_H")
@@ -133,7 +134,7 @@ def test_tuner_writes_tables_that_lookup_finds(table_dir):
 
     main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--out", str(table_dir)])  # 1 expert, 16 rows
     files = sorted(p.name for p in table_dir.glob("*.json"))
-    kernels = ["expert_bwd_act", "expert_bwd_dx", "expert_gemm0", "expert_gemm1", "expert_wgrad"]
+    kernels = ["expert_bwd_act", "expert_bwd_dx", "expert_gemm0", "expert_gemm0_train", "expert_gemm1", "expert_wgrad"]
     assert [f.split("-cpu-sm1")[0] for f in files] == kernels
     for f in files:
         entries = json.loads((table_dir / f).read_text())["entries"]
@@ -226,3 +227,40 @@ def test_expert_config_choice_is_memoized_until_tables_change(table_dir, monkeyp
     monkeypatch.setenv("INTERLACE_GEMM0", "128,128,64,8,4")  # so does an override
     c0, _, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu")
     assert c0.block_m == 128 and source.startswith("gemm0 env")
+
+
+def test_training_forward_takes_gemm0_from_its_own_table(table_dir, monkeypatch):
+    """A forward that stores h (training) reads GEMM0's config from ``expert_gemm0_train``, timed
+    storing h; the inference forward from ``expert_gemm0``. A device with neither that table nor a
+    kin's takes the inference table's GEMM0, not the untuned default, and no warning says
+    otherwise; the call site passes ``store_h`` through."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import interlace.ops.grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100, (1, 0)))  # no kin anywhere
+    x = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # the CUDA path, on the CPU
+    w_down = torch.empty(8, 2048, 1024)
+    write(table_dir, "expert_gemm0", [entry(2048, 256, 64)])
+    write(table_dir, "expert_gemm1", [entry(2048, 256, 32)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c0, c1, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu", store_h=True)
+    assert (c0.block_m, c1.block_m) == (64, 32), source
+    assert source == "gemm0_train from expert_gemm0, tuned; gemm1 tuned"
+    write(table_dir, "expert_gemm0_train", [entry(2048, 256, 16)])
+    c0, c1, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu", store_h=True)
+    assert (c0.block_m, c1.block_m) == (16, 32) and source == "gemm0_train tuned; gemm1 tuned"
+    assert gg.choose_configs(x, w_down, 8 * 256, "swiglu")[:2] == (gg.GemmConfig(64, 128, 64, 8, 3),
+                                                                   gg.GemmConfig(32, 128, 64, 8, 3))
+    seen = []
+    real = gg.choose_configs
+    monkeypatch.setattr(gg, "choose_configs", lambda *a, **kw: (seen.append(a[4:] or kw.get("store_h")),
+                                                                 real(*a, **kw))[1])
+    xs, w_up, w_dn = torch.randn(5, 16), torch.randn(2, 48, 16), torch.randn(2, 16, 24)
+    ends = torch.tensor([2, 5], dtype=torch.int32)
+    for store_h in (False, True):
+        gg.expert_ffn_triton(xs, None, 1, 5, w_up, w_dn, ends, "swiglu", store_h=store_h)
+    assert seen == [(False,), (True,)], seen

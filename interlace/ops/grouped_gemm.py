@@ -845,7 +845,8 @@ def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activ
     shape = ShapeClass(N, K, E, activation)
     configs, sources = [], []
     for (table, _, default), f in zip(kernels, forced):
-        c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default, capability)
+        c, src = (f, "env") if f else lookup(table, name, sms, shape, per_expert, default, capability,
+                                             FALLBACK_TABLES.get(table))
         configs.append(c)
         sources.append(f"{table.removeprefix('expert_')} {src}")
     if len(_CHOICES) > 1024:
@@ -855,14 +856,27 @@ def _choose(kernels, x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activ
 
 
 FORWARD_KERNELS = (("expert_gemm0", "INTERLACE_GEMM0", GEMM0_DEFAULT), ("expert_gemm1", "INTERLACE_GEMM1", GEMM1_DEFAULT))
+# GEMM0 in a training forward, which also stores the pre-activation h: the flat loop then runs at
+# most 3 stages with masked h stores, so its best config can differ from the inference forward's.
+# Where a device has no such table (nor a kin's), the inference table's config serves.
+TRAIN_GEMM0_KERNEL = (("expert_gemm0_train", "INTERLACE_GEMM0", GEMM0_DEFAULT),)
+TRAIN_FORWARD_KERNELS = TRAIN_GEMM0_KERNEL + FORWARD_KERNELS[1:]
+FALLBACK_TABLES = {"expert_gemm0_train": "expert_gemm0"}
 BACKWARD_KERNELS = (("expert_bwd_act", "INTERLACE_BWD_ACT", BWD_ACT_DEFAULT),
                     ("expert_bwd_dx", "INTERLACE_BWD_DX", BWD_DX_DEFAULT),
                     ("expert_wgrad", "INTERLACE_WGRAD", WGRAD_DEFAULT))
 
 
-def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str):
-    """(GEMM0 config, GEMM1 config, where they came from) for this call's shape."""
-    (c0, c1), source = _choose(FORWARD_KERNELS, x, w_down, num_rows, activation)
+def choose_configs(x: torch.Tensor, w_down: torch.Tensor, num_rows: int, activation: str, store_h: bool = False):
+    """(GEMM0 config, GEMM1 config, where they came from) for this call's shape.
+
+    ``store_h`` (a training forward): GEMM0 from the ``expert_gemm0_train`` table, which the tuner
+    times storing h, as that forward runs it. On an H100, phi3.5-moe 4096's GEMM0 was 1.09× faster
+    alone with the flat joint loop without h, while storing h the block's forward+backward was level
+    and its backward 2% slower (run 182). Where this device has no such table (nor a kin's), the
+    inference table's config serves (source ``gemm0_train from expert_gemm0, …``)."""
+    (c0, c1), source = _choose(TRAIN_FORWARD_KERNELS if store_h else FORWARD_KERNELS, x, w_down, num_rows,
+                               activation)
     return c0, c1, source
 
 
@@ -893,7 +907,7 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     N = x.shape[1]
     K = w_down.shape[2]
     up_width = w_up.shape[1]
-    c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation)[:2]
+    c0, c1 = configs if configs is not None else choose_configs(x, w_down, num_rows, activation, store_h)[:2]
     act = alloc.empty((num_rows, K), x.dtype, x.device)
     h = alloc.empty((num_rows, up_width), x.dtype, x.device) if store_h else None
     y = alloc.empty((num_rows, N), x.dtype, x.device)

@@ -3,12 +3,13 @@ and rows-per-expert bucket, and write the tables :mod:`interlace.ops.tuning` loo
 
 For every preset (experts per GPU = E / --world) and every bucket, on gathered rows whose
 experts end mid-block (counts within ±1/8 of the bucket): the candidates of each kernel in turn
-(GEMM0, GEMM1, then the backward's d(pre-activation) GEMM, dx GEMM and weight gradients), the
-kernels not yet tuned at their defaults. Each candidate first runs the whole forward or backward
-and is checked against the default config's output (relative error > 1e-2, or a failure to
-compile or run: skipped and reported). The survivors are then timed on their own kernel's launches
-only (GEMM0 with its gather copy where the config reads rows through TMA and storing h as training
-does; GEMM1; the backward kernel's steps), ``--rounds`` times in turn, each a
+(GEMM0 as inference runs it, GEMM1, GEMM0 storing h as training does — ``expert_gemm0_train`` —
+then the backward's d(pre-activation) GEMM, dx GEMM and weight gradients), the kernels not yet
+tuned at their defaults. Each candidate first runs the whole forward or backward and is checked
+against the default config's output (relative error > 1e-2, or a failure to compile or run:
+skipped and reported). The survivors are then timed on their own kernel's launches only (GEMM0
+with its gather copy where the config reads rows through TMA, with or without storing h; GEMM1;
+the backward kernel's steps), ``--rounds`` times in turn, each a
 ``triton.testing.do_bench`` median (on the CPU interpreter, one host-timed call), and the
 candidate with the lowest median over the rounds wins. Timing the forward kernels inside the whole
 forward, each once, left a spread of up to ±40% between runs of one config (run 108) and picked by
@@ -30,9 +31,9 @@ import triton
 
 from interlace.bench.harness import rel_err
 from interlace.ops import tuning
-from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, _ensure_allocator,
-                                        _launch_gemm, _launch_gemm0, backward_steps, expert_ffn_triton,
-                                        expert_ffn_triton_backward, tile_schedule, use_tma)
+from interlace.ops.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, TRAIN_GEMM0_KERNEL,
+                                        _ensure_allocator, _launch_gemm, _launch_gemm0, backward_steps,
+                                        expert_ffn_triton, expert_ffn_triton_backward, tile_schedule, use_tma)
 from interlace.ops.tuning import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
@@ -93,7 +94,10 @@ CANDIDATES = {
                      GemmConfig(128, 256, 64, 8, 2, **F), GemmConfig(128, 128, 64, 8, 4, **F)],
 }
 INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
-KERNELS = [k for k, _, _ in FORWARD_KERNELS + BACKWARD_KERNELS]
+# expert_gemm0 is timed as the inference forward runs it, expert_gemm0_train storing h as the
+# training forward does (the same candidates)
+CANDIDATES["expert_gemm0_train"] = CANDIDATES["expert_gemm0"]
+KERNELS = [k for k, _, _ in FORWARD_KERNELS + TRAIN_GEMM0_KERNEL + BACKWARD_KERNELS]
 BACKWARD_NAMES = {k for k, _, _ in BACKWARD_KERNELS}
 # The backward steps (grouped_gemm.backward_steps) a backward kernel's config runs: a candidate is
 # timed on those alone (timing the whole backward buried a 20% kernel difference in its noise:
@@ -151,9 +155,10 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
         gather = torch.randperm(rows, device=device).to(torch.int32)  # rows are gathered in real use
         chosen = {k: candidates[k][0] for k in KERNELS}
 
-        def forward():
-            return expert_ffn_triton(x, gather, 1, rows, w_up, w_down, ends, shape.activation, store_h=True,
-                                     configs=(chosen["expert_gemm0"], chosen["expert_gemm1"]), return_act=True)
+        def forward(train=True):
+            gemm0 = chosen["expert_gemm0_train" if train else "expert_gemm0"]
+            return expert_ffn_triton(x, gather, 1, rows, w_up, w_down, ends, shape.activation, store_h=train,
+                                     configs=(gemm0, chosen["expert_gemm1"]), return_act=True)
 
         _, h, act = forward()
 
@@ -173,14 +178,16 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
 
         def forward_kernel(kernel):
             """A function launching the forward kernel alone with its chosen config, and its FLOPs:
-            GEMM0 (its gather copy included, h stored as in training) or GEMM1 (on act)."""
+            GEMM0 (its gather copy included; h stored for expert_gemm0_train, as in training) or
+            GEMM1 (on act)."""
             c = chosen[kernel]
             tma = use_tma(w_up, w_down)
             if tma:
                 _ensure_allocator()
             sched = tile_schedule(ends, rows, c.block_m)
-            if kernel == "expert_gemm0":
-                act_out, h_out = torch.empty_like(act), torch.empty_like(h)
+            if kernel in ("expert_gemm0", "expert_gemm0_train"):
+                act_out = torch.empty_like(act)
+                h_out = torch.empty_like(h) if kernel == "expert_gemm0_train" else None
                 return (lambda: _launch_gemm0(x, gather, 1, w_up, act_out, h_out, sched, rows, shape.activation, c,
                                               tma)), 2 * rows * shape.hidden * w_up.shape[1]
             y_out = torch.empty(rows, shape.hidden, device=device, dtype=dtype)
@@ -189,8 +196,10 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                 2 * rows * shape.hidden * shape.ffn
 
         for kernel in kernels or KERNELS:
-            run = backward if kernel in BACKWARD_NAMES else forward
-            make = kernel_steps if run is backward else forward_kernel
+            if kernel in BACKWARD_NAMES:
+                run, make = backward, kernel_steps
+            else:  # the check runs the forward as the kernel's table serves it (inference: no h)
+                run, make = (lambda: forward(kernel != "expert_gemm0")), forward_kernel
             want, passed = None, []
             for c in candidates[kernel]:
                 chosen[kernel] = c
@@ -226,7 +235,7 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             entries[kernel].append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
                                     "ms": t, "tflops": work / t / 1e9, "rounds": rounds})
             if show:
-                what = "alone" if run is forward else "+".join(BACKWARD_STEPS[kernel])
+                what = "+".join(BACKWARD_STEPS[kernel]) if kernel in BACKWARD_NAMES else "alone"
                 print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
                       f"{what} {work / t / 1e9:.0f} TFLOP/s ({t:.3f} ms, median of {rounds})", flush=True)
                 print("    candidates (median ms): " + "; ".join(
@@ -239,7 +248,7 @@ def write_tables(out: Path, name: str, sms: int, found: dict, seconds: float, ar
     """Write each kernel's table, merged into the table already at that path: entries of a
     (shape class, bucket) this run did not measure are kept, so tuning one preset does not drop
     the others' entries (``meta["kept"]`` counts them; ``meta["previous"]`` is the old meta)."""
-    defaults = {k: d.__dict__ for k, _, d in FORWARD_KERNELS + BACKWARD_KERNELS}
+    defaults = {k: d.__dict__ for k, _, d in FORWARD_KERNELS + TRAIN_GEMM0_KERNEL + BACKWARD_KERNELS}
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "tuning_seconds": round(seconds, 1), "device": name, "sm_count": sms, "triton": triton.__version__,
             "torch": torch.__version__, "capability": list(_capability()), "defaults": defaults,

@@ -111,15 +111,18 @@ def _load(key: str) -> list[dict] | None:
 
 
 def lookup(kernel: str, device_name: str, sm_count: int, shape: ShapeClass, rows_per_expert: float,
-           default: GemmConfig, capability: tuple[int, int] | None = None) -> tuple[GemmConfig, str]:
+           default: GemmConfig, capability: tuple[int, int] | None = None,
+           fallback: str | None = None) -> tuple[GemmConfig, str]:
     """The config for this kernel, device and shape, and where it came from. ``capability``
-    (the device's compute capability) lets a device without a table borrow a kin's."""
+    (the device's compute capability) lets a device without a table borrow a kin's. ``fallback``:
+    a kernel whose table serves where this kernel has neither a table nor a kin's (its source then
+    says ``from <fallback>``), before the default."""
     key = table_key(kernel, device_name, sm_count)
     bucket = rows_bucket(rows_per_expert)
-    memo = (key, shape, bucket, default, capability)
+    memo = (key, shape, bucket, default, capability, fallback)
     if memo in _LOOKUPS:
         return _LOOKUPS[memo]
-    result = _lookup(key, kernel, device_name, sm_count, capability, shape, bucket, default)
+    result = _lookup(key, kernel, device_name, sm_count, capability, shape, bucket, default, fallback)
     _LOOKUPS[memo] = result
     return result
 
@@ -156,11 +159,14 @@ def kin_table(kernel: str, device_name: str, sm_count: int, capability: tuple[in
 
 
 def _lookup(key: str, kernel: str, device_name: str, sm_count: int, capability, shape: ShapeClass, bucket: int,
-            default: GemmConfig) -> tuple[GemmConfig, str]:
+            default: GemmConfig, fallback: str | None = None) -> tuple[GemmConfig, str]:
     entries, borrowed = _load(key), None
     if not entries:
         borrowed = kin_table(kernel, device_name, sm_count, capability)
         entries = _load(borrowed) if borrowed else None
+        if not entries and fallback:  # the fallback kernel's lookup warns for itself if it must
+            config, source = lookup(fallback, device_name, sm_count, shape, bucket, default, capability)
+            return config, f"from {fallback}, {source}"
         if key not in _WARNED:
             _WARNED.add(key)
             instead = (f"borrowing {borrowed}.json, its nearest kin by device, compute capability and SM count"
