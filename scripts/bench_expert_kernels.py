@@ -71,6 +71,14 @@ def block(backend: str, x, w_up, w_down, weights, index, activation: str):
     return CombineRows.apply(y, weights, row_of_assignment, x.dtype)
 
 
+def block_grads(backend: str, cfg, x, w_up, w_down, weights, index, grad) -> list[torch.Tensor]:
+    """One backend's block output and its gradients (x, W_up, W_down, routing weights) for ``grad``."""
+    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
+    out = block(backend, *leaves, index, cfg.activation)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
 def reference_block(x, w_up, w_down, weights, index, activation: str, first: int = 0):
     """fp32 per-expert loop with autograd (the leaves are fp32 copies). ``w_up``/``w_down`` may hold
     a slice of the experts, those from ``first`` on: the result is then their contribution alone
@@ -95,13 +103,8 @@ def check(cfg, x, w_up, w_down, weights, index, grad, group_bytes: float = 2e9):
     The fp32 reference runs over groups of experts whose fp32 weights take at most ``group_bytes``
     and is compared group by group: fp32 copies and gradients of every expert at once, beside
     both backends' gradients, were more than an 80 GB H100 holds at dsv3-like 16384 (run 170)."""
-    got = {}
-    for backend in ("torch", "triton"):
-        leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down)] + [weights.detach().requires_grad_()]
-        out = block(backend, *leaves, index, cfg.activation)
-        out.backward(grad)
-        got[backend] = [out.detach()] + [t.grad for t in leaves]
-        del out, leaves
+    got = {backend: block_grads(backend, cfg, x, w_up, w_down, weights, index, grad)
+           for backend in ("torch", "triton")}
     E = w_up.shape[0]
     per_expert = (w_up[0].numel() + w_down[0].numel()) * 4
     group = max(1, min(E, int(group_bytes // per_expert)))
@@ -224,7 +227,7 @@ def main():
                    help="interleaved torch/Triton rounds per row (medians over them; the order alternates)")
     args = p.parse_args()
     if args.tables or args.envs:
-        return ab_tables(args)
+        return ab_sets(args)
     results = []
     for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
         row = {"config": name, "tokens": T, "rows": T * cfg.top_k}
@@ -317,15 +320,7 @@ def use_envs(settings: str) -> None:
     tuning.clear_cache()
 
 
-def block_grads(cfg, x, w_up, w_down, weights, index, grad) -> list[torch.Tensor]:
-    """The Triton block's output and gradients (x, W_up, W_down, routing weights) for ``grad``."""
-    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
-    out = block("triton", *leaves, index, cfg.activation)
-    out.backward(grad)
-    return [out.detach()] + [t.grad for t in leaves]
-
-
-def ab_tables(args) -> None:
+def ab_sets(args) -> None:
     """Interleaved A/B of table sets (``--tables``) or environment settings (``--envs``): per row
     and round, the Triton block timed once per set."""
     if args.tables:
@@ -352,7 +347,7 @@ def ab_tables(args) -> None:
             f, fb = times[label]
             row["sets"][label] = {"fwd": f, "fb": fb, "configs": source}
             if args.envs:  # e.g. the same kernels on other streams or in another order: the same bits
-                got = block_grads(cfg, x, w_up, w_down, weights, index, grad)
+                got = block_grads("triton", cfg, x, w_up, w_down, weights, index, grad)
                 if reference is None:
                     reference = got
                 else:
