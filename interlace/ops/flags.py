@@ -18,6 +18,7 @@ import triton.language as tl
 WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
 WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
 WAIT_PUSH1 = tl.constexpr(3)  # layer1 push mode: a push waiting for this rank's own GEMM1 item
+WAIT_CHAIN = tl.constexpr(4)  # one GPU's chained forward: a GEMM1 tile waiting for GEMM0's rows
 
 
 @triton.jit
@@ -33,22 +34,35 @@ def peer_region(table, rank, dtype: tl.constexpr):
 @triton.jit
 def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, tile):
     """Acquire-spin (system scope) until ``*flag_ptr >= epoch``; False after ``max_spins``."""
-    flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    spins = 0
-    while (flag < epoch) & (spins < max_spins):
-        flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
+    flag = _spin_until(flag_ptr, epoch, max_spins, "sys")
     ok = flag >= epoch
     if not ok:
         if tl.atomic_cas(error_ptr, 0, 1) == 0:
-            tl.store(error_ptr + 1, rank)
-            tl.store(error_ptr + 2, kind)
-            tl.store(error_ptr + 3, peer)
-            tl.store(error_ptr + 4, what)
-            tl.store(error_ptr + 5, tile)
-            tl.store(error_ptr + 6, flag)
-            tl.store(error_ptr + 7, epoch)
+            _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch)
     return ok
+
+
+@triton.jit
+def _spin_until(ptr, target, max_spins, SCOPE: tl.constexpr):
+    """``*ptr`` by acquire loads at ``SCOPE`` until it reaches ``target`` or ``max_spins`` polls pass."""
+    value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (value < target) & (spins < max_spins):
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    return value
+
+
+@triton.jit
+def _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch):
+    """An error record's fields after its set word (see the module)."""
+    tl.store(error_ptr + 1, rank)
+    tl.store(error_ptr + 2, kind)
+    tl.store(error_ptr + 3, peer)
+    tl.store(error_ptr + 4, what)
+    tl.store(error_ptr + 5, tile)
+    tl.store(error_ptr + 6, flag)
+    tl.store(error_ptr + 7, epoch)
 
 
 @triton.jit
@@ -92,6 +106,47 @@ def publish_flag(flag_ptr, epoch):
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
 
+@triton.jit
+def cta_barrier(x):
+    """``bar.sync 0`` (what ``tl.debug_barrier()`` emits) as inline assembly: Triton 3.6's software
+    pipeliner leaves a loop that holds a debug_barrier unpipelined (the flat GEMM0 loop lost its
+    stages: 180 → 147 KB of shared memory in an sm90 compile), and it does not look into inline
+    assembly. Every thread of the program must reach it (uniform control flow). Returns ``x`` (no
+    interpreter form: callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def count_done(count_ptr, done_ptr, FENCE: tl.constexpr, ASM: tl.constexpr):
+    """One more finished work item of a row tile (``*count_ptr``) and of the launch (``*done_ptr``):
+    this program's earlier stores, TMA stores included (FENCE: their bulk groups are waited for
+    first; a no-op for stores that already landed), are visible to whoever acquires either count.
+    All threads meet at a barrier (ASM: :func:`cta_barrier`, which keeps a loop pipelined; else
+    ``tl.debug_barrier``) before one thread's release."""
+    if FENCE:
+        bulk_stores_done(0)
+    if ASM:
+        cta_barrier(0)
+    else:
+        tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_count(count_ptr, target, max_spins, error_ptr, rank, what, tile):
+    """Acquire-spin (GPU scope) until ``*count_ptr >= target``; False after ``max_spins`` polls,
+    with a WAIT_CHAIN error record written by plain stores (the record may live in pinned host
+    memory, where a device atomic is not portable)."""
+    count = _spin_until(count_ptr, target, max_spins, "gpu")
+    ok = count >= target
+    if not ok:
+        _record_fields(error_ptr, rank, WAIT_CHAIN, rank, what, tile, count, target)
+        tl.store(error_ptr, 1)
+    return ok
+
+
 def describe_error(record: list[int]) -> str | None:
     """Human-readable message of an error record, or None if no wait timed out."""
     if not record or record[0] == 0:
@@ -99,6 +154,11 @@ def describe_error(record: list[int]) -> str | None:
     _, rank, kind, peer, what, tile, flag, epoch = record[:8]
     if kind == WAIT_LAYER0.value:
         waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
+    elif kind == WAIT_CHAIN.value:
+        return (f"rank {rank}: the chained expert forward timed out: a GEMM1 tile of expert {what} waited for "
+                f"GEMM0's activations of row tile {tile} ({flag} of {epoch} column blocks done). Its programs "
+                "must all be resident at once: another kernel holding SMs for seconds, or a bug; "
+                "INTERLACE_CHAIN=0 runs GEMM0 and GEMM1 as two launches")
     elif kind == WAIT_PUSH1.value:
         waited = f"its own GEMM1 output (row tile {tile}, N-slice {what}, home rank {peer}) to push"
     else:

@@ -64,6 +64,7 @@ import triton.language as tl
 
 from interlace.ops import alloc
 from interlace.ops.expert_tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
+from interlace.ops.flags import count_done, fence_proxy_async, wait_count
 from interlace.ops.launch import cdiv, launch, next_power_of_2
 from interlace.ops.rows import use_triton
 from interlace.ops.tuning import GemmConfig, ShapeClass, lookup, rows_bucket
@@ -95,8 +96,9 @@ def _tile_schedule_kernel(
     ends_ptr,  # (E,) int32 inclusive row ends per expert
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # (max_tiles,) int32 each, out
     num_tiles_ptr,  # (1,) int32, out
+    ready_ptr,  # (max_tiles + 1,) int32, out (zeroed) with ZERO_READY
     E, max_tiles,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ZERO_READY: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     e = tl.arange(0, E_PAD)
@@ -118,6 +120,10 @@ def _tile_schedule_kernel(
     tl.store(tile_expert_ptr + t, expert, mask=valid)
     tl.store(tile_start_ptr + t, row0, mask=valid)
     tl.store(tile_end_ptr + t, row_end, mask=valid)
+    if ZERO_READY:
+        tl.store(ready_ptr + t, 0, mask=t < max_tiles)
+        if pid == 0:
+            tl.store(ready_ptr + max_tiles, 0)
 
 
 @dataclass
@@ -128,23 +134,29 @@ class TileSchedule:
     count: torch.Tensor  # (1,) int32 on the device
     max_tiles: int
     block_m: int
+    # with_ready: (max_tiles + 1,) int32 zeroed on the device — finished GEMM0 items per row tile,
+    # then all of them (the chained forward's counts, interlace.ops.expert_chain)
+    ready: torch.Tensor | None = None
 
 
-def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int) -> TileSchedule:
-    """Tiles of ``block_m`` rows per expert from the inclusive row ends (device, no sync)."""
+def tile_schedule(ends: torch.Tensor, num_rows: int, block_m: int, with_ready: bool = False) -> TileSchedule:
+    """Tiles of ``block_m`` rows per expert from the inclusive row ends (device, no sync);
+    ``with_ready``: zeroed readiness counts too, in the same launch."""
     E = ends.numel()
     max_tiles = cdiv(num_rows, block_m) + E
     # One allocation (host time per call); each list starts 16-byte aligned, as the kernels'
     # specializations assume of a fresh tensor.
     stride = cdiv(max_tiles, 4) * 4
-    lists = alloc.empty((3 * stride + 4,), torch.int32, ends.device)
+    lists = alloc.empty((3 * stride + 4 + (stride + 4 if with_ready else 0),), torch.int32, ends.device)
     sched = TileSchedule(lists[:max_tiles], lists[stride:stride + max_tiles], lists[2 * stride:2 * stride + max_tiles],
                          lists[3 * stride:3 * stride + 1], max_tiles, block_m)
+    if with_ready:
+        sched.ready = lists[3 * stride + 4:3 * stride + 5 + max_tiles]
     e_pad = next_power_of_2(max(E, 1))
     block_t = max(1, min(64, 8192 // e_pad))
     launch(_tile_schedule_kernel, (cdiv(max_tiles, block_t),),
-        ends, sched.expert, sched.start, sched.end, sched.count, E, max_tiles,
-        BLOCK_M=block_m, E_PAD=e_pad, BLOCK_T=block_t, num_warps=4,
+        ends, sched.expert, sched.start, sched.end, sched.count, sched.count if sched.ready is None else sched.ready,
+        E, max_tiles, BLOCK_M=block_m, E_PAD=e_pad, BLOCK_T=block_t, ZERO_READY=with_ready, num_warps=4,
     )
     return sched
 
@@ -180,6 +192,14 @@ def _tile_coords(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr, til
     nb = (work % per_group) // group_size
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     return e, tl.load(tile_start_ptr + tile), nb, tl.load(tile_end_ptr + tile)
+
+
+@triton.jit
+def _tile_of(work, n_blocks, num_tiles, GROUP_M: tl.constexpr):
+    """The row tile (index into the tile schedule) of work item ``work`` (:func:`_tile_work`'s order)."""
+    per_group = GROUP_M * n_blocks
+    first_tile = (work // per_group) * GROUP_M
+    return first_tile + (work % per_group) % tl.minimum(num_tiles - first_tile, GROUP_M)
 
 
 @triton.jit
@@ -236,8 +256,26 @@ def _gemm0_kernel(
     """act(x[g] @ W_gate[e]ᵀ) (· x[g] @ W_up[e]ᵀ) for each (row tile, column block); w (E, up_width, N).
     JOINT (SwiGLU with USE_TMA only): gate and up in one 2·BLOCK_N-wide dot (:func:`gate_up_tile`).
     TMA_STORE: full tiles' activations stored through a descriptor (as in :func:`_gemm_kernel`)."""
-    pid = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
+    _gemm0_loop(tl.program_id(0), num_programs, x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr,
+                tile_start_ptr, tile_end_ptr, tl.load(num_tiles_ptr), N, K, E, divisor, num_rows, num_tiles_ptr,
+                num_tiles_ptr, ACTIVATION, HAS_GATHER, STORE_H, USE_TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLATTEN,
+                A_TMA, JOINT, TMA_STORE, SIGNAL=False, FENCE=False)
+
+
+@triton.jit
+def _gemm0_loop(
+    pid, num_programs, x_ptr, gather_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    num_tiles, N, K, E, divisor, num_rows, ready_ptr, done_ptr,
+    ACTIVATION: tl.constexpr, HAS_GATHER: tl.constexpr, STORE_H: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr, JOINT: tl.constexpr, TMA_STORE: tl.constexpr,
+    SIGNAL: tl.constexpr, FENCE: tl.constexpr, ASM: tl.constexpr = False,
+):
+    """:func:`_gemm0_kernel`'s work, program ``pid`` of ``num_programs``. SIGNAL (the chained
+    forward, :mod:`interlace.ops.expert_chain`): each item is counted in ``ready_ptr[row tile]`` and
+    ``done_ptr`` once its stores have landed — at the next item's epilogue (long landed by then,
+    so no wait) or after the loop for the last, through :func:`count_done` (FENCE: TMA stores;
+    ASM: its barrier in inline assembly, off in the interpreter)."""
     n_blocks = tl.cdiv(K, BLOCK_N)
     up_width = 2 * K if ACTIVATION == 0 else K
     offs_n = tl.arange(0, BLOCK_N)
@@ -258,6 +296,7 @@ def _gemm0_kernel(
     if TMA_STORE:
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, K], strides=[K, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
+    prev = -1  # SIGNAL: the row tile of this program's previous item, not yet counted
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
     for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
         e, row0, rows, rmask, nb, row_end = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
@@ -272,6 +311,10 @@ def _gemm0_kernel(
                                     (e * up_width + nb * BLOCK_N).to(tl.int32), cols, cmask, N, K, ACTIVATION,
                                     BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, a_desc, row0, A_TMA,
                                     JOINT, e.to(tl.int32), nb * BLOCK_N)
+        if SIGNAL:
+            if prev >= 0:
+                count_done(ready_ptr + prev, done_ptr, FENCE, ASM)
+            prev = _tile_of(work, n_blocks, num_tiles, GROUP_M)
         act = activation_epilogue(acc_g, acc_u, ACTIVATION)
         omask = rmask[:, None] & cmask[None, :]
         rows64 = rows.to(tl.int64)
@@ -287,6 +330,9 @@ def _gemm0_kernel(
             if ACTIVATION == 0:
                 tl.store(h_ptr + rows64[:, None] * up_width + K + cols[None, :], acc_u.to(h_ptr.dtype.element_ty),
                          mask=omask)
+    if SIGNAL:
+        if prev >= 0:
+            count_done(ready_ptr + prev, done_ptr, FENCE, ASM)
 
 
 @triton.jit
@@ -322,8 +368,26 @@ def _gemm_kernel(
     TMA_STORE (plain epilogue only): a full tile (BLOCK_M rows of one expert) is stored through a
     TMA descriptor, which drains while the next tile's main loop starts; a partial tile's box
     would overwrite the next expert's first rows, so those take the masked store."""
-    pid = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
+    _gemm_loop(tl.program_id(0), num_programs, a_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr, tile_start_ptr,
+               tile_end_ptr, tl.load(num_tiles_ptr), COLS, RED, E, num_rows, B_TRANS, EPILOGUE, USE_TMA, BLOCK_M,
+               BLOCK_N, BLOCK_K, GROUP_M, FLATTEN, A_TMA, TMA_STORE)
+
+
+@triton.jit
+def _gemm_loop(
+    first, num_programs, a_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles,
+    COLS, RED, E, num_rows,
+    B_TRANS: tl.constexpr, EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, A_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    WAIT: tl.constexpr = False, ready_ptr=None, done_ptr=None, need=0, total_done=0, max_spins=0, error_ptr=None,
+    rank=0, FENCE: tl.constexpr = False, STAGES: tl.constexpr = None,
+):
+    """:func:`_gemm_kernel`'s work items ``first``, ``first + num_programs``, .... WAIT (the chained
+    forward, :mod:`interlace.ops.expert_chain`): before an item, wait until ``ready_ptr[row tile]``
+    counts ``need`` items of GEMM0 (:func:`wait_count`, bounded), until ``done_ptr`` shows all
+    ``total_done`` counted, after which no item waits; FENCE: then a proxy fence, as A may come
+    through TMA. STAGES: the main loop's pipeline depth (default: the launch's)."""
     n_blocks = tl.cdiv(COLS, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -350,15 +414,23 @@ def _gemm_kernel(
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_rows, COLS], strides=[COLS, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
     # FLATTEN lets the software pipeline run across work items (next tile's loads under this epilogue).
-    for work in tl.range(pid, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
+    all_done = 0  # WAIT: every GEMM0 item counted (seen once: no more waits)
+    for work in tl.range(first, num_tiles * n_blocks, num_programs, flatten=FLATTEN):
         e, row0, rows, rmask, nb, row_end = _tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
                                                        tile_end_ptr, BLOCK_M, GROUP_M)
+        if WAIT:
+            if all_done == 0:
+                tile = _tile_of(work, n_blocks, num_tiles, GROUP_M)
+                wait_count(ready_ptr + tile, need, max_spins, error_ptr, rank, e.to(tl.int32), tile)
+                all_done = (tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu") >= total_done).to(tl.int32)
+                if FENCE:
+                    fence_proxy_async(0)
         rows64 = rows.to(tl.int64)
         cols = nb * BLOCK_N + offs_n
         cmask = cols < COLS
         w_base = w_ptr + e * RED * COLS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, RED, BLOCK_K):
+        for k0 in tl.range(0, RED, BLOCK_K, num_stages=STAGES):
             kk = k0 + offs_k
             kmask = kk < RED
             if A_TMA:
@@ -476,8 +548,22 @@ def _gemm0_flat_kernel(
     (``persistent = 2``, as :func:`_gemm_flat_kernel`): x rows, weights and the activations
     through TMA descriptors; SwiGLU's gate and up in one double-width dot (JOINT) or two dots,
     GELU/ReLU one. The pre-activation h, when stored, takes masked stores."""
-    pid = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
+    _gemm0_flat_loop(tl.program_id(0), num_programs, x_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr, tile_start_ptr,
+                     tile_end_ptr, tl.load(num_tiles_ptr), N, K, E, num_rows, num_tiles_ptr, num_tiles_ptr,
+                     ACTIVATION, STORE_H, JOINT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SIGNAL=False, FENCE=False)
+
+
+@triton.jit
+def _gemm0_flat_loop(
+    pid, num_programs, x_ptr, w_ptr, out_ptr, h_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles,
+    N, K, E, num_rows, ready_ptr, done_ptr,
+    ACTIVATION: tl.constexpr, STORE_H: tl.constexpr, JOINT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SIGNAL: tl.constexpr, FENCE: tl.constexpr, ASM: tl.constexpr = False, STAGES: tl.constexpr = None,
+):
+    """:func:`_gemm0_flat_kernel`'s loop for program ``pid`` of ``num_programs``; SIGNAL and FENCE
+    as in :func:`_gemm0_loop` (an item is counted at the next item's epilogue, before that
+    item's store; the last after the loop). STAGES: the loop's pipeline depth (default: the launch's)."""
     n_blocks = tl.cdiv(K, BLOCK_N)
     k_steps = tl.cdiv(N, BLOCK_K)
     my_items = _flat_items(num_tiles, n_blocks, pid, num_programs)
@@ -493,7 +579,8 @@ def _gemm0_flat_kernel(
     W: tl.constexpr = 2 * BLOCK_N if JOINT else BLOCK_N
     acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, my_items * k_steps):
+    prev = -1  # SIGNAL: the row tile of this program's previous item, not yet counted
+    for step in tl.range(0, my_items * k_steps, num_stages=STAGES):
         ki, work, e, row0, nb, row_end = _flat_next(ki, k_steps, work, e, row0, nb, row_end, num_programs, n_blocks,
                                                     num_tiles, tile_expert_ptr, tile_start_ptr, tile_end_ptr, GROUP_M)
         k0 = ki * BLOCK_K
@@ -507,6 +594,10 @@ def _gemm0_flat_kernel(
             if ACTIVATION == 0:
                 acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
         if ki == k_steps - 1:
+            if SIGNAL:
+                if prev >= 0:
+                    count_done(ready_ptr + prev, done_ptr, FENCE, ASM)
+                prev = _tile_of(work, n_blocks, num_tiles, GROUP_M)
             if JOINT:
                 acc_g, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             else:
@@ -523,6 +614,9 @@ def _gemm0_flat_kernel(
                     tl.store(h_rows + K + cols[None, :], acc_up.to(h_ptr.dtype.element_ty), mask=hmask)
             acc = tl.zeros((BLOCK_M, W), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SIGNAL:
+        if prev >= 0:
+            count_done(ready_ptr + prev, done_ptr, FENCE, ASM)
 
 
 @triton.jit
@@ -916,10 +1010,16 @@ def expert_ffn_triton(x: torch.Tensor, gather: torch.Tensor | None, divisor: int
     tma = use_tma(w_up, w_down)
     if tma:
         _ensure_allocator()
-    sched0 = tile_schedule(ends, num_rows, c0.block_m)
-    _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma)
-    _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
-                 schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
+    from interlace.ops import expert_chain
+
+    chained = expert_chain.chain_wanted(c1) and expert_chain.chain_fits(c0, c1)
+    sched0 = tile_schedule(ends, num_rows, c0.block_m, with_ready=chained)
+    if chained:  # one launch, GEMM1 tiles filling GEMM0's last wave
+        expert_chain.ffn_chain(x, gather, divisor, w_up, w_down, act, h, y, sched0, num_rows, activation, c0, c1, tma)
+    else:
+        _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma)
+        _launch_gemm(act, w_down, y, None, ends, num_rows, cols=N, red=K, b_trans=True, epilogue=0, config=c1,
+                     schedule=sched0 if c1.block_m == c0.block_m else None, tma=tma)
     return ((y, h, act) if return_act else (y, h)) + ((sched0,) if return_schedule else ())
 
 
@@ -931,22 +1031,28 @@ def _gemm0_flat_stages(c0: GemmConfig, store_h: bool) -> int:
     return min(c0.num_stages, 3) if store_h else c0.num_stages
 
 
-def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
-    """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
-    _check_config(c0)
-    N = x.shape[1]
-    E, K = w_up.shape[0], act.shape[1]
-    p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
+def gemm0_operands(x, gather, divisor, num_rows, act, c0: GemmConfig, tma: bool):
+    """GEMM0's A operand as ``c0`` reads it: ``(x, gather, divisor, a_tma, flat)``. With ``a_tma``
+    and a gather, the rows are first copied contiguous (Hopper has no TMA gather: the permuted
+    token matrix is written once, R·N elements; the table picks it only where it measured faster
+    than the gather fused into the A load). ``flat``: the flat loop (:func:`_gemm0_flat_kernel`) runs."""
     a_tma = bool(c0.a_tma) and tma
     if a_tma and gather is not None:
-        # Hopper has no TMA gather: a TMA-fed GEMM0 reads contiguous rows, so the permuted
-        # token matrix is written once (R·N elements). A tuning choice: the table picks it only
-        # where it measured faster than the gather fused into the A load.
         from interlace.ops.rows import gather_rows
 
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
     a_tma = a_tma and tma_rows_ok(x)
-    if c0.persistent == 2 and a_tma and tma_rows_ok(act):
+    return x, gather, divisor, a_tma, c0.persistent == 2 and a_tma and tma_rows_ok(act)
+
+
+def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
+    """act (and h when not None) = GEMM0 of the rows ``x[gather // divisor]`` (or x) over ``sched0``."""
+    _check_config(c0)
+    E, K = w_up.shape[0], act.shape[1]
+    p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
+    x, gather, divisor, a_tma, flat = gemm0_operands(x, gather, divisor, num_rows, act, c0, tma)
+    N = x.shape[1]
+    if flat:
         stages = _gemm0_flat_stages(c0, h is not None)
         launch(_gemm0_flat_kernel, (p0,),
             x, w_up, act, h if h is not None else act, sched0.expert, sched0.start, sched0.end, sched0.count,

@@ -57,6 +57,10 @@ class GemmConfig:
     # weights: full tiles stored through a TMA descriptor (drains under the next tile's main
     # loop), an expert's partial last tile by a masked store. Not with flatten (Triton 3.6).
     tma_store: int = 0
+    # GEMM1 only: 1 = the forward's GEMM0 and GEMM1 in one launch (interlace.ops.expert_chain): a
+    # program goes on to GEMM1 tiles once its GEMM0 tiles are done, each waiting for GEMM0's
+    # activations of its rows, so GEMM1 fills GEMM0's last wave. GEMM1 runs the nested loop then.
+    chain: int = 0
 
 
 @dataclass(frozen=True)
