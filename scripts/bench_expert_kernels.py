@@ -15,7 +15,9 @@ path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians o
 (no grad) and forward+backward, ≥ 20 timed calls (``--bench-rounds R``: R rounds alternating
 torch and Triton, the median over the rounds: one process's torch-then-Triton order moved rows
 by up to 12% between passes, run 173); TFLOP/s of the three expert GEMMs (×3 with backward); the
-backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. "first s" is the first
+backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time; "bwd alone" times the Triton
+block's backward by itself (:func:`backward_ms`: CUDA events around ``backward`` after an untimed
+training forward), which leaves out what storing h costs the training forward over the inference one. "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
 four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
@@ -163,6 +165,28 @@ def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
     return t_f, t_fb
 
 
+def backward_ms(backend, cfg, x, w_up, w_down, weights, index, grad, reps: int = 20, warmup: int = 3) -> float:
+    """Median of the backward alone: per rep a training forward, untimed, then CUDA events around
+    ``out.backward(grad)`` (the forward queued ahead keeps the GPU busy while the host launches the
+    backward). Each rep ends in a host sync, outside the timed span. Unlike f+b − fwd, this leaves
+    out what a training forward costs over an inference one (storing h and the activations)."""
+    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for rep in range(warmup + reps):
+        for t in leaves:
+            t.grad = None
+        out = block(backend, *leaves, index, cfg.activation)
+        start.record()
+        out.backward(grad)
+        end.record()
+        end.synchronize()
+        if rep >= warmup:
+            times.append(start.elapsed_time(end))
+        del out
+    return statistics.median(times)
+
+
 def breakdown(cfg, x, w_up, w_down, index):
     """{kernel: (ms, TFLOP/s)} of the Triton path's GEMM kernels, timed one by one."""
     row_of_assignment, assignment_of_row, ends, rows = index
@@ -247,7 +271,7 @@ def main():
                 row["err_torch"], row["err_triton"] = errs["torch"], errs["triton"]
                 row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
             flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
-            samples = {"torch": [], "triton": []}
+            samples = {"torch": [], "triton": [], "triton_bwd": []}
             for r in range(args.bench_rounds):  # interleaved, the order alternating per round
                 for backend in ("torch", "triton") if r % 2 == 0 else ("triton", "torch"):
                     if args.no_backward:
@@ -257,6 +281,11 @@ def main():
                         samples[backend].append((bench_ms(fwd), None))
                     else:
                         samples[backend].append(time_backend(backend, cfg, x, w_up, w_down, weights, index, grad))
+                if not args.no_backward:
+                    samples["triton_bwd"].append(backward_ms("triton", cfg, x, w_up, w_down, weights, index, grad))
+            if samples.get("triton_bwd"):
+                row["triton_bwd_alone"] = statistics.median(samples.pop("triton_bwd"))
+            samples.pop("triton_bwd", None)
             for backend, ts in samples.items():
                 fb = None if args.no_backward else statistics.median(t[1] for t in ts)
                 row[backend] = (statistics.median(t[0] for t in ts), fb)
@@ -378,9 +407,9 @@ def ab_sets(args) -> None:
 
 def print_table(results):
     print("\n| config | tokens | torch fwd ms | triton fwd ms | fwd speedup | torch TFLOP/s | triton TFLOP/s | "
-          "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | max err torch | "
-          "max err triton | check | first s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | bwd alone ms | "
+          "bwd alone/fwd | max err torch | max err triton | check | first s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['config']} | {r['tokens']} | error: {r['error'][:80]} |")
@@ -390,11 +419,13 @@ def print_table(results):
                  f"{F / xf / 1e9:.0f}"]
         if tfb is not None:
             bwd_tflops = 2 * F / max(xfb - xf, 1e-9) / 1e9
+            alone = r.get("triton_bwd_alone")
             cells += [f"{tfb:.3f}", f"{xfb:.3f}", f"{tfb / xfb:.2f}", f"{bwd_tflops:.0f}",
-                      f"{bwd_tflops / (F / xf / 1e9):.2f}", f"{max(r['err_torch']):.1e}", f"{max(r['err_triton']):.1e}",
-                      "ok" if r["ok"] else "FAIL"]
+                      f"{bwd_tflops / (F / xf / 1e9):.2f}", f"{alone:.3f}" if alone else "-",
+                      f"{2 * xf / alone:.2f}" if alone else "-", f"{max(r['err_torch']):.1e}",
+                      f"{max(r['err_triton']):.1e}", "ok" if r["ok"] else "FAIL"]
         else:
-            cells += ["-"] * 8
+            cells += ["-"] * 10
         cells.append(f"{r['first_s']:.1f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for r in results:
