@@ -15,9 +15,11 @@ path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians o
 (no grad) and forward+backward, ≥ 20 timed calls (``--bench-rounds R``: R rounds alternating
 torch and Triton, the median over the rounds: one process's torch-then-Triton order moved rows
 by up to 12% between passes, run 173); TFLOP/s of the three expert GEMMs (×3 with backward); the
-backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time; "bwd alone" times the Triton
-block's backward by itself (:func:`backward_ms`: CUDA events around ``backward`` after an untimed
-training forward), which leaves out what storing h costs the training forward over the inference one. "first s" is the first
+backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. The Triton block's training
+forward (grad enabled: it stores h and the activations) is timed too, and "bwd/fwd (f+b − train fwd)"
+takes the backward as f+b minus it: the backward pass itself, where f+b − fwd also charges it what
+storing h costs the training forward over the inference one. (Timing ``backward`` alone between CUDA
+events after a synchronize measured the host's launches on the small rows instead: run 192.) "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
 four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
@@ -35,6 +37,7 @@ set's output and gradients are bitwise equal to the first set's (run 186 A/B'd a
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
@@ -149,42 +152,25 @@ def bench_ms(fn, grad_to_none=None) -> float:
                                    return_mode="median")
 
 
-def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad):
-    """(fwd ms, fwd+bwd ms) medians."""
+def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad, train_forward: bool = False):
+    """(fwd ms, fwd+bwd ms) medians; ``train_forward``: also the training forward's (grad enabled:
+    it stores what the backward reads, and its graph is dropped), so that f+b minus it is the
+    backward's time in the same steady state."""
     def fwd():
         with torch.no_grad():
             return block(backend, x, w_up, w_down, weights, index, cfg.activation)
 
     leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
 
+    def fwd_train():
+        block(backend, *leaves, index, cfg.activation)
+
     def fwd_bwd():
         block(backend, *leaves, index, cfg.activation).backward(grad)
 
     t_f = bench_ms(fwd)
     t_fb = bench_ms(fwd_bwd, grad_to_none=leaves)
-    return t_f, t_fb
-
-
-def backward_ms(backend, cfg, x, w_up, w_down, weights, index, grad, reps: int = 20, warmup: int = 3) -> float:
-    """Median of the backward alone: per rep a training forward, untimed, then CUDA events around
-    ``out.backward(grad)`` (the forward queued ahead keeps the GPU busy while the host launches the
-    backward). Each rep ends in a host sync, outside the timed span. Unlike f+b − fwd, this leaves
-    out what a training forward costs over an inference one (storing h and the activations)."""
-    leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for rep in range(warmup + reps):
-        for t in leaves:
-            t.grad = None
-        out = block(backend, *leaves, index, cfg.activation)
-        start.record()
-        out.backward(grad)
-        end.record()
-        end.synchronize()
-        if rep >= warmup:
-            times.append(start.elapsed_time(end))
-        del out
-    return statistics.median(times)
+    return (t_f, t_fb, bench_ms(fwd_train)) if train_forward else (t_f, t_fb)
 
 
 def breakdown(cfg, x, w_up, w_down, index):
@@ -271,7 +257,7 @@ def main():
                 row["err_torch"], row["err_triton"] = errs["torch"], errs["triton"]
                 row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
             flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
-            samples = {"torch": [], "triton": [], "triton_bwd": []}
+            samples = {"torch": [], "triton": [], "triton_train_fwd": []}
             for r in range(args.bench_rounds):  # interleaved, the order alternating per round
                 for backend in ("torch", "triton") if r % 2 == 0 else ("triton", "torch"):
                     if args.no_backward:
@@ -280,12 +266,14 @@ def main():
                                 return block(b, x, w_up, w_down, weights, index, cfg.activation)
                         samples[backend].append((bench_ms(fwd), None))
                     else:
-                        samples[backend].append(time_backend(backend, cfg, x, w_up, w_down, weights, index, grad))
-                if not args.no_backward:
-                    samples["triton_bwd"].append(backward_ms("triton", cfg, x, w_up, w_down, weights, index, grad))
-            if samples.get("triton_bwd"):
-                row["triton_bwd_alone"] = statistics.median(samples.pop("triton_bwd"))
-            samples.pop("triton_bwd", None)
+                        t = time_backend(backend, cfg, x, w_up, w_down, weights, index, grad,
+                                         train_forward=backend == "triton")
+                        samples[backend].append(t[:2])
+                        if backend == "triton":
+                            samples["triton_train_fwd"].append(t[2])
+            if samples["triton_train_fwd"]:
+                row["triton_train_fwd"] = statistics.median(samples["triton_train_fwd"])
+            del samples["triton_train_fwd"]
             for backend, ts in samples.items():
                 fb = None if args.no_backward else statistics.median(t[1] for t in ts)
                 row[backend] = (statistics.median(t[0] for t in ts), fb)
@@ -339,8 +327,9 @@ def use_tables(directory: str) -> None:
 
 
 def use_envs(settings: str) -> None:
-    """``VAR=VALUE[,VAR=VALUE]`` into the environment (``VAR=`` removes VAR)."""
-    for item in filter(None, settings.split(",")):
+    """``VAR=VALUE[,VAR=VALUE]`` into the environment (``VAR=`` removes VAR). A value may hold
+    commas (a config: ``INTERLACE_WGRAD=128,256,64,8,3``): only a comma before ``NAME=`` separates."""
+    for item in filter(None, re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", settings)):
         var, value = item.split("=", 1)
         if value:
             os.environ[var] = value
@@ -407,8 +396,8 @@ def ab_sets(args) -> None:
 
 def print_table(results):
     print("\n| config | tokens | torch fwd ms | triton fwd ms | fwd speedup | torch TFLOP/s | triton TFLOP/s | "
-          "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | bwd alone ms | "
-          "bwd alone/fwd | max err torch | max err triton | check | first s |")
+          "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | triton train fwd ms | "
+          "bwd/fwd (f+b − train fwd) | max err torch | max err triton | check | first s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
@@ -419,10 +408,11 @@ def print_table(results):
                  f"{F / xf / 1e9:.0f}"]
         if tfb is not None:
             bwd_tflops = 2 * F / max(xfb - xf, 1e-9) / 1e9
-            alone = r.get("triton_bwd_alone")
+            train = r.get("triton_train_fwd")
+            bwd = xfb - train if train else None
             cells += [f"{tfb:.3f}", f"{xfb:.3f}", f"{tfb / xfb:.2f}", f"{bwd_tflops:.0f}",
-                      f"{bwd_tflops / (F / xf / 1e9):.2f}", f"{alone:.3f}" if alone else "-",
-                      f"{2 * xf / alone:.2f}" if alone else "-", f"{max(r['err_torch']):.1e}",
+                      f"{bwd_tflops / (F / xf / 1e9):.2f}", f"{train:.3f}" if train else "-",
+                      f"{2 * xf / bwd:.2f}" if bwd else "-", f"{max(r['err_torch']):.1e}",
                       f"{max(r['err_triton']):.1e}", "ok" if r["ok"] else "FAIL"]
         else:
             cells += ["-"] * 10

@@ -72,7 +72,7 @@ from interlace.ops.tuning import generation as tuning_generation
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,chain]``
     (any prefix of the :class:`GemmConfig` fields, in order) forces a config."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
