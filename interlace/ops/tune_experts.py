@@ -13,11 +13,7 @@ the backward kernel's steps), ``--rounds`` times in turn, each a
 ``triton.testing.do_bench`` median (on the CPU interpreter, one host-timed call), and the
 candidate with the lowest median over the rounds wins. Timing the forward kernels inside the whole
 forward, each once, left a spread of up to ±40% between runs of one config (run 108) and picked by
-noise. But alone a kernel starts on a flushed L2, and in the forward it does not: for the forward
-kernels the best :data:`FINALISTS` are then timed inside the whole forward, in the same interleaved
-rounds of medians, and one replaces the kernel-alone pick only where its forward is
-:data:`BLOCK_MARGIN` faster (``--no-forward-stage`` skips this). Prints the chosen configs, their
-TFLOP/s and the time the tuning took.
+noise. Prints the chosen configs, their TFLOP/s and the time the tuning took.
 """
 
 from __future__ import annotations
@@ -137,33 +133,11 @@ def pick_config(samples: list[list[float]]) -> int:
     return min(range(len(medians)), key=lambda i: (medians[i], i))
 
 
-# Forward kernels: the best FINALISTS by their own launches are timed again inside the whole
-# forward, and one of them replaces the kernel-alone pick only if that forward is BLOCK_MARGIN
-# faster. Alone, a kernel starts on a flushed L2; in the forward, GEMM0 reads the rows its gather
-# copy just wrote and GEMM1 the activations GEMM0 just wrote. On an H100 the kernel-alone pick
-# ran the whole forward up to 9% slower than the entries block A/Bs had found (runs 172, 182, 187).
-FINALISTS = 3
-BLOCK_MARGIN = 0.02
-
-
-def pick_finalist(kernel_samples: list[list[float]], block_samples: list[list[float]],
-                  margin: float = BLOCK_MARGIN) -> int:
-    """Of the finalists (``kernel_samples[i]`` their own launches' times, ``block_samples[i]`` the
-    whole forward's, rounds each), the kernel-alone pick, unless another's forward median is more
-    than ``margin`` lower than its: then the lowest forward median."""
-    alone = pick_config(kernel_samples)
-    block = [statistics.median(t) for t in block_samples]
-    fastest = pick_config(block_samples)
-    return fastest if block[fastest] < (1 - margin) * block[alone] else alone
-
-
 def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates: dict, show=True,
-               kernels: list[str] | None = None, rounds: int = 3, block_stage: bool = True):
+               kernels: list[str] | None = None, rounds: int = 3):
     """Entries per kernel of ``kernels`` (default: all; the others run their default config), one
     per bucket: {"shape", "bucket", "config", "ms", "tflops"} (ms: the winner's median over
-    ``rounds`` interleaved rounds of its own kernel's launches; forward kernels with
-    ``block_stage``: "forward_ms", the whole forward's median with it, see :data:`FINALISTS`),
-    and the failures."""
+    ``rounds`` interleaved rounds of its own kernel's launches), and the failures."""
     from interlace.config import MoEConfig
     from interlace.experts import init_expert_weights
 
@@ -224,9 +198,8 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
         for kernel in kernels or KERNELS:
             if kernel in BACKWARD_NAMES:
                 run, make = backward, kernel_steps
-            else:  # the check (and the finalists' timing) runs the forward as the kernel's table serves it:
-                # GEMM0 storing h for the training table, else the inference forward (GEMM1's table serves both)
-                run, make = (lambda: forward(kernel == "expert_gemm0_train")), forward_kernel
+            else:  # the check runs the forward as the kernel's table serves it (inference: no h)
+                run, make = (lambda: forward(kernel != "expert_gemm0")), forward_kernel
             want, passed = None, []
             for c in candidates[kernel]:
                 chosen[kernel] = c
@@ -257,26 +230,10 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                     samples[i].append(_time_ms(timed_fn, cuda))
                     del timed_fn
             best = pick_config(samples)
-            block_ms = None
-            if kernel not in BACKWARD_NAMES and block_stage and len(passed) > 1:
-                finalists = sorted(range(len(passed)), key=lambda i: (statistics.median(samples[i]), i))[:FINALISTS]
-                block_samples = [[] for _ in finalists]
-                for _ in range(rounds):
-                    for j, i in enumerate(finalists):
-                        chosen[kernel] = passed[i]
-                        block_samples[j].append(_time_ms(run, cuda))
-                pick = pick_finalist([samples[i] for i in finalists], block_samples)
-                best, block_ms = finalists[pick], statistics.median(block_samples[pick])
-                if show:
-                    print("    whole forward (median ms): " + "; ".join(
-                        f"{tuple(passed[i].__dict__.values())} {statistics.median(ts):.3f}"
-                        for i, ts in zip(finalists, block_samples)), flush=True)
             c, t = passed[best], statistics.median(samples[best])
             chosen[kernel] = c
             entries[kernel].append({"shape": shape.__dict__, "bucket": bucket, "config": c.__dict__,
                                     "ms": t, "tflops": work / t / 1e9, "rounds": rounds})
-            if block_ms is not None:
-                entries[kernel][-1]["forward_ms"] = block_ms
             if show:
                 what = "+".join(BACKWARD_STEPS[kernel]) if kernel in BACKWARD_NAMES else "alone"
                 print(f"  {shape} rows/expert {bucket}: {kernel} {tuple(c.__dict__.values())} → "
@@ -346,8 +303,6 @@ def main(argv=None) -> int:
                                                 "the package's tuning folder)")
     p.add_argument("--rounds", type=int, default=None,
                    help="interleaved timing rounds per candidate (default 3 on a GPU, 1 on the CPU interpreter)")
-    p.add_argument("--no-forward-stage", action="store_true",
-                   help="forward kernels: keep the kernel-alone pick (no finalists timed in the whole forward)")
     args = p.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -368,7 +323,7 @@ def main(argv=None) -> int:
         print(f"tuning {preset}: {shape} buckets {buckets}", flush=True)
         cands = CANDIDATES if cuda else {k: INTERPRETER_CANDIDATES for k in KERNELS}
         entries, f = tune_shape(shape, cfg.dtype, device, buckets, cands, kernels=args.kernels,
-                                rounds=args.rounds or (3 if cuda else 1), block_stage=not args.no_forward_stage)
+                                rounds=args.rounds or (3 if cuda else 1))
         for k in KERNELS:
             found[k] += entries[k]
         failures += f
