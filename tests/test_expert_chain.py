@@ -154,3 +154,21 @@ def test_chained_kernel_compiles_pipelined_for_hopper():
         assert shared <= 232448, (name, shared)
         if name in ("flat", "flat_h", "nested", "nested_h"):
             assert barrier and bulk_wait, (name, found)
+
+
+def test_bench_env_settings_may_hold_configs(monkeypatch):
+    """``bench_expert_kernels.py --envs NAME=VAR=VALUE[,VAR=VALUE]``: a value may be a config with
+    commas (run 192's first weight-gradient A/B failed on them); ``VAR=`` removes VAR."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    sys.modules.pop("bench_expert_kernels", None)
+    import bench_expert_kernels
+
+    monkeypatch.setenv("INTERLACE_GEMM1", "16,16,16,4,1")
+    monkeypatch.delenv("INTERLACE_WGRAD", raising=False)
+    monkeypatch.delenv("INTERLACE_CHAIN", raising=False)
+    bench_expert_kernels.use_envs("INTERLACE_WGRAD=128,256,64,8,3,16,0,0,1,2,INTERLACE_CHAIN=1,INTERLACE_GEMM1=")
+    assert os.environ["INTERLACE_WGRAD"] == "128,256,64,8,3,16,0,0,1,2"
+    assert os.environ["INTERLACE_CHAIN"] == "1" and "INTERLACE_GEMM1" not in os.environ
