@@ -26,7 +26,10 @@ on to GEMM1 items (:func:`grouped_gemm._gemm_loop`), so GEMM1 fills GEMM0's last
   (:func:`check_chain_errors` raises at once, after a synchronize).
 
 Chaining is a per-shape choice: the GEMM1 table entry's ``chain`` field, or
-``INTERLACE_CHAIN=0/1`` to force it off or on. It needs GEMM0 and GEMM1 configs of the same
+``INTERLACE_CHAIN=0/1`` to force it off or on. On an H100 it was bitwise equal to two launches
+and level with them: at most 2–5% to gain where the waves are short, the counts and waits about
+1% of it, and the block's ±5% round-to-round spread larger than what was left (runs 188–190),
+so every packaged table has it off. It needs GEMM0 and GEMM1 configs of the same
 tile height and warp count; GEMM1 then runs the nested loop (a flat GEMM1 config's blocks and
 stages in nested form). Under ``TRITON_INTERPRET=1`` programs run one after another, so a
 chained launch has one program (every wait is then already met); ``phases`` splits the launch
