@@ -16,7 +16,7 @@ Kernels: ``gemm0`` (gate/up GEMM with its activation; with ``a_tma`` the gather 
 is included; ``gemm0_train`` storing h as well, from the training table), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs), ``dw_down``
 and ``dw_up`` (weight gradients; dW_up includes the gather copy of x's rows). A variant
 is ``table`` (the tuning table's choice for this shape) or a config as in ``INTERLACE_GEMM0``
-(``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store]``).
+(``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,chain]``).
 Outputs are checked against the first variant's (bf16 tolerance).
 """
 

@@ -46,9 +46,9 @@ import triton
 import triton.language as tl
 
 from interlace.ops.flags import describe_error
-from interlace.ops.grouped_gemm import (_ACTIVATION_ID, GemmConfig, TileSchedule, _check_config, _ensure_allocator, _gemm0_flat_loop,
-                                        _gemm0_flat_stages, _gemm0_loop, _gemm_loop, _num_programs, gemm0_operands,
-                                        tma_rows_ok)
+from interlace.ops.grouped_gemm import (_ACTIVATION_ID, GemmConfig, TileSchedule, _check_config, _ensure_allocator,
+                                        _gemm0_flat_loop, _gemm0_loop, _gemm_loop, _num_programs, gemm0_form,
+                                        plain_gemm_tma)
 from interlace.ops.launch import cdiv, launch
 
 # Polls of one wait before it times out. A healthy wait lasts at most one GEMM0 item (~0.1 ms);
@@ -166,26 +166,22 @@ def ffn_chain(x, gather, divisor, w_up, w_down, act, h, y, sched0: TileSchedule,
         _ensure_allocator()
     E, K = w_up.shape[0], act.shape[1]
     N = y.shape[1]
-    x, gather, divisor, a_tma0, flat0 = gemm0_operands(x, gather, divisor, num_rows, act, c0, tma)
+    f = gemm0_form(x, gather, divisor, num_rows, act, h is not None, activation, c0, tma)
+    a_tma1, tma_store1 = plain_gemm_tma(c1, tma, act, y)
     items = sched0.max_tiles * max(cdiv(K, c0.block_n), cdiv(N, c1.block_n))
     grid = programs or (1 if (_INTERPRET and phases == 3) else _num_programs(x.device, items))
     record, _ = _error_record(x.device)
-    stages0 = _gemm0_flat_stages(c0, h is not None) if flat0 else c0.num_stages
-    a_tma1 = bool(c1.a_tma) and tma and tma_rows_ok(act)
-    tma_store0 = bool(c0.tma_store) and tma and tma_rows_ok(act) and not flat0
     launch(_ffn_chain_kernel, (grid,),
-        x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act, w_down, y,
+        f.x, f.gather if f.gather is not None else sched0.start, w_up, act, h if h is not None else act, w_down, y,
         sched0.expert, sched0.start, sched0.end, sched0.count, sched0.ready, sched0.ready[sched0.max_tiles:],
-        record, x.shape[1], K, E, divisor, grid, num_rows, max_spins, _rank(),
-        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=h is not None, USE_TMA=tma,
-        BLOCK_M=c0.block_m, FLAT0=flat0, BLOCK_N0=c0.block_n, BLOCK_K0=c0.block_k, GROUP_M0=c0.group_m,
-        FLATTEN0=bool(c0.flatten), A_TMA0=a_tma0, JOINT=bool(c0.joint) and tma and activation == "swiglu",
-        TMA_STORE0=tma_store0,
-        BLOCK_N1=c1.block_n, BLOCK_K1=c1.block_k, GROUP_M1=c1.group_m,
-        A_TMA1=a_tma1, TMA_STORE1=bool(c1.tma_store) and tma and tma_rows_ok(y),
-        STAGES1=c1.num_stages, PHASES=phases, CHAINED=phases == 3, FENCE=(flat0 or tma_store0) and not _INTERPRET,
-        FENCE1=a_tma1 and not _INTERPRET, ASM=not _INTERPRET,
-        num_warps=c0.num_warps, num_stages=stages0,
+        record, N, K, E, f.divisor, grid, num_rows, max_spins, _rank(),
+        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=f.gather is not None, STORE_H=h is not None, USE_TMA=tma,
+        BLOCK_M=c0.block_m, FLAT0=f.flat, BLOCK_N0=c0.block_n, BLOCK_K0=c0.block_k, GROUP_M0=c0.group_m,
+        FLATTEN0=bool(c0.flatten), A_TMA0=f.a_tma, JOINT=f.joint, TMA_STORE0=f.tma_store,
+        BLOCK_N1=c1.block_n, BLOCK_K1=c1.block_k, GROUP_M1=c1.group_m, A_TMA1=a_tma1, TMA_STORE1=tma_store1,
+        STAGES1=c1.num_stages, PHASES=phases, CHAINED=phases == 3,
+        FENCE=(f.flat or f.tma_store) and not _INTERPRET, FENCE1=a_tma1 and not _INTERPRET, ASM=not _INTERPRET,
+        num_warps=c0.num_warps, num_stages=f.stages,
     )
     if x.device.type != "cuda":
         _raise_recorded(x.device)  # the interpreter ran it already

@@ -57,6 +57,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import triton
@@ -1031,18 +1032,39 @@ def _gemm0_flat_stages(c0: GemmConfig, store_h: bool) -> int:
     return min(c0.num_stages, 3) if store_h else c0.num_stages
 
 
-def gemm0_operands(x, gather, divisor, num_rows, act, c0: GemmConfig, tma: bool):
-    """GEMM0's A operand as ``c0`` reads it: ``(x, gather, divisor, a_tma, flat)``. With ``a_tma``
-    and a gather, the rows are first copied contiguous (Hopper has no TMA gather: the permuted
-    token matrix is written once, R·N elements; the table picks it only where it measured faster
-    than the gather fused into the A load). ``flat``: the flat loop (:func:`_gemm0_flat_kernel`) runs."""
+class Gemm0Form(NamedTuple):
+    """How GEMM0 runs a config on these operands (:func:`gemm0_form`)."""
+    x: torch.Tensor  # the rows it reads: x, or their contiguous copy
+    gather: torch.Tensor | None
+    divisor: int
+    a_tma: bool  # A rows through a descriptor
+    flat: bool  # the flat loop (:func:`_gemm0_flat_kernel`)
+    joint: bool  # gate and up in one double-width dot
+    tma_store: bool  # the nested loop's full tiles stored through a descriptor
+    stages: int
+
+
+def gemm0_form(x, gather, divisor, num_rows, act, store_h: bool, activation: str, c0: GemmConfig,
+               tma: bool) -> Gemm0Form:
+    """GEMM0's operands and flags as ``c0`` runs on them (both GEMM0 launchers read this). With
+    ``a_tma`` and a gather, the rows are first copied contiguous (Hopper has no TMA gather: the
+    permuted token matrix is written once, R·N elements; the table picks it only where it
+    measured faster than the gather fused into the A load)."""
     a_tma = bool(c0.a_tma) and tma
     if a_tma and gather is not None:
         from interlace.ops.rows import gather_rows
 
         x, gather, divisor = gather_rows(x, gather[:num_rows], divisor), None, 1
     a_tma = a_tma and tma_rows_ok(x)
-    return x, gather, divisor, a_tma, c0.persistent == 2 and a_tma and tma_rows_ok(act)
+    flat = c0.persistent == 2 and a_tma and tma_rows_ok(act)
+    return Gemm0Form(x, gather, divisor, a_tma, flat, bool(c0.joint) and tma and activation == "swiglu",
+                     bool(c0.tma_store) and tma and tma_rows_ok(act) and not flat,
+                     _gemm0_flat_stages(c0, store_h) if flat else c0.num_stages)
+
+
+def plain_gemm_tma(config: GemmConfig, tma: bool, a: torch.Tensor, out: torch.Tensor) -> tuple[bool, bool]:
+    """(A rows through a descriptor, full tiles stored through one) of a plain-epilogue GEMM's nested loop."""
+    return bool(config.a_tma) and tma and tma_rows_ok(a), bool(config.tma_store) and tma and tma_rows_ok(out)
 
 
 def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation, c0, tma):
@@ -1050,27 +1072,23 @@ def _launch_gemm0(x, gather, divisor, w_up, act, h, sched0, num_rows, activation
     _check_config(c0)
     E, K = w_up.shape[0], act.shape[1]
     p0 = _num_programs(x.device, sched0.max_tiles * cdiv(K, c0.block_n))
-    x, gather, divisor, a_tma, flat = gemm0_operands(x, gather, divisor, num_rows, act, c0, tma)
-    N = x.shape[1]
-    if flat:
-        stages = _gemm0_flat_stages(c0, h is not None)
+    f = gemm0_form(x, gather, divisor, num_rows, act, h is not None, activation, c0, tma)
+    N = f.x.shape[1]
+    if f.flat:
         launch(_gemm0_flat_kernel, (p0,),
-            x, w_up, act, h if h is not None else act, sched0.expert, sched0.start, sched0.end, sched0.count,
+            f.x, w_up, act, h if h is not None else act, sched0.expert, sched0.start, sched0.end, sched0.count,
             N, K, E, p0, num_rows,
-            ACTIVATION=_ACTIVATION_ID[activation], STORE_H=h is not None,
-            JOINT=bool(c0.joint) and activation == "swiglu",
+            ACTIVATION=_ACTIVATION_ID[activation], STORE_H=h is not None, JOINT=f.joint,
             BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m,
-            num_warps=c0.num_warps, num_stages=stages,
+            num_warps=c0.num_warps, num_stages=f.stages,
         )
         return act
     launch(_gemm0_kernel, (p0,),
-        x, gather if gather is not None else sched0.start, w_up, act, h if h is not None else act,
-        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, divisor, p0, num_rows,
-        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=gather is not None, STORE_H=h is not None, USE_TMA=tma,
+        f.x, f.gather if f.gather is not None else sched0.start, w_up, act, h if h is not None else act,
+        sched0.expert, sched0.start, sched0.end, sched0.count, N, K, E, f.divisor, p0, num_rows,
+        ACTIVATION=_ACTIVATION_ID[activation], HAS_GATHER=f.gather is not None, STORE_H=h is not None, USE_TMA=tma,
         BLOCK_M=c0.block_m, BLOCK_N=c0.block_n, BLOCK_K=c0.block_k, GROUP_M=c0.group_m, FLATTEN=bool(c0.flatten),
-        A_TMA=a_tma, JOINT=bool(c0.joint) and tma and activation == "swiglu",
-        TMA_STORE=bool(c0.tma_store) and tma and tma_rows_ok(act),
-        num_warps=c0.num_warps, num_stages=c0.num_stages,
+        A_TMA=f.a_tma, JOINT=f.joint, TMA_STORE=f.tma_store, num_warps=c0.num_warps, num_stages=f.stages,
     )
     return act
 
@@ -1102,12 +1120,12 @@ def _launch_gemm(a, w, out, h, ends, num_rows, cols, red, b_trans, epilogue, con
             GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
+    a_tma, tma_store = plain_gemm_tma(config, tma, a, out)
     launch(_gemm_kernel, (p,),
         a, w, out, h if h is not None else out, sched.expert, sched.start, sched.end, sched.count,
         cols, red, w.shape[0], p, num_rows, B_TRANS=b_trans, EPILOGUE=epilogue, USE_TMA=tma,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        FLATTEN=bool(config.flatten), A_TMA=bool(config.a_tma) and tma and tma_rows_ok(a),
-        TMA_STORE=bool(config.tma_store) and tma and epilogue == 0 and tma_rows_ok(out),
+        FLATTEN=bool(config.flatten), A_TMA=a_tma, TMA_STORE=tma_store and epilogue == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
