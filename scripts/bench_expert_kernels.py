@@ -23,7 +23,8 @@ events after a synchronize measured the host's launches on the small rows instea
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
 four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
-kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compared kernel by kernel.
+kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compared kernel by kernel;
+``--profile-fb`` the same for forward+backward calls.
 
 ``--tables NAME=DIR …`` instead A/Bs sets of tuning tables in one process: per row, ``--rounds``
 interleaved rounds, each timing the Triton block's forward and forward+backward once per set
@@ -194,20 +195,27 @@ def breakdown(cfg, x, w_up, w_down, index):
     return out
 
 
-def profile_forward(backend, cfg, x, w_up, w_down, weights, index, calls: int = 10):
-    """{kernel name: GPU µs per forward call} of one backend's no-grad forward (torch.profiler)."""
+def profile_block(backend, cfg, x, w_up, w_down, weights, index, grad=None, calls: int = 10):
+    """{kernel name: GPU µs per call} of one backend's block (torch.profiler over ``calls`` calls):
+    the no-grad forward, or with ``grad`` forward+backward."""
     from torch.profiler import ProfilerActivity, profile
 
-    def fwd():
-        with torch.no_grad():
-            return block(backend, x, w_up, w_down, weights, index, cfg.activation)
+    leaves = [t.detach().requires_grad_(grad is not None) for t in (x, w_up, w_down, weights)]
+
+    def call():
+        if grad is None:
+            with torch.no_grad():
+                return block(backend, *leaves, index, cfg.activation)
+        for t in leaves:
+            t.grad = None
+        block(backend, *leaves, index, cfg.activation).backward(grad)
 
     for _ in range(3):
-        fwd()
+        call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fwd()
+            call()
         torch.cuda.synchronize()
     per_kernel = {}
     for evt in prof.key_averages():
@@ -226,6 +234,8 @@ def main():
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--breakdown", action="store_true", help="also time the Triton path's kernels one by one")
     p.add_argument("--profile-fwd", action="store_true", help="also list each backend's forward kernels (GPU µs)")
+    p.add_argument("--profile-fb", action="store_true",
+                   help="also list each backend's forward+backward kernels (GPU µs)")
     p.add_argument("--seed", type=int, default=0, help="seeds the routing permutation, tokens and gradients")
     p.add_argument("--tables", nargs="+", default=None, metavar="NAME=DIR",
                    help="A/B these sets of tuning tables instead (interleaved rounds, Triton block only)")
@@ -282,8 +292,11 @@ def main():
             if args.breakdown:
                 row["kernels"] = breakdown(cfg, x, w_up, w_down, index)
             if args.profile_fwd:
-                row["fwd_profile"] = {b: profile_forward(b, cfg, x, w_up, w_down, weights, index)
+                row["fwd_profile"] = {b: profile_block(b, cfg, x, w_up, w_down, weights, index)
                                       for b in ("torch", "triton")}
+            if args.profile_fb and not args.no_backward:
+                row["fb_profile"] = {b: profile_block(b, cfg, x, w_up, w_down, weights, index, grad)
+                                     for b in ("torch", "triton")}
         except Exception as err:  # report the row and go on with the others
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"{name} {T}: {row['error']}", flush=True)
@@ -419,11 +432,12 @@ def print_table(results):
         cells.append(f"{r['first_s']:.1f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for r in results:
-        for backend, kernels in r.get("fwd_profile", {}).items():
-            print(f"\n{r['config']} {r['tokens']} {backend} forward, GPU µs per call "
-                  f"(sum {sum(kernels.values()):.1f}):")
-            for name, us in kernels.items():
-                print(f"  {us:9.1f}  {name}")
+        for key, what in (("fwd_profile", "forward"), ("fb_profile", "forward+backward")):
+            for backend, kernels in r.get(key, {}).items():
+                print(f"\n{r['config']} {r['tokens']} {backend} {what}, GPU µs per call "
+                      f"(sum {sum(kernels.values()):.1f}):")
+                for name, us in kernels.items():
+                    print(f"  {us:9.1f}  {name}")
     rows = [r for r in results if "kernels" in r]
     if rows:
         names = list(rows[0]["kernels"])
