@@ -196,8 +196,12 @@ def breakdown(cfg, x, w_up, w_down, index):
 
 
 def profile_block(backend, cfg, x, w_up, w_down, weights, index, grad=None, calls: int = 10):
-    """{kernel name: GPU µs per call} of one backend's block (torch.profiler over ``calls`` calls):
-    the no-grad forward, or with ``grad`` forward+backward."""
+    """One backend's block under torch.profiler over ``calls`` calls (the no-grad forward, or with
+    ``grad`` forward+backward): ``{"kernels": [[name, GPU µs per call], …] in launch order,
+    "wall_us": µs per call between CUDA events around the calls}``. The order tells apart kernels
+    that share a name (torch's grouped GEMMs are all one CUTLASS template); wall minus the sum is
+    time the GPU had no kernel of the block running."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     leaves = [t.detach().requires_grad_(grad is not None) for t in (x, w_up, w_down, weights)]
@@ -213,16 +217,27 @@ def profile_block(backend, cfg, x, w_up, w_down, weights, index, grad=None, call
     for _ in range(3):
         call()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(calls):
             call()
+        end.record()
         torch.cuda.synchronize()
-    per_kernel = {}
-    for evt in prof.key_averages():
-        us = evt.device_time_total
-        if us > 0:
-            per_kernel[evt.key[:60]] = us / calls
-    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_call = len(kernels) // calls
+    seq = []
+    if per_call * calls == len(kernels):  # the same kernels every call: medians per launch position
+        for i in range(per_call):
+            us = [kernels[c * per_call + i].time_range.elapsed_us() for c in range(calls)]
+            seq.append([kernels[i].name[:50], statistics.median(us)])
+    else:  # not one sequence per call: totals per name
+        totals = {}
+        for e in kernels:
+            totals[e.name[:50]] = totals.get(e.name[:50], 0.0) + e.time_range.elapsed_us() / calls
+        seq = sorted(([k, v] for k, v in totals.items()), key=lambda kv: -kv[1])
+    return {"kernels": seq, "wall_us": start.elapsed_time(end) * 1e3 / calls}
 
 
 def main():
@@ -433,10 +448,11 @@ def print_table(results):
         print("| " + " | ".join(str(c) for c in cells) + " |")
     for r in results:
         for key, what in (("fwd_profile", "forward"), ("fb_profile", "forward+backward")):
-            for backend, kernels in r.get(key, {}).items():
-                print(f"\n{r['config']} {r['tokens']} {backend} {what}, GPU µs per call "
-                      f"(sum {sum(kernels.values()):.1f}):")
-                for name, us in kernels.items():
+            for backend, prof in r.get(key, {}).items():
+                busy = sum(us for _, us in prof["kernels"])
+                print(f"\n{r['config']} {r['tokens']} {backend} {what}, GPU µs per call in launch order "
+                      f"(sum {busy:.1f}, wall {prof['wall_us']:.1f}, idle {prof['wall_us'] - busy:.1f}):")
+                for name, us in prof["kernels"]:
                     print(f"  {us:9.1f}  {name}")
     rows = [r for r in results if "kernels" in r]
     if rows:
