@@ -21,6 +21,9 @@ takes the backward as f+b minus it: the backward pass itself, where f+b − fwd 
 storing h costs the training forward over the inference one. (Timing ``backward`` alone between CUDA
 events after a synchronize measured the host's launches on the small rows instead: run 192.) "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
+``--paired N`` times instead call by call: N iterations, each running the five timed calls once in a
+rotated order (medians per call; the rounds are then not run), so that every number of a row saw the
+same clock.
 ``--breakdown`` adds a table of the Triton path's kernels timed one by one (forward GEMMs, the
 four backward kernels). ``--profile-fwd`` adds, per backend, the GPU µs per forward call of each
 kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compared kernel by kernel;
@@ -174,6 +177,45 @@ def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad, train_forw
     return (t_f, t_fb, bench_ms(fwd_train)) if train_forward else (t_f, t_fb)
 
 
+def paired_times(cfg, x, w_up, w_down, weights, index, grad, calls: int, warmup: int = 3) -> dict:
+    """``--paired N``: N iterations, each running every timed call once (torch forward and forward+backward,
+    the Triton forward, training forward and forward+backward) in an order rotated per iteration, each
+    between CUDA events after a 256 MB L2 flush, as ``do_bench`` times one call; {name: [ms per call]}.
+    The five see the same clock: under the H100's 700 W cap the SM clock moves between phases of one
+    process (run 194), which separate ``do_bench`` blocks (one per backend and kind) each catch apart."""
+    leaves = {b: [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)] for b in ("torch", "triton")}
+
+    def fwd(b):
+        with torch.no_grad():
+            block(b, x, w_up, w_down, weights, index, cfg.activation)
+
+    def train(b):
+        block(b, *leaves[b], index, cfg.activation)  # the graph is dropped on return
+
+    def fwd_bwd(b):
+        block(b, *leaves[b], index, cfg.activation).backward(grad)
+
+    runs = {"torch_fwd": lambda: fwd("torch"), "torch_fb": lambda: fwd_bwd("torch"),
+            "triton_fwd": lambda: fwd("triton"), "triton_train_fwd": lambda: train("triton"),
+            "triton_fb": lambda: fwd_bwd("triton")}
+    names = list(runs)
+    cache = torch.empty(64 * 2**20, dtype=torch.int32, device=x.device)
+    events = {n: [] for n in names}
+    for i in range(warmup + calls):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            cache.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runs[n]()
+            end.record()
+            if i >= warmup:
+                events[n].append((start, end))
+            for leaf in leaves["torch"] + leaves["triton"]:
+                leaf.grad = None  # (host only: the gradients' memory returns once the stream is past them)
+    torch.cuda.synchronize()
+    return {n: [s.elapsed_time(e) for s, e in ev] for n, ev in events.items()}
+
+
 def breakdown(cfg, x, w_up, w_down, index):
     """{kernel: (ms, TFLOP/s)} of the Triton path's GEMM kernels, timed one by one."""
     row_of_assignment, assignment_of_row, ends, rows = index
@@ -260,6 +302,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables or --envs A/B")
     p.add_argument("--bench-rounds", type=int, default=1,
                    help="interleaved torch/Triton rounds per row (medians over them; the order alternates)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="time instead with N interleaved iterations of every call, one call at a time (medians)")
     args = p.parse_args()
     if args.tables or args.envs:
         return ab_sets(args)
@@ -283,7 +327,14 @@ def main():
                 row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
             flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
             samples = {"torch": [], "triton": [], "triton_train_fwd": []}
-            for r in range(args.bench_rounds):  # interleaved, the order alternating per round
+            if args.paired and not args.no_backward:
+                calls = paired_times(cfg, x, w_up, w_down, weights, index, grad, args.paired)
+                row["paired_calls"] = calls
+                samples = {"torch": [(statistics.median(calls["torch_fwd"]), statistics.median(calls["torch_fb"]))],
+                           "triton": [(statistics.median(calls["triton_fwd"]),
+                                       statistics.median(calls["triton_fb"]))],
+                           "triton_train_fwd": [statistics.median(calls["triton_train_fwd"])]}
+            for r in range(0 if args.paired and not args.no_backward else args.bench_rounds):  # interleaved, the order alternating per round
                 for backend in ("torch", "triton") if r % 2 == 0 else ("triton", "torch"):
                     if args.no_backward:
                         def fwd(b=backend):
@@ -422,6 +473,12 @@ def ab_sets(args) -> None:
                                                                                  if same else ""))
 
 
+def spread(values) -> str:
+    """``median [p10, p90]`` of a list of ratios."""
+    q = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else [values[0]] * 9
+    return f"{statistics.median(values):.3f} [{q[0]:.3f}, {q[-1]:.3f}]"
+
+
 def print_table(results):
     print("\n| config | tokens | torch fwd ms | triton fwd ms | fwd speedup | torch TFLOP/s | triton TFLOP/s | "
           "torch f+b ms | triton f+b ms | f+b speedup | triton bwd TFLOP/s | bwd/fwd | triton train fwd ms | "
@@ -446,6 +503,20 @@ def print_table(results):
             cells += ["-"] * 10
         cells.append(f"{r['first_s']:.1f}")
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    paired = [r for r in results if "paired_calls" in r]
+    if paired:
+        print("\nTimed call by call (--paired): the table's ms are medians of the calls; here the ratios of each "
+              "iteration's own calls, median [p10, p90] over the iterations:\n")
+        print("| config | tokens | calls | fwd speedup | f+b speedup | bwd/fwd (f+b − train fwd) |")
+        print("|---|---|---|---|---|---|")
+        for r in paired:
+            c = r["paired_calls"]
+            its = range(len(c["triton_fb"]))
+            cols = [[c["torch_fwd"][i] / c["triton_fwd"][i] for i in its],
+                    [c["torch_fb"][i] / c["triton_fb"][i] for i in its],
+                    [2 * c["triton_fwd"][i] / (c["triton_fb"][i] - c["triton_train_fwd"][i]) for i in its]]
+            print(f"| {r['config']} | {r['tokens']} | {len(its)} | "
+                  + " | ".join(spread(v) for v in cols) + " |")
     for r in results:
         for key, what in (("fwd_profile", "forward"), ("fb_profile", "forward+backward")):
             for backend, prof in r.get(key, {}).items():

@@ -172,3 +172,48 @@ def test_bench_env_settings_may_hold_configs(monkeypatch):
     bench_expert_kernels.use_envs("INTERLACE_WGRAD=128,256,64,8,3,16,0,0,1,2,INTERLACE_CHAIN=1,INTERLACE_GEMM1=")
     assert os.environ["INTERLACE_WGRAD"] == "128,256,64,8,3,16,0,0,1,2"
     assert os.environ["INTERLACE_CHAIN"] == "1" and "INTERLACE_GEMM1" not in os.environ
+
+
+def test_bench_paired_timing_runs_every_call_each_iteration(monkeypatch):
+    """``bench_expert_kernels.py --paired N``: each of the five timed calls runs once per iteration, in an
+    order rotated per iteration, and returns N times each; the gradients are dropped after every call
+    (both backends' would otherwise be held at once). Events stand in for CUDA's on the CPU."""
+    import os
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    sys.modules.pop("bench_expert_kernels", None)
+    import bench_expert_kernels as bench
+    from interlace.config import PRESETS
+
+    clock = iter(range(10**6))
+
+    class Event:
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            self.t = next(clock)
+
+        def elapsed_time(self, other):
+            return float(other.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    order, held = [], []
+
+    def fake_block(backend, x, w_up, w_down, weights, index, activation):
+        order.append((backend, torch.is_grad_enabled() and w_up.requires_grad))
+        held.append(sum(t.grad is not None for t in (x, w_up, w_down, weights)))
+        return (x.float() @ torch.ones(x.shape[1], 1) * weights.sum()).expand(x.shape).to(x.dtype) + 0 * w_up.sum()
+
+    monkeypatch.setattr(bench, "block", fake_block)
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    calls = bench.paired_times(PRESETS["flashdmoe-cfg"], x, torch.randn(2, 8, 8), torch.randn(2, 8, 4),
+                               torch.rand(4, 2), None, grad, calls=7, warmup=2)
+    assert {k: len(v) for k, v in calls.items()} == dict.fromkeys(
+        ["torch_fwd", "torch_fb", "triton_fwd", "triton_train_fwd", "triton_fb"], 7)
+    assert all(t == 1.0 for v in calls.values() for t in v)  # start and end events bracket one call each
+    assert len(order) == 9 * 5 and order[0] == ("torch", False) and order[5] == ("torch", True)  # rotated
+    assert max(held) == 0  # no gradient outlives its call
+    assert bench.spread([1.0, 2.0, 3.0]).startswith("2.000 [")
