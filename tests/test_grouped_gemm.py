@@ -203,8 +203,7 @@ def test_joint_gate_up_matches_reference(a_tma, monkeypatch):
         check_forward_backward("gelu", "plain", [3, 0, 17, 1], N=32, K=24)
 
 
-@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1), ("plain", 2), ("k-way", 2),
-                                             ("k-way", "2,0,0,0,1")])
+@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1), ("plain", 2), ("k-way", 2)])
 def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied
     contiguous first): tiles of 16 rows over ragged experts, so a tile's A block runs into the
@@ -212,8 +211,7 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     The weight gradients read whole 16-row blocks of an expert's rows through descriptors and
     its last partial block (17, 33 rows) through masked loads; ``persistent``: four programs loop
     over the weight-gradient blocks and store them through a descriptor (2: in one flat loop over
-    the blocks' row blocks, the rows past an expert's end zeroed, one step for an empty expert;
-    with ``defer_store`` each block stored under the next one's first step)."""
+    the blocks' row blocks, the rows past an expert's end zeroed, one step for an empty expert)."""
     monkeypatch.setenv("INTERLACE_TMA", "1")
     for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
         monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1")
@@ -222,17 +220,15 @@ def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
     check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)
 
 
-@pytest.mark.parametrize("num_seg,defer", [(0, 0), (2, 0), (0, 1), (2, 1)])
-def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg, defer, monkeypatch):
+@pytest.mark.parametrize("num_seg", [0, 2])
+def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg, monkeypatch):
     """The flat weight-gradient loop (``persistent = 2``) reads whole 16-row steps through its
     window maps; the rows of a step past its run's end must read as zeros in a and b. Here every
     row that is not a run's (the gaps between runs, and the row after the last) holds NaN, and
     each run is a few rows short of a step or ends exactly on one, the first one at row 0; an
     expert with no rows at all gets an all-zero block. Runs per source (``num_seg = 2``, the fused
     training path) leave gaps; with ``ends`` (0) the runs are back to back, so the rows past a
-    run are the next expert's. ``defer``: each block is stored one step late, under the next
-    block's first step (the blocks of 5 or 0 rows take one step, so a store and the block after
-    it meet in one step), and the last block in an extra step; every block lands once."""
+    run are the next expert's."""
     import interlace.ops.grouped_gemm as gg
     from interlace.ops.tuning import GemmConfig
 
@@ -261,7 +257,7 @@ def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg, defer, monkeypatc
         segments, ends = None, torch.tensor(counts[0], dtype=torch.int32).cumsum(0).to(torch.int32)
     out = torch.full((E, P, Q), float("nan"))
     gg._ensure_allocator()
-    gg._launch_wgrad(a, b, None, 1, out, ends, P, Q, GemmConfig(16, 16, 16, 4, 1, 2, 0, 0, 1, 2, defer_store=defer),
+    gg._launch_wgrad(a, b, None, 1, out, ends, P, Q, GemmConfig(16, 16, 16, 4, 1, 2, 0, 0, 1, 2),
                      segments=segments, tma=True)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < 1e-5
@@ -469,9 +465,8 @@ for path in sorted(PACKAGED_DIR.glob("expert_wgrad-NVIDIA_H*.json")):
             configs.add((c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages))
 found = []
 for bm, bn, bk, gm, warps, stages in sorted(configs):
-    for num_seg, defer in ((0, False), (2, False), (0, True)):  # (defer_store: every config could take it)
-        constexprs = dict(BLOCK_P=bm, BLOCK_Q=bn, BLOCK_R=bk, GROUP_P=gm, NUM_SEG=num_seg, BLOCK_I=256,
-                          DEFER_STORE=defer)
+    for num_seg in (0, 2):
+        constexprs = dict(BLOCK_P=bm, BLOCK_Q=bn, BLOCK_R=bk, GROUP_P=gm, NUM_SEG=num_seg, BLOCK_I=256)
         k = compile_sm90(gg._wgrad_flat_kernel, constexprs, warps, stages)
         ptx = k.asm["ptx"]
         found.append([constexprs, k.metadata.shared, ptx.count("fence.proxy.tensormap"),
@@ -484,8 +479,7 @@ def test_flat_weight_gradient_makes_its_maps_once():
     """The packaged H200 weight-gradient configs' flat kernel, compiled for sm90: it fits in
     shared memory, reads its rows through the 3-D window maps (TMA loads of 3-D boxes), and makes
     exactly its three tensor maps (a's window, b's, the output's), one proxy fence each, all before
-    the loop: a map made per run inside it cost 5-10% at 4096 tokens (run 138). With ``defer_store``
-    too: its one store site keeps to one staging buffer (two sites took 272 KB at 128 × 256)."""
+    the loop: a map made per run inside it cost 5-10% at 4096 tokens (run 138)."""
     found = _run_sm90(_SM90_WGRAD_FLAT)
     assert found, "no flat weight-gradient config in the packaged tables"
     for constexprs, shared, fences, loads_3d, wgmma in found:

@@ -73,8 +73,7 @@ from interlace.ops.tuning import generation as tuning_generation
 
 
 def _config_from_env(name: str) -> GemmConfig | None:
-    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,chain,
-    defer_store]``
+    """``INTERLACE_GEMM0=bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,chain]``
     (any prefix of the :class:`GemmConfig` fields, in order) forces a config."""
     value = os.environ.get(name)
     return GemmConfig(*(int(v) for v in value.split(","))) if value else None
@@ -767,7 +766,7 @@ def _wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, DEFER_STORE: tl.constexpr = False,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
 ):
     """:func:`_wgrad_persistent_kernel` as one flat loop over (output block, run of rows, row
     block) steps, so the software pipeline runs across output blocks: the next block's first
@@ -793,14 +792,7 @@ def _wgrad_flat_kernel(
     may leave unwritten rows between them that hold NaN (0 · NaN is NaN); no step reads them. An
     empty run still takes one step (all zeros), so every block is stored once. The output's map
     is made in the kernel too, not on the host: a host descriptor costs ~10 µs of host time per
-    launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1.
-
-    DEFER_STORE: a finished block is converted to the output type at its last step, and its store
-    (the shared-memory write and the TMA store) waits until the next step's MMA has been issued,
-    so that it runs while the tensor cores work on the next block instead of between the two
-    blocks. A short reduction (4 row blocks per output block at 256 rows per expert) otherwise
-    leaves the tensor cores idle through every block's store. The converted block is carried in
-    registers to that step (BLOCK_P·BLOCK_Q / threads values more)."""
+    launch to build and encode (run 105). R and Rb are a's and b's row counts, at least 1."""
     RUNS: tl.constexpr = 1 if NUM_SEG == 0 else NUM_SEG
     pid = tl.program_id(0)
     per_expert = tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q)
@@ -832,18 +824,9 @@ def _wgrad_flat_kernel(
     b_win = _window_map(b_ptr, Rb, Q, BLOCK_R, BLOCK_Q)
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    held = tl.zeros((BLOCK_P, BLOCK_Q), dtype=out_ptr.dtype.element_ty)  # DEFER_STORE: a block not yet stored
-    held_row = 0
-    held_col = 0
-    holding = 0
-    # DEFER_STORE: one step more, which only stores the last block (its MMA, on the last step's
-    # rows again, goes unused): one store site in the loop, so one staging buffer.
-    for step in range(0, total + (1 if DEFER_STORE else 0)):
+    for _ in range(0, total):
         ki += 1
-        advance = ki == n_k
-        if DEFER_STORE:
-            advance = advance & (step < total)  # (the extra step stays on the last block)
-        if advance:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
+        if ki == n_k:  # the next run, or the next output block (the persistent matmul tutorial's flat loop)
             sg += 1
             next_block = sg == RUNS
             item = tl.where(next_block, item + num_programs, item)
@@ -858,19 +841,8 @@ def _wgrad_flat_kernel(
         a = tl.reshape(a_win.load([r0, i0, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
         b = tl.reshape(b_win.load([r0, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
         acc = tl.dot(a.T, b, acc)
-        if DEFER_STORE:
-            if holding != 0:  # the previous block, under this step's MMA
-                out_desc.store([held_row, held_col], held)
-                holding = 0
         if (ki == n_k - 1) & (sg == RUNS - 1):
-            if DEFER_STORE:
-                held = acc.to(out_ptr.dtype.element_ty)
-                held_row = (e * P + pb * BLOCK_P).to(tl.int32)
-                held_col = qb * BLOCK_Q
-                holding = 1
-            else:
-                out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q],
-                               acc.to(out_ptr.dtype.element_ty))
+            out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
             acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
 
 
@@ -1181,7 +1153,7 @@ def _launch_wgrad(a, b, gather, divisor, out, ends, P, Q, config, segments: torc
         launch(_wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=0 if segments is None else segments.shape[1], DEFER_STORE=bool(config.defer_store),
+            NUM_SEG=0 if segments is None else segments.shape[1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out

@@ -61,9 +61,6 @@ class GemmConfig:
     # program goes on to GEMM1 tiles once its GEMM0 tiles are done, each waiting for GEMM0's
     # activations of its rows, so GEMM1 fills GEMM0's last wave. GEMM1 runs the nested loop then.
     chain: int = 0
-    # Weight gradients with persistent = 2 only: 1 = each finished block's store waits until the
-    # next block's first MMA is issued (grouped_gemm._wgrad_flat_kernel's DEFER_STORE).
-    defer_store: int = 0
 
 
 @dataclass(frozen=True)
