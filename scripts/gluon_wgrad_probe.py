@@ -1,0 +1,204 @@
+"""Probe (issue 3): does a weight-gradient kernel whose block stores run under the next block's MMAs
+beat interlace's flat Triton kernel on short reductions (256-512 rows per expert)?
+
+The Triton kernel (``_wgrad_flat_kernel``) waits for every MMA of a block, then converts and stores
+it, and only then issues the next block's first MMA: at 4 row steps per block the tensor cores idle
+through every store. Triton's ``tl`` leaves that order to the compiler (run 199: a deferred store
+still waited for every MMA), and ``tl`` warp specialization is Blackwell-only. Gluon states the
+waits explicitly, so this kernel issues block b+1's first MMA (asynchronous), then writes block b
+into shared memory and starts its TMA store, and only then waits for the MMA.
+
+Scope: a probe, not a kernel of the package. Experts have equal row counts that are multiples of
+BLOCK_R (the bench's balanced rows), P and Q multiples of the block. It checks its output against
+``_launch_wgrad`` (bf16, the same fp32 accumulation order per block up to MMA tiling) and times both,
+with ``DEFER`` off (the store inline, as the Triton kernel orders it) and on.
+
+    python scripts/gluon_wgrad_probe.py [--configs dsv3-like qwen3-30b-a3b flashdmoe-cfg] [--tokens 4096]
+"""
+
+import argparse
+import statistics
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr,
+            BLOCK_Q: gl.constexpr, GROUP_P: gl.constexpr):
+    """Step → (k, row of a/b, column of a, column of b, output row): block-major, row blocks inside."""
+    blk = step // n_k
+    k = step % n_k
+    item = pid + blk * num_programs
+    per_e = n_p * n_q
+    e = item // per_e
+    r = item % per_e
+    per_group = GROUP_P * n_q
+    first_p = (r // per_group) * GROUP_P
+    group = gl.minimum(n_p - first_p, GROUP_P)
+    pb = first_p + (r % per_group) % group
+    qb = (r % per_group) // group
+    return k, e * RE + k * BLOCK_R, pb * BLOCK_P, qb * BLOCK_Q, e * P + pb * BLOCK_P
+
+
+@gluon.jit
+def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
+                 STAGES: gl.constexpr, GROUP_P: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+    """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE."""
+    BLOCK_R: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_P: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_Q: gl.constexpr = b_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_Q, 16])
+    pid = gl.program_id(0)
+    n_p = P // BLOCK_P
+    n_q = Q // BLOCK_Q
+    n_items = E * n_p * n_q
+    n_k = RE // BLOCK_R
+    total = gl.cdiv(n_items - pid, num_programs) * n_k
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_P], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_Q], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+
+    for s in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 steps' loads
+        _, row, pa, qa, _ = _coords(s, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P, BLOCK_Q, GROUP_P)
+        ok = s < total
+        mbarrier.expect(bars.index(s), nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [row, pa], bars.index(s), a_bufs.index(s), ok)
+        tma.async_copy_global_to_shared(b_desc, [row, qa], bars.index(s), b_bufs.index(s), ok)
+
+    acc = gl.zeros((BLOCK_P, BLOCK_Q), dtype=gl.float32, layout=acc_layout)
+    held = gl.zeros((BLOCK_P, BLOCK_Q), dtype=dtype, layout=acc_layout)
+    held_row = 0
+    held_col = 0
+    holding = False
+    for step in range(total):
+        slot = step % STAGES
+        k, _, _, qb_col, out_row = _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P,
+                                           BLOCK_Q, GROUP_P)
+        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k != 0,
+                            is_async=True)
+        if DEFER:
+            if holding:  # the previous block, while this step's MMA runs
+                tma.store_wait(pendings=0)
+                c_smem.store(held)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [held_row, held_col], c_smem)
+                holding = False
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step-1's MMA done: its slot is free
+        nxt = step + STAGES - 1
+        _, row, pa, qa, _ = _coords(nxt, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P, BLOCK_Q,
+                                    GROUP_P)
+        ok = nxt < total
+        nslot = nxt % STAGES
+        mbarrier.expect(bars.index(nslot), nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [row, pa], bars.index(nslot), a_bufs.index(nslot), ok)
+        tma.async_copy_global_to_shared(b_desc, [row, qa], bars.index(nslot), b_bufs.index(nslot), ok)
+        if k == n_k - 1:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if DEFER:
+                held = acc.to(dtype)
+                held_row = out_row
+                held_col = qb_col
+                holding = True
+            else:
+                tma.store_wait(pendings=0)
+                c_smem.store(acc.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [out_row, qb_col], c_smem)
+    if DEFER:
+        if holding:
+            tma.store_wait(pendings=0)
+            c_smem.store(held)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [held_row, held_col], c_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+def gluon_wgrad(a, b, out, E, RE, block=(128, 256, 64), stages=3, group=8, defer=True, num_programs=None):
+    """out (E, P, Q) = per-expert aᵀ b over equal runs of RE rows (a (E·RE, P), b (E·RE, Q), bf16)."""
+    BP, BQ, BR = block
+    P, Q = a.shape[1], b.shape[1]
+    assert RE % BR == 0 and P % BP == 0 and Q % BQ == 0 and a.shape[0] == E * RE
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(a, [BR, BP], lay([BR, BP]))
+    b_desc = TensorDescriptor.from_tensor(b, [BR, BQ], lay([BR, BQ]))
+    c_desc = TensorDescriptor.from_tensor(out.view(E * P, Q), [BP, BQ], lay([BP, BQ]))
+    items = E * (P // BP) * (Q // BQ)
+    if num_programs is None:
+        num_programs = min(items, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    wgrad_kernel[(num_programs, )](a_desc, b_desc, c_desc, E, P, Q, RE, num_programs, STAGES=stages, GROUP_P=group,
+                                   DEFER=defer, num_warps=8)
+    return out
+
+
+def main():
+    from interlace.bench.harness import bench_config
+    from interlace.ops import grouped_gemm as gg
+    from interlace.ops.tuning import GemmConfig
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", nargs="+", default=["dsv3-like", "qwen3-30b-a3b", "flashdmoe-cfg", "qwen2-moe"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    print("| config | tokens | kernel | rows/expert | Triton table ms | Gluon inline ms | Gluon deferred ms | "
+          "TFLOP/s Triton / inline / deferred | max rel. diff inline, deferred |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.configs:
+        cfg = bench_config(name, small=False)
+        E = cfg.num_experts // args.world
+        for T in args.tokens:
+            RE = T * cfg.top_k // E
+            for kernel, (P, Q) in (("dw_down", (cfg.hidden, cfg.ffn)), ("dw_up", (2 * cfg.ffn, cfg.hidden))):
+                a = torch.randn(E * RE, P, device=dev).to(torch.bfloat16)
+                b = torch.randn(E * RE, Q, device=dev).to(torch.bfloat16)
+                ends = (torch.arange(1, E + 1, device=dev) * RE).to(torch.int32)
+                config = GemmConfig(128, 256, 64, 8, 3, 8, 0, 0, 1, 2)  # the H100 table's on these rows
+                runs = {
+                    "triton": lambda o: gg._launch_wgrad(a, b, None, 1, o, ends, P, Q, config, tma=True),
+                    "inline": lambda o: gluon_wgrad(a, b, o, E, RE, defer=False),
+                    "deferred": lambda o: gluon_wgrad(a, b, o, E, RE, defer=True),
+                }
+                outs = {}
+                for label, fn in runs.items():
+                    o = torch.full((E, P, Q), float("nan"), device=dev, dtype=torch.bfloat16)
+                    fn(o)
+                    outs[label] = o
+                torch.cuda.synchronize()
+                ref = outs["triton"].float()
+                diff = [((outs[l].float() - ref).abs().max() / ref.abs().max()).item() for l in ("inline", "deferred")]
+                ms = {label: [] for label in runs}
+                buf = torch.empty(E, P, Q, device=dev, dtype=torch.bfloat16)
+                for _ in range(args.rounds):
+                    for label, fn in runs.items():
+                        ms[label].append(triton.testing.do_bench(lambda: fn(buf), warmup=25, rep=100,
+                                                                 return_mode="median"))
+                med = {label: statistics.median(v) for label, v in ms.items()}
+                flops = 2 * E * RE * P * Q
+                print(f"| {name} | {T} | {kernel} | {RE} | {med['triton']:.3f} | {med['inline']:.3f} | "
+                      f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in runs)
+                      + f" | {diff[0]:.1e}, {diff[1]:.1e} |", flush=True)
+                del a, b, outs, buf
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
