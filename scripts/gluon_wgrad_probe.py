@@ -48,8 +48,11 @@ def _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R: gl.constexpr
 
 @gluon.jit
 def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
-                 STAGES: gl.constexpr, GROUP_P: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
-    """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE."""
+                 STAGES: gl.constexpr, GROUP_P: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr,
+                 STORE: gl.constexpr = True, MMA: gl.constexpr = True):
+    """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE.
+    For the time split only: ``STORE = False`` skips the blocks' TMA stores, ``MMA = False`` the MMAs
+    (the loads and stores alone; the output is then zeros)."""
     BLOCK_R: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_P: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_Q: gl.constexpr = b_desc.block_type.shape[1]
@@ -88,8 +91,9 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         k, _, _, qb_col, out_row = _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P,
                                            BLOCK_Q, GROUP_P)
         mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k != 0,
-                            is_async=True)
+        if MMA:
+            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k != 0,
+                                is_async=True)
         if DEFER:
             if holding:  # the previous block, while this step's MMA runs
                 tma.store_wait(pendings=0)
@@ -113,7 +117,7 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                 held_row = out_row
                 held_col = qb_col
                 holding = True
-            else:
+            elif STORE:
                 tma.store_wait(pendings=0)
                 c_smem.store(acc.to(dtype))
                 fence_async_shared()
@@ -129,11 +133,18 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         mbarrier.invalidate(bars.index(i))
 
 
-def gluon_wgrad(a, b, out, E, RE, block=(128, 256, 64), stages=3, group=8, defer=True, num_programs=None):
+def fits(R, P, Q, E, RE, block=(128, 256, 64)) -> bool:
+    """The probe's scope: equal runs of RE rows, whole row blocks, whole output blocks."""
+    BP, BQ, BR = block
+    return RE % BR == 0 and P % BP == 0 and Q % BQ == 0 and R == E * RE
+
+
+def gluon_wgrad(a, b, out, E, RE, block=(128, 256, 64), stages=3, group=8, defer=True, num_programs=None,
+                store=True, mma=True):
     """out (E, P, Q) = per-expert aᵀ b over equal runs of RE rows (a (E·RE, P), b (E·RE, Q), bf16)."""
     BP, BQ, BR = block
     P, Q = a.shape[1], b.shape[1]
-    assert RE % BR == 0 and P % BP == 0 and Q % BQ == 0 and a.shape[0] == E * RE
+    assert fits(a.shape[0], a.shape[1], b.shape[1], E, RE, block)
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
     a_desc = TensorDescriptor.from_tensor(a, [BR, BP], lay([BR, BP]))
     b_desc = TensorDescriptor.from_tensor(b, [BR, BQ], lay([BR, BQ]))
@@ -142,7 +153,7 @@ def gluon_wgrad(a, b, out, E, RE, block=(128, 256, 64), stages=3, group=8, defer
     if num_programs is None:
         num_programs = min(items, torch.cuda.get_device_properties(a.device).multi_processor_count)
     wgrad_kernel[(num_programs, )](a_desc, b_desc, c_desc, E, P, Q, RE, num_programs, STAGES=stages, GROUP_P=group,
-                                   DEFER=defer, num_warps=8)
+                                   DEFER=defer, num_warps=8, STORE=store, MMA=mma)
     return out
 
 
@@ -160,14 +171,18 @@ def main():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     print("| config | tokens | kernel | rows/expert | Triton table ms | Gluon inline ms | Gluon deferred ms | "
-          "TFLOP/s Triton / inline / deferred | max rel. diff inline, deferred |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "TFLOP/s Triton / inline / deferred | max rel. diff inline, deferred | inline without stores ms | "
+          "inline without MMAs ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.configs:
         cfg = bench_config(name, small=False)
         E = cfg.num_experts // args.world
         for T in args.tokens:
             RE = T * cfg.top_k // E
             for kernel, (P, Q) in (("dw_down", (cfg.hidden, cfg.ffn)), ("dw_up", (2 * cfg.ffn, cfg.hidden))):
+                if not fits(E * RE, P, Q, E, RE):
+                    print(f"| {name} | {T} | {kernel} | {RE} | (outside the probe's scope: P={P}, Q={Q}) |")
+                    continue
                 a = torch.randn(E * RE, P, device=dev).to(torch.bfloat16)
                 b = torch.randn(E * RE, Q, device=dev).to(torch.bfloat16)
                 ends = (torch.arange(1, E + 1, device=dev) * RE).to(torch.int32)
@@ -176,9 +191,13 @@ def main():
                     "triton": lambda o: gg._launch_wgrad(a, b, None, 1, o, ends, P, Q, config, tma=True),
                     "inline": lambda o: gluon_wgrad(a, b, o, E, RE, defer=False),
                     "deferred": lambda o: gluon_wgrad(a, b, o, E, RE, defer=True),
+                    "no_store": lambda o: gluon_wgrad(a, b, o, E, RE, defer=False, store=False),
+                    "no_mma": lambda o: gluon_wgrad(a, b, o, E, RE, defer=False, mma=False),
                 }
+                checked = ("triton", "inline", "deferred")
                 outs = {}
-                for label, fn in runs.items():
+                for label in checked:
+                    fn = runs[label]
                     o = torch.full((E, P, Q), float("nan"), device=dev, dtype=torch.bfloat16)
                     fn(o)
                     outs[label] = o
@@ -194,8 +213,8 @@ def main():
                 med = {label: statistics.median(v) for label, v in ms.items()}
                 flops = 2 * E * RE * P * Q
                 print(f"| {name} | {T} | {kernel} | {RE} | {med['triton']:.3f} | {med['inline']:.3f} | "
-                      f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in runs)
-                      + f" | {diff[0]:.1e}, {diff[1]:.1e} |", flush=True)
+                      f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in checked)
+                      + f" | {diff[0]:.1e}, {diff[1]:.1e} | {med['no_store']:.3f} | {med['no_mma']:.3f} |", flush=True)
                 del a, b, outs, buf
                 torch.cuda.empty_cache()
 
