@@ -133,6 +133,123 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
+                          STAGES: gl.constexpr, N_K: gl.constexpr, num_warps: gl.constexpr):
+    """:func:`wgrad_kernel` with expert e's b rows for one column block held in shared memory
+    (N_K = RE / BLOCK_R blocks of BLOCK_R × BLOCK_Q: 128 KB at 256 rows × 256 columns) while the
+    program runs every P block of that column strip, streaming only a. The flat kernel reads both
+    operands again for every output block: at 256 rows per expert its loads and stores alone take
+    84–89% of its time (run 202). Here b is read once per strip, so a block costs its a tile only."""
+    BLOCK_R: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_P: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_Q: gl.constexpr = b_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BLOCK_Q, 16])
+    pid = gl.program_id(0)
+    n_p = P // BLOCK_P
+    n_q = Q // BLOCK_Q
+    n_strips = E * n_q
+    my_strips = gl.cdiv(n_strips - pid, num_programs)
+    total = my_strips * n_p * N_K
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_P], a_desc.layout)
+    b_res = gl.allocate_shared_memory(dtype, [N_K, BLOCK_R, BLOCK_Q], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_P, BLOCK_Q], c_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    mbarrier.init(b_bar.index(0), count=1)
+
+    # producer (a loads) position: strip index i, P block, row block
+    l_i = 0
+    l_pb = 0
+    l_k = 0
+    for s in gl.static_range(STAGES - 1):
+        strip = pid + l_i * num_programs
+        ok = s < total
+        mbarrier.expect(bars.index(s), a_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [(strip // n_q) * RE + l_k * BLOCK_R, l_pb * BLOCK_P],
+                                        bars.index(s), a_bufs.index(s), ok)
+        l_k += 1
+        if l_k == N_K:
+            l_k = 0
+            l_pb += 1
+            if l_pb == n_p:
+                l_pb = 0
+                l_i += 1
+
+    acc = gl.zeros((BLOCK_P, BLOCK_Q), dtype=gl.float32, layout=acc_layout)
+    c_i = 0
+    c_pb = 0
+    c_k = 0
+    for step in range(total):
+        strip = pid + c_i * num_programs
+        e = strip // n_q
+        qb = strip % n_q
+        if (c_pb == 0) & (c_k == 0):  # a new strip: its b rows into shared memory (the last strip's MMAs are done)
+            mbarrier.expect(b_bar.index(0), N_K * b_desc.block_type.nbytes)
+            for kk in gl.static_range(N_K):
+                tma.async_copy_global_to_shared(b_desc, [e * RE + kk * BLOCK_R, qb * BLOCK_Q], b_bar.index(0),
+                                                b_res.index(kk))
+            mbarrier.wait(b_bar.index(0), c_i & 1)
+        slot = step % STAGES
+        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_res.index(c_k), acc, use_acc=c_k != 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step-1's MMA done: its slot is free
+        nxt = step + STAGES - 1
+        ok = nxt < total
+        nslot = nxt % STAGES
+        l_strip = pid + l_i * num_programs
+        mbarrier.expect(bars.index(nslot), a_desc.block_type.nbytes, pred=ok)
+        tma.async_copy_global_to_shared(a_desc, [(l_strip // n_q) * RE + l_k * BLOCK_R, l_pb * BLOCK_P],
+                                        bars.index(nslot), a_bufs.index(nslot), ok)
+        l_k += 1
+        if l_k == N_K:
+            l_k = 0
+            l_pb += 1
+            if l_pb == n_p:
+                l_pb = 0
+                l_i += 1
+        if c_k == N_K - 1:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            tma.store_wait(pendings=0)
+            c_smem.store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [e * P + c_pb * BLOCK_P, qb * BLOCK_Q], c_smem)
+        c_k += 1
+        if c_k == N_K:
+            c_k = 0
+            c_pb += 1
+            if c_pb == n_p:
+                c_pb = 0
+                c_i += 1
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(b_bar.index(0))
+
+
+def gluon_wgrad_resident(a, b, out, E, RE, block=(128, 256, 32), stages=4, num_programs=None):
+    """:func:`gluon_wgrad` with b's rows of a column strip resident (RE · BLOCK_Q · 2 bytes of shared memory)."""
+    BP, BQ, BR = block
+    P, Q = a.shape[1], b.shape[1]
+    assert fits(a.shape[0], P, Q, E, RE, block) and RE * BQ * 2 <= 128 * 1024
+    lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(a, [BR, BP], lay([BR, BP]))
+    b_desc = TensorDescriptor.from_tensor(b, [BR, BQ], lay([BR, BQ]))
+    c_desc = TensorDescriptor.from_tensor(out.view(E * P, Q), [BP, BQ], lay([BP, BQ]))
+    strips = E * (Q // BQ)
+    if num_programs is None:
+        num_programs = min(strips, torch.cuda.get_device_properties(a.device).multi_processor_count)
+    wgrad_resident_kernel[(num_programs, )](a_desc, b_desc, c_desc, E, P, Q, RE, num_programs, STAGES=stages,
+                                            N_K=RE // BR, num_warps=8)
+    return out
+
+
 def fits(R, P, Q, E, RE, block=(128, 256, 64)) -> bool:
     """The probe's scope: equal runs of RE rows, whole row blocks, whole output blocks."""
     BP, BQ, BR = block
@@ -172,8 +289,8 @@ def main():
     torch.manual_seed(0)
     print("| config | tokens | kernel | rows/expert | Triton table ms | Gluon inline ms | Gluon deferred ms | "
           "TFLOP/s Triton / inline / deferred | max rel. diff inline, deferred | inline without stores ms | "
-          "inline without MMAs ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "inline without MMAs ms | Gluon b-resident ms (TFLOP/s; max rel. diff) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.configs:
         cfg = bench_config(name, small=False)
         E = cfg.num_experts // args.world
@@ -195,6 +312,9 @@ def main():
                     "no_mma": lambda o: gluon_wgrad(a, b, o, E, RE, defer=False, mma=False),
                 }
                 checked = ("triton", "inline", "deferred")
+                if RE * 256 * 2 <= 128 * 1024:
+                    runs["resident"] = lambda o: gluon_wgrad_resident(a, b, o, E, RE)
+                    checked += ("resident", )
                 outs = {}
                 for label in checked:
                     fn = runs[label]
@@ -203,7 +323,7 @@ def main():
                     outs[label] = o
                 torch.cuda.synchronize()
                 ref = outs["triton"].float()
-                diff = [((outs[l].float() - ref).abs().max() / ref.abs().max()).item() for l in ("inline", "deferred")]
+                diff = {l: ((outs[l].float() - ref).abs().max() / ref.abs().max()).item() for l in checked[1:]}
                 ms = {label: [] for label in runs}
                 buf = torch.empty(E, P, Q, device=dev, dtype=torch.bfloat16)
                 for _ in range(args.rounds):
@@ -213,8 +333,10 @@ def main():
                 med = {label: statistics.median(v) for label, v in ms.items()}
                 flops = 2 * E * RE * P * Q
                 print(f"| {name} | {T} | {kernel} | {RE} | {med['triton']:.3f} | {med['inline']:.3f} | "
-                      f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in checked)
-                      + f" | {diff[0]:.1e}, {diff[1]:.1e} | {med['no_store']:.3f} | {med['no_mma']:.3f} |", flush=True)
+                      f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in checked[:3])
+                      + f" | {diff['inline']:.1e}, {diff['deferred']:.1e} | {med['no_store']:.3f} | {med['no_mma']:.3f} | "
+                      + (f"{med['resident']:.3f} ({flops / med['resident'] / 1e9:.0f}; {diff['resident']:.1e}) |"
+                         if "resident" in med else "- |"), flush=True)
                 del a, b, outs, buf
                 torch.cuda.empty_cache()
 
