@@ -29,30 +29,26 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
-def _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R: gl.constexpr, BLOCK_P: gl.constexpr,
-            BLOCK_Q: gl.constexpr, GROUP_P: gl.constexpr):
-    """Step → (k, row of a/b, column of a, column of b, output row): block-major, row blocks inside."""
-    blk = step // n_k
-    k = step % n_k
-    item = pid + blk * num_programs
+def _item_coords(item, n_p, n_q, GROUP_P: gl.constexpr):
+    """Output block ``item`` → (expert, P block, Q block): expert-major, GROUP_P P blocks per group."""
     per_e = n_p * n_q
     e = item // per_e
     r = item % per_e
     per_group = GROUP_P * n_q
     first_p = (r // per_group) * GROUP_P
     group = gl.minimum(n_p - first_p, GROUP_P)
-    pb = first_p + (r % per_group) % group
-    qb = (r % per_group) // group
-    return k, e * RE + k * BLOCK_R, pb * BLOCK_P, qb * BLOCK_Q, e * P + pb * BLOCK_P
+    return e, first_p + (r % per_group) % group, (r % per_group) // group
 
 
 @gluon.jit
 def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                  STAGES: gl.constexpr, GROUP_P: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr,
                  STORE: gl.constexpr = True, MMA: gl.constexpr = True):
-    """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE.
-    For the time split only: ``STORE = False`` skips the blocks' TMA stores, ``MMA = False`` the MMAs
-    (the loads and stores alone; the output is then zeros)."""
+    """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE. One flat loop
+    over (output block, row block) steps; the loads run STAGES-1 steps ahead; block coordinates are
+    recomputed only when a block starts (for the load side and the MMA side apart).
+    For the time split only: ``STORE = False`` skips the blocks' TMA stores (the MMAs, whose results are
+    then unused, are compiled away too: loads alone), ``MMA = False`` the MMAs (loads and stores of zeros)."""
     BLOCK_R: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_P: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_Q: gl.constexpr = b_desc.block_type.shape[1]
@@ -74,13 +70,26 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         mbarrier.init(bars.index(i), count=1)
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
 
-    for s in gl.static_range(STAGES - 1):  # prologue: the first STAGES-1 steps' loads
-        _, row, pa, qa, _ = _coords(s, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P, BLOCK_Q, GROUP_P)
+    # the load side: block l_item, row block l_k
+    l_item = pid
+    l_k = 0
+    l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
+    for s in gl.static_range(STAGES - 1):
         ok = s < total
+        row = l_e * RE + l_k * BLOCK_R
         mbarrier.expect(bars.index(s), nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [row, pa], bars.index(s), a_bufs.index(s), ok)
-        tma.async_copy_global_to_shared(b_desc, [row, qa], bars.index(s), b_bufs.index(s), ok)
+        tma.async_copy_global_to_shared(a_desc, [row, l_pb * BLOCK_P], bars.index(s), a_bufs.index(s), ok)
+        tma.async_copy_global_to_shared(b_desc, [row, l_qb * BLOCK_Q], bars.index(s), b_bufs.index(s), ok)
+        l_k += 1
+        if l_k == n_k:
+            l_k = 0
+            l_item += num_programs
+            l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
 
+    # the MMA side: block c_item, row block c_k
+    c_item = pid
+    c_k = 0
+    c_e, c_pb, c_qb = _item_coords(c_item, n_p, n_q, GROUP_P)
     acc = gl.zeros((BLOCK_P, BLOCK_Q), dtype=gl.float32, layout=acc_layout)
     held = gl.zeros((BLOCK_P, BLOCK_Q), dtype=dtype, layout=acc_layout)
     held_row = 0
@@ -88,11 +97,9 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
     holding = False
     for step in range(total):
         slot = step % STAGES
-        k, _, _, qb_col, out_row = _coords(step, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P,
-                                           BLOCK_Q, GROUP_P)
         mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
         if MMA:
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=k != 0,
+            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc, use_acc=c_k != 0,
                                 is_async=True)
         if DEFER:
             if holding:  # the previous block, while this step's MMA runs
@@ -102,26 +109,34 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                 tma.async_copy_shared_to_global(c_desc, [held_row, held_col], c_smem)
                 holding = False
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step-1's MMA done: its slot is free
-        nxt = step + STAGES - 1
-        _, row, pa, qa, _ = _coords(nxt, pid, num_programs, n_k, n_p, n_q, RE, P, BLOCK_R, BLOCK_P, BLOCK_Q,
-                                    GROUP_P)
-        ok = nxt < total
-        nslot = nxt % STAGES
+        ok = step + STAGES - 1 < total
+        nslot = (step + STAGES - 1) % STAGES
+        row = l_e * RE + l_k * BLOCK_R
         mbarrier.expect(bars.index(nslot), nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [row, pa], bars.index(nslot), a_bufs.index(nslot), ok)
-        tma.async_copy_global_to_shared(b_desc, [row, qa], bars.index(nslot), b_bufs.index(nslot), ok)
-        if k == n_k - 1:
+        tma.async_copy_global_to_shared(a_desc, [row, l_pb * BLOCK_P], bars.index(nslot), a_bufs.index(nslot), ok)
+        tma.async_copy_global_to_shared(b_desc, [row, l_qb * BLOCK_Q], bars.index(nslot), b_bufs.index(nslot), ok)
+        l_k += 1
+        if l_k == n_k:
+            l_k = 0
+            l_item += num_programs
+            l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
+        if c_k == n_k - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if DEFER:
                 held = acc.to(dtype)
-                held_row = out_row
-                held_col = qb_col
+                held_row = c_e * P + c_pb * BLOCK_P
+                held_col = c_qb * BLOCK_Q
                 holding = True
             elif STORE:
                 tma.store_wait(pendings=0)
                 c_smem.store(acc.to(dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [out_row, qb_col], c_smem)
+                tma.async_copy_shared_to_global(c_desc, [c_e * P + c_pb * BLOCK_P, c_qb * BLOCK_Q], c_smem)
+        c_k += 1
+        if c_k == n_k:
+            c_k = 0
+            c_item += num_programs
+            c_e, c_pb, c_qb = _item_coords(c_item, n_p, n_q, GROUP_P)
     if DEFER:
         if holding:
             tma.store_wait(pendings=0)
@@ -167,11 +182,11 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
     l_i = 0
     l_pb = 0
     l_k = 0
+    l_base = (pid // n_q) * RE
     for s in gl.static_range(STAGES - 1):
-        strip = pid + l_i * num_programs
         ok = s < total
         mbarrier.expect(bars.index(s), a_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [(strip // n_q) * RE + l_k * BLOCK_R, l_pb * BLOCK_P],
+        tma.async_copy_global_to_shared(a_desc, [l_base + l_k * BLOCK_R, l_pb * BLOCK_P],
                                         bars.index(s), a_bufs.index(s), ok)
         l_k += 1
         if l_k == N_K:
@@ -180,15 +195,15 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
             if l_pb == n_p:
                 l_pb = 0
                 l_i += 1
+                l_base = ((pid + l_i * num_programs) // n_q) * RE
 
     acc = gl.zeros((BLOCK_P, BLOCK_Q), dtype=gl.float32, layout=acc_layout)
     c_i = 0
     c_pb = 0
     c_k = 0
+    e = pid // n_q
+    qb = pid % n_q
     for step in range(total):
-        strip = pid + c_i * num_programs
-        e = strip // n_q
-        qb = strip % n_q
         if (c_pb == 0) & (c_k == 0):  # a new strip: its b rows into shared memory (the last strip's MMAs are done)
             mbarrier.expect(b_bar.index(0), N_K * b_desc.block_type.nbytes)
             for kk in gl.static_range(N_K):
@@ -203,9 +218,8 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         nxt = step + STAGES - 1
         ok = nxt < total
         nslot = nxt % STAGES
-        l_strip = pid + l_i * num_programs
         mbarrier.expect(bars.index(nslot), a_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [(l_strip // n_q) * RE + l_k * BLOCK_R, l_pb * BLOCK_P],
+        tma.async_copy_global_to_shared(a_desc, [l_base + l_k * BLOCK_R, l_pb * BLOCK_P],
                                         bars.index(nslot), a_bufs.index(nslot), ok)
         l_k += 1
         if l_k == N_K:
@@ -214,6 +228,7 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
             if l_pb == n_p:
                 l_pb = 0
                 l_i += 1
+                l_base = ((pid + l_i * num_programs) // n_q) * RE
         if c_k == N_K - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             tma.store_wait(pendings=0)
@@ -227,6 +242,8 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
             if c_pb == n_p:
                 c_pb = 0
                 c_i += 1
+                e = (pid + c_i * num_programs) // n_q
+                qb = (pid + c_i * num_programs) % n_q
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
