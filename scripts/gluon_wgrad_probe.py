@@ -254,7 +254,7 @@ def gluon_wgrad_resident(a, b, out, E, RE, block=(128, 256, 32), stages=4, num_p
     """:func:`gluon_wgrad` with b's rows of a column strip resident (RE · BLOCK_Q · 2 bytes of shared memory)."""
     BP, BQ, BR = block
     P, Q = a.shape[1], b.shape[1]
-    assert fits(a.shape[0], P, Q, E, RE, block) and RE * BQ * 2 <= 128 * 1024
+    assert fits(a.shape[0], P, Q, E, RE, block) and RE * BQ * 2 <= 128 * 1024 and RE % BR == 0
     lay = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
     a_desc = TensorDescriptor.from_tensor(a, [BR, BP], lay([BR, BP]))
     b_desc = TensorDescriptor.from_tensor(b, [BR, BQ], lay([BR, BQ]))
@@ -306,8 +306,9 @@ def main():
     torch.manual_seed(0)
     print("| config | tokens | kernel | rows/expert | Triton table ms | Gluon inline ms | Gluon deferred ms | "
           "TFLOP/s Triton / inline / deferred | max rel. diff inline, deferred | inline without stores ms | "
-          "inline without MMAs ms | Gluon b-resident ms (TFLOP/s; max rel. diff) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "inline without MMAs ms | Gluon b-resident 128 × 256 ms (TFLOP/s; max rel. diff) | "
+          "Gluon b-resident 128 × 128 ms (TFLOP/s; max rel. diff) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.configs:
         cfg = bench_config(name, small=False)
         E = cfg.num_experts // args.world
@@ -332,6 +333,9 @@ def main():
                 if RE * 256 * 2 <= 128 * 1024:
                     runs["resident"] = lambda o: gluon_wgrad_resident(a, b, o, E, RE)
                     checked += ("resident", )
+                if RE * 128 * 2 <= 128 * 1024 and Q % 128 == 0:
+                    runs["resident128"] = lambda o: gluon_wgrad_resident(a, b, o, E, RE, block=(128, 128, 64), stages=3)
+                    checked += ("resident128", )
                 outs = {}
                 for label in checked:
                     fn = runs[label]
@@ -352,8 +356,8 @@ def main():
                 print(f"| {name} | {T} | {kernel} | {RE} | {med['triton']:.3f} | {med['inline']:.3f} | "
                       f"{med['deferred']:.3f} | " + " / ".join(f"{flops / med[l] / 1e9:.0f}" for l in checked[:3])
                       + f" | {diff['inline']:.1e}, {diff['deferred']:.1e} | {med['no_store']:.3f} | {med['no_mma']:.3f} | "
-                      + (f"{med['resident']:.3f} ({flops / med['resident'] / 1e9:.0f}; {diff['resident']:.1e}) |"
-                         if "resident" in med else "- |"), flush=True)
+                      + " | ".join(f"{med[l]:.3f} ({flops / med[l] / 1e9:.0f}; {diff[l]:.1e})" if l in med else "-"
+                                   for l in ("resident", "resident128")) + " |", flush=True)
                 del a, b, outs, buf
                 torch.cuda.empty_cache()
 
