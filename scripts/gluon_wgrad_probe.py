@@ -20,8 +20,8 @@ What it measured on an H100 (docs/benchmarks.md, runs 201–205), all forms bitw
   TFLOP/s on dsv3-like's dW_down) and 6–9% behind at 512–1024 rows, once its block coordinates were computed
   only at block starts (run 204; with divisions on every step it trailed by 7–25%, runs 201–202).
 - Storing a block under the next block's first MMA (``DEFER``) is 1–10% slower than storing it inline.
-- With the MMAs compiled out, the loads and stores alone take 75–84% of the inline kernel's time at 256–512
-  rows per expert; with the stores left out too, the loads alone take 41–56%.
+- With the MMAs left out, the loads and stores alone take 75–84% of the inline kernel's time at 256–512
+  rows per expert; with the stores left out instead (the loads and a quarter of the MMAs), 41–56%.
 - Keeping b resident (one read of b per column strip: 2.8× fewer operand bytes at 128 × 256) is 9–18%
   slower than the inline form at 128 × 256 and 26–40% slower at 128 × 128.
 So at these rows the kernel is bound by its memory traffic, mostly the gradient stores, and neither a
@@ -59,8 +59,8 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
     """out[e] (P × Q) = a[rows of e]ᵀ b[rows of e]; expert e's rows are e·RE … (e+1)·RE. One flat loop
     over (output block, row block) steps; the loads run STAGES-1 steps ahead; block coordinates are
     recomputed only when a block starts (for the load side and the MMA side apart).
-    For the time split only: ``STORE = False`` skips the blocks' TMA stores (the MMAs, whose results are
-    then unused, are compiled away too: loads alone), ``MMA = False`` the MMAs (loads and stores of zeros)."""
+    For the time split only: ``STORE = False`` skips the blocks' TMA stores (the MMA results then go unused,
+    and ptxas keeps 1 of the 4 HGMMA instructions per step), ``MMA = False`` the MMAs (loads and stores of zeros)."""
     BLOCK_R: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_P: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_Q: gl.constexpr = b_desc.block_type.shape[1]
