@@ -305,6 +305,8 @@ def main():
     p.add_argument("--paired", type=int, default=0, metavar="N",
                    help="time instead with N interleaved iterations of every call, one call at a time (medians)")
     args = p.parse_args()
+    if args.paired and (args.no_backward or args.paired < 1):
+        p.error("--paired N times the forward+backward calls too: it needs N ≥ 1 and no --no-backward")
     if args.tables or args.envs:
         return ab_sets(args)
     results = []
@@ -327,14 +329,14 @@ def main():
                 row["ok"] = all(t <= 2 * r + 1e-3 for t, r in zip(errs["triton"], errs["torch"]))
             flops = 2 * T * cfg.top_k * cfg.hidden * cfg.ffn * (3 if cfg.activation == "swiglu" else 2)
             samples = {"torch": [], "triton": [], "triton_train_fwd": []}
-            if args.paired and not args.no_backward:
+            if args.paired:
                 calls = paired_times(cfg, x, w_up, w_down, weights, index, grad, args.paired)
                 row["paired_calls"] = calls
                 samples = {"torch": [(statistics.median(calls["torch_fwd"]), statistics.median(calls["torch_fb"]))],
                            "triton": [(statistics.median(calls["triton_fwd"]),
                                        statistics.median(calls["triton_fb"]))],
                            "triton_train_fwd": [statistics.median(calls["triton_train_fwd"])]}
-            for r in range(0 if args.paired and not args.no_backward else args.bench_rounds):  # interleaved, the order alternating per round
+            for r in range(0 if args.paired else args.bench_rounds):  # interleaved, the order alternating per round
                 for backend in ("torch", "triton") if r % 2 == 0 else ("triton", "torch"):
                     if args.no_backward:
                         def fwd(b=backend):
