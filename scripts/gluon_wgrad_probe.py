@@ -24,8 +24,8 @@ What it measured on an H100 (docs/benchmarks.md, runs 201–205), all forms bitw
   rows per expert; with the stores left out instead (the loads and a quarter of the MMAs), 41–56%.
 - Keeping b resident (one read of b per column strip: 2.8× fewer operand bytes at 128 × 256) is 9–18%
   slower than the inline form at 128 × 256 and 26–40% slower at 128 × 128.
-So at these rows the kernel is bound by its memory traffic, mostly the gradient stores, and neither a
-store schedule nor fewer operand reads make it faster.
+So at these rows the kernel is bound by its memory traffic (operand loads and gradient stores), and
+neither a store schedule nor fewer operand reads make it faster.
 """
 
 import argparse
