@@ -53,6 +53,34 @@ def _item_coords(item, n_p, n_q, GROUP_P: gl.constexpr):
 
 
 @gluon.jit
+def _next_step(k, item, e, pb, qb, n_k, num_programs, n_p, n_q, GROUP_P: gl.constexpr):
+    """One step on in :func:`wgrad_kernel`'s order: the next row block, or the program's next block."""
+    k += 1
+    if k == n_k:
+        k = 0
+        item += num_programs
+        e, pb, qb = _item_coords(item, n_p, n_q, GROUP_P)
+    return k, item, e, pb, qb
+
+
+@gluon.jit
+def _load_ab(a_desc, b_desc, bar, a_buf, b_buf, row, a_col, b_col, ok):
+    """One step's a and b tiles into a stage (``ok`` false: nothing)."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [row, a_col], bar, a_buf, ok)
+    tma.async_copy_global_to_shared(b_desc, [row, b_col], bar, b_buf, ok)
+
+
+@gluon.jit
+def _store_block(c_desc, c_smem, val, row, col):
+    """A finished block out through the staging buffer, once the previous store has read it."""
+    tma.store_wait(pendings=0)
+    c_smem.store(val)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_smem)
+
+
+@gluon.jit
 def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                  STAGES: gl.constexpr, GROUP_P: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr,
                  STORE: gl.constexpr = True, MMA: gl.constexpr = True):
@@ -80,23 +108,16 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
 
     # the load side: block l_item, row block l_k
     l_item = pid
     l_k = 0
     l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
     for s in gl.static_range(STAGES - 1):
-        ok = s < total
-        row = l_e * RE + l_k * BLOCK_R
-        mbarrier.expect(bars.index(s), nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [row, l_pb * BLOCK_P], bars.index(s), a_bufs.index(s), ok)
-        tma.async_copy_global_to_shared(b_desc, [row, l_qb * BLOCK_Q], bars.index(s), b_bufs.index(s), ok)
-        l_k += 1
-        if l_k == n_k:
-            l_k = 0
-            l_item += num_programs
-            l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
+        _load_ab(a_desc, b_desc, bars.index(s), a_bufs.index(s), b_bufs.index(s), l_e * RE + l_k * BLOCK_R,
+                 l_pb * BLOCK_P, l_qb * BLOCK_Q, s < total)
+        l_k, l_item, l_e, l_pb, l_qb = _next_step(l_k, l_item, l_e, l_pb, l_qb, n_k, num_programs, n_p, n_q,
+                                                  GROUP_P)
 
     # the MMA side: block c_item, row block c_k
     c_item = pid
@@ -115,23 +136,14 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                                 is_async=True)
         if DEFER:
             if holding:  # the previous block, while this step's MMA runs
-                tma.store_wait(pendings=0)
-                c_smem.store(held)
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [held_row, held_col], c_smem)
+                _store_block(c_desc, c_smem, held, held_row, held_col)
                 holding = False
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step-1's MMA done: its slot is free
-        ok = step + STAGES - 1 < total
         nslot = (step + STAGES - 1) % STAGES
-        row = l_e * RE + l_k * BLOCK_R
-        mbarrier.expect(bars.index(nslot), nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [row, l_pb * BLOCK_P], bars.index(nslot), a_bufs.index(nslot), ok)
-        tma.async_copy_global_to_shared(b_desc, [row, l_qb * BLOCK_Q], bars.index(nslot), b_bufs.index(nslot), ok)
-        l_k += 1
-        if l_k == n_k:
-            l_k = 0
-            l_item += num_programs
-            l_e, l_pb, l_qb = _item_coords(l_item, n_p, n_q, GROUP_P)
+        _load_ab(a_desc, b_desc, bars.index(nslot), a_bufs.index(nslot), b_bufs.index(nslot),
+                 l_e * RE + l_k * BLOCK_R, l_pb * BLOCK_P, l_qb * BLOCK_Q, step + STAGES - 1 < total)
+        l_k, l_item, l_e, l_pb, l_qb = _next_step(l_k, l_item, l_e, l_pb, l_qb, n_k, num_programs, n_p, n_q,
+                                                  GROUP_P)
         if c_k == n_k - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if DEFER:
@@ -140,24 +152,37 @@ def wgrad_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
                 held_col = c_qb * BLOCK_Q
                 holding = True
             elif STORE:
-                tma.store_wait(pendings=0)
-                c_smem.store(acc.to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [c_e * P + c_pb * BLOCK_P, c_qb * BLOCK_Q], c_smem)
-        c_k += 1
-        if c_k == n_k:
-            c_k = 0
-            c_item += num_programs
-            c_e, c_pb, c_qb = _item_coords(c_item, n_p, n_q, GROUP_P)
+                _store_block(c_desc, c_smem, acc.to(dtype), c_e * P + c_pb * BLOCK_P, c_qb * BLOCK_Q)
+        c_k, c_item, c_e, c_pb, c_qb = _next_step(c_k, c_item, c_e, c_pb, c_qb, n_k, num_programs, n_p, n_q,
+                                                  GROUP_P)
     if DEFER:
         if holding:
-            tma.store_wait(pendings=0)
-            c_smem.store(held)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [held_row, held_col], c_smem)
+            _store_block(c_desc, c_smem, held, held_row, held_col)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _next_strip_step(k, pb, i, e, qb, N_K: gl.constexpr, n_p, n_q, pid, num_programs):
+    """One step on in :func:`wgrad_resident_kernel`'s order: row block, then P block, then the program's next strip."""
+    k += 1
+    if k == N_K:
+        k = 0
+        pb += 1
+        if pb == n_p:
+            pb = 0
+            i += 1
+            e = (pid + i * num_programs) // n_q
+            qb = (pid + i * num_programs) % n_q
+    return k, pb, i, e, qb
+
+
+@gluon.jit
+def _load_a(a_desc, bar, a_buf, row, col, ok):
+    """One step's a tile into a stage (``ok`` false: nothing)."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [row, col], bar, a_buf, ok)
 
 
 @gluon.jit
@@ -190,31 +215,15 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         mbarrier.init(bars.index(i), count=1)
     mbarrier.init(b_bar.index(0), count=1)
 
-    # producer (a loads) position: strip index i, P block, row block
-    l_i = 0
-    l_pb = 0
-    l_k = 0
-    l_base = (pid // n_q) * RE
+    # the load side (a tiles) and the MMA side: strip i of this program (expert e, column block qb), P block pb,
+    # row block k
+    l_k, l_pb, l_i, l_e, l_qb = 0, 0, 0, pid // n_q, pid % n_q
     for s in gl.static_range(STAGES - 1):
-        ok = s < total
-        mbarrier.expect(bars.index(s), a_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [l_base + l_k * BLOCK_R, l_pb * BLOCK_P],
-                                        bars.index(s), a_bufs.index(s), ok)
-        l_k += 1
-        if l_k == N_K:
-            l_k = 0
-            l_pb += 1
-            if l_pb == n_p:
-                l_pb = 0
-                l_i += 1
-                l_base = ((pid + l_i * num_programs) // n_q) * RE
+        _load_a(a_desc, bars.index(s), a_bufs.index(s), l_e * RE + l_k * BLOCK_R, l_pb * BLOCK_P, s < total)
+        l_k, l_pb, l_i, l_e, l_qb = _next_strip_step(l_k, l_pb, l_i, l_e, l_qb, N_K, n_p, n_q, pid, num_programs)
 
     acc = gl.zeros((BLOCK_P, BLOCK_Q), dtype=gl.float32, layout=acc_layout)
-    c_i = 0
-    c_pb = 0
-    c_k = 0
-    e = pid // n_q
-    qb = pid % n_q
+    c_k, c_pb, c_i, e, qb = 0, 0, 0, pid // n_q, pid % n_q
     for step in range(total):
         if (c_pb == 0) & (c_k == 0):  # a new strip: its b rows into shared memory (the last strip's MMAs are done)
             mbarrier.expect(b_bar.index(0), N_K * b_desc.block_type.nbytes)
@@ -227,35 +236,14 @@ def wgrad_resident_kernel(a_desc, b_desc, c_desc, E, P, Q, RE, num_programs,
         acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_res.index(c_k), acc, use_acc=c_k != 0,
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # step-1's MMA done: its slot is free
-        nxt = step + STAGES - 1
-        ok = nxt < total
-        nslot = nxt % STAGES
-        mbarrier.expect(bars.index(nslot), a_desc.block_type.nbytes, pred=ok)
-        tma.async_copy_global_to_shared(a_desc, [l_base + l_k * BLOCK_R, l_pb * BLOCK_P],
-                                        bars.index(nslot), a_bufs.index(nslot), ok)
-        l_k += 1
-        if l_k == N_K:
-            l_k = 0
-            l_pb += 1
-            if l_pb == n_p:
-                l_pb = 0
-                l_i += 1
-                l_base = ((pid + l_i * num_programs) // n_q) * RE
+        nslot = (step + STAGES - 1) % STAGES
+        _load_a(a_desc, bars.index(nslot), a_bufs.index(nslot), l_e * RE + l_k * BLOCK_R, l_pb * BLOCK_P,
+                step + STAGES - 1 < total)
+        l_k, l_pb, l_i, l_e, l_qb = _next_strip_step(l_k, l_pb, l_i, l_e, l_qb, N_K, n_p, n_q, pid, num_programs)
         if c_k == N_K - 1:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            tma.store_wait(pendings=0)
-            c_smem.store(acc.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [e * P + c_pb * BLOCK_P, qb * BLOCK_Q], c_smem)
-        c_k += 1
-        if c_k == N_K:
-            c_k = 0
-            c_pb += 1
-            if c_pb == n_p:
-                c_pb = 0
-                c_i += 1
-                e = (pid + c_i * num_programs) // n_q
-                qb = (pid + c_i * num_programs) % n_q
+            _store_block(c_desc, c_smem, acc.to(dtype), e * P + c_pb * BLOCK_P, qb * BLOCK_Q)
+        c_k, c_pb, c_i, e, qb = _next_strip_step(c_k, c_pb, c_i, e, qb, N_K, n_p, n_q, pid, num_programs)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
