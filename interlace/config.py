@@ -55,7 +55,7 @@ class MoEConfig:
         router_gemm: how the router's logits GEMM ``x @ W_router^T`` runs when the activations
             are 16-bit. ``"split"`` (bf16 activations, fp32 router): one bf16 tensor-core GEMM
             against the weight's three bf16 pieces, whose sum is the fp32 weight exactly, split
-            in registers (:mod:`interlace.ops.router_gemm`); the tensor cores' fp32 accumulation
+            in registers (:mod:`interlace.kernels.router_gemm`); the tensor cores' fp32 accumulation
             kept errors within 3e-6 of the products' magnitude (the fp32 GEMM: 4e-7), and the
             top-k of 99.9–100% of tokens equal the fp32 GEMM's (2× H200, run 163).
             ``"input"``: both operands rounded to the activations' dtype, fp32 accumulation;

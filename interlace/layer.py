@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from interlace.comm import ExpertParallel, check_same_across_ranks
+from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.config import MoEConfig
 from interlace.experts import GroupedExperts
-from interlace.mesh import MoEMesh
+from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import STRATEGIES, make_strategy
 
@@ -43,7 +43,7 @@ class MoELayer(nn.Module):
             broadcasting and a single-process reference can rebuild the same weights.
         device: where parameters live (default: the current CUDA device, else CPU).
         strategy_options: keyword options of the strategy (e.g. ``{"degree": "auto"}``).
-        mesh: an :class:`interlace.mesh.MoEMesh` instead of ``group``: experts over its EP
+        mesh: an :class:`interlace.parallel.mesh.MoEMesh` instead of ``group``: experts over its EP
             group, each expert's FFN dimension sharded over its TP group (strategy
             ``"tp_ep:O0"`` … ``"tp_ep:O3"`` for tp > 1). ``MoEMesh.build`` gives the groups
             their own high-priority communicators.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from interlace.config import MoEConfig
-from interlace.ops.activation import activation_reference
+from interlace.kernels.activation import activation_reference
 from interlace.routing import load_balance_loss, route
 
 

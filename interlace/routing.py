@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from interlace.config import MoEConfig
-from interlace.ops.router_gemm import split_mm, split_mm_reference
-from interlace.ops.router_topk import route_topk
-from interlace.ops.rows import use_triton
+from interlace.kernels.router_gemm import split_mm, split_mm_reference
+from interlace.kernels.router_topk import route_topk
+from interlace.kernels.rows import use_triton
 
 
 def router_scores(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -64,7 +64,7 @@ def _split_mm(a, b, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> tor
 
 class _SplitRouterLogits(torch.autograd.Function):
     """``router_gemm="split"``: bf16 ``x`` (T, N) @ fp32 ``W`` (E, N)ᵀ over W's three bf16
-    pieces, fp32 accumulation (:mod:`interlace.ops.router_gemm`): fp32-class logits (the
+    pieces, fp32 accumulation (:mod:`interlace.kernels.router_gemm`): fp32-class logits (the
     tensor cores' accumulation kept ~19 bits on H200, run 163) at a bf16 GEMM's cost.
     Backward: dW = gᵀ x with g (T, E) in three pieces; dx = g W from two pieces each (~2^-16
     relative before dx's bf16 rounding)."""
@@ -127,7 +127,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: MoEConfig,
 
 
 class _FusedRouteTopK(torch.autograd.Function):
-    """Triton forward (:mod:`interlace.ops.router_topk`); backward differentiates the plain
+    """Triton forward (:mod:`interlace.kernels.router_topk`); backward differentiates the plain
     torch weights at the chosen experts, so the gradient is the plain path's."""
 
     @staticmethod

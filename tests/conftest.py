@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import strict_tensor_descriptors  # noqa: E402
-from interlace.ops import alloc  # noqa: E402
+from interlace.kernels import alloc  # noqa: E402
 
 strict_tensor_descriptors()  # (helpers applies it on import too: the gloo workers import it)
 

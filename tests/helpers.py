@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from interlace import MoEConfig, reference_moe
 from interlace.experts import init_expert_weights
 from interlace.routing import Router
-from interlace.transport import release_shared_buffers
+from interlace.parallel import release_shared_buffers
 
 
 def strict_tensor_descriptors() -> None:

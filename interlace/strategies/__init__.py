@@ -5,7 +5,7 @@ from interlace.strategies import naive as _naive  # noqa: F401  (registers "naiv
 from interlace.strategies import sequential as _sequential  # noqa: F401  (registers "sequential")
 from interlace.strategies import pipelined as _pipelined  # noqa: F401  (registers "pipelined")
 from interlace.strategies import auto as _auto  # noqa: F401  (registers "auto")
-from interlace.strategies import fused as _fused  # noqa: F401  (registers "fused")
+from interlace.strategies.fused import inference as _fused  # noqa: F401  (registers "fused")
 from interlace.strategies import tp_ep as _tp_ep  # noqa: F401  (registers "tp_ep")
 
 __all__ = ["STRATEGIES", "Strategy", "make_strategy", "register_strategy"]

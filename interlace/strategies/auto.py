@@ -5,7 +5,7 @@ the local performance profile (``interlace profile``; looked up by machine key l
 ``pipelined``'s, or the ``profile=`` path/object given) which of the registered strategies to
 run:
 
-* ``sequential`` or ``pipelined`` with a degree r (``interlace.perf.planner.choose_degree``: the
+* ``sequential`` or ``pipelined`` with a degree r (``interlace.planning.pipemoe.degree.choose_degree``: the
   calibrated op-level model, leaving r = 1 only for a gain larger than the model's own error),
   planned on the forward + backward prediction for a call whose backward will run (autograd
   graph) and on the forward one otherwise;
@@ -49,8 +49,8 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     call; raises FileNotFoundError without a profile."""
     if world == 1:
         return "sequential", ["world size 1: nothing to overlap"]
-    from interlace.perf.planner import choose_degree, fused_speedup
-    from interlace.perf.profile import as_profile, shape_key
+    from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
+    from interlace.planning.profile import as_profile, shape_key
 
     profile = as_profile(profile, world)  # read a path once, for both questions below
     plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
@@ -97,7 +97,7 @@ class AutoStrategy(Strategy):
         if key not in self.choices:
             try:
                 if self.ep.world > 1:
-                    from interlace.perf.profile import as_profile
+                    from interlace.planning.profile import as_profile
 
                     self._profile = as_profile(self._profile, self.ep.world)  # read once
                 spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from interlace.comm import ExpertParallel
+from interlace.parallel.comm import ExpertParallel
 from interlace.config import MoEConfig
 
 
@@ -23,7 +23,7 @@ class Strategy:
     """
 
     name: ClassVar[str] = ""
-    # Whether the layer routes with the one-kernel Triton router (interlace.ops.router_topk)
+    # Whether the layer routes with the one-kernel Triton router (interlace.kernels.router_topk)
     # or with plain torch ops (what the naive baseline does).
     fused_routing: ClassVar[bool] = False
 

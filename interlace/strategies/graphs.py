@@ -17,7 +17,7 @@ class CudaGraphRecorder:
     The graph holds the call's collectives too (the count exchange, the backward's ordering
     all-reduce). A live graph with a captured NCCL collective keeps ``ncclCommDestroy`` waiting
     (pytorch/pytorch#115388; 2× H200, docs/benchmarks.md run 151), so
-    :func:`interlace.transport.release_shared_buffers` drops every graph first and must run
+    :func:`interlace.parallel.release_shared_buffers` drops every graph first and must run
     before ``destroy_process_group()``. (Keeping the collectives out, as eager steps between
     graph segments, invalidated backward captures now and then on 2× H200: runs 154–156.)"""
 

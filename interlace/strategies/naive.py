@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from interlace.comm import all_to_all
-from interlace.ops.activation import activation_reference
-from interlace.ops.grouped_mm import grouped_mm
+from interlace.parallel.comm import all_to_all
+from interlace.kernels.activation import activation_reference
+from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
 from interlace.strategies.base import Strategy, register_strategy
 
 

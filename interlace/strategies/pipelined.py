@@ -12,13 +12,13 @@ stream and the compute stream:
 which is the schedule of PipeMoE's Eqs. 9–12 on one link. Dispatches and combines share one
 communicator (one FIFO NCCL stream): all dispatches are queued first, then each combine as
 its chunk's experts finish — exactly the schedule PipeMoE's Theorem 1 analyses
-(``interlace.perf.schedule.simulate_shared_link``); on NVLink the two directions of traffic
+(``interlace.planning.pipemoe.schedule.simulate_shared_link``); on NVLink the two directions of traffic
 share the links' bandwidth anyway. Backward runs the mirror image: the combine
 gradients' all-to-alls start at once, each chunk's expert backward starts when its gradient
 has arrived, and its dispatch-gradient all-to-all leaves as soon as it is done.
 
 ``degree`` r is an int, or ``"auto"``: r is chosen per token count and mode from the stored
-performance profile (``interlace.perf``): a call that builds an autograd graph (training) is
+performance profile (``interlace.planning``): a call that builds an autograd graph (training) is
 planned on the predicted forward + backward time, one under ``no_grad``/eval on the forward
 time; once per distinct (T, mode), cached, with no per-step cost. Ranks
 must agree on r (with ``"auto"``: equal token counts); the count exchange carries every rank's
@@ -35,9 +35,9 @@ import warnings
 
 import torch
 
-from interlace.comm import all_to_all_async, all_to_all_counts
-from interlace.ops.routing_index import build_dispatch_index, expert_major_index
-from interlace.ops.rows import CombineRows, DispatchRows, gather_rows
+from interlace.parallel.comm import all_to_all_async, all_to_all_counts
+from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
+from interlace.kernels.rows import CombineRows, DispatchRows, gather_rows
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy, expert_ffn
 
@@ -161,8 +161,8 @@ class PipelinedStrategy(Strategy):
             return self.degree
         key = (tokens, mode)
         if key not in self._chosen:
-            from interlace.perf.planner import choose_degree  # no import cycle at module load
-            from interlace.perf.profile import Profile, load_profile
+            from interlace.planning.pipemoe.degree import choose_degree  # no import cycle at module load
+            from interlace.planning.profile import Profile, load_profile
 
             try:
                 if not isinstance(self._profile, Profile):  # read the JSON once, not per token count

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from interlace.comm import all_to_all, all_to_all_counts
-from interlace.ops import grouped_gemm
-from interlace.ops.activation import activation_fused
-from interlace.ops.grouped_mm import grouped_mm
-from interlace.ops.routing_index import build_dispatch_index, expert_major_index
-from interlace.ops.rows import CombineRows, DispatchRows, PermuteRows
+from interlace.parallel.comm import all_to_all, all_to_all_counts
+from interlace.kernels.expert_gemm import grouped_gemm
+from interlace.kernels.activation import activation_fused
+from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
+from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
+from interlace.kernels.rows import CombineRows, DispatchRows, PermuteRows
 from interlace.strategies.base import Strategy, register_strategy
 
 

@@ -1,6 +1,6 @@
 """``tp_ep``: experts sharded over a TP × EP mesh, with MoNTA's all-to-all forms O0–O3.
 
-Mesh (``interlace.mesh.MoEMesh``): rank (j, t) is EP rank j, TP rank t. The ``tp`` ranks of
+Mesh (``interlace.parallel.mesh.MoEMesh``): rank (j, t) is EP rank j, TP rank t. The ``tp`` ranks of
 TP group j hold the same T tokens (batch j) and the experts ``[j·E/ep, (j+1)·E/ep)``, each
 expert's FFN dimension K cut into ``tp`` slices (rank t: K rows ``[t·K/tp, (t+1)·K/tp)`` of
 the gate and of the up projection, the same columns of ``w_down``). An assignment of a token
@@ -45,7 +45,7 @@ surviving assignments are sliced and chunked, so every form drops the same assig
 Communication priority: the EP all-to-all uses the mesh's EP communicator; ``MoEMesh.build``
 gives it (and the TP group) its own NCCL communicator on a high-priority stream, so a
 concurrent data-parallel all-reduce on another communicator cannot hold it back in the GPU's
-queues (``scripts/device_tp_ep.py`` measures it).
+queues (``benchmarks/device_tp_ep.py`` measures it).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from interlace.comm import all_gather_single, all_to_all_async, reduce_scatter_single
-from interlace.ops.routing_index import build_dispatch_index
-from interlace.ops.rows import CombineRows, DispatchRows, gather_rows
+from interlace.parallel.comm import all_gather_single, all_to_all_async, reduce_scatter_single
+from interlace.kernels.routing_index import build_dispatch_index
+from interlace.kernels.rows import CombineRows, DispatchRows, gather_rows
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.pipelined import chunk_sizes
 from interlace.strategies.sequential import expert_ffn
@@ -365,7 +365,7 @@ class TpEpStrategy(Strategy):
 
     def __init__(self, config, ep, mesh=None, form: str = "O1", chunks: int = 2):
         super().__init__(config, ep)
-        from interlace.mesh import MoEMesh
+        from interlace.parallel.mesh import MoEMesh
 
         if form not in FORMS:
             raise ValueError(f"tp_ep form must be one of {FORMS}, got {form!r}")

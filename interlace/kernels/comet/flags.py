@@ -1,0 +1,204 @@
+"""Readiness flags between programs and ranks: bounded acquire waits and release publishes.
+
+A flag holds the epoch (call counter) of the last call that published it; a waiter waits for
+``flag >= epoch``. Waits are bounded: after ``max_spins`` polls the first timed-out wait of a
+call writes an error record and the kernel goes on (its output is then garbage, but nothing
+hangs); the host raises from the record (:func:`describe_error`), naming rank, what was
+awaited and the flag's value.
+
+Error record (8 int32): [set, rank, kind, source/peer rank, expert or slice, tile, flag, epoch].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# What a wait was for (stored in the error record); constexpr so kernels may read them.
+WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
+WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
+WAIT_PUSH1 = tl.constexpr(3)  # layer1 push mode: a push waiting for this rank's own GEMM1 item
+WAIT_CHAIN = tl.constexpr(4)  # one GPU's chained forward: a GEMM1 tile waiting for GEMM0's rows
+
+
+@triton.jit
+def peer_region(table, rank, dtype: tl.constexpr):
+    """``rank``'s region as a ``dtype`` pointer, from a (W,) int64 address table. The addresses
+    are 16-byte aligned (:class:`interlace.parallel.peer_buffer.PeerBuffer` checks them), and
+    saying so lets row stores through the pointer use 16-byte vectors: without the hint the
+    compiler knows nothing of a loaded address and stores element by element (2 bytes at a
+    time in bf16, over NVLink for a peer)."""
+    return tl.multiple_of(tl.load(table + rank).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, tile):
+    """Acquire-spin (system scope) until ``*flag_ptr >= epoch``; False after ``max_spins``."""
+    flag = _spin_until(flag_ptr, epoch, max_spins, "sys")
+    ok = flag >= epoch
+    if not ok:
+        if tl.atomic_cas(error_ptr, 0, 1) == 0:
+            _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch)
+    return ok
+
+
+@triton.jit
+def _spin_until(ptr, target, max_spins, SCOPE: tl.constexpr):
+    """``*ptr`` by acquire loads at ``SCOPE`` until it reaches ``target`` or ``max_spins`` polls pass."""
+    value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (value < target) & (spins < max_spins):
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    return value
+
+
+@triton.jit
+def _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch):
+    """An error record's fields after its set word (see the module)."""
+    tl.store(error_ptr + 1, rank)
+    tl.store(error_ptr + 2, kind)
+    tl.store(error_ptr + 3, peer)
+    tl.store(error_ptr + 4, what)
+    tl.store(error_ptr + 5, tile)
+    tl.store(error_ptr + 6, flag)
+    tl.store(error_ptr + 7, epoch)
+
+
+@triton.jit
+def fence_proxy_async(x):
+    """``fence.proxy.async.global``: order this thread's earlier generic-proxy accesses (the flag
+    acquire) before its later async-proxy ones (TMA loads of the rows the flag covers). Without it
+    a TMA load may miss rows a peer released before the flag. Returns ``x`` (no interpreter form:
+    callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [x],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bulk_stores_done(x):
+    """``cp.async.bulk.wait_group 0`` then ``fence.proxy.async.global``: this thread's TMA stores
+    (bulk groups it committed; a no-op for threads that issued none) have completed, and are
+    ordered before its later generic-proxy accesses (the release of a flag that covers them).
+    ``.read`` waits, which Triton emits after a descriptor store, only free the shared memory the
+    store reads from; the rows may still be in flight. Returns ``x`` (no interpreter form:
+    callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                     "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_acq_rel_sys(x):
+    """``fence.acq_rel.sys`` in every thread. After a ``tl.debug_barrier()`` it makes the
+    program's earlier stores (peer stores included: it waits for them to land) ordered before
+    its later relaxed atomics — one wait for many counts, where each acq_rel atomic would wait
+    again — and after a relaxed atomic that saw other programs' counts it is the acquire side.
+    Returns ``x`` (no interpreter form: callers gate it with a constexpr that is off under
+    TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def publish_flag(flag_ptr, epoch):
+    """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def cta_barrier(x):
+    """``bar.sync 0`` (what ``tl.debug_barrier()`` emits) as inline assembly: Triton 3.6's software
+    pipeliner leaves a loop that holds a debug_barrier unpipelined (the flat GEMM0 loop lost its
+    stages: 180 → 147 KB of shared memory in an sm90 compile), and it does not look into inline
+    assembly. Every thread of the program must reach it (uniform control flow). Returns ``x`` (no
+    interpreter form: callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
+    return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def count_done(count_ptr, done_ptr, FENCE: tl.constexpr, ASM: tl.constexpr):
+    """One more finished work item of a row tile (``*count_ptr``) and of the launch (``*done_ptr``):
+    this program's earlier stores, TMA stores included (FENCE: their bulk groups are waited for
+    first; a no-op for stores that already landed), are visible to whoever acquires either count.
+    All threads meet at a barrier (ASM: :func:`cta_barrier`, which keeps a loop pipelined; else
+    ``tl.debug_barrier``) before one thread's release."""
+    if FENCE:
+        bulk_stores_done(0)
+    if ASM:
+        cta_barrier(0)
+    else:
+        tl.debug_barrier()
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+    tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_count(count_ptr, target, max_spins, error_ptr, rank, what, tile):
+    """Acquire-spin (GPU scope) until ``*count_ptr >= target``; False after ``max_spins`` polls,
+    with a WAIT_CHAIN error record written by plain stores (the record may live in pinned host
+    memory, where a device atomic is not portable)."""
+    count = _spin_until(count_ptr, target, max_spins, "gpu")
+    ok = count >= target
+    if not ok:
+        _record_fields(error_ptr, rank, WAIT_CHAIN, rank, what, tile, count, target)
+        tl.store(error_ptr, 1)
+    return ok
+
+
+def describe_error(record: list[int]) -> str | None:
+    """Human-readable message of an error record, or None if no wait timed out."""
+    if not record or record[0] == 0:
+        return None
+    _, rank, kind, peer, what, tile, flag, epoch = record[:8]
+    if kind == WAIT_LAYER0.value:
+        waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
+    elif kind == WAIT_CHAIN.value:
+        return (f"rank {rank}: the chained expert forward timed out: a GEMM1 tile of expert {what} waited for "
+                f"GEMM0's activations of row tile {tile} ({flag} of {epoch} column blocks done). Its programs "
+                "must all be resident at once: another kernel holding SMs for seconds, or a bug; "
+                "INTERLACE_CHAIN=0 runs GEMM0 and GEMM1 as two launches")
+    elif kind == WAIT_PUSH1.value:
+        waited = f"its own GEMM1 output (row tile {tile}, N-slice {what}, home rank {peer}) to push"
+    else:
+        waited = f"expert outputs from rank {peer} for N-slice {what}"
+    return (f"rank {rank}: timed out waiting for {waited} (flag value {flag}, expected epoch {epoch}); "
+            f"a peer did not run the same layer call, or crashed")
+
+
+# ---- work queues: programs claim work items with an atomic counter ----------------------
+# A queue is 4 int32 on the device: [counter A, counter B, programs done, counter C]. Items are handed
+# out in order, so "all items before mine were claimed by running programs" holds, which is
+# what makes waiting on them deadlock-free whatever the block scheduling. The last program
+# to finish resets the queue for the next launch (stream order separates launches).
+
+@triton.jit
+def claim(counter_ptr):
+    return tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def finish_queue(queue_ptr, n_programs):
+    """Count this program out; the last one resets the queue's four counters."""
+    if tl.atomic_add(queue_ptr + 2, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
+        tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 1, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 3, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(queue_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights) -> tuple[int, int, bool]:
+    """(pid_base, grid, use TMA) of a fused-kernel launch. ``role``: ``"all"`` (one launch, both
+    program roles), ``"comm"`` (programs [0, n_comm)), ``"push"`` (the same programs, layer1's
+    pushes only: simulated ranks run every rank's pushes before any combine) or ``"gemm"`` (the rest)."""
+    from interlace.kernels.expert_gemm.grouped_gemm import _ensure_allocator, use_tma
+
+    if not 0 < n_comm < n_programs:
+        raise ValueError(f"{layer} needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "push": (0, n_comm),
+                      "gemm": (n_comm, n_programs - n_comm)}[role]
+    tma = use_tma(weights)
+    if tma:
+        _ensure_allocator()
+    return pid_base, grid, tma

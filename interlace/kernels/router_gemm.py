@@ -1,0 +1,149 @@
+"""The router's GEMMs at fp32 accuracy on bf16 tensor cores (``MoEConfig.router_gemm="split"``).
+
+An fp32 value is exactly the sum of three bf16 values (hi = bf16(v), mid = bf16(v − hi),
+lo = bf16(v − hi − mid)): bf16 keeps fp32's exponent range, and each piece takes the next 8+
+bits of the 24-bit significand. A product of two bf16 pieces is exact in fp32, so a GEMM over
+the pieces, accumulated in fp32, would give the fp32 GEMM's result up to the order of its fp32
+sums. The tensor cores' fp32 accumulation keeps fewer bits: on H200 the error was 1.3e-6 to
+2.9e-6 of Σ|a||b| (the fp32 GEMM: 3e-8 to 4e-7; run 163), still ~1000× below bf16's rounding.
+
+:func:`split_mm` computes ``a @ b`` where either operand is bf16 (one piece) or fp32 split
+*in registers* into ``PIECES`` bf16 pieces, summing the products of pieces ``(i, j)`` with
+``i + j < max(PIECES_A, PIECES_B)``: the terms down to 2^-16–2^-24 of the leading one. One
+launch, no split copy of either operand in memory:
+
+* logits ``x (T, N) bf16 @ Wᵀ``, W (E, N) fp32 in 3 pieces: the fp32 GEMM's logits;
+* ``dW = gᵀ x``, g (T, E) fp32 in 3 pieces: the fp32 GEMM's weight gradient;
+* ``dx = g @ W``, both in 2 pieces (hi·hi + hi·mid + mid·hi, ~2^-16 relative): far below the
+  bf16 rounding of dx.
+
+Tile sizes follow the output (a router has 8–512 experts): see :func:`_blocks`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interlace.kernels import alloc
+from interlace.kernels.launch import cdiv, launch, next_power_of_2
+
+
+@triton.jit
+def _piece(v, i: tl.constexpr, PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Piece ``i`` of ``v`` as a dot operand: v itself for a bf16 operand (PIECES = 1), else
+    of its fp32 split hi, mid, lo (round to nearest even). bf16, or the same values in fp32
+    with ``DOT_FP32`` (the interpreter, whose bf16 dot is not a product of values)."""
+    if PIECES == 1:
+        p = v.to(tl.bfloat16)
+    else:
+        hi = v.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        if i == 0:
+            p = hi
+        else:
+            rest = v - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16, fp_downcast_rounding="rtne")
+            if i == 1:
+                p = mid
+            else:
+                p = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    if DOT_FP32:
+        return p.to(tl.float32)
+    else:
+        return p
+
+
+@triton.jit
+def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                     PIECES_A: tl.constexpr, PIECES_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr = False):
+    """c (M, N) = a (M, K) @ b (K, N) over bf16 pieces, fp32 accumulation; one tile per program."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    cmask = cols < N
+    TERMS: tl.constexpr = PIECES_A if PIECES_A > PIECES_B else PIECES_B
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + kk.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        # smallest terms first, into one fp32 accumulator
+        for t in tl.static_range(TERMS - 1, -1, -1):
+            for i in tl.static_range(0, PIECES_A):
+                if t - i >= 0:
+                    if t - i < PIECES_B:
+                        acc = tl.dot(_piece(a, i, PIECES_A, DOT_FP32), _piece(b, t - i, PIECES_B, DOT_FP32), acc,
+                                     input_precision="ieee")
+    out = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    if c_ptr.dtype.element_ty == tl.float32:
+        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+    else:  # (dx, bf16)
+        tl.store(out, acc.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rmask[:, None] & cmask[None, :])
+
+
+def _blocks(M: int, N: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 128-wide tiles, narrower where the output is."""
+    block_n = max(16, min(128, next_power_of_2(N)))
+    block_m = max(16, min(128, next_power_of_2(M)))
+    return block_m, block_n, 64, 8 if block_m * block_n >= 128 * 128 else 4
+
+
+def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (M, K) @ b (K, N)`` over bf16 pieces (module docstring): an operand with 1 piece is
+    bf16, one with 2 or 3 pieces is fp32. Any strides (transposed views need no copy).
+    Returns a new (M, N) tensor of ``out_dtype``."""
+    for t, p in ((a, pieces_a), (b, pieces_b)):
+        want = torch.bfloat16 if p == 1 else torch.float32
+        if t.dtype != want or p not in (1, 2, 3):
+            raise ValueError(f"split_mm: a {p}-piece operand must be {want}, got {t.dtype}")
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(f"split_mm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
+    c = alloc.empty((M, N), out_dtype, a.device)
+    if M == 0 or N == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    block_m, block_n, block_k, warps = _blocks(M, N)
+    launch(_split_mm_kernel, (cdiv(M, block_m), cdiv(N, block_n)),
+        a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        PIECES_A=pieces_a, PIECES_B=pieces_b, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_FP32=not a.is_cuda, num_warps=warps, num_stages=3,
+    )
+    return c
+
+
+def split_bf16(t: torch.Tensor, pieces: int = 3) -> torch.Tensor:
+    """fp32 ``t`` as ``pieces`` bf16 pieces stacked on a new first dim (hi, mid, lo; with 3,
+    ``t == hi + mid + lo`` exactly: only residuals below ~1e-38 are lost, and values past
+    bf16's largest, 3.39e38, round to inf). The plain-torch twin of the kernel's split."""
+    out, rest = [], t
+    for _ in range(pieces):
+        out.append(rest.to(torch.bfloat16))
+        rest = rest - out[-1].float()
+    return torch.stack(out)
+
+
+def split_mm_reference(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`split_mm` in plain torch (the same products of pieces, each an fp32 matmul of
+    exact bf16 values, summed smallest first): CPU without the Triton interpreter."""
+    pa = a[None] if pieces_a == 1 else split_bf16(a, pieces_a)
+    pb = b[None] if pieces_b == 1 else split_bf16(b, pieces_b)
+    terms = max(pieces_a, pieces_b)
+    acc = None
+    for t in range(terms - 1, -1, -1):
+        for i in range(pieces_a):
+            if 0 <= t - i < pieces_b:
+                term = pa[i].float() @ pb[t - i].float()
+                acc = term if acc is None else acc + term
+    return acc.to(out_dtype)

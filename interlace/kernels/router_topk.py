@@ -1,0 +1,89 @@
+"""Fused routing: scores, top-k choice and routing weights of a token block in one kernel.
+
+From router logits (T, E) fp32, ``_route_topk_kernel`` computes the scores (softmax, or
+sigmoid for the DeepSeek-V3 router), picks the k best experts per token (by score, plus the
+selection bias for sigmoid), gathers their scores as weights, renormalizes and scales them.
+It replaces five to seven torch launches (softmax, topk, gather, sum, div, mul) by one, which
+matters where the layer is bound by the host's launch rate.
+
+Choice order: slot 0 is the best expert, slot 1 the second, ... (the capacity policy serves
+slot 0 first). A NaN score never wins: a token whose scores are all NaN still gets k valid,
+distinct experts, and NaN weights, so the NaN stays in that token's output row.
+
+Backward recomputes the weights from the saved logits with torch ops and differentiates
+those: the gradient is exactly the plain path's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interlace.kernels import alloc
+from interlace.kernels.launch import cdiv, launch, next_power_of_2
+
+
+@triton.jit
+def _route_topk_kernel(
+    logits_ptr,  # (T, E) fp32
+    bias_ptr,  # (E,) fp32 selection bias (sigmoid router) or dummy
+    idx_ptr,  # (T, K) int64, out
+    weight_ptr,  # (T, K) fp32, out
+    T, E, scale,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, E_PAD)
+    slots = tl.arange(0, K_PAD)
+    tmask = tokens < T
+    valid = cols[None, :] < E
+    logits = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E + cols[None, :],
+                     mask=tmask[:, None] & valid, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        row_max = tl.max(logits, axis=1)
+        p = tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0)
+        scores = p / tl.sum(p, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(logits)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+    choice = tl.where(choice != choice, float("-inf"), choice)  # NaN never wins
+    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)  # padding columns are never chosen
+    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(taken, float("-inf"), choice)
+        best = tl.max(cand, axis=1)
+        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
+        onehot = cols[None, :] == sel[:, None]
+        taken = taken | onehot
+        w = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
+        weights = tl.where(slots[None, :] == j, w[:, None], weights)
+        tl.store(idx_ptr + tokens.to(tl.int64) * TOP_K + j, sel.to(tl.int64), mask=tmask)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    weights = weights * scale
+    tl.store(weight_ptr + tokens[:, None].to(tl.int64) * TOP_K + slots[None, :], weights,
+             mask=tmask[:, None] & (slots[None, :] < TOP_K))
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool,
+               renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) fp32 → (topk_idx (T, k) int64, topk_weight (T, k) fp32). Forward only."""
+    T, E = logits.shape
+    logits = logits.contiguous()
+    idx = alloc.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    weight = alloc.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return idx, weight
+    e_pad = next_power_of_2(E)
+    block_t = max(1, min(128, 4096 // e_pad))
+    launch(_route_topk_kernel, (cdiv(T, block_t),),
+        logits, bias if bias is not None else logits, idx, weight, T, E, float(scale),
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
+    )
+    return idx, weight

@@ -1,0 +1,219 @@
+"""Row movement for dispatch and combine: gathers and the deterministic weighted combine.
+
+Shapes: T tokens, k slots per token, N hidden, R dispatch rows (R ≤ T·k; fewer when
+capacity drops assignments). ``row_of_assignment`` (T, k) int32 gives each assignment's row
+or -1; ``assignment_of_row`` (R,) int32 gives each row's flat assignment index ``t*k + j``.
+
+Kernels (one idea each):
+    _gather_rows_kernel:      out[i] = x[index[i]]                       (copy)
+    _combine_rows_kernel:     out[t] = Σ_j w[t,j] · y[row[t,j]]          (fp32 accumulate,
+                              fixed j order: deterministic, no atomics)
+    _combine_backward_kernel: dy[row[t,j]] = w[t,j] · dout[t];
+                              dw[t,j] = <dout[t], y[row[t,j]]>
+
+Every launcher falls back to plain torch when the tensors are on the CPU and Triton's
+interpreter is off, so the layer also runs on a machine with no Triton backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from interlace.kernels import alloc
+from interlace.kernels.launch import cdiv, launch, next_power_of_2
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Tuning: a program moves ROWS rows, BLOCK_N columns at a time. BLOCK_N=1024 with 4 warps
+# gives 8 elements (16 bytes of bf16) per thread per load.
+GATHER_ROWS = 4
+BLOCK_N = 1024
+NUM_WARPS = 4
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    return t.is_cuda or _INTERPRET
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, R, N, divisor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    for i in tl.static_range(ROWS):
+        r = pid * ROWS + i
+        if r < R:
+            src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
+            for n0 in range(0, N, BLOCK_N):
+                c = n0 + cols
+                v = tl.load(x_ptr + src * N + c, mask=c < N)
+                tl.store(out_ptr + r.to(tl.int64) * N + c, v, mask=c < N)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """``out[i] = x[index[i] // divisor]`` for a (M, N) contiguous x and an int32 (R,) index.
+
+    ``divisor=k`` turns flat assignment indices ``t*k + j`` into token indices in place.
+    """
+    R, N = index.numel(), x.shape[1]
+    out = alloc.empty((R, N), dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return out
+    if not use_triton(x):
+        return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
+    launch(_gather_rows_kernel, (cdiv(R, GATHER_ROWS),),
+        x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+    )
+    return out
+
+
+@triton.jit
+def _combine_rows_kernel(
+    y_ptr, row_ptr, w_ptr, out_ptr, N,
+    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(0, N, BLOCK_N):
+        c = n0 + cols
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(row_ptr + t * TOP_K + j)
+            if row >= 0:
+                v = tl.load(y_ptr + row.to(tl.int64) * N + c, mask=c < N, other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    v = v * tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+                acc += v
+        tl.store(out_ptr + t * N + c, acc.to(out_ptr.dtype.element_ty), mask=c < N)
+
+
+def combine_rows(
+    y: torch.Tensor, row_of_assignment: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``out[t] = Σ_j w[t,j] · y[row[t,j]]`` (rows -1 skipped; w = 1 if None), fp32 accumulate.
+
+    y: (R, N); row_of_assignment: (T, k) int32; weights: (T, k) or None → (T, N) out_dtype.
+    """
+    T, k = row_of_assignment.shape
+    N = y.shape[1]
+    out = alloc.empty((T, N), dtype=out_dtype, device=y.device)
+    if T == 0 or N == 0:
+        return out
+    if not use_triton(y):
+        rows = row_of_assignment.long()
+        kept = (rows >= 0).unsqueeze(-1)
+        picked = y[rows.clamp(min=0)].float() * kept
+        if weights is not None:
+            picked = picked * weights.float().unsqueeze(-1)
+        return picked.sum(1).to(out_dtype)
+    w = weights.contiguous() if weights is not None else row_of_assignment  # dummy pointer when unused
+    launch(_combine_rows_kernel, (T,),
+        y, row_of_assignment, w, out, N,
+        TOP_K=k, HAS_WEIGHTS=weights is not None, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    )
+    return out
+
+
+@triton.jit
+def _combine_backward_kernel(
+    dout_ptr, y_ptr, row_ptr, w_ptr, dy_ptr, dw_ptr, N,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    slots = tl.arange(0, K_PAD)
+    dw = tl.zeros((K_PAD,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        c = n0 + cols
+        g = tl.load(dout_ptr + t * N + c, mask=c < N, other=0.0).to(tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(row_ptr + t * TOP_K + j)
+            if row >= 0:
+                w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+                tl.store(dy_ptr + row.to(tl.int64) * N + c, (g * w).to(dy_ptr.dtype.element_ty), mask=c < N)
+                v = tl.load(y_ptr + row.to(tl.int64) * N + c, mask=c < N, other=0.0).to(tl.float32)
+                dw += tl.where(slots == j, tl.sum(g * v, axis=0), 0.0)
+    tl.store(dw_ptr + t * TOP_K + slots, dw.to(dw_ptr.dtype.element_ty), mask=slots < TOP_K)
+
+
+def combine_rows_backward(
+    grad_out: torch.Tensor, y: torch.Tensor, row_of_assignment: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`combine_rows` with weights: ``(dy (R, N) y.dtype, dw (T, k) w.dtype)``.
+
+    Every kept row belongs to exactly one assignment, so each dy row is written once.
+    """
+    T, k = row_of_assignment.shape
+    R, N = y.shape
+    dy = alloc.empty(y.shape, y.dtype, y.device)
+    dw = alloc.empty((T, k), dtype=weights.dtype, device=weights.device)
+    if T == 0:
+        return dy, dw
+    grad_out = grad_out.contiguous()
+    if not use_triton(y):
+        rows = row_of_assignment.long()
+        kept = rows >= 0
+        g = grad_out.float()
+        picked = y[rows.clamp(min=0)].float()
+        dw.copy_(((picked * g.unsqueeze(1)).sum(-1) * kept))
+        flat_rows = rows[kept]
+        contrib = (g.unsqueeze(1) * weights.float().unsqueeze(-1)).expand(T, k, N)[kept]
+        dy[flat_rows] = contrib.to(dy.dtype)
+        return dy, dw
+    launch(_combine_backward_kernel, (T,),
+        grad_out, y, row_of_assignment, weights.contiguous(), dy, dw, N,
+        TOP_K=k, K_PAD=next_power_of_2(k), BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    )
+    return dy, dw
+
+
+# ----------------------------------------------------------------------------- autograd
+class DispatchRows(torch.autograd.Function):
+    """x (T, N) → x_send (R, N), row r holding token ``assignment_of_row[r] // k``.
+
+    Backward sums each token's k row gradients with :func:`combine_rows` (no atomics).
+    """
+
+    @staticmethod
+    def forward(ctx, x, assignment_of_row, row_of_assignment):
+        ctx.save_for_backward(row_of_assignment)
+        ctx.x_dtype = x.dtype
+        return gather_rows(x, assignment_of_row, divisor=row_of_assignment.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_of_assignment,) = ctx.saved_tensors
+        return combine_rows(grad.contiguous(), row_of_assignment, None, ctx.x_dtype), None, None
+
+
+class PermuteRows(torch.autograd.Function):
+    """A bijective row permutation ``out[i] = x[index[i]]``; backward uses ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return gather_rows(x, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return gather_rows(grad.contiguous(), inverse), None, None
+
+
+class CombineRows(torch.autograd.Function):
+    """y (R, N), weights (T, k) → (T, N): the weighted top-k reduction, fp32 inside."""
+
+    @staticmethod
+    def forward(ctx, y, weights, row_of_assignment, out_dtype):
+        ctx.save_for_backward(y, weights, row_of_assignment)
+        return combine_rows(y, row_of_assignment, weights, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weights, row_of_assignment = ctx.saved_tensors
+        dy, dw = combine_rows_backward(grad, y, row_of_assignment, weights)
+        return dy, dw, None, None

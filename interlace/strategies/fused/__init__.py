@@ -1,0 +1,1 @@
+"""COMET's fused strategy: inference (``inference``) and training (``train``) calls."""

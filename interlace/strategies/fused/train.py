@@ -1,0 +1,347 @@
+"""Training through the fused (COMET) kernels: a forward that keeps what the backward needs, and
+a backward that runs the same two kernels with their roles swapped.
+
+Forward (every rank): the usual layer0 → layer1, with layer0 also storing the pre-activation
+(W·cap, up) of every row it receives. The peer buffer is shared by every layer of the process,
+so what later layers would overwrite is copied out when the call ends:
+* the input rows of this rank's experts in receive-buffer order, this rank's own rows gathered
+  into its own region (for dW_up);
+* the expert outputs returned to this (home) rank, (T·k, N) in dispatch order (for d weights).
+
+Backward, with dy (T, N) at every token's home rank (the dispatch of the backward is the
+forward's combine and vice versa):
+1. home: ``g[r] = w[t, j] · dy[t]`` for each dispatch row r = (t, j) and ``dw[t, j] = <y_r, dy[t]>``
+   (the combine's backward kernel, fp32 dot products);
+2. layer0: communication programs push the g rows to the experts' owners while GEMM programs
+   compute ``d_act = g_rows @ W_down[e]`` (W_down as stored, no activation), local tiles first,
+   remote tiles as their flags arrive;
+3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (measured faster than an epilogue,
+   docs/benchmarks.md run 31), over the rows each source sent, written over ``pre`` (so one
+   backward per forward: a second one through the same graph raises);
+4. layer1: ``dx_rows = d_h @ W_up[e]`` column-wise, each tile stored straight into the home's
+   return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
+   slice as they land → dx;
+5. owner: ``dW_down[e] = Σ g_rowsᵀ act`` and ``dW_up[e] = Σ d_hᵀ x_rows`` over the expert's rows,
+   by the expert kernels' weight-gradient kernel reducing over the expert's run of rows from
+   each source (no gather: the rows stay where the kernels put them).
+
+No step reads anything back to the host on the symmetric transport (the staged transport's
+return exchange counts rows on the host, as in the forward).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from interlace.kernels import alloc
+from interlace.kernels.rows import combine_rows_backward
+
+
+@dataclass
+class OwnerRows:
+    """This rank's received rows by expert (device tensors, no sync).
+
+    ``segments`` (2, W, E_l) int32: for each source (in the plan's order, this rank first) and
+    local expert, the first buffer row ``s·cap + offset`` of its rows, then their count — the
+    runs the weight-gradient kernel reduces over. ``local_row`` (cap,) int64: the dispatch row
+    each row of this rank's own region holds (0 where unused: that region is filled from this
+    rank's own rows, which never pass through the receive buffer).
+    """
+
+    segments: torch.Tensor
+    local_row: torch.Tensor
+
+
+def owner_rows(plan, spec, me: int) -> OwnerRows:
+    W, El, cap = spec.world, spec.num_local, spec.cap
+    dev = plan.recv_count.device
+    count = plan.recv_count.view(W, El)  # [j, e]: j-th source (me + j) % W
+    off = plan.recv_off.view(W, El)  # first row of (j, e) inside that source's region
+    source = (torch.arange(W, device=dev, dtype=torch.int32) + me) % W
+    segments = torch.stack([source[:, None] * cap + off, count]).to(torch.int32).contiguous()
+    # This rank's region (j = 0): rows [off, off + count) of expert e hold dispatch rows from local_row0.
+    o = torch.arange(cap, device=dev)
+    e = (torch.searchsorted(off[0].long().contiguous(), o, right=True) - 1).clamp_(0, El - 1)
+    i = o - off[0].long()[e]
+    valid = i < count[0].long()[e]
+    local_row = torch.where(valid, plan.recv_local_row0.view(W, El)[0].long()[e] + i, 0)
+    return OwnerRows(segments, local_row)
+
+
+def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``src[index]`` (index clamped into range: unused entries hold 0 or −1 and are never read),
+    or unspecified rows when this rank has no rows at all."""
+    if src.shape[0] == 0:
+        return alloc.empty((index.numel(), src.shape[1]), src.dtype, src.device)
+    return src[index.clamp(0, src.shape[0] - 1)]
+
+
+def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str,
+                        used: torch.Tensor | None = None) -> torch.Tensor:
+    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K). With ``used`` (W,)
+    int32, the rows are W regions of M / W rows of which only the first ``used[s]`` hold data:
+    SwiGLU's derivative then touches only those (the other rows come back unspecified) and
+    is written over ``pre`` (the caller's last use of it: a capacity-sized buffer saved)."""
+    if activation == "swiglu":
+        from interlace.kernels.activation import swiglu_backward, swiglu_backward_regions
+
+        if used is not None:
+            return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel(), out=pre)
+        return swiglu_backward(pre, d_act)
+    from interlace.kernels.activation import activation_reference
+
+    with torch.enable_grad():
+        p = pre.detach().float().requires_grad_()
+        (grad,) = torch.autograd.grad(activation_reference(p, activation), p, d_act.float())
+    return grad.to(pre.dtype)
+
+
+def mark(strategy, name: str) -> None:
+    """With ``strategy.profile_phases``: a CUDA event after each step of the training call,
+    read by :func:`step_ms` (the GPU check script); nothing otherwise."""
+    if getattr(strategy, "profile_phases", False) and torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        strategy.__dict__.setdefault("_train_marks", []).append((name, event))
+
+
+def step_ms(strategy) -> list[tuple[str, float]]:
+    """(step, ms since the previous mark) of the marks recorded so far, then cleared (syncs)."""
+    marks = strategy.__dict__.pop("_train_marks", [])
+    if marks:
+        marks[-1][1].synchronize()
+    return [(name, a.elapsed_time(b)) for (_, a), (name, b) in zip(marks, marks[1:])]
+
+
+@dataclass
+class TrainState:
+    """What one ``fused:train`` forward leaves for its backward (device tensors; on the graph path
+    they are a captured graph's static buffers, valid until its next replay)."""
+
+    out: torch.Tensor  # (T, N) the layer's output
+    topk_weight: torch.Tensor  # (T, k) fp32
+    row_of_assignment: torch.Tensor
+    assignment_of_row: torch.Tensor
+    plan: object  # FusedPlan (device tensors)
+    pre: torch.Tensor  # (W·cap, up) pre-activation; the backward writes d(pre-activation) over it
+    act: torch.Tensor  # (W·cap, K) activations (layer1's input)
+    x_rows: torch.Tensor  # (W·cap, N) the expert input rows in buffer order
+    y_rows: torch.Tensor  # (T·k, N) expert outputs returned home, dispatch order
+    segments: torch.Tensor
+    local_row: torch.Tensor
+    kept: torch.Tensor
+
+
+def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+    """The forward's device work, from the routing to the saved rows (no host sync: capturable)."""
+    buf = strategy.buf
+    spec = buf.spec
+    mark(strategy, "start")
+    call, index = strategy._prepare_call(x, topk_idx, topk_weight)
+    pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
+    mark(strategy, "fwd prepare")
+    strategy._run_layers(call, w_up, w_down, pre=pre)
+    mark(strategy, "fwd layers")
+    rows = owner_rows(call.plan, spec, buf.rank)
+    k, me, cap = spec.top_k, buf.rank, spec.cap
+    # The expert input rows, in buffer order: the peers' rows as received, this rank's own
+    # rows gathered into its (otherwise unused) region.
+    x_rows = buf.views["recv"].view(-1, x.shape[1]).clone()
+    token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
+    x_rows[me * cap:(me + 1) * cap] = local_rows(x, token)
+    y_rows = buf.views["ret"][:x.shape[0] * k].clone()
+    mark(strategy, "fwd saves")
+    return TrainState(call.out, call.topk_weight, call.row_of_assignment, call.assignment_of_row, call.plan, pre,
+                      call.h, x_rows, y_rows, rows.segments, rows.local_row, index[2])
+
+
+def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str):
+    """Steps 1–4 of the backward and the own g rows into the receive buffer (capturable):
+    ``(dx (T, N), d_weight (T, k), d_h (W·cap, up))``; ``d_h`` is written over ``st.pre``
+    for SwiGLU."""
+    from interlace.strategies.fused.inference import FusedCall
+
+    buf, spec = strategy.buf, strategy.buf.spec
+    T, N = grad.shape
+    k = spec.top_k
+    mark(strategy, "bwd start")
+    # 1. home: the weighted rows to send back to the experts, and the routing weights' gradient.
+    g_rows, d_weight = combine_rows_backward(grad, st.y_rows, st.row_of_assignment, st.topk_weight)
+    mark(strategy, "bwd combine grad")
+    # 2.–4. the two kernels with the roles swapped; dispatch rows are read as themselves.
+    # A later layer's backward may still read the shared buffers on a peer: order first.
+    strategy._order_after_peers()
+    buf.advance_epoch()
+    identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
+    dx = alloc.empty((T, N), grad.dtype, grad.device)
+    ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
+    # call.h: layer0's output d_act (W·cap, K), then d_h (W·cap, up) written over pre. Only
+    # the call holds d_act, so it is freed as soon as the derivative has read it.
+    call = FusedCall(g_rows, ones, st.row_of_assignment, identity, st.plan,
+                     alloc.empty(st.act.shape, st.act.dtype, st.act.device), dx, st.kept)
+
+    # Rows received from each source (buffer region s = source s): the derivative skips the
+    # rest of each region, about half of it with balanced routing.
+    used = torch.roll(st.plan.recv_count.view(spec.world, -1).sum(1, dtype=torch.int32), buf.rank)
+
+    def between():
+        mark(strategy, "bwd layer0")
+        call.h = activation_backward(st.pre, call.h, activation, used)
+        mark(strategy, "bwd act")
+
+    strategy._run_layers(call, w_down, w_up, backward=True, between=between)
+    mark(strategy, "bwd layer1")
+    # 5. (first part) this rank's own g rows go into its unused region of the receive buffer
+    # (no peer writes there, and the next call's writes wait for _order_after_peers / the
+    # count exchange), where dW_down reads them with the peers' rows.
+    buf.views["recv"][buf.rank].copy_(local_rows(g_rows, st.local_row))
+    mark(strategy, "bwd local rows")
+    return dx, d_weight, call.h
+
+
+def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor, w_up, w_down, activation: str):
+    """5. owner: dW_up and dW_down into fresh tensors, reducing each expert's rows from every
+    source where they lie (runs after :func:`backward_body`, on the same stream)."""
+    from interlace.kernels.expert_gemm.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
+
+    N = grad.shape[1]
+    _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
+    tma = use_tma(w_up, w_down)
+    dw_up = _launch_wgrad(d_h, st.x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
+                          w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
+    mark(strategy, "bwd dW_up")
+    recv = strategy.buf.views["recv"].view(-1, N)
+    dw_down = _launch_wgrad(recv, st.act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
+                            N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
+    mark(strategy, "bwd dW_down")
+    return dw_up, dw_down
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+class TrainGraph:
+    """One token count's captured ``fused:train`` forward and backward.
+
+    The forward graph's outputs (the layer output and the :class:`TrainState`) are static
+    buffers, so one call at a time may hold them: from its forward until its backward has
+    launched (or its autograd graph is freed without one), :attr:`owner` is set and further
+    calls with this token count run eagerly. The backward graph covers steps 1–4 (its dx and
+    routing-weight gradient are static buffers too: the caller copies them out); the weight
+    gradients are launched after it into fresh tensors, since autograd may keep them as
+    ``.grad``."""
+
+    def __init__(self, weights: tuple, recorder):
+        self.weights = weights
+        self.recorder = recorder
+        self.owner: int | None = None
+        self.fwd = None  # (recorder, static inputs, TrainState)
+        self.bwd = None  # (recorder, static grad, (dx, d_weight, d_h))
+        self._leases = 0
+        self.retired = False
+
+    def retire(self) -> None:
+        """Drop both graphs (their buffers live on while a call's state refers to them); a
+        pending backward then runs eagerly."""
+        self.fwd = self.bwd = None
+        self.retired = True
+
+    def lease(self) -> "_Lease":
+        self._leases += 1
+        return _Lease(self, self._leases)
+
+    def forward(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+        if self.fwd is None:
+            static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
+            rec = self.recorder()
+            state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down), x.device)
+            self.fwd = (rec, static, state)
+        rec, (sx, sidx, sw), state = self.fwd
+        sx.copy_(x)
+        sidx.copy_(topk_idx)
+        sw.copy_(topk_weight)
+        rec.replay()
+        return state
+
+    def backward(self, strategy, state: TrainState, grad, w_up, w_down, activation: str, capture: bool):
+        """``(dx, d_weight, d_h)``. Before any eager backward of this token count compiled the
+        kernels (``capture`` False), runs the steps eagerly on the static buffers instead."""
+        if self.bwd is None:
+            if not capture or self.retired:
+                return backward_body(strategy, state, grad, w_up, w_down, activation)
+            sgrad = grad.clone()
+            rec = self.recorder()
+            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation), grad.device)
+            self.bwd = (rec, sgrad, outs)
+        rec, sgrad, outs = self.bwd
+        sgrad.copy_(grad)
+        rec.replay()
+        return outs
+
+
+class _Lease:
+    """A call's hold on its :class:`TrainGraph`'s static buffers (kept in its autograd context):
+    released after its backward, or when the context is freed without one."""
+
+    def __init__(self, graph: TrainGraph, token: int):
+        graph.owner = token
+        self._finalizer = weakref.finalize(self, _release, graph, token)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _release(graph: TrainGraph, token: int) -> None:
+    if graph.owner == token:
+        graph.owner = None
+
+
+class FusedTrain(torch.autograd.Function):
+    """The fused layer forward and backward (see the module docstring); through
+    :class:`TrainGraph` when the strategy has one for this call."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
+        graph = strategy._train_graph(x, w_up, w_down)
+        if graph is None:
+            state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down)
+            ctx.lease, out = None, state.out
+            state.out = None  # ctx keeps the state: holding the output too would be a reference cycle
+        else:
+            state = graph.forward(strategy, x, topk_idx, topk_weight, w_up, w_down)
+            ctx.lease, out = graph.lease(), state.out.clone()  # the static output: the next replay rewrites it
+        ctx.save_for_backward(w_up, w_down)
+        ctx.strategy, ctx.activation, ctx.graph, ctx.state = strategy, strategy.config.activation, graph, state
+        ctx.pre_consumed = False
+        strategy._check_errors()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.pre_consumed:
+            raise RuntimeError(
+                "fused:train: backward ran twice through one forward (retain_graph=True). The first "
+                "backward overwrote the saved pre-activation with its gradient, to save memory; run "
+                "the forward again for a second backward, or use train_path='sequential'")
+        w_up, w_down = ctx.saved_tensors
+        strategy, state, graph = ctx.strategy, ctx.state, ctx.graph
+        grad = grad.contiguous()
+        T = grad.shape[0]
+        if graph is not None:
+            dx, d_weight, d_h = graph.backward(strategy, state, grad, w_up, w_down, ctx.activation,
+                                               capture=T in strategy._train_backward_seen)
+            dx, d_weight = dx.clone(), d_weight.clone()  # static buffers once captured
+        else:
+            dx, d_weight, d_h = backward_body(strategy, state, grad, w_up, w_down, ctx.activation)
+        strategy._train_backward_seen.add(T)
+        # A graph's buffers go to the next call after this backward; an eager call's pre-activation
+        # is gone if the derivative was written over it (SwiGLU).
+        ctx.pre_consumed = graph is not None or d_h is state.pre
+        dw_up, dw_down = weight_grads(strategy, state, d_h, grad, w_up, w_down, ctx.activation)
+        if ctx.pre_consumed:
+            ctx.state = None
+        if ctx.lease is not None:
+            ctx.lease.release()  # stream order: the next replay runs after these kernels
+        strategy._check_errors()
+        return dx, d_weight, dw_up, dw_down, None, None

@@ -1,0 +1,459 @@
+"""The benchmark harness of ../shared/BENCHMARKS.md.
+
+Launch with ``torchrun --nproc-per-node W -m interlace.tools.bench [options]`` (one process per GPU;
+a plain ``python -m interlace.tools.bench`` runs world size 1). For every config × tokens/GPU ×
+routing × mode it:
+
+1. builds fresh random inputs (never zeros) on every rank;
+2. runs ``naive`` and checks every other strategy's output (and, with backward, its input
+   and weight gradients) against naive on the same inputs — a strategy that disagrees is
+   reported WRONG and never timed;
+3. times each strategy with CUDA events around the whole layer call: ≥ 5 warm-up calls, a
+   barrier before each timed call, the median of the timed calls, the slowest rank's median;
+4. reports × floor, speedup over naive, TFLOP/s and peak memory, with the two ceilings (bf16
+   matmul 8192³, peer copy GPU0→GPU1) measured in the same run.
+
+Floor (BENCHMARKS.md): ``max(FLOPs / matmul peak, 2 × remote bytes / peer bandwidth)`` with
+FLOPs = 2·T·k·N·3·K and remote bytes = T·k·(W−1)/W·N·2. Forward+backward: 3× the FLOPs term
+and, since backward moves the same bytes again, 2× the communication term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from interlace.config import PRESETS, MoEConfig, preset
+from interlace.layer import MoELayer
+from interlace.strategies import STRATEGIES
+
+ROUTINGS = ("random", "balanced", "skewed", "local")
+ZIPF_EXPONENT = 1.2
+
+
+# ----------------------------------------------------------------------------- setup
+@dataclass
+class Env:
+    rank: int
+    world: int
+    device: torch.device
+    group: object
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def init_env() -> Env:
+    """torchrun-launched: NCCL on CUDA (gloo on CPU); otherwise a single process."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo")
+    if dist.is_initialized():
+        rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    else:
+        rank, world, group = 0, 1, None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return Env(rank, world, device, group)
+
+
+def barrier(env: Env) -> None:
+    if env.world > 1:
+        dist.barrier(device_ids=[env.device.index]) if env.cuda else dist.barrier()
+
+
+def reduce_max(env: Env, value: float) -> float:
+    if env.world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+# ----------------------------------------------------------------------------- ceilings
+def measure_matmul_tflops(env: Env, size: int = 8192, iters: int = 10) -> float | None:
+    """bf16 matmul size³ on random data, median of ``iters`` after 3 warm-ups (TFLOP/s)."""
+    if not env.cuda:
+        return None
+    a = torch.randn(size, size, device=env.device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=env.device, dtype=torch.bfloat16)
+    times = time_cuda(lambda: a @ b, warmup=3, iters=iters, env=None)
+    a = b = None  # free 256 MiB before the layer runs
+    return 2 * size**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def measure_peer_gbps(env: Env, nbytes: int = 1 << 30, iters: int = 10) -> float | None:
+    """Peer copy GPU0 → GPU1 (``copy_`` of a 1 GiB buffer) measured by rank 0 (GB/s)."""
+    if not env.cuda or torch.cuda.device_count() < 2:
+        return None
+    result = torch.zeros(1, dtype=torch.float64, device=env.device)
+    if env.rank == 0:
+        src = torch.randn(nbytes // 4, device="cuda:0")
+        dst = torch.empty(nbytes // 4, device="cuda:1")
+        times = time_cuda(lambda: dst.copy_(src), warmup=3, iters=iters, env=None)
+        result[0] = nbytes / (statistics.median(times) * 1e-3) / 1e9
+        del src, dst
+        torch.cuda.synchronize("cuda:1")
+    if env.world > 1:
+        dist.broadcast(result, 0)
+    return float(result.item())
+
+
+# ----------------------------------------------------------------------------- timing
+def time_cuda(fn, warmup: int, iters: int, env: Env | None) -> list[float]:
+    """Milliseconds per call with CUDA events (a barrier across ranks before each timed call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if env is not None:
+            barrier(env)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def time_cpu(fn, warmup: int, iters: int, env: Env) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        barrier(env)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+# ----------------------------------------------------------------------------- inputs
+def make_routing(cfg: MoEConfig, routing: str, tokens: int, env: Env, seed: int) -> torch.Tensor | None:
+    """Forced (T, k) expert choices for ``balanced``, ``skewed`` and ``local``; None for ``random``
+    (the router's own softmax top-k over random router weights). ``local``: every token picks k
+    distinct experts of its own rank (no remote traffic; the "without remote traffic" time of
+    the fused strategy's hidden share; needs k ≤ experts per rank)."""
+    E, k = cfg.num_experts, cfg.top_k
+    if routing == "random":
+        return None
+    if routing == "balanced":
+        t = torch.arange(tokens, device=env.device) + env.rank * tokens
+        return (t.unsqueeze(1) * k + torch.arange(k, device=env.device)) % E
+    if routing == "skewed":
+        gen = torch.Generator(device=env.device).manual_seed(seed + 1000 * env.rank)
+        popularity_order = torch.randperm(E, generator=torch.Generator().manual_seed(seed)).to(env.device)
+        p = torch.empty(E, device=env.device)
+        p[popularity_order] = 1.0 / torch.arange(1, E + 1, device=env.device, dtype=torch.float32) ** ZIPF_EXPONENT
+        if tokens == 0:
+            return torch.empty(0, k, dtype=torch.long, device=env.device)
+        return torch.multinomial(p.expand(tokens, E), k, replacement=False, generator=gen)
+    if routing == "local":
+        local = E // env.world
+        if k > local:
+            raise ValueError(f"local routing needs top_k ({k}) ≤ experts per rank ({local})")
+        t = torch.arange(tokens, device=env.device)
+        return env.rank * local + (t.unsqueeze(1) * k + torch.arange(k, device=env.device)) % local
+    raise ValueError(f"unknown routing {routing!r}; choose from {ROUTINGS}")
+
+
+@dataclass
+class Row:
+    config: str
+    tokens: int
+    routing: str
+    mode: str
+    strategy: str
+    world: int
+    status: str = "ok"
+    median_ms: float | None = None
+    floor_ms: float | None = None
+    x_floor: float | None = None
+    speedup_vs_naive: float | None = None
+    tflops: float | None = None
+    peak_gib: float | None = None
+    first_call_ms: float | None = None
+    rel_err_vs_naive: dict = field(default_factory=dict)
+    times_ms: list = field(default_factory=list)
+
+
+def floor_ms(cfg: MoEConfig, tokens: int, world: int, mode: str, tflops: float | None, peer_gbps: float | None):
+    if tflops is None:
+        return None
+    flops = cfg.flops_per_token() * tokens
+    remote_bytes = tokens * cfg.top_k * (world - 1) / world * cfg.hidden * 2
+    compute = flops / (tflops * 1e12)
+    comm = 2 * remote_bytes / (peer_gbps * 1e9) if peer_gbps else 0.0
+    if mode == "fwdbwd":
+        compute, comm = 3 * compute, 2 * comm
+    return max(compute, comm) * 1e3
+
+
+def squared_error_sums(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> tuple[float, float]:
+    """(Σ (a − b)², Σ b²) in fp64, over chunks of ``chunk`` elements: dsv3-like's expert gradients
+    are 7.5 GB in bf16, and converting one whole to fp32 ran an 80 GB GPU out of memory (run 169).
+    The first sum is inf where ``a`` has a non-finite value. Sums over pieces add up (the expert
+    bench compares its reference group by group)."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
+    diff = ref = 0.0
+    for i in range(0, a.numel(), chunk):
+        ac, bc = a[i:i + chunk].double(), b[i:i + chunk].double()
+        diff += (ac - bc).square().sum().item() if torch.isfinite(ac).all() else float("inf")
+        ref += bc.square().sum().item()
+    return diff, ref
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64 (inf where ``a`` has a non-finite value)."""
+    diff, ref = squared_error_sums(a, b)
+    return diff**0.5 / max(ref**0.5, 1e-30)
+
+
+# ----------------------------------------------------------------------------- one case
+def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, strategies: list[str],
+             env: Env, args, ceilings) -> list[Row]:
+    cfg = layer.config
+    gen = torch.Generator(device=env.device).manual_seed(args.seed + 7919 * env.rank + tokens)
+    x = torch.randn(tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+    grad = torch.randn(tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+    indices = make_routing(cfg, routing, tokens, env, args.seed)
+    backward = mode == "fwdbwd"
+    params = [layer.experts.w_up, layer.experts.w_down, layer.router.weight]
+
+    def call():
+        xi = x.requires_grad_(backward) if backward else x
+        if backward:
+            for p in params:
+                p.grad = None
+            xi.grad = None
+        out = layer(xi, expert_indices=indices)
+        if backward:
+            out.backward(grad)
+        return out
+
+    # Correctness: every strategy against naive on the same inputs, before any timing.
+    results = {}
+    for strategy in ["naive"] + [s for s in strategies if s != "naive"]:
+        layer.set_strategy(strategy)
+        with torch.no_grad() if not backward else torch.enable_grad():
+            out = call()
+        results[strategy] = [out.detach().clone()] + (
+            [x.grad.clone(), layer.experts.w_up.grad.clone(), layer.router.weight.grad.clone()] if backward else [])
+    rows = []
+    naive_ms = None
+    for strategy in strategies:
+        row = Row(name, tokens, routing, mode, strategy, env.world)
+        errs = {}
+        for label, got, ref in zip(("out", "dx", "dw_up", "drouter"), results[strategy], results["naive"]):
+            errs[label] = reduce_max(env, rel_err(got, ref))
+        row.rel_err_vs_naive = errs
+        if strategy != "naive" and any(e > args.tolerance for e in errs.values()):
+            row.status = "WRONG"
+            rows.append(row)
+            continue
+        layer.set_strategy(strategy)
+        timer = time_cuda if env.cuda else time_cpu
+        ctx = torch.no_grad() if not backward else torch.enable_grad()
+        with ctx:
+            if env.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            call()
+            if env.cuda:
+                torch.cuda.synchronize()
+            row.first_call_ms = reduce_max(env, (time.perf_counter() - t0) * 1e3)
+            if getattr(args, "interleave", False):  # warm-ups now; the timed calls round-robin below
+                for _ in range(args.warmup):
+                    call()
+                times = []
+            else:
+                times = timer(call, args.warmup, args.iters, env)
+        row.times_ms = times
+        row.median_ms = reduce_max(env, statistics.median(times)) if times else None
+        if env.cuda:
+            row.peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
+        row.strategy_object = layer.strategy  # kept for the round-robin (caches such as the chosen degree)
+        rows.append(row)
+    if getattr(args, "interleave", False):
+        # Round-robin: timed call i of every strategy runs back to back, so clock and thermal
+        # drift over the case (seen on 2x H200: 7% between two runs of the SAME code path
+        # timed one after the other) falls on all strategies alike.
+        timed = [row for row in rows if row.status == "ok"]
+        ctx = torch.no_grad() if not backward else torch.enable_grad()
+        with ctx:
+            for _ in range(args.iters):
+                for row in timed:
+                    layer.strategy = row.strategy_object
+                    row.times_ms += (time_cuda if env.cuda else time_cpu)(call, 0, 1, env)
+        for row in timed:
+            row.median_ms = reduce_max(env, statistics.median(row.times_ms))
+    # Once more after the timing, against naive's output on the same inputs: strategies that
+    # cache work between calls (fused replays CUDA graphs from its second call per token count)
+    # are checked on what the timed calls ran, not only on their first call.
+    for row in rows:
+        if row.status != "ok" or row.strategy == "naive":
+            continue
+        layer.strategy = row.strategy_object
+        with torch.no_grad() if not backward else torch.enable_grad():
+            err = reduce_max(env, rel_err(call(), results["naive"][0]))
+        row.rel_err_vs_naive["out_after_timing"] = err
+        if err > args.tolerance:
+            row.status = "WRONG"
+    for row in rows:
+        row.__dict__.pop("strategy_object", None)
+        if row.status != "ok" or row.median_ms is None:
+            continue
+        row.floor_ms = floor_ms(cfg, tokens, env.world, mode, ceilings["matmul_tflops"], ceilings["peer_gbps"])
+        if row.floor_ms:
+            row.x_floor = row.median_ms / row.floor_ms
+        flops = cfg.flops_per_token() * tokens * (3 if backward else 1)
+        row.tflops = flops / (row.median_ms * 1e-3) / 1e12
+        if row.strategy == "naive":
+            naive_ms = row.median_ms
+    for row in rows:
+        if naive_ms and row.median_ms:
+            row.speedup_vs_naive = naive_ms / row.median_ms
+    x.requires_grad_(False)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    head = ("| config | tokens/GPU | routing | mode | strategy | median ms | × floor | vs naive | TFLOP/s "
+            "| peak GiB | max rel err vs naive | status |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        err = max(r.rel_err_vs_naive.values()) if r.rel_err_vs_naive else None
+        lines.append(
+            f"| {r.config} | {r.tokens} | {r.routing} | {r.mode} | {r.strategy} | {fmt(r.median_ms, '.3f')} | "
+            f"{fmt(r.x_floor, '.2f')} | {fmt(r.speedup_vs_naive, '.2f')} | {fmt(r.tflops, '.0f')} | "
+            f"{fmt(r.peak_gib, '.2f')} | {fmt(err, '.1e')} | {r.status} |"
+        )
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    """INTERLACE_COMMIT if set (copies without .git, e.g. the GPU machine), else git's HEAD."""
+    if os.environ.get("INTERLACE_COMMIT"):
+        return os.environ["INTERLACE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="interlace bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(PRESETS), help=f"preset names ({', '.join(PRESETS)})")
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per GPU")
+    p.add_argument("--routing", nargs="+", default=["random"], choices=ROUTINGS)
+    p.add_argument("--strategies", nargs="+", default=["naive", "sequential"])
+    p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interleave", action="store_true",
+                   help="time the strategies round-robin (call i of each back to back) instead of one after "
+                        "another, so drift over a case falls on all of them alike")
+    p.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs naive (bf16)")
+    p.add_argument("--out", default="bench-out", help="folder for results.json and results.md")
+    p.add_argument("--small", action="store_true", help="shrink every config (hidden/ffn ÷ 16) for CPU smoke runs")
+    args = p.parse_args(argv)
+    for s in args.strategies:
+        if s.partition(":")[0] not in STRATEGIES:
+            p.error(f"unknown strategy {s!r}; available: {', '.join(sorted(STRATEGIES))} "
+                    f"(with an argument as name:arg, e.g. pipelined:4, sequential:triton)")
+    if "naive" not in args.strategies:
+        args.strategies = ["naive"] + args.strategies  # speedups and checks are against naive
+    if args.warmup < 5 or args.iters < 20:
+        print("note: BENCHMARKS.md asks for >= 5 warm-up and >= 20 timed calls", file=sys.stderr)
+    return args
+
+
+def bench_config(name: str, small: bool) -> MoEConfig:
+    # BENCHMARKS.md: "random" routing is softmax top-k with random router weights, for every
+    # config (dsv3-like's sigmoid router costs the same; the protocol fixes softmax).
+    cfg = preset(name, router="softmax", route_scale=1.0)
+    if small:
+        cfg = cfg.with_(hidden=max(cfg.hidden // 16, 16), ffn=max(cfg.ffn // 16, 16),
+                        dtype=torch.float32 if not torch.cuda.is_available() else cfg.dtype)
+    return cfg
+
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    env = init_env()
+    if not env.cuda:
+        print("note: no CUDA device; timing the CPU path (numbers are not comparable to GPU rows)", file=sys.stderr)
+    ceilings = {"matmul_tflops": measure_matmul_tflops(env), "peer_gbps": measure_peer_gbps(env)}
+    if env.cuda:
+        ceilings["matmul_tflops"] = reduce_max(env, -ceilings["matmul_tflops"]) * -1  # slowest rank's peak
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "device": torch.cuda.get_device_name() if env.cuda else platform.processor() or "cpu",
+        "sm_count": torch.cuda.get_device_properties(env.device).multi_processor_count if env.cuda else None,
+        "world": env.world, "torch": torch.__version__,
+        "command": " ".join(sys.argv), "small": args.small, "ceilings": ceilings,
+    }
+    if env.rank == 0:
+        print(f"# interlace bench — {meta['device']} ×{env.world}, commit {meta['commit']}, torch {meta['torch']}")
+        print(f"# ceilings: bf16 matmul 8192³ {fmt(ceilings['matmul_tflops'], '.0f')} TFLOP/s, "
+              f"peer copy GPU0→GPU1 {fmt(ceilings['peer_gbps'], '.0f')} GB/s", flush=True)
+    rows: list[Row] = []
+    for name in args.configs:
+        cfg = bench_config(name, args.small)
+        layer = MoELayer(cfg, group=env.group, strategy="naive", seed=args.seed, device=env.device)
+        for mode in args.mode:
+            for tokens in args.tokens:
+                for routing in args.routing:
+                    case_rows = run_case(layer, name, tokens, routing, mode, args.strategies, env, args, ceilings)
+                    rows.extend(case_rows)
+                    if env.rank == 0:
+                        for r in case_rows:
+                            print(f"  {r.config:14s} T={r.tokens:<6d} {r.routing:8s} {r.mode:6s} {r.strategy:11s} "
+                                  f"{fmt(r.median_ms, '8.3f')} ms  ×floor {fmt(r.x_floor, '5.2f')}  "
+                                  f"vs naive {fmt(r.speedup_vs_naive, '5.2f')}  {r.status}", flush=True)
+        del layer
+        if env.cuda:
+            torch.cuda.empty_cache()
+    if env.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        table = markdown_table(rows)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(f"{meta['date']} · {meta['device']} ×{env.world} · commit {meta['commit']} · "
+                    f"matmul {fmt(ceilings['matmul_tflops'], '.0f')} TFLOP/s · peer {fmt(ceilings['peer_gbps'], '.0f')} GB/s\n\n")
+            f.write(table + "\n")
+        print()
+        print(table)
+    if dist.is_initialized():
+        dist.barrier()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

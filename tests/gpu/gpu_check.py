@@ -1,0 +1,169 @@
+"""GPU correctness check: every strategy against an fp32 reference, bf16 tolerances.
+
+    torchrun --nproc-per-node W tests/gpu/gpu_check.py        (any W; configs whose experts do not
+                                                             divide over W are skipped, said so)
+
+Runs the routing cases of the CPU tests (random, balanced, all tokens to one expert, a rank
+that receives nothing, an empty rank, an empty batch) on several configs, forward and
+backward, checks outputs and every gradient, that two runs are bitwise identical
+(deterministic combine), and that a NaN token stays in its own row. Exits non-zero on any
+failure; prints one line per check and a summary last. ``GPU_CHECK_CONFIGS``,
+``GPU_CHECK_CASES`` and ``GPU_CHECK_STRATEGIES`` (space-separated names) narrow it to a subset,
+e.g. to repeat one failing check under ``CUDA_LAUNCH_BLOCKING=1``.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cases import CASES, case_indices, case_tokens  # noqa: E402
+
+from interlace import MoEConfig, MoELayer, reference_moe  # noqa: E402
+from interlace.experts import init_expert_weights  # noqa: E402
+from interlace.routing import Router  # noqa: E402
+from interlace.parallel import release_shared_buffers  # noqa: E402
+
+TOL = 2e-2  # bf16 layer vs fp32 reference, relative ‖·‖₂
+CONFIGS = {
+    "swiglu-16e": MoEConfig(hidden=1024, ffn=768, num_experts=16, top_k=4),
+    "capacity": MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2, capacity_factor=0.7),
+    "sigmoid-64e": MoEConfig(hidden=2048, ffn=256, num_experts=64, top_k=8, router="sigmoid", renormalize=True,
+                             route_scale=2.5),
+    "gelu": MoEConfig(hidden=256, ffn=512, num_experts=4, top_k=1, activation="gelu"),
+    # hidden ≥ 4096: fused's layer0 gathers its local rows first and joins gate and up (gather0 / joint0 auto)
+    "swiglu-h4096": MoEConfig(hidden=4096, ffn=384, num_experts=8, top_k=2),
+}
+
+
+def _only(name: str, default):
+    """The names in env ``name`` (space-separated) that are in ``default``, or all of it."""
+    chosen = os.environ.get(name, "").split()
+    unknown = [c for c in chosen if c not in default]
+    if unknown:
+        raise SystemExit(f"{name}: unknown {unknown}; choose from {list(default)}")
+    return [d for d in default if not chosen or d in chosen]
+
+
+def rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def zero_if_none(grad, like):
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def main():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures, checks = [], 0
+
+    def report(ok, what):
+        nonlocal checks
+        checks += 1
+        if not ok:
+            failures.append(what)
+        if rank == 0 or not ok:
+            print(("PASS " if ok else "FAIL ") + what, flush=True)
+
+    configs = _only("GPU_CHECK_CONFIGS", CONFIGS)
+    cases = _only("GPU_CHECK_CASES", CASES)
+    strategies = _only("GPU_CHECK_STRATEGIES",
+                       ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train"))
+    for name in configs:
+        cfg = CONFIGS[name]
+        if cfg.num_experts % world:
+            if rank == 0:
+                print(f"SKIP {name}: {cfg.num_experts} experts do not divide over {world} ranks", flush=True)
+            continue
+        seed = 3
+        rw = Router(cfg, seed, dev).weight.detach().float()
+        wu, wd = (w.float() for w in init_expert_weights(cfg, range(cfg.num_experts), seed, dev))
+        for case in cases:
+            tokens = case_tokens(case, world, base=256)
+            indices = case_indices(case, cfg, world, tokens, seed=1)
+            indices = None if indices is None else [i.to(dev) for i in indices]
+            gen = torch.Generator(device=dev).manual_seed(11)
+            xs = [torch.randn(T, cfg.hidden, device=dev, generator=gen).to(cfg.dtype) for T in tokens]
+            gs = [torch.randn(T, cfg.hidden, device=dev, generator=gen).to(cfg.dtype) for T in tokens]
+            # fp32 reference (every rank computes it for all ranks' tokens).
+            rwr, wur, wdr = (t.clone().requires_grad_() for t in (rw, wu, wd))
+            ref_out, ref_dx = [], []
+            for r in range(world):
+                xr = xs[r].float().requires_grad_()
+                out, _ = reference_moe(xr, rwr, wur, wdr, cfg, compute_dtype=torch.float32,
+                                       expert_indices=None if indices is None else indices[r])
+                loss = (out * gs[r].float()).sum()
+                if loss.requires_grad:  # a rank with no tokens contributes no gradient
+                    loss.backward()
+                ref_out.append(out.detach())
+                ref_dx.append(xr.grad if xr.grad is not None else torch.zeros_like(xr))
+            # sequential:triton: interlace's expert kernels (forward and backward) in sequential;
+            # fused: its kernels forward, sequential's backward (the default train path);
+            # fused:train: the fused kernels both ways.
+            for strategy in strategies:
+                layer = MoELayer(cfg, strategy=strategy, seed=seed, device=dev)
+                lo, hi = layer.ep.first_expert, layer.ep.first_expert + layer.ep.num_local
+                runs = []
+                # fused:train: the first call eager, the second captures its CUDA graphs, the third replays them
+                for _ in range(3 if strategy == "fused:train" else 2):
+                    layer.zero_grad(set_to_none=True)
+                    x = xs[rank].clone().requires_grad_()
+                    out = layer(x, expert_indices=None if indices is None else indices[rank])
+                    out.backward(gs[rank])
+                    drouter = layer.router.weight.grad.clone()
+                    dist.all_reduce(drouter)
+                    runs.append([out, x.grad, drouter, layer.experts.w_up.grad.clone(),
+                                 layer.experts.w_down.grad.clone()])
+                torch.cuda.synchronize()
+                out, dx, drouter, dwu, dwd = runs[0]
+                where = f"{name:12s} {case:22s} {strategy:10s} rank {rank}"
+                errs = [rel(out, ref_out[rank]), rel(dx, ref_dx[rank]) if tokens[rank] else 0.0,
+                        rel(drouter, zero_if_none(rwr.grad, rwr)), rel(dwu, zero_if_none(wur.grad, wur)[lo:hi]),
+                        rel(dwd, zero_if_none(wdr.grad, wdr)[lo:hi])]
+                report(all(e < TOL for e in errs),
+                       f"{where} rel err out {errs[0]:.1e} dx {errs[1]:.1e} drouter {errs[2]:.1e} "
+                       f"dw_up {errs[3]:.1e} dw_down {errs[4]:.1e}")
+                if strategy != "naive":
+                    same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run) if a is not None)
+                    report(same, f"{where} bitwise identical across {len(runs)} runs")
+
+    # A NaN token stays in its own row.
+    cfg = CONFIGS["swiglu-16e"]
+    if os.environ.get("GPU_CHECK_CONFIGS") and "swiglu-16e" not in configs:
+        strategies_nan = ()
+    else:
+        strategies_nan = ("naive", "sequential")
+    x = torch.randn(300, cfg.hidden, device=dev).to(cfg.dtype)
+    for strategy in strategies_nan:
+        layer = MoELayer(cfg, strategy=strategy, seed=0, device=dev)
+        clean = layer(x)
+        bad = x.clone()
+        bad[7, 3] = float("nan")
+        out = layer(bad)
+        others = torch.ones(300, dtype=torch.bool, device=dev)
+        others[7] = False
+        err = rel(out[others], clean[others])
+        report(bool(torch.isnan(out[7]).all()) and err < TOL,
+               f"nan-row {strategy:10s} rank {rank}: NaN only in its own row; other rows rel change {err:.1e}, "
+               f"bitwise equal: {torch.equal(out[others], clean[others])}")
+
+    total_fail = torch.tensor([len(failures)], device=dev)
+    dist.all_reduce(total_fail)
+    if rank == 0:
+        print(f"\ngpu_check: {checks * world - int(total_fail)} passed, {int(total_fail)} failed "
+              f"({world} ranks, {torch.cuda.get_device_name()})")
+    release_shared_buffers()  # before the group goes: see its docstring
+    dist.destroy_process_group()
+    sys.exit(1 if int(total_fail) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""Triton expert GEMMs (fused gather, SwiGLU epilogue) against the torch path, interpreter,
+ragged groups (0 and 1 rows, rows not divisible by the tile height), outputs poisoned."""
+
+import pytest
+import torch
+
+from helpers import rel_err
+from interlace.kernels.activation import activation_reference
+from interlace.kernels.expert_gemm.grouped_gemm import TritonExpertFFN, expert_ffn_triton, tile_schedule, use_tma
+
+
+def reference(x, gather, divisor, w_up, w_down, counts, activation):
+    xg = x[gather.long() // divisor] if gather is not None else x
+    outs, hs, start = [], [], 0
+    for e, c in enumerate(counts):
+        h = xg[start:start + c].double() @ w_up[e].double().t()
+        hs.append(h)
+        outs.append(activation_reference(h, activation) @ w_down[e].double().t())
+        start += c
+    return torch.cat(outs), torch.cat(hs)
+
+
+@pytest.mark.parametrize("counts", [[0, 1, 17, 0, 33], [5], [0, 0, 0], [16, 16, 15, 2]])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_expert_ffn_triton_matches_reference(counts, activation, gathered):
+    N, K, E = 24, 40, len(counts)
+    up = 2 * K if activation == "swiglu" else K
+    M = sum(counts)
+    w_up = torch.randn(E, up, N) / N**0.5
+    w_down = torch.randn(E, N, K) / K**0.5
+    divisor = 3 if gathered else 1
+    x = torch.randn(M + 7, N)
+    gather = torch.randint(0, x.shape[0] * divisor, (M,), dtype=torch.int32) if gathered else None
+    if not gathered:
+        x = x[:M].contiguous()
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    y, h = expert_ffn_triton(x, gather, divisor, M, w_up, w_down, ends, activation, store_h=True)
+    y_ref, h_ref = reference(x, gather, divisor, w_up, w_down, counts, activation)
+    if M:
+        assert rel_err(y, y_ref) < 1e-5 and rel_err(h, h_ref) < 1e-5
+
+
+def test_tile_schedule_covers_every_row_once():
+    counts = [0, 1, 17, 0, 33, 16]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    sched = tile_schedule(ends, sum(counts), 16)
+    n = int(sched.count)
+    assert n == sum((c + 15) // 16 for c in counts)
+    rows = []
+    for t in range(n):
+        e, s, stop = int(sched.expert[t]), int(sched.start[t]), int(sched.end[t])
+        lo = int(ends[e]) - counts[e]
+        assert lo <= s < stop <= int(ends[e]) and stop - s <= 16
+        rows += list(range(s, stop))
+    assert rows == list(range(sum(counts)))  # expert-major, every row exactly once
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("mode", ["plain", "bijection", "k-way"])
+@pytest.mark.parametrize("wgrad_gather", ["copy", "fused"])
+def test_triton_expert_ffn_backward_matches_reference(activation, mode, wgrad_gather, monkeypatch):
+    """dW_up with x's rows gathered first (default) and through the index inside the kernel."""
+    monkeypatch.setenv("INTERLACE_WGRAD_GATHER", wgrad_gather)
+    check_forward_backward(activation, mode, [3, 0, 17, 1])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_tma_descriptors_and_swizzled_order_match_reference(activation, monkeypatch):
+    """The Hopper path (weights through tensor descriptors, run by the interpreter), with L2
+    swizzle groups of 2 row tiles (7 tiles: groups and a partial last one) and the flattened
+    persistent loop, forward and backward."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_ACT", "INTERLACE_BWD_DX", "INTERLACE_WGRAD"):
+        monkeypatch.setenv(name, "16,16,16,4,1,2,1")
+    w = torch.randn(2, 32, 16)
+    assert use_tma(w) and not use_tma(w[:, :, :15])  # 60-byte rows cannot be a descriptor's
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+def test_backward_steps_never_hold_dx_rows_and_the_gathered_copy_together(monkeypatch):
+    """dW_up's gathered copy of x's rows and dx_rows are both R × N: dx_rows is allocated only at
+    its step, after dW_up (whose copy is freed when it returns), and the outputs still match
+    the reference."""
+    from interlace.kernels.expert_gemm import grouped_gemm as gg
+
+    counts, N, K = [3, 0, 17, 1], 16, 40
+    E, R = len(counts), sum(counts)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(R + 2, N)
+    gather = torch.randperm(R + 2)[:R].to(torch.int32)
+    w_up, w_down = torch.randn(E, 2 * K, N) / 4, torch.randn(E, N, K) / 6
+    _, h, act = gg.expert_ffn_triton(x, gather, 1, R, w_up, w_down, ends, "swiglu", store_h=True, return_act=True)
+    dy = torch.randn(R, N)
+    live = []
+    import interlace.kernels.rows as rows
+
+    real_gather_rows = rows.gather_rows
+
+    def spy(src, index, divisor=1):
+        live.append("copy")
+        return real_gather_rows(src, index, divisor)
+
+    monkeypatch.setattr(rows, "gather_rows", spy)
+    outputs, steps = gg.backward_steps(dy, x, gather, 1, w_up, w_down, ends, "swiglu", h, act)
+    assert [name for name, _, _ in steps] == ["d_pre_act", "dw_down", "dw_up", "dx"]
+    for name, _, run_step in steps:
+        run_step()
+        assert (outputs[0] is None) == (name != "dx"), name  # dx_rows exists only from its own step on
+    assert live == ["copy"]  # the dW_up step made its gathered copy (then dropped it)
+    ref_x = x[gather.long()].double().requires_grad_()
+    ref_up, ref_down = w_up.double().requires_grad_(), w_down.double().requires_grad_()
+    out = []
+    for e, (lo, hi) in enumerate(zip([0] + ends[:-1].tolist(), ends.tolist())):
+        hh = ref_x[lo:hi] @ ref_up[e].T
+        out.append((torch.nn.functional.silu(hh[:, :K]) * hh[:, K:]) @ ref_down[e].T)
+    torch.cat(out).backward(dy.double())
+    for got, want in zip(outputs, (ref_x.grad, ref_up.grad, ref_down.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def check_forward_backward(activation, mode, counts, N=16, K=40):
+    E = len(counts)
+    up = 2 * K if activation == "swiglu" else K
+    M = sum(counts)
+    w_up = (torch.randn(E, up, N) / 4).requires_grad_()
+    w_down = (torch.randn(E, N, K) / 6).requires_grad_()
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    if mode == "plain":
+        x = torch.randn(M, N, requires_grad=True)
+        gather, divisor, ungather = None, 1, None
+    elif mode == "bijection":
+        x = torch.randn(M, N, requires_grad=True)
+        gather = torch.randperm(M).to(torch.int32)
+        divisor, ungather = 1, torch.empty(M, dtype=torch.int32)
+        ungather[gather.long()] = torch.arange(M, dtype=torch.int32)
+    else:  # each token read by up to k = 2 rows, as in the world-size-1 dispatch
+        T, divisor = (M + 1) // 2 + 3, 2
+        x = torch.randn(T, N, requires_grad=True)
+        gather = torch.randperm(T * divisor)[:M].to(torch.int32)
+        ungather = torch.full((T, divisor), -1, dtype=torch.int32)
+        ungather.view(-1)[gather.long()] = torch.arange(M, dtype=torch.int32)
+    y = TritonExpertFFN.apply(x, w_up, w_down, gather, divisor, M, ends, activation, ungather)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x2, wu2, wd2 = (t.detach().double().requires_grad_() for t in (x, w_up, w_down))
+    y_ref, _ = reference(x2, gather, divisor, wu2, wd2, counts, activation)
+    y_ref.backward(g.double())
+    assert rel_err(y, y_ref) < 1e-5
+    for got, ref in ((x.grad, x2.grad), (w_up.grad, wu2.grad), (w_down.grad, wd2.grad)):
+        assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_unfused_activation_gradient_matches_reference(activation, monkeypatch):
+    """d(pre-activation) with SwiGLU's derivative in a separate pass (``unfused_act``; GELU keeps
+    its epilogue), forward and backward against the fp64 reference."""
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1")
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+def test_swiglu_backward_into_out_uses_the_first_rows_of_h():
+    from interlace.kernels.activation import swiglu_backward
+
+    h, g = torch.randn(9, 10), torch.randn(7, 5)
+    out = torch.full((7, 10), float("nan"))
+    assert swiglu_backward(h, g, out=out) is out
+    hr = h[:7].double().requires_grad_()
+    activation_reference(hr, "swiglu").backward(g.double())
+    assert rel_err(out, hr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_swiglu_backward_regions_writes_only_the_used_rows(interpret, monkeypatch):
+    """The fused backward's derivative over W regions of which only the first used[s] rows hold
+    data: those rows match the reference (a full region, an empty one, a partial one; a block
+    of the kernel spans a region boundary), and the rows past them are not written."""
+    import interlace.kernels.activation as act
+
+    monkeypatch.setattr(act, "use_triton", lambda t: interpret)
+    region, K = 7, 150  # 7·150 elements per region: blocks of 1024 cross region boundaries
+    used = torch.tensor([7, 0, 3, 5], dtype=torch.int32)
+    h, g = torch.randn(4 * region, 2 * K), torch.randn(4 * region, K)
+    out = act.swiglu_backward_regions(h, g, used, region)
+    hr = h.double().requires_grad_()
+    activation_reference(hr, "swiglu").backward(g.double())
+    rows = (torch.arange(region)[None, :] < used[:, None].long()).reshape(-1)
+    assert rel_err(out[rows], hr.grad[rows]) < 1e-5
+    assert torch.isnan(out[~rows]).all(), "rows past used[s] must stay untouched"
+    with pytest.raises(ValueError, match="4 regions of 6 rows"):
+        act.swiglu_backward_regions(h, g, used, 6)
+
+
+@pytest.mark.parametrize("a_tma", [0, 1])
+def test_joint_gate_up_matches_reference(a_tma, monkeypatch):
+    """GEMM0 with gate and up as one 3-D descriptor block and one double-width dot (``joint``):
+    K = 24 is not a multiple of the 16-column block, so the last block's gate and up planes run
+    past K (zeros from the descriptor, masked columns), gathered (k-way) and contiguous A rows."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_GEMM0", f"16,16,16,4,1,2,1,0,{a_tma},0,1")
+    check_forward_backward("swiglu", "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    if a_tma:  # GELU has no up projection: joint is ignored, not an error
+        check_forward_backward("gelu", "plain", [3, 0, 17, 1], N=32, K=24)
+
+
+@pytest.mark.parametrize("mode,persistent", [("plain", 0), ("k-way", 0), ("plain", 1), ("plain", 2), ("k-way", 2)])
+def test_tma_fed_rows_match_reference(mode, persistent, monkeypatch):
+    """Configs with the A rows through a descriptor too (``a_tma``; a gathered A is copied
+    contiguous first): tiles of 16 rows over ragged experts, so a tile's A block runs into the
+    next expert's rows (and past the last row), which must land only in masked output rows.
+    The weight gradients read whole 16-row blocks of an expert's rows through descriptors and
+    its last partial block (17, 33 rows) through masked loads; ``persistent``: four programs loop
+    over the weight-gradient blocks and store them through a descriptor (2: in one flat loop over
+    the blocks' row blocks, the rows past an expert's end zeroed, one step for an empty expert)."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    for name in ("INTERLACE_GEMM0", "INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+        monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1")
+    monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1")
+    check_forward_backward("swiglu", mode, [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+@pytest.mark.parametrize("num_seg", [0, 2])
+def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg, monkeypatch):
+    """The flat weight-gradient loop (``persistent = 2``) reads whole 16-row steps through its
+    window maps; the rows of a step past its run's end must read as zeros in a and b. Here every
+    row that is not a run's (the gaps between runs, and the row after the last) holds NaN, and
+    each run is a few rows short of a step or ends exactly on one, the first one at row 0; an
+    expert with no rows at all gets an all-zero block. Runs per source (``num_seg = 2``, the fused
+    training path) leave gaps; with ``ends`` (0) the runs are back to back, so the rows past a
+    run are the next expert's."""
+    import interlace.kernels.expert_gemm.grouped_gemm as gg
+    from interlace.tuning.tables import GemmConfig
+
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    g = torch.Generator().manual_seed(7)
+    E, P, Q = 4, 32, 48
+    counts = [[5, 17, 0, 16], [16, 0, 0, 3]] if num_seg else [[5, 17, 0, 16]]
+    starts, row, gap = [], 0, 2 if num_seg else 0
+    for seg in counts:
+        starts.append([])
+        for c in seg:
+            starts[-1].append(row)
+            row += c + gap
+    R = row + 1
+    a = torch.full((R, P), float("nan"))
+    b = torch.full((R, Q), float("nan"))
+    ref = torch.zeros(E, P, Q, dtype=torch.float64)
+    for seg_starts, seg_counts in zip(starts, counts):
+        for e, (s0, c) in enumerate(zip(seg_starts, seg_counts)):
+            a[s0:s0 + c] = torch.randn(c, P, generator=g)
+            b[s0:s0 + c] = torch.randn(c, Q, generator=g)
+            ref[e] += a[s0:s0 + c].double().T @ b[s0:s0 + c].double()
+    if num_seg:
+        segments, ends = torch.tensor([starts, counts], dtype=torch.int32), None
+    else:  # back to back: the last row (NaN) is past the last expert's end
+        segments, ends = None, torch.tensor(counts[0], dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = torch.full((E, P, Q), float("nan"))
+    gg._ensure_allocator()
+    gg._launch_wgrad(a, b, None, 1, out, ends, P, Q, GemmConfig(16, 16, 16, 4, 1, 2, 0, 0, 1, 2),
+                     segments=segments, tma=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+def test_tabled_flat_d_act_config_runs_for_every_activation(activation, monkeypatch):
+    """A d(act) table entry with the flat loop (``persistent = 2``, ``unfused_act``), as the H200
+    tables hold for SwiGLU shapes: a GELU or ReLU layer borrowing it computes the derivative in
+    the epilogue, which the flat loop has no form of, so it runs the nested kernel instead of
+    failing (gpu_check's GELU config raised on 2× H200, docs/benchmarks.md run 135). Given
+    explicitly, the config stays an error (the test above)."""
+    from interlace.kernels.expert_gemm import grouped_gemm as gg
+
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    flat = gg.GemmConfig(16, 16, 16, 4, 1, 2, 0, 1, 1, 2)
+    real_choose = gg._choose
+
+    def tabled(kernels, *args):  # the tables' choice, as on a GPU
+        configs, _ = real_choose(kernels, *args)
+        if kernels is gg.BACKWARD_KERNELS:
+            return (flat,) + tuple(configs[1:]), "bwd_act tuned; bwd_dx tuned; wgrad tuned"
+        return configs, "tuned"
+
+    monkeypatch.setattr(gg, "_choose", tabled)
+    ca = gg.choose_backward_configs(torch.randn(4, 32), torch.randn(2, 32, 24), 4, activation)[0]
+    assert ca.persistent == (2 if activation == "swiglu" else 0)
+    check_forward_backward(activation, "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+
+
+@pytest.mark.parametrize("a_tma", [0, 1])
+def test_tma_stored_tiles_match_reference(a_tma, monkeypatch):
+    """``tma_store``: the plain-epilogue GEMMs (GEMM1, dx, d(act) with ``unfused_act``) store full
+    16-row tiles through a descriptor and partial ones (1, 17, 33 rows) masked; a full tile's box
+    must not reach the next expert's rows, nor a partial tile's store skip any (outputs poisoned)."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    for name in ("INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+        monkeypatch.setenv(name, f"16,16,16,4,1,2,0,0,{a_tma},0,0,1")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", f"16,16,16,4,1,2,0,1,{a_tma},0,0,1")
+    check_forward_backward("swiglu", "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    check_forward_backward("gelu", "plain", [16, 0, 3, 32], N=32, K=24)
+
+
+@pytest.mark.parametrize("joint", [0, 1])
+def test_flat_loop_gemms_match_reference(joint, monkeypatch):
+    """``persistent = 2`` for GEMM0 and the plain-epilogue GEMMs: one flat loop over (tile, k step)
+    steps, A, B and the outputs through descriptors; a partial tile (1, 17, 33 rows) stores through
+    a descriptor ending at its last row, which must clip the next expert's rows (outputs
+    poisoned). K = 24 with 16-wide blocks: the last column block runs past K. The training
+    forward stores h (masked) from the same loop; GELU takes one dot, SwiGLU one joint or two."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_GEMM0", f"16,16,16,4,1,2,0,0,1,2,{joint}")
+    for name in ("INTERLACE_GEMM1", "INTERLACE_BWD_DX"):
+        monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,1,2")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,1,1,2")
+    check_forward_backward("swiglu", "k-way", [0, 1, 17, 0, 33, 16], N=32, K=24)
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,0,1,0")  # GELU's derivative runs in the epilogue
+    check_forward_backward("gelu", "plain", [16, 0, 3, 32], N=32, K=24)
+
+
+def test_flat_loop_with_an_activation_gradient_epilogue_is_refused(monkeypatch):
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_BWD_ACT", "16,16,16,4,1,2,0,0,1,2")  # fused derivative, flat loop
+    with pytest.raises(ValueError, match="persistent = 2"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
+@pytest.mark.parametrize("name", ["INTERLACE_GEMM1", "INTERLACE_WGRAD"])
+def test_persistent_without_tma_rows_is_refused(name, monkeypatch):
+    """``persistent`` reads rows through descriptors: without ``a_tma`` it is an error, not a
+    silent switch to another kernel."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv(name, "16,16,16,4,1,2,0,0,0,2")
+    with pytest.raises(ValueError, match="needs a_tma"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
+def test_tma_store_with_flatten_is_refused(monkeypatch):
+    """Triton 3.6 cannot compile the branch between the two stores inside a flattened loop
+    (FuseNestedLoops fails on sm90), so the combination is an error, not a silent fallback."""
+    monkeypatch.setenv("INTERLACE_TMA", "1")
+    monkeypatch.setenv("INTERLACE_GEMM1", "16,16,16,4,1,2,1,0,0,0,0,1")
+    with pytest.raises(ValueError, match="tma_store"):
+        check_forward_backward("swiglu", "plain", [3, 17], N=32, K=24)
+
+
+# Compiles a kernel for sm90 without a GPU (a child process: the tests' interpreter mode
+# replaces the kernels): bf16 data pointers, int32 tile lists and sizes, 16-divisible pointers and dims.
+_SM90_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import interlace.kernels.expert_gemm.grouped_gemm as gg
+
+DATA = ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "a_ptr", "b_ptr")
+
+
+def compile_sm90(kernel, constexprs, warps, stages):
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        pointer = name.endswith("_ptr")
+        sig[name] = ("*bf16" if name in DATA else "*i32") if pointer else "i32"
+        if pointer or name in ("N", "K", "COLS", "RED", "P", "Q"):  # (16-divisible, as on launch)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+"""
+
+
+def _run_sm90(script: str):
+    """Runs ``_SM90_COMPILE + script`` in a child process; returns its last stdout line as JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE + script], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+_SM90_JOINT = r"""
+constexprs = dict(ACTIVATION=0, HAS_GATHER=True, STORE_H=False, USE_TMA=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                  GROUP_M=8, FLATTEN=False, A_TMA=False, JOINT=True, TMA_STORE=False)
+ptx = compile_sm90(gg._gemm0_kernel, constexprs, 8, 4).asm["ptx"]
+print(json.dumps(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)|cp\.async\.bulk\.tensor\.(\dd)",
+                                       ptx)))))
+"""
+
+
+def test_joint_gate_up_compiles_to_one_wide_wgmma():
+    """With ``joint`` the sm90 code of GEMM0 (128 × 128 tiles of gate and up) issues n256 wgmma
+    instructions fed by 3-D TMA loads: one double-width dot, not two n128 ones. Compiled without
+    a GPU in a child process (the tests' interpreter mode replaces the kernels)."""
+    found = _run_sm90(_SM90_JOINT)
+    assert ["m64n256k16", ""] in found and ["", "3d"] in found, found
+    assert ["m64n128k16", ""] not in found, found
+
+
+_SM90_TABLE_CONFIGS = r"""
+from interlace.tuning.tables import PACKAGED_DIR, GemmConfig
+
+# What each table's kernel launches with a config (grouped_gemm's launchers, SwiGLU, Hopper).
+jobs = set()
+for path in sorted(PACKAGED_DIR.glob("expert_*-NVIDIA_H*.json")):
+    table = path.name.split("-")[0].replace("expert_gemm0_train", "expert_gemm0")  # the same kernel
+    for entry in json.loads(path.read_text())["entries"]:
+        c = GemmConfig(**entry["config"])
+        if not (c.tma_store or c.persistent == 2) or table == "expert_wgrad":
+            continue
+        blocks = (("BLOCK_M", c.block_m), ("BLOCK_N", c.block_n), ("BLOCK_K", c.block_k), ("GROUP_M", c.group_m))
+        for store_h in ((False, True) if table == "expert_gemm0" else (False,)):
+            if table == "expert_gemm0" and c.persistent == 2:
+                jobs.add(("_gemm0_flat_kernel", blocks + (("ACTIVATION", 0), ("STORE_H", store_h),
+                          ("JOINT", bool(c.joint))), c.num_warps, gg._gemm0_flat_stages(c, store_h)))
+            elif table == "expert_gemm0":
+                jobs.add(("_gemm0_kernel", blocks + (("ACTIVATION", 0), ("HAS_GATHER", not c.a_tma), ("STORE_H", store_h),
+                          ("USE_TMA", True), ("FLATTEN", bool(c.flatten)), ("A_TMA", bool(c.a_tma)),
+                          ("JOINT", bool(c.joint)), ("TMA_STORE", True)), c.num_warps, c.num_stages))
+            elif c.persistent == 2:
+                jobs.add(("_gemm_flat_kernel", blocks + (("B_TRANS", table == "expert_gemm1"),), c.num_warps,
+                          c.num_stages))
+            else:
+                jobs.add(("_gemm_kernel", blocks + (("B_TRANS", table == "expert_gemm1"), ("EPILOGUE", 0),
+                          ("USE_TMA", True), ("FLATTEN", bool(c.flatten)), ("A_TMA", bool(c.a_tma)),
+                          ("TMA_STORE", True)), c.num_warps, c.num_stages))
+found = []
+for name, constexprs, warps, stages in sorted(jobs, key=str):
+    k = compile_sm90(getattr(gg, name), dict(constexprs), warps, stages)
+    found.append([name, dict(constexprs), warps, stages, k.metadata.shared,
+                  len(re.findall(r"cp\.async\.bulk\.tensor\.[2-5]d\.global\.shared", k.asm["ptx"]))])
+print(json.dumps(found))
+"""
+
+
+def test_table_configs_with_tma_stores_fit_hopper_shared_memory():
+    """Every packaged H200 table entry that uses a TMA store or the flat loop compiles for sm90
+    within the 227 KB of shared memory a Hopper block may have, as the launcher runs it (GEMM0
+    with and without storing h), and issues TMA stores. A config over the limit only fails at
+    launch on the GPU (e.g. the flat GEMM0 at 4 stages while storing h, which the launcher caps
+    at 3 stages); this catches it on the CPU. Compiled in a child process (no interpreter)."""
+    found = _run_sm90(_SM90_TABLE_CONFIGS)
+    kernels = {f[0] for f in found}
+    assert {"_gemm0_flat_kernel", "_gemm_flat_kernel"} <= kernels, kernels  # the tables use the flat loops
+    for name, constexprs, warps, stages, shared, tma_stores in found:
+        assert shared <= 232448, (name, constexprs, warps, stages, shared)  # sm90's opt-in maximum per block
+        assert tma_stores >= 1, (name, constexprs)
+
+
+_SM90_WGRAD_FLAT = r"""
+from interlace.tuning.tables import PACKAGED_DIR, GemmConfig
+
+configs = set()
+for path in sorted(PACKAGED_DIR.glob("expert_wgrad-NVIDIA_H*.json")):
+    for entry in json.loads(path.read_text())["entries"]:
+        c = GemmConfig(**entry["config"])
+        if c.persistent == 2:
+            configs.add((c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages))
+found = []
+for bm, bn, bk, gm, warps, stages in sorted(configs):
+    for num_seg in (0, 2):
+        constexprs = dict(BLOCK_P=bm, BLOCK_Q=bn, BLOCK_R=bk, GROUP_P=gm, NUM_SEG=num_seg, BLOCK_I=256)
+        k = compile_sm90(gg._wgrad_flat_kernel, constexprs, warps, stages)
+        ptx = k.asm["ptx"]
+        found.append([constexprs, k.metadata.shared, ptx.count("fence.proxy.tensormap"),
+                      ptx.count("cp.async.bulk.tensor.3d.shared"), ptx.count("wgmma.mma_async")])
+print(json.dumps(found))
+"""
+
+
+def test_flat_weight_gradient_makes_its_maps_once():
+    """The packaged H200 weight-gradient configs' flat kernel, compiled for sm90: it fits in
+    shared memory, reads its rows through the 3-D window maps (TMA loads of 3-D boxes), and makes
+    exactly its three tensor maps (a's window, b's, the output's), one proxy fence each, all before
+    the loop: a map made per run inside it cost 5-10% at 4096 tokens (run 138)."""
+    found = _run_sm90(_SM90_WGRAD_FLAT)
+    assert found, "no flat weight-gradient config in the packaged tables"
+    for constexprs, shared, fences, loads_3d, wgmma in found:
+        assert shared <= 232448, (constexprs, shared)
+        assert fences == 3, (constexprs, fences)
+        assert loads_3d >= 1 and wgmma >= 1, (constexprs, loads_3d, wgmma)
