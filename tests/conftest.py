@@ -22,3 +22,13 @@ def poisoned_outputs():
     torch.manual_seed(1234)
     yield
     alloc.poison(False)
+
+
+@pytest.fixture(autouse=True)
+def _environment_read_again():
+    """Tests that set an ``INTERLACE_*`` variable through monkeypatch call ``env.refresh()``;
+    this fixture's teardown runs after monkeypatch's undo and reads the restored values."""
+    yield
+    from interlace import env
+
+    env.refresh()

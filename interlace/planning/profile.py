@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from interlace.config import MoEConfig
 from interlace.planning.pipemoe.models import AlphaBeta, SizeCurve
+from interlace import env
 
 PROFILE_VERSION = 1
 PACKAGED_DIR = Path(__file__).resolve().parent.parent / "tuning" / "profiles"
@@ -54,7 +55,7 @@ PACKAGED_DIR = Path(__file__).resolve().parent.parent / "tuning" / "profiles"
 
 # ----------------------------------------------------------------------------- keys and storage
 def profile_dir() -> Path:
-    return Path(os.environ.get("INTERLACE_PROFILE_DIR", Path.home() / ".cache" / "interlace" / "profiles"))
+    return env.get().profile_dir
 
 
 def machine_key(world: int, device: torch.device) -> str:

@@ -79,7 +79,7 @@ def _time_ms(fn, iters: int) -> float:
 def main(argv=None) -> list[dict]:
     import torch.distributed._symmetric_memory as symm_mem
 
-    from interlace.tools.bench import init_env
+    from interlace.tools.bench import git_commit, init_env
 
     p = argparse.ArgumentParser(prog="python -m interlace.tools.peer_bandwidth", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=64, help="MiB moved per call")
@@ -142,7 +142,7 @@ def main(argv=None) -> list[dict]:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "peer_bandwidth.json"), "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), world=env.world, mib=args.mb, hidden=args.hidden,
-                           commit=os.environ.get("INTERLACE_COMMIT"), results=results), f, indent=1)
+                           commit=git_commit(), results=results), f, indent=1)
     dist.barrier()
     del peer, hdl
     return results

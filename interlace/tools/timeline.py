@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     times = {k: reduce_max(env, v) for k, v in times.items()}
     gpu = env.cuda
     device = torch.cuda.get_device_name() if gpu else "cpu (interpreter, logical clock)"
-    commit = os.environ.get("INTERLACE_COMMIT") or git_commit()
+    commit = git_commit()
     n_comm, n_comm1 = strategy.split
     title = (f"interlace fused timeline — {args.config}{' (small)' if args.small else ''}, T={args.tokens}/rank, "
              f"{args.routing} routing, rank {env.rank} of {env.world}\n"

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import triton
+from interlace import env
 
 PACKAGED_DIR = Path(__file__).resolve().parent
 
@@ -86,7 +87,8 @@ def table_key(kernel: str, device_name: str, sm_count: int, triton_version: str 
 
 
 def tuning_dirs() -> list[Path]:
-    dirs = [Path(os.environ["INTERLACE_TUNING_DIR"])] if os.environ.get("INTERLACE_TUNING_DIR") else []
+    extra = env.get().tuning_dir
+    dirs = [extra] if extra else []
     return dirs + [PACKAGED_DIR]
 
 

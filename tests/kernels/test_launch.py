@@ -13,6 +13,7 @@ from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from interlace.kernels import launch as fast
+from interlace import env
 
 
 def triton_specialization(a):
@@ -84,6 +85,7 @@ def test_interpreter_takes_the_jit_path(monkeypatch):
     assert torch.equal(x, torch.arange(1, 9, dtype=torch.float32))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("INTERLACE_FAST_LAUNCH", "0")
+    env.refresh()
     fast.reset()
     assert not fast.enabled()
     fast.reset()

@@ -7,6 +7,7 @@ import pytest
 
 from interlace.tuning import tables as tuning
 from interlace.tuning.tables import GemmConfig, ShapeClass, lookup, rows_bucket
+from interlace import env
 
 DEFAULT = GemmConfig(1, 2, 3, 4, 5)
 
@@ -14,6 +15,7 @@ DEFAULT = GemmConfig(1, 2, 3, 4, 5)
 @pytest.fixture()
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("INTERLACE_TUNING_DIR", str(tmp_path))
+    env.refresh()
     tuning.clear_cache()
     yield tmp_path
     tuning.clear_cache()

@@ -12,6 +12,7 @@ from interlace import MoEConfig
 from interlace.planning.pipemoe.models import AlphaBeta, SizeCurve
 from interlace.planning.pipemoe.degree import choose_degree, predict_layer_ms
 from interlace.planning.profile import Profile, ShapeProfile, shape_key
+from interlace import env
 
 
 def synthetic_profile(world, cfg, a2a_alpha, a2a_gbps, expert_alpha, expert_tflops, host=0.0):
@@ -266,6 +267,7 @@ def test_profiling_never_extends_the_shipped_profile(tmp_path, monkeypatch):
     shipped.save(tmp_path / "shipped" / f"{key}.json")
     monkeypatch.setattr(profile_mod, "PACKAGED_DIR", tmp_path / "shipped")
     monkeypatch.setenv("INTERLACE_PROFILE_DIR", str(tmp_path / "user"))
+    env.refresh()
     assert profile_mod.load_profile(1, torch.device("cpu")).key == key  # run time: the shipped one is found
     with pytest.raises(FileNotFoundError):
         profile_mod.load_profile(1, torch.device("cpu"), packaged=False)  # `profile` / `--profile-first`

@@ -22,6 +22,8 @@ def _auto_matches_reference(rank, world, tmp):
     import warnings
 
     os.environ["INTERLACE_PROFILE_DIR"] = tmp  # no profile for the CPU machine key here
+    from interlace import env
+    env.refresh()
     g = torch.Generator().manual_seed(5)
     for profile, tokens in ((str(PROFILE), 37), (None, 24)):
         layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu")

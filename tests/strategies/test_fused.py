@@ -19,6 +19,7 @@ from interlace.strategies.fused.inference import INTERPRETER_CONFIG, FusedEngine
 from interlace.parallel.peer_buffer import BufferSpec, simulated_world
 
 from helpers import rel_err
+from interlace import env
 
 
 def expert_reference(x, idx, w, w_up, w_down, cfg):
@@ -105,6 +106,8 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     from dataclasses import replace
 
     monkeypatch.setenv("INTERLACE_TMA", tma)
+
+    env.refresh()
     cfg = MoEConfig(hidden=80, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
@@ -160,6 +163,8 @@ def test_fused_gathered_local_rows_match_default(world, tokens, capacity, monkey
     from dataclasses import replace
 
     monkeypatch.setenv("INTERLACE_TMA", "1")
+
+    env.refresh()
     cfg = MoEConfig(hidden=48, ffn=32, num_experts=2 * world, top_k=2, dtype=torch.float32,
                     **({} if capacity is None else dict(capacity_factor=capacity)))
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 30))
@@ -291,6 +296,8 @@ def test_sends_write_only_their_segments_rows(send_tma, monkeypatch):
     from dataclasses import replace
 
     monkeypatch.setenv("INTERLACE_TMA", "1")
+
+    env.refresh()
     cfg = MoEConfig(hidden=48, ffn=32, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [23, 13]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(4))
@@ -673,7 +680,10 @@ def test_fused_train_gloo_four_ranks_and_tma_path(persistent, monkeypatch):
     from test_distributed import _check_all
 
     monkeypatch.setenv("INTERLACE_TMA", "1")
+
+    env.refresh()
     monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
+    env.refresh()
     run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 
@@ -891,6 +901,7 @@ def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_pat
     (tmp_path / "fused-split-test.json").write_text(json.dumps(
         {"entries": {split_key(cfg, 2, 77): {"1024": [4, 8], "8192": [24, 12]}}, "meta": {}}))
     monkeypatch.setenv("INTERLACE_TUNING_DIR", str(tmp_path))
+    env.refresh()
     assert lookup_split(cfg, 2800, world=2, sm_count=77) == (4, 8)  # log-nearer to 1024 than to 8192
     assert lookup_split(cfg, 3000, world=2, sm_count=77) == (24, 12)
     with pytest.warns(UserWarning, match="no tuned fused block split"):
