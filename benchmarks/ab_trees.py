@@ -1,0 +1,95 @@
+"""A/B two checkouts of interlace with the bench, in interleaved rounds, on one machine.
+
+    python3 benchmarks/ab_trees.py --tree old=/path/to/old --tree new=. --rounds 2 --out OUT \\
+        -- --tokens 4096 16384 --strategies sequential pipelined fused auto
+
+Each round runs ``interlace bench`` (``torchrun -m``; ``--nproc`` ranks) once per tree, in the order
+given, rotated every round, each from its own folder (``python -m`` puts the working folder first on
+``sys.path``, so a tree is imported from where it runs). Arguments after ``--`` go to every bench call.
+Per row (config, tokens, routing, mode, strategy) the result is the median of the rounds' medians for
+each tree and the ratio ``tree_i / tree_0``; rows any tree failed on are listed as failed. Writes
+``OUT/ab.json`` (every round's rows) and prints the table last. A tree without ``interlace/tools/bench.py``
+is run as ``-m interlace.bench`` (the layout before the move to ``interlace/tools``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def bench_module(tree: str) -> str:
+    return "interlace.tools.bench" if os.path.exists(os.path.join(tree, "interlace", "tools", "bench.py")) \
+        else "interlace.bench"
+
+
+def run_round(label: str, tree: str, nproc: int, bench_args: list[str], out: str, timeout: float) -> list[dict]:
+    tree = os.path.abspath(tree)
+    dest = os.path.join(out, label)
+    env = dict(os.environ, PYTHONPATH=tree, INTERLACE_COMMIT=label, PYTHONUNBUFFERED="1")
+    cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", bench_module(tree), *bench_args, "--out", dest]
+    print(f"+ ({label}) {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, cwd=tree, env=env, timeout=timeout, capture_output=True, text=True)
+    with open(os.path.join(out, f"{label}.log"), "a") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        print(f"  ({label}) exit {proc.returncode}; last lines:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
+        return []
+    with open(os.path.join(dest, "results.json")) as f:
+        return json.load(f)["rows"]
+
+
+def row_key(r: dict) -> tuple:
+    return (r["config"], r["tokens"], r["routing"], r["mode"], r["strategy"])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH of a checkout (two or more)")
+    p.add_argument("--rounds", type=int, default=2, help="bench calls per tree")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per bench call")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--timeout", type=float, default=900, help="seconds per bench call")
+    args = p.parse_args(own)
+    trees = [t.split("=", 1) for t in args.tree]
+    if len(trees) < 2 or any(len(t) != 2 for t in trees):
+        p.error("give at least two --tree LABEL=PATH")
+    os.makedirs(args.out, exist_ok=True)
+    times: dict[tuple, dict[str, list[float]]] = {}
+    rounds = []
+    for i in range(args.rounds):
+        order = trees[i % len(trees):] + trees[:i % len(trees)]
+        for label, path in order:
+            rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout)
+            rounds.append({"round": i, "tree": label, "rows": rows})
+            for r in rows:
+                if r.get("status") == "ok" and r.get("median_ms") is not None:
+                    times.setdefault(row_key(r), {}).setdefault(label, []).append(r["median_ms"])
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
+    labels = [t[0] for t in trees]
+    print("\n| config | tokens | routing | mode | strategy | " + " | ".join(f"{l} ms" for l in labels)
+          + " | " + " | ".join(f"{l}/{labels[0]}" for l in labels[1:]) + " |")
+    print("|" + "---|" * (5 + 2 * len(labels) - 1))
+    worst = 0.0
+    for key in sorted(times):
+        per = times[key]
+        meds = [statistics.median(per[l]) if l in per else None for l in labels]
+        ratios = [f"{m / meds[0]:.3f}" if m and meds[0] else "failed" for m in meds[1:]]
+        for m in meds[1:]:
+            if m and meds[0]:
+                worst = max(worst, abs(m / meds[0] - 1))
+        print("| " + " | ".join(str(k) for k in key) + " | "
+              + " | ".join(f"{m:.3f}" if m else "failed" for m in meds) + " | " + " | ".join(ratios) + " |")
+    print(f"\nlargest |ratio − 1|: {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
