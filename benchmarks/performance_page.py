@@ -30,20 +30,23 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
 # bench, weak_scaling, mesh, facts), file or files (under benchmarks/results/), title, and where the
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
-# compared with), env (variables set for the command), notes (lines printed under the table).
+# compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table).
+# A fresh forward run on 2 GPUs, for example, is one line at the end:
+#   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
+#        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
 SOURCES = [
     dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward.json",
-         title="Forward, 2× H200: sequential and fused", baseline="sequential", env=NVLS_OFF,
+         title="Forward, 2× H200: sequential and fused", baseline="sequential",
          date="2026-11-23", commit="f67ee67",
          command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused "
                  "--tokens 4096 8192 16384 --interleave"),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
-         title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential", env=NVLS_OFF,
+         title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential",
          date="2026-11-23", commit="f68ceb6",
          command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused:train "
                  "--tokens 4096 8192 16384 --mode fwdbwd --interleave"),
     dict(section="scaling", table="forward-h200x4", kind="bench", file="h200x4-forward.json",
-         title="Forward, 4× H200 (EP = 4): sequential and fused", baseline="sequential", env=NVLS_OFF,
+         title="Forward, 4× H200 (EP = 4): sequential and fused", baseline="sequential",
          device="4× NVIDIA H200", date="2026-11-22", commit="3598717",
          command="torchrun --nproc-per-node 4 -m interlace.tools.bench --strategies sequential fused "
                  "--tokens 4096 8192 16384 --interleave",
@@ -52,24 +55,24 @@ SOURCES = [
     dict(section="scaling", table="weak-scaling-h200", kind="weak_scaling",
          files=["h200x2-forward-3598717.json", "h200x4-forward.json"],
          title="Weak scaling T(2) ÷ T(4) at fixed tokens per GPU, forward (1.0 is perfect)",
-         device="2× and 4× NVIDIA H200", date="2026-11-22", commit="3598717", env=NVLS_OFF,
+         device="2× and 4× NVIDIA H200", date="2026-11-22", commit="3598717",
          command="torchrun --nproc-per-node W -m interlace.tools.bench --strategies sequential fused "
                  "--tokens 4096 8192 16384 --interleave   # W = 2, then W = 4; "
                  "python benchmarks/scaling_report.py W2/results.json W4/results.json"),
     dict(section="scaling", table="mesh-h200x4", kind="mesh", file="h200x4-mesh.json",
          title="EP × TP at equal layer tokens M, mixtral-8x7b forward, 4× H200",
-         device="4× NVIDIA H200", date="2026-11-22", commit="0032977", env=NVLS_OFF,
+         device="4× NVIDIA H200", date="2026-11-22", commit="0032977",
          command="torchrun --nproc-per-node 4 benchmarks/mesh_bench.py --config mixtral-8x7b --layer-tokens 8192 32768"),
     dict(section="planner", table="planner-pipelined-h200x2", kind="facts", file="h200x2-planner-pipelined.json",
          title="Pipeline degree planner (`pipelined`, `auto`): 40-point grid, degrees 1–16",
-         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5", env=NVLS_OFF,
+         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
          command="torchrun --nproc-per-node 2 -m interlace.tools.evaluate --profile-first --also-profile mixtral-8x7b "
                  "phi3.5-moe qwen2-moe qwen3-30b-a3b dsv3-like flashdmoe-cfg --warmup 3 --iters 10 --merge-points "
                  "interlace/tuning/profiles/runs/run7-NVIDIA_H200-sm132-w2-n1-p2p.json "
                  "interlace/tuning/profiles/runs/run13-NVIDIA_H200-sm132-w2-n1-p2p.json"),
     dict(section="planner", table="planner-tp-ep-h200x2", kind="facts", file="h200x2-planner-tp-ep.json",
          title="TP × EP planner (`interlace plan`, `tp_ep` forms): predicted against measured layer times",
-         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5", env=NVLS_OFF,
+         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
          command="torchrun --nproc-per-node 2 benchmarks/device_tp_ep.py --configs qwen2-moe flashdmoe-cfg "
                  "mixtral-8x7b --profile-tp --skip-priority --skip-check"),
 ]
@@ -128,7 +131,8 @@ def header(src, meta=None):
     if ceilings.get("matmul_tflops"):
         lines[-1] += (f" · ceilings in the same run: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, "
                       f"peer copy {fmt(ceilings.get('peer_gbps'), '.0f')} GB/s")
-    env = f"{src['env']} " if src.get("env") else ""
+    env = src.get("env", NVLS_OFF)  # every recorded GPU run had NVLink multicast off
+    env = f"{env} " if env else ""
     lines += ["", "```bash", env + command, "```", ""]
     return lines
 
