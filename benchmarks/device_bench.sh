@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# One device call on the 2×H200 NVLink machine: GPU correctness check, then the
-# BENCHMARKS.md tables of the foundation issue. Full logs and JSON land under $OUT.
-#   usage (from the repository root, on the GPU machine): bash benchmarks/device_bench.sh [fwd|fwdbwd|all]
+# Reproduces the 2-GPU tables of docs/performance.md on a machine with 2 GPUs (run from the
+# repository root). Steps (default: check forward training):
+#   check     tests/gpu/run.sh: gpu_check and fused_check
+#   forward   the prefill table: sequential and fused, interleaved, 4096/8192/16384 tokens per GPU
+#   decode    the decode table: sequential and fused, interleaved, 128 tokens per GPU
+#   training  the forward+backward table: sequential and fused:train, interleaved
+# Each table step writes $OUT/<step>/results.json (and results.md). To put one on the page: copy
+# the JSON to benchmarks/results/, add its line to SOURCES in benchmarks/performance_page.py, run it.
+#   usage: bash benchmarks/device_bench.sh [check] [forward] [decode] [training]
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
-what=${1:-all}
+steps=("$@"); (( ${#steps[@]} )) || steps=(check forward training)
 nvidia-smi -L; nvidia-smi topo -m | head -5
-run() { echo "+ $*"; "$@"; }
+bench() { local name=$1; shift
+  echo "+ torchrun --nproc-per-node 2 -m interlace.tools.bench $*"
+  python3 -m torch.distributed.run --nproc-per-node 2 -m interlace.tools.bench "$@" --out "$OUT/$name" \
+    2>&1 | tee "$OUT/$name.log"
+  return "${PIPESTATUS[0]}"
+}
 status=0
-if [[ $what == all || $what == check ]]; then
-  run torchrun --nproc-per-node 2 tests/gpu/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log" || status=1
-fi
-if [[ $what == all || $what == fwd ]]; then
-  run torchrun --nproc-per-node 2 -m interlace.tools.bench --tokens 4096 16384 --mode fwd --out "$OUT/fwd" \
-    2>&1 | tee "$OUT/bench_fwd.log" || status=1
-fi
-if [[ $what == all || $what == fwdbwd ]]; then
-  run torchrun --nproc-per-node 2 -m interlace.tools.bench --configs mixtral-8x7b qwen2-moe --tokens 4096 16384 \
-    --mode fwdbwd --out "$OUT/fwdbwd" 2>&1 | tee "$OUT/bench_fwdbwd.log" || status=1
-fi
+for step in "${steps[@]}"; do
+  case $step in
+    check)    OUT="$OUT/check" bash tests/gpu/run.sh || status=1 ;;
+    forward)  bench forward --strategies sequential fused --tokens 4096 8192 16384 --interleave || status=1 ;;
+    decode)   bench decode --strategies sequential fused --tokens 128 --interleave || status=1 ;;
+    training) bench training --strategies sequential fused:train --tokens 4096 8192 16384 --mode fwdbwd \
+                --interleave || status=1 ;;
+    *) echo "unknown step $step"; status=2 ;;
+  esac
+done
 exit $status

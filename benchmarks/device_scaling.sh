@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7: one call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
+# One call per machine size (2, 4 or 8 GPUs; W = the GPUs visible). Steps:
 #   check    every strategy (naive, sequential, pipelined:3, fused, fused:train) against an fp32
 #            reference at EP=W, forward and backward, all routing cases (tests/gpu/gpu_check.py)
 #   tune     the fused strategy's block split (every candidate of tune_fused, 4–48) at this world
@@ -8,7 +8,7 @@
 #            beside sequential with the split tune finds
 #   profile  `interlace profile` at this world size into .scaling/profiles (pipelined's chosen
 #            degree needs a profile for W; H200 profiles ship for W = 2 and 4); later steps read it
-#   fwd      BENCHMARKS.md forward table at EP=W: naive, sequential, pipelined (chosen degree), fused,
+#   fwd      the forward table (docs/benchmarking.md) at EP=W: naive, sequential, pipelined (chosen degree), fused,
 #            auto (the planner's pick with the profile step's fused/sequential pairs)
 #   fb       forward+backward table at EP=W (mixtral-8x7b, qwen2-moe; fused:train = the fused backward)
 #   hidden   fused communication-hidden percentage (tests/gpu/fused_check.py --steps hidden)

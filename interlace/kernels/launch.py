@@ -1,10 +1,9 @@
 """Triton kernel launches with less host work than ``kernel[grid](...)``.
 
 A small expert block (qwen2-moe, flashdmoe-cfg at 4096 tokens) issues a dozen Triton launches
-per forward + backward, and its host time is as long as its GPU time (runs 85, 87): every
-microsecond of launch overhead is lost on the GPU. ``kernel[grid](...)`` costs ~27 µs of host
-time on H200's host (run 85); the compiled kernel's own C launcher ~16 µs. The JIT path spends
-the difference on Triton's general binder (a specialization per argument), a cache key built
+per forward + backward, and its host time is as long as its GPU time: every microsecond of
+launch overhead is lost on the GPU. ``kernel[grid](...)`` costs markedly more host time than the
+compiled kernel's own C launcher. The JIT path spends the difference on Triton's general binder (a specialization per argument), a cache key built
 from a formatted options string, launch hooks and a check of the kernel's globals.
 
 :func:`launch` keeps one cache keyed on the kernel, the device, the call's keyword arguments
@@ -38,7 +37,7 @@ _MAX_ENTRIES = 4096  # keys are property classes: a handful per call site
 
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ on the host. ``triton.cdiv`` is a constexpr function in Triton 3.6: from host code
-    each call costs ~2 µs of argument wrapping, a dozen of them per expert block call."""
+    each call goes through Triton's argument wrapping, and an expert block call makes a dozen."""
     return -(-a // b)
 
 

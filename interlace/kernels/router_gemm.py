@@ -4,8 +4,8 @@ An fp32 value is exactly the sum of three bf16 values (hi = bf16(v), mid = bf16(
 lo = bf16(v − hi − mid)): bf16 keeps fp32's exponent range, and each piece takes the next 8+
 bits of the 24-bit significand. A product of two bf16 pieces is exact in fp32, so a GEMM over
 the pieces, accumulated in fp32, would give the fp32 GEMM's result up to the order of its fp32
-sums. The tensor cores' fp32 accumulation keeps fewer bits: on H200 the error was 1.3e-6 to
-2.9e-6 of Σ|a||b| (the fp32 GEMM: 3e-8 to 4e-7; run 163), still ~1000× below bf16's rounding.
+sums. The tensor cores' fp32 accumulation keeps fewer bits, so the result is somewhat less exact
+than the fp32 GEMM's, but still about three orders of magnitude below bf16's rounding.
 
 :func:`split_mm` computes ``a @ b`` where either operand is bf16 (one piece) or fp32 split
 *in registers* into ``PIECES`` bf16 pieces, summing the products of pieces ``(i, j)`` with

@@ -12,7 +12,7 @@ World layout built by :meth:`MoEMesh.build` (DP replicas outside the layer are b
 - An **expert-parallel group** is the ``ep`` ranks with the same ``tp_rank``: each holds a
   different batch of tokens and a different block of ``E / ep`` experts.
 
-Communication priority (issue 6, item 4): ``build`` gives each group its own communicator
+Communication priority: ``build`` gives each group its own communicator
 (``new_group``) and, on NCCL, a **high-priority CUDA stream** (``is_high_priority_stream``),
 so the MoE layer's all-to-alls and TP all-gathers are scheduled ahead of collectives of other
 communicators (data-parallel gradient reduction) that are in flight at the same time. With

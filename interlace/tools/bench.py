@@ -1,4 +1,4 @@
-"""The benchmark harness of ../shared/BENCHMARKS.md.
+"""The benchmark harness: the protocol of docs/benchmarking.md, timed on this machine.
 
 Launch with ``torchrun --nproc-per-node W -m interlace.tools.bench [options]`` (one process per GPU;
 a plain ``python -m interlace.tools.bench`` runs world size 1). For every config × tokens/GPU ×
@@ -13,7 +13,7 @@ routing × mode it:
 4. reports × floor, speedup over naive, TFLOP/s and peak memory, with the two ceilings (bf16
    matmul 8192³, peer copy GPU0→GPU1) measured in the same run.
 
-Floor (BENCHMARKS.md): ``max(FLOPs / matmul peak, 2 × remote bytes / peer bandwidth)`` with
+Floor (docs/benchmarking.md): ``max(FLOPs / matmul peak, 2 × remote bytes / peer bandwidth)`` with
 FLOPs = 2·T·k·N·3·K and remote bytes = T·k·(W−1)/W·N·2. Forward+backward: 3× the FLOPs term
 and, since backward moves the same bytes again, 2× the communication term.
 """
@@ -208,7 +208,7 @@ def floor_ms(cfg: MoEConfig, tokens: int, world: int, mode: str, tflops: float |
 
 def squared_error_sums(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> tuple[float, float]:
     """(Σ (a − b)², Σ b²) in fp64, over chunks of ``chunk`` elements: dsv3-like's expert gradients
-    are 7.5 GB in bf16, and converting one whole to fp32 ran an 80 GB GPU out of memory (run 169).
+    are 7.5 GB in bf16, and converting one whole to fp32 at once runs an 80 GB GPU out of memory.
     The first sum is inf where ``a`` has a non-finite value. Sums over pieces add up (the expert
     bench compares its reference group by group)."""
     a, b = a.detach().reshape(-1), b.detach().reshape(-1)
@@ -294,8 +294,8 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         rows.append(row)
     if getattr(args, "interleave", False):
         # Round-robin: timed call i of every strategy runs back to back, so clock and thermal
-        # drift over the case (seen on 2x H200: 7% between two runs of the SAME code path
-        # timed one after the other) falls on all strategies alike.
+        # drift over the case (two runs of the same code path timed one after the other can
+        # differ by several percent) falls on all strategies alike.
         timed = [row for row in rows if row.status == "ok"]
         ctx = torch.no_grad() if not backward else torch.enable_grad()
         with ctx:
@@ -394,7 +394,7 @@ def parse_args(argv=None):
 
 
 def bench_config(name: str, small: bool) -> MoEConfig:
-    # BENCHMARKS.md: "random" routing is softmax top-k with random router weights, for every
+    # docs/benchmarking.md: "random" routing is softmax top-k with random router weights, for every
     # config (dsv3-like's sigmoid router costs the same; the protocol fixes softmax).
     cfg = preset(name, router="softmax", route_scale=1.0)
     if small:

@@ -1,4 +1,4 @@
-"""Issue 7's scripts on CPU: the EP×TP mesh bench at 4 ranks and the weak-scaling report from
+"""The scaling scripts on CPU: the EP×TP mesh bench at 4 ranks and the weak-scaling report from
 harness results at two world sizes (timings here are host wall time, checked only for shape)."""
 
 import json

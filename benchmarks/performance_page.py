@@ -1,0 +1,280 @@
+"""Writes docs/performance.md, the current standing, from the JSON sources listed in SOURCES.
+
+    python benchmarks/performance_page.py            # rewrite docs/performance.md
+    python benchmarks/performance_page.py --check    # exit 1 if docs/performance.md differs from its sources
+    python benchmarks/performance_page.py --out P    # write elsewhere
+
+To record a new standing: copy the run's ``results.json`` (``interlace bench --out DIR`` writes it) into
+``benchmarks/results/`` under a name that says what it is, and add one line to SOURCES with the same
+``table`` key as the row it replaces (the last source listed for a key wins). ``date``, ``commit``,
+``device`` and ``command`` may be left out where the JSON's ``meta`` has them; give them where it does
+not (hand-kept or older files). Then run this script and commit the page with its source.
+The timing protocol behind every number is docs/benchmarking.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PAGE = os.path.join(ROOT, "docs", "performance.md")
+
+NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+
+# One entry per table source. Keys: section (prefill, decode, training, scaling, planner), table (the
+# table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
+# bench, weak_scaling, mesh, facts), file or files (under benchmarks/results/), title, and where the
+# JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
+# compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table).
+# A fresh forward run on 2 GPUs, for example, is one line at the end:
+#   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
+#        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
+SOURCES = [
+    dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward.json",
+         title="Forward, 2× H200: sequential and fused", baseline="sequential",
+         date="2026-11-23", commit="f67ee67",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused "
+                 "--tokens 4096 8192 16384 --interleave"),
+    dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
+         title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential",
+         date="2026-11-23", commit="f68ceb6",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused:train "
+                 "--tokens 4096 8192 16384 --mode fwdbwd --interleave"),
+    dict(section="scaling", table="forward-h200x4", kind="bench", file="h200x4-forward.json",
+         title="Forward, 4× H200 (EP = 4): sequential and fused", baseline="sequential",
+         device="4× NVIDIA H200", date="2026-11-22", commit="3598717",
+         command="torchrun --nproc-per-node 4 -m interlace.tools.bench --strategies sequential fused "
+                 "--tokens 4096 8192 16384 --interleave",
+         notes=["The two rows within 2% (mixtral-8x7b 16384, dsv3-like 4096) timed again with `--iters 40` "
+                "on the same machine: 1.02× and 1.03×, ties within noise; `auto` picks `sequential` there."]),
+    dict(section="scaling", table="weak-scaling-h200", kind="weak_scaling",
+         files=["h200x2-forward-3598717.json", "h200x4-forward.json"],
+         title="Weak scaling T(2) ÷ T(4) at fixed tokens per GPU, forward (1.0 is perfect)",
+         device="2× and 4× NVIDIA H200", date="2026-11-22", commit="3598717",
+         command="torchrun --nproc-per-node W -m interlace.tools.bench --strategies sequential fused "
+                 "--tokens 4096 8192 16384 --interleave   # W = 2, then W = 4; "
+                 "python benchmarks/scaling_report.py W2/results.json W4/results.json"),
+    dict(section="scaling", table="mesh-h200x4", kind="mesh", file="h200x4-mesh.json",
+         title="EP × TP at equal layer tokens M, mixtral-8x7b forward, 4× H200",
+         device="4× NVIDIA H200", date="2026-11-22", commit="0032977",
+         command="torchrun --nproc-per-node 4 benchmarks/mesh_bench.py --config mixtral-8x7b --layer-tokens 8192 32768"),
+    dict(section="planner", table="planner-pipelined-h200x2", kind="facts", file="h200x2-planner-pipelined.json",
+         title="Pipeline degree planner (`pipelined`, `auto`): 40-point grid, degrees 1–16",
+         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.evaluate --profile-first --also-profile mixtral-8x7b "
+                 "phi3.5-moe qwen2-moe qwen3-30b-a3b dsv3-like flashdmoe-cfg --warmup 3 --iters 10 --merge-points "
+                 "interlace/tuning/profiles/runs/run7-NVIDIA_H200-sm132-w2-n1-p2p.json "
+                 "interlace/tuning/profiles/runs/run13-NVIDIA_H200-sm132-w2-n1-p2p.json"),
+    dict(section="planner", table="planner-tp-ep-h200x2", kind="facts", file="h200x2-planner-tp-ep.json",
+         title="TP × EP planner (`interlace plan`, `tp_ep` forms): predicted against measured layer times",
+         device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
+         command="torchrun --nproc-per-node 2 benchmarks/device_tp_ep.py --configs qwen2-moe flashdmoe-cfg "
+                 "mixtral-8x7b --profile-tp --skip-priority --skip-check"),
+]
+
+SECTIONS = [
+    ("prefill", "Prefill / inference forward",
+     "Random routing (softmax top-k over random router weights), bf16. Training-size token counts per GPU."),
+    ("decode", "Decode", "128 tokens per GPU; × decode floor beside × floor (docs/benchmarking.md)."),
+    ("training", "Training (forward + backward)",
+     "One training call: forward, then backward with a random output gradient; floor with 3× the FLOPs term."),
+    ("scaling", "Scaling", "The same tables at more GPUs, weak scaling, and EP × TP factorisations."),
+    ("planner", "Planner accuracy", "How close the planners' predictions come to measured layer times."),
+]
+
+# What to run for a section that has no source yet.
+PENDING = {
+    "decode": "torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused "
+              "--tokens 128 --interleave",
+}
+
+
+def fmt(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def load(name):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def plain_command(meta):
+    """The bench's recorded argv as a torchrun command (the meta keeps ``sys.argv``, not the launcher)."""
+    args = shlex.split(meta.get("command", ""))
+    if not args:
+        return None
+    rest, skip = [], False
+    for a in args[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        rest.append(a)
+    return f"torchrun --nproc-per-node {meta.get('world', 1)} -m interlace.tools.bench " + " ".join(rest)
+
+
+def header(src, meta=None):
+    meta = meta or {}
+    date = src.get("date") or (meta.get("date") or "")[:10] or "–"
+    commit = src.get("commit") or meta.get("commit") or "–"
+    device = src.get("device") or (f"{meta['world']}× {meta['device']}" if meta.get("device") else "–")
+    command = src.get("command") or plain_command(meta) or "–"
+    lines = [f"### {src['title']}", "", f"{date} · {device} · commit `{commit}`"]
+    ceilings = meta.get("ceilings") or {}
+    if ceilings.get("matmul_tflops"):
+        lines[-1] += (f" · ceilings in the same run: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, "
+                      f"peer copy {fmt(ceilings.get('peer_gbps'), '.0f')} GB/s")
+    env = src.get("env", NVLS_OFF)  # every recorded GPU run had NVLink multicast off
+    env = f"{env} " if env else ""
+    lines += ["", "```bash", env + command, "```", ""]
+    return lines
+
+
+def bench_table(src):
+    data = load(src["file"])
+    rows = [r for r in data["rows"]]
+    lines = header(src, data.get("meta"))
+    decode = any("x_decode_floor" in r for r in rows)
+    head = ["config", "tokens/GPU", "routing", "strategy", "median ms", "× floor"] + (
+        ["× decode floor"] if decode else []) + ["vs naive", "TFLOP/s", "peak GiB"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = r.get("median_ms") if r.get("status", "ok") == "ok" else None
+        cells = [r["config"], str(r["tokens"]), r.get("routing", "random"), r["strategy"],
+                 fmt(ms, ".3f") if r.get("status", "ok") == "ok" else r["status"], fmt(r.get("x_floor"), ".2f")]
+        if decode:
+            cells.append(fmt(r.get("x_decode_floor"), ".2f"))
+        naive = r.get("speedup_vs_naive")
+        if naive is None and ms:
+            base = _find(rows, r, "naive")
+            naive = base / ms if base else None
+        cells += [fmt(naive, ".2f"), fmt(r.get("tflops"), ".0f"), fmt(r.get("peak_gib"), ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    baseline = src.get("baseline")
+    if baseline:
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            if strategy in ("naive", baseline):
+                continue
+            ratios = [_find(rows, r, baseline) / r["median_ms"] for r in rows
+                      if r["strategy"] == strategy and r.get("median_ms") and _find(rows, r, baseline)]
+            if ratios:
+                ahead = sum(x > 1 for x in ratios)
+                lines.append(f"`{strategy}` against `{baseline}` ({baseline} ms ÷ {strategy} ms): "
+                             f"{min(ratios):.2f}–{max(ratios):.2f}×, ahead on {ahead} of {len(ratios)} rows.")
+        lines.append("")
+    return lines
+
+
+def _find(rows, like, strategy):
+    for r in rows:
+        if (r["strategy"] == strategy and r["config"] == like["config"] and r["tokens"] == like["tokens"]
+                and r.get("routing") == like.get("routing") and r.get("mode") == like.get("mode")
+                and r.get("median_ms") and r.get("status", "ok") == "ok"):
+            return r["median_ms"]
+    return None
+
+
+def weak_scaling_table(src):
+    runs = [load(name) for name in src["files"]]
+    runs.sort(key=lambda d: d["meta"]["world"])
+    (w0, base), others = (runs[0]["meta"]["world"], runs[0]), runs[1:]
+    lines = header(src)
+    head = ["config", "tokens/GPU", "strategy", f"T({w0}) ms"]
+    for d in others:
+        head += [f"T({d['meta']['world']}) ms", f"T({w0}) ÷ T({d['meta']['world']})"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in base["rows"]:
+        if r["strategy"] == "naive" or not r.get("median_ms"):
+            continue
+        cells = [r["config"], str(r["tokens"]), r["strategy"], fmt(r["median_ms"], ".3f")]
+        for d in others:
+            t = _find(d["rows"], r, r["strategy"])
+            cells += [fmt(t, ".3f"), fmt(r["median_ms"] / t if t else None, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def mesh_table(src):
+    data = load(src["file"])
+    lines = header(src)
+    lines += ["| layer tokens M | EP × TP | tokens/rank | strategy | median ms | vs the fastest at this M |",
+              "|---|---|---|---|---|---|"]
+    best = {}
+    for r in data["rows"]:
+        best[r["layer_tokens"]] = min(best.get(r["layer_tokens"], float("inf")), r["ms"])
+    for r in data["rows"]:
+        lines.append(f"| {r['layer_tokens']} | {r['ep']} × {r['tp']} | {r['tokens']} | {r['strategy']} | "
+                     f"{r['ms']:.3f} | {r['ms'] / best[r['layer_tokens']]:.2f} |")
+    return lines + [""]
+
+
+def facts_table(src):
+    data = load(src["file"])
+    lines = header(src)
+    lines += ["| measure | value |", "|---|---|"]
+    cell = lambda text: str(text).replace("|", "\\|")  # a literal | would end the cell
+    lines += [f"| {cell(r['what'])} | {cell(r['value'])} |" for r in data["rows"]]
+    return lines + ["", f"Source: {data['note']}", ""]
+
+
+KINDS = {"bench": bench_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table}
+
+
+def current_sources(sources=SOURCES):
+    """The last source listed for each table key, in the order the keys first appear."""
+    latest = {}
+    for src in sources:
+        latest[src["table"]] = src
+    return list(latest.values())
+
+
+def render(sources=SOURCES) -> str:
+    chosen = current_sources(sources)
+    lines = ["# Performance: the current standing", "",
+             "<!-- Generated by `python benchmarks/performance_page.py` from benchmarks/results/*.json; "
+             "edit the sources, not this page. -->", "",
+             "Each table names its date, device, commit and the command that produced it (commands are written with",
+             "today's module paths). The protocol (configurations, timing, the floor) is",
+             "[docs/benchmarking.md](benchmarking.md). Absolute times move 5–15% between machine leases; the claims",
+             "are the ratios between strategies timed in the same run. History: `git log -- docs/performance.md`.", ""]
+    for key, title, blurb in SECTIONS:
+        lines += [f"## {title}", "", blurb, ""]
+        here = [s for s in chosen if s["section"] == key]
+        if not here:
+            lines += ["Not measured yet. To measure it:", "", "```bash",
+                      f"{NVLS_OFF} {PENDING.get(key, 'see benchmarks/README.md')}", "```", ""]
+        for src in here:
+            lines += KINDS[src["kind"]](src)
+            lines += [f"- {note}" for note in src.get("notes", [])] + ([""] if src.get("notes") else [])
+    while lines and lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=PAGE, help="where to write the page (default: docs/performance.md)")
+    ap.add_argument("--check", action="store_true", help="compare with --out instead of writing; exit 1 if it differs")
+    args = ap.parse_args(argv)
+    page = render()
+    if args.check:
+        with open(args.out) as f:
+            same = f.read() == page
+        print("up to date" if same else f"{args.out} differs from its sources: run benchmarks/performance_page.py")
+        return 0 if same else 1
+    with open(args.out, "w") as f:
+        f.write(page)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU checks, on every GPU of this machine (W = the GPUs visible, at least 2):
+#   1. tests/gpu/gpu_check.py   every strategy against an fp32 reference, forward and every gradient,
+#                               all routing cases, bitwise repeatability, NaN rows (bf16 tolerances)
+#   2. tests/gpu/fused_check.py the fused strategy on every preset against sequential and naive, then
+#                               many calls through CUDA-graph captures, replays and evictions
+# usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
+# Exits non-zero if either check fails. Logs go to $OUT (default bench-out/gpu-check).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+# NVLink multicast off: the fused kernels use plain peer mappings, not multicast objects; every
+# recorded run in docs/performance.md ran this way.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-bench-out/gpu-check}
+mkdir -p "$OUT"
+W=${W:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+if (( W < 2 )); then
+  echo "tests/gpu/run.sh needs at least 2 GPUs (found $W)"; exit 2
+fi
+steps=("$@"); (( ${#steps[@]} )) || steps=(check stress)
+status=0
+python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/fused_check.py --steps "${steps[@]}" --out "$OUT" \
+  2>&1 | tee "$OUT/fused_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+echo "gpu checks: $([[ $status == 0 ]] && echo passed || echo FAILED)"
+exit $status
