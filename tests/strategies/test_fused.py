@@ -469,7 +469,7 @@ def test_fused_gloo_two_ranks_all_cases():
     fused forward and a recompute through sequential (``fused:recompute``)."""
     from cases import CASES
     from helpers import run_gloo
-    from test_distributed import CONFIGS, _check_all
+    from core.test_distributed import CONFIGS, _check_all
 
     run_gloo(_check_all, 2, "fused:recompute", list(CONFIGS), CASES, ("random", "uneven_and_empty_rank"))
 
@@ -480,7 +480,7 @@ def _train_paths(rank, world):
     no_grad always runs them."""
     from cases import make_inputs
     from helpers import reference_grads
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -520,7 +520,7 @@ def test_fused_training_paths():
 
 def test_fused_gloo_four_ranks():
     from helpers import run_gloo
-    from test_distributed import _check_all
+    from core.test_distributed import _check_all
 
     run_gloo(_check_all, 4, "fused", ["capacity"], ["zero_recv_rank", "uneven_and_empty_rank"], ())
 
@@ -532,7 +532,7 @@ def test_fused_train_gloo_two_ranks_all_cases():
     receives nothing, an empty rank, an empty batch)."""
     from cases import CASES
     from helpers import run_gloo
-    from test_distributed import CONFIGS, _check_all
+    from core.test_distributed import CONFIGS, _check_all
 
     run_gloo(_check_all, 2, "fused:train", list(CONFIGS), CASES)
 
@@ -541,7 +541,7 @@ def _check_with_options(rank, world, options, config_names, cases):
     """``_check_all`` (tests/core/test_distributed.py) for ``fused:train`` built with ``options``."""
     from cases import case_indices, case_tokens, make_inputs
     from helpers import assert_grads_match, reference_grads
-    from test_distributed import CONFIGS, TOL
+    from core.test_distributed import CONFIGS, TOL
 
     from interlace import MoELayer
 
@@ -582,7 +582,7 @@ def _two_layers(rank, world):
     backward 1), three steps with fresh tokens, against the same two layers on ``sequential``:
     what a layer's backward needs must survive the other layer's use of the buffer."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -614,7 +614,7 @@ def test_fused_train_one_rank():
     """World size 1 (the simulated transport)."""
     from cases import make_inputs
     from helpers import assert_grads_match, reference_grads
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -635,7 +635,7 @@ def test_fused_train_second_backward_through_one_forward_raises():
     through the same forward (retain_graph) must raise, not use the overwritten rows; a fresh
     forward trains again."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -830,7 +830,7 @@ def test_fused_train_graphs_match_eager_and_never_share_buffers():
     saved state lives in the graph's buffers until its backward (without that guard its
     gradients come out wrong)."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
 
@@ -854,7 +854,7 @@ def test_fused_train_graph_freed_by_a_forward_without_backward():
     import gc
 
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder
@@ -882,7 +882,7 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
     before that still gets its backward (eagerly, on the state it saved), and later calls
     capture again; every call bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
     from interlace.parallel import release_shared_buffers
@@ -946,7 +946,7 @@ def test_fused_train_graph_eviction_skips_held_graphs_and_new_weights_recapture(
     holds a pending call's state, and evicts it once that call's backward has run; replacing a
     weight tensor (not an in-place update) captures anew. Every call bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     import interlace.strategies.fused.inference as fused
     from interlace import MoELayer
@@ -997,7 +997,7 @@ def test_fused_inference_graphs_match_eager():
     with a token count eager, then capture and replays, then new weight tensors capture anew;
     every output bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder

@@ -21,7 +21,7 @@ from interlace.strategies.fused.options import INTERPRETER_CONFIG as KC
 from interlace.parallel.peer_buffer import BufferSpec, simulated_world
 
 from helpers import rel_err
-from test_fused import expert_reference, random_indices
+from strategies.test_fused import expert_reference, random_indices
 
 
 def cdiv(a, b):

@@ -177,7 +177,7 @@ def _dispatch_gemm0_kernel(
             h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
             h_rows = (h_row0 + offs_m).to(tl.int64)
             # Row pointers by select, not by branch: a pointer produced by a branch keeps the
-            # compiler from pipelining the A loads (measured: 2.5x slower GEMM0).
+            # compiler from pipelining the A loads (a much slower GEMM0).
             is_local = j == 0
             if not LOCAL_TMA:  # (a compile-time branch: the select below stays one pointer)
                 local = tl.load(assign_ptr + tl.load(recv_local_row0 + seg) + i * BLOCK_M + offs_m,

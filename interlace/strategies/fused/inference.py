@@ -127,6 +127,19 @@ def guard_destroy_process_group() -> None:
         distributed_c10d.destroy_process_group = destroy_process_group
 
 
+@dataclass
+class ForwardGraph:
+    """One token count's captured inference call: its recorder, static inputs (x, expert
+    indices, routing weights) and static output, and the weights' addresses it was captured
+    with. Nothing holds it between calls (``owner`` is always None)."""
+
+    weights: tuple
+    recorder: object
+    static: tuple
+    out: torch.Tensor
+    owner = None
+
+
 @register_strategy
 class FusedStrategy(Strategy):
     name = "fused"
