@@ -127,11 +127,6 @@ class PeerBuffer:
         # Work queues of the layer0 / layer1 kernels (see interlace.kernels.comet.flags); local.
         self.queue0 = torch.zeros(4, dtype=torch.int32, device=device)
         self.queue1 = torch.zeros(4, dtype=torch.int32, device=device)
-        # layer1 push mode: per GEMM1 work item, the epoch of the last call whose tile was staged
-        # locally for a push program; local, never reset (epochs only grow). One per (N-slice,
-        # row tile) of the largest receive plan: W·cap rows in block_m tiles, one partial per segment.
-        max_tiles = -(-spec.world * spec.cap // spec.block_m) + spec.world * spec.num_local
-        self.items1 = torch.zeros(spec.num_slices * max_tiles, dtype=torch.int32, device=device)
         self.tables: dict[str, torch.Tensor] = {}
 
     # -- construction --------------------------------------------------------------------
@@ -266,8 +261,8 @@ def on_release(fn) -> None:
 def release_shared_buffers() -> int:
     """Drop every buffer :func:`shared_buffer` holds (and with it the process groups they
     reference) and, first, every captured CUDA graph of the fused strategies (a graph with a
-    captured NCCL collective makes ``ncclCommDestroy`` wait forever: pytorch/pytorch#115388;
-    2× H200, docs/benchmarks.md run 151); returns how many buffers. Call it before
+    captured NCCL collective makes ``ncclCommDestroy`` wait forever: pytorch/pytorch#115388);
+    returns how many buffers. Call it before
     ``dist.destroy_process_group()``: a cached buffer otherwise keeps its group (and, on GPUs,
     its symmetric memory) alive until the interpreter exits. (``destroy_process_group`` itself
     drops the graphs too once a fused strategy has captured one, see

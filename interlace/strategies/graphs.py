@@ -16,10 +16,10 @@ class CudaGraphRecorder:
 
     The graph holds the call's collectives too (the count exchange, the backward's ordering
     all-reduce). A live graph with a captured NCCL collective keeps ``ncclCommDestroy`` waiting
-    (pytorch/pytorch#115388; 2× H200, docs/benchmarks.md run 151), so
+    (pytorch/pytorch#115388), so
     :func:`interlace.parallel.release_shared_buffers` drops every graph first and must run
     before ``destroy_process_group()``. (Keeping the collectives out, as eager steps between
-    graph segments, invalidated backward captures now and then on 2× H200: runs 154–156.)"""
+    graph segments, invalidated backward captures now and then.)"""
 
     def capture(self, fn, device):
         self.graph = torch.cuda.CUDAGraph()

@@ -6,7 +6,7 @@ programs the transfers take from the GEMMs. This times a row copy kernel on rank
 ``P`` programs (each copies every P-th block of ``ROWS`` rows, ``COLS`` columns per step):
 
 * ``push``:  local rows → the peer's buffer, register stores (the layer0 sends' path);
-* ``push_tma``: the same through TMA stores (``send_tma`` / ``ret_tma``);
+* ``push_tma``: the same through TMA stores;
 * ``pull``:  the peer's rows → a local buffer (peer loads);
 * ``push_both``: every rank pushes to its next rank at once (both directions busy, as in the
   fused layers; rank 0's time);

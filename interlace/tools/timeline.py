@@ -60,8 +60,8 @@ def covered(intervals: list[tuple[float, float]], by: list[tuple[float, float]])
 
 def summarize(records: list[dict]) -> dict:
     """Per kind: items, busy time (Σ end − waited), wait time (Σ waited − start); per layer:
-    span (first start → last end); overlap: the share of the send copies' (layer0), the
-    combine's and the pushes' (layer1) active time during which GEMM work ran on other programs."""
+    span (first start → last end); overlap: the share of the send copies' (layer0) and the
+    combine's (layer1) active time during which GEMM work ran on other programs."""
     out: dict = {"kinds": {}, "layers": {}}
     for kind in KINDS:
         rs = [r for r in records if r["kind"] == kind]
@@ -75,13 +75,11 @@ def summarize(records: list[dict]) -> dict:
     def work(kinds):
         return [(r["waited"], r["end"]) for r in records if r["kind"] in kinds and r["end"] > r["waited"]]
 
-    send, combine, push = work({"send"}), work({"combine"}), work({"push1"})
+    send, combine = work({"send"}), work({"combine"})
     gemm0, gemm1 = work({"gemm0_local", "gemm0_remote"}), work({"gemm1", "gemm1_remote"})
     send_len, combine_len = covered(send, send), covered(combine, combine)
     out["send_under_gemm0"] = covered(send, gemm0) / send_len if send_len else None
     out["combine_under_gemm1"] = covered(combine, gemm1) / combine_len if combine_len else None
-    push_len = covered(push, push)
-    out["push_under_gemm1"] = covered(push, gemm1) / push_len if push_len else None
     return out
 
 
@@ -216,8 +214,8 @@ def summary_table(summaries: list[dict], args) -> str:
     lines = [f"# {s0['title'].split(', rank ')[0]}",
              f"| rank | layer0 span {unit} | layer1 span {unit} | items {'/'.join(KINDS)} "
              f"| send busy {unit} | GEMM0 wait {unit} | combine wait {unit} | GEMM1 {unit}/tile, home here / remote "
-             f"| send under GEMM0 | combine under GEMM1 | push {unit}/item, under GEMM1 | same output as off |",
-             "|" + "---|" * 12]
+             f"| send under GEMM0 | combine under GEMM1 | same output as off |",
+             "|" + "---|" * 11]
     for s in summaries:
         k, ly = s["kinds"], s["layers"]
 
@@ -232,8 +230,7 @@ def summary_table(summaries: list[dict], args) -> str:
             f"| {'/'.join(str(k[n]['items']) for n in KINDS)} | {k['send']['busy'] * scale:.1f} "
             f"| {(k['gemm0_local']['wait'] + k['gemm0_remote']['wait']) * scale:.1f} | {k['combine']['wait'] * scale:.1f} "
             f"| {per_item('gemm1')} / {per_item('gemm1_remote')} "
-            f"| {pct(s['send_under_gemm0'])} | {pct(s['combine_under_gemm1'])} "
-            f"| {per_item('push1')}, {pct(s.get('push_under_gemm1'))} | {s['same_output']} |")
+            f"| {pct(s['send_under_gemm0'])} | {pct(s['combine_under_gemm1'])} | {s['same_output']} |")
     t = s0["times_ms"]
     if t:
         lines.append(f"\nlayer median ms (slowest rank, {args.iters} calls): timeline off {t['off']:.3f}, "

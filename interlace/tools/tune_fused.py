@@ -13,8 +13,8 @@ progress line per measurement, and merges the chosen split into
 The candidates are timed in ``--rounds`` interleaved rounds (each round times every candidate
 once, in a rotated order) and compared by their median over rounds, so a slow drift of the
 machine falls on all of them alike. A split already in the tables (the incumbent) is kept unless
-a candidate beats it by ``--margin``: one pass of 8 calls per candidate (run 50) moved 10 of 12
-shipped entries and made two rows slower than the table it replaced.
+a candidate beats it by ``--margin``: a single short pass per candidate moves most entries by
+noise alone, and can make rows slower than the table it replaces.
 """
 
 from __future__ import annotations

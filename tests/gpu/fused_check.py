@@ -175,7 +175,7 @@ def step_hidden(env, args, log):
 
 def step_phases(env, args, log):
     """Per-layer kernel times of fused (local-only and balanced routing) under kernel-config variants
-    given as INTERLACE_FUSED-style strings in --variants."""
+    given as "field=value,..." strings of FusedKernelConfig fields in --variants."""
     rows = []
     for name in args.hidden_configs:
         cfg = preset(name)
@@ -185,8 +185,8 @@ def step_phases(env, args, log):
         routings = {r: make_routing(cfg, r, tokens, env, 0) for r in ("balanced", "local")}
         first = {}  # routing → the first variant's output: every variant must compute the same layer
         for variant in args.variants:
-            os.environ["INTERLACE_FUSED"] = "" if variant == "default" else variant
-            layer.set_strategy("fused", max_tokens=tokens)
+            kernel, _ = split_variant(variant)
+            layer.set_strategy("fused", max_tokens=tokens, kernel=kernel)
             layer.strategy.profile_phases = True
             for rname, idx in routings.items():
                 with torch.no_grad():
@@ -201,23 +201,19 @@ def step_phases(env, args, log):
                                  layer1=l1, rel_err_vs_first_variant=err, ok=ok))
                 log(f"phases {name:14s} T={tokens} {variant:34s} {rname:8s} total {total:.3f} layer0 {l0:.3f} "
                     f"layer1 {l1:.3f} ms  rel err vs {args.variants[0]} {err:.1e}{'' if ok else '  WRONG'}")
-        os.environ.pop("INTERLACE_FUSED", None)
         del layer
         torch.cuda.empty_cache()
     return rows
 
 
 def split_variant(variant):
-    """An ``ab`` variant "copy_rows=64,n_comm=8" → (INTERLACE_FUSED string, strategy options):
-    ``n_comm``/``n_comm1`` set the block split (the other stays tuned), the rest the kernels."""
-    kernel, split = [], {}
+    """An ``ab`` variant "copy_rows=64,n_comm=8" → (FusedKernelConfig fields to override, strategy
+    options): ``n_comm``/``n_comm1`` set the block split (the other stays tuned), the rest the kernels."""
+    kernel, split = {}, {}
     for item in ([] if variant == "default" else variant.split(",")):
         key, _, value = item.partition("=")
-        if key.strip() in ("n_comm", "n_comm1"):
-            split[key.strip()] = int(value)
-        else:
-            kernel.append(item)
-    return ",".join(kernel), split
+        (split if key.strip() in ("n_comm", "n_comm1") else kernel)[key.strip()] = int(value)
+    return kernel, split
 
 
 def step_ab(env, args, log):
@@ -239,10 +235,8 @@ def step_ab(env, args, log):
             with torch.no_grad():
                 for variant in args.variants:
                     kernel, split = split_variant(variant)
-                    os.environ["INTERLACE_FUSED"] = kernel
-                    layer.set_strategy("fused", max_tokens=tokens, **split)
-                    out = layer(x, expert_indices=bal).float()  # first call: reads the config, sets up
-                    os.environ.pop("INTERLACE_FUSED", None)
+                    layer.set_strategy("fused", max_tokens=tokens, kernel=kernel, **split)
+                    out = layer(x, expert_indices=bal).float()  # first call: sets up
                     strategies[variant] = layer.strategy
                     ref = out if ref is None else ref
                     errs[variant] = worst(env, rel(out, ref))
@@ -481,7 +475,7 @@ def main():
     p.add_argument("--split-tokens", type=int, default=16384)
     p.add_argument("--splits", nargs="+", type=int, default=[8, 16, 32])
     p.add_argument("--variants", nargs="+", default=["default", "copy_rows=64,n_comm=8"],
-                   help="phases/ab: INTERLACE_FUSED-style kernel fields; ab also takes n_comm/n_comm1")
+                   help="phases/ab: FusedKernelConfig fields (field=value,...); ab also takes n_comm/n_comm1")
     p.add_argument("--rounds", type=int, default=5, help="ab: interleaved rounds")
     p.add_argument("--iters", type=int, default=20, help="ab: timed calls per round and variant")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))

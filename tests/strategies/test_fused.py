@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from interlace import MoEConfig
 from interlace.experts import init_expert_weights
 from interlace.kernels.comet.plan import build_plan
-from interlace.strategies.fused.inference import INTERPRETER_CONFIG, FusedEngine, run_simulated
+from interlace.strategies.fused.engine import FusedEngine, check_error_record, run_simulated
+from interlace.strategies.fused.options import INTERPRETER_CONFIG
 from interlace.parallel.peer_buffer import BufferSpec, simulated_world
 
 from helpers import rel_err
-from interlace import env
 
 
 def expert_reference(x, idx, w, w_up, w_down, cfg):
@@ -98,54 +98,33 @@ def test_fused_skewed_zero_experts_fp16():
         assert rel_err(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("tma", ["0", "1"])
-def test_fused_swizzled_work_orders(tma, monkeypatch):
+@pytest.mark.parametrize("tma", [False, True])
+def test_fused_swizzled_work_orders(tma):
     """L2-swizzled work orders (row-tile groups of 3, N-slices in groups of 2 and all at once)
     cover every (tile, column block) exactly once: checked through the output; weights through
     pointers and through TMA descriptors (the interpreter emulates them)."""
     from dataclasses import replace
 
-    monkeypatch.setenv("INTERLACE_TMA", tma)
-
-    env.refresh()
     cfg = MoEConfig(hidden=80, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [45, 30]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(9))
     # with TMA, the A rows through descriptors too: layer0's remote tiles (a_tma0) and layer1's h
     # rows (a_tma1; the tiles' rows start mid-buffer); layer1's tile counts deferred by one item
-    # (the default) and counted at once; layer1's rows stored through TMA (ret_tma); combine tasks
-    # wider than the token count (block_t); and send copy steps taller than a row tile and narrower
-    # than a row (copy_rows, copy_cols)
+    # (the default) and counted at once; combine tasks wider than the token count (block_t); and
+    # send copy steps taller than a row tile and narrower than a row (copy_rows, copy_cols)
     variants = [dict(slice_group=2), dict(slice_group=0), dict(slice_group=2, defer_count=0),
                 dict(slice_group=2, block_t=64), dict(slice_group=2, copy_rows=32, copy_cols=32)]
-    if tma == "1":
+    if tma:
         variants.append(dict(slice_group=2, a_tma0=1, a_tma1=1))
         variants.append(dict(slice_group=2, a_tma0=0, a_tma1=0))
-        # layer1's rows to their home as TMA stores, the partial tiles clipped at their segment's end
-        variants.append(dict(slice_group=2, ret_tma=1))
-        variants.append(dict(slice_group=0, ret_tma=1, defer_count=0))
-        # layer0's sends as TMA stores, the rows past a partial tile clipped
-        variants.append(dict(slice_group=2, send_tma=1, copy_rows=8, copy_cols=32))
         # layer0's gate and up as one 3-D block and one dot (ffn 72: the last block's planes run past K)
         variants.append(dict(slice_group=2, joint0=1))
         variants.append(dict(slice_group=2, joint0=1, a_tma0=0))
         # layer0's local rows gathered into the rank's own recv region first, then read through TMA
         variants.append(dict(slice_group=2, gather0=1))
         variants.append(dict(slice_group=2, gather0=1, joint0=1, copy_rows=32))
-        # layer1's GEMM items in one flat loop, dealt statically, rows home by TMA (counts deferred)
-        variants.append(dict(slice_group=2, flat1=1))
-        variants.append(dict(slice_group=0, flat1=1, gather0=1))
-        variants.append(dict(slice_group=1, flat1=1, defer_count=0))
-        variants.append(dict(slice_group=2, flat1=2))
-    # layer1 in pull mode: tiles stored locally, combines loading from the owners; in push mode:
-    # remote tiles staged locally, the combine programs pushing them home first
-    variants.append(dict(slice_group=2, combine_pull=1))
-    variants.append(dict(slice_group=0, combine_pull=1, defer_count=0))
-    variants.append(dict(slice_group=2, combine_push=1, push_rows=8))
-    variants.append(dict(slice_group=0, combine_push=1, defer_count=0, push_batch=3))
-    variants.append(dict(slice_group=1, combine_push=1, push_batch=1))
     for variant in variants:
-        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, **variant)
+        kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, group_m=3, tma=tma, **variant)
         (outs, refs), = simulate(cfg, tokens, idxs, kernel=kernel)[0]
         for out, ref in zip(outs, refs):
             assert rel_err(out, ref) < 1e-5
@@ -155,20 +134,17 @@ def test_fused_swizzled_work_orders(tma, monkeypatch):
     (3, [9, 0, 26], None),     # an empty rank (it gathers no local rows)
     (4, [5, 17, 1, 12], 0.5),  # capacity drops: only kept local rows are gathered, in dispatch order
 ])
-def test_fused_gathered_local_rows_match_default(world, tokens, capacity, monkeypatch):
+def test_fused_gathered_local_rows_match_default(world, tokens, capacity):
     """``gather0`` (with TMA, which the interpreter emulates): each rank copies its own kept rows
     into its own ``recv`` region before layer0, poisoned with NaN first, and reads every tile
     from there. Over two calls it equals the default path (local rows gathered through pointers)
     bit for bit, and matches the reference without drops."""
     from dataclasses import replace
 
-    monkeypatch.setenv("INTERLACE_TMA", "1")
-
-    env.refresh()
     cfg = MoEConfig(hidden=48, ffn=32, num_experts=2 * world, top_k=2, dtype=torch.float32,
                     **({} if capacity is None else dict(capacity_factor=capacity)))
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 30))
-    kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, a_tma0=1)
+    kernel = replace(INTERPRETER_CONFIG, block_n=16, block_n1=16, a_tma0=1, tma=True)
     gathered, _ = simulate(cfg, tokens, idxs, calls=2, kernel=replace(kernel, gather0=1), poison_recv=True)
     default, _ = simulate(cfg, tokens, idxs, calls=2, kernel=replace(kernel, gather0=0), poison_recv=True)
     for (outs, refs), (outs_default, _) in zip(gathered, default):
@@ -177,82 +153,6 @@ def test_fused_gathered_local_rows_match_default(world, tokens, capacity, monkey
             assert torch.equal(out, out_default)
             if capacity is None:
                 assert rel_err(out, ref) < 1e-5
-
-
-@pytest.mark.parametrize("world,tokens,capacity", [
-    (2, [37, 21], None),       # ragged segments, rows not divisible by the tile
-    (3, [9, 0, 26], None),     # an empty rank
-    (4, [5, 17, 1, 12], 0.5),  # capacity drops: dropped assignments are skipped, not read
-])
-def test_fused_pull_combine_matches_reference(world, tokens, capacity):
-    """Pull mode (``combine_pull``): GEMM1 tiles land in their owner's own region and each home
-    loads its rows from the owners. Over two calls (epochs) it matches the reference (without
-    drops) and equals the default path bit for bit (with drops: the reference has no capacity),
-    and the homes' ``ret`` buffers stay untouched, so the rows really came by the pull path."""
-    from dataclasses import replace
-
-    from interlace.reference import capacity_keep_mask
-
-    cfg = MoEConfig(hidden=40, ffn=24, num_experts=2 * world, top_k=2, dtype=torch.float32,
-                    **({} if capacity is None else dict(capacity_factor=capacity)))
-    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 10))
-    results, engines = simulate(cfg, tokens, idxs, calls=2, kernel=replace(INTERPRETER_CONFIG, combine_pull=1))
-    pushed, _ = simulate(cfg, tokens, idxs, calls=2)  # same inputs (seeded), the default path: rows stored to ret
-    for (outs, refs), (outs_push, _) in zip(results, pushed):
-        for out, ref, out_push, idx in zip(outs, refs, outs_push, idxs):
-            assert torch.equal(out, out_push)
-            if capacity is None:
-                assert rel_err(out, ref) < 1e-5
-            else:
-                assert (out[~capacity_keep_mask(idx, cfg).any(1)] == 0).all()
-    if capacity is not None:
-        assert not all(bool(capacity_keep_mask(idx, cfg).all()) for idx in idxs), "nothing was dropped"
-    assert all(e.pulls() and not e.pulls(keep_rows=True) for e in engines)
-    assert all(int(e.buf.views["ret"].count_nonzero()) == 0 for e in engines), "a tile was pushed to ret"
-
-
-@pytest.mark.parametrize("world,tokens,capacity", [
-    (2, [37, 21], None),       # ragged segments, rows not divisible by the tile
-    (3, [9, 0, 26], None),     # an empty rank
-    (4, [5, 17, 1, 12], 0.5),  # capacity drops
-])
-def test_fused_push_combine_matches_reference(world, tokens, capacity):
-    """Push mode (``combine_push``): GEMM1 tiles with a remote home are staged in their owner's
-    region and the combine programs push them home before combining. Over two calls (epochs) it
-    matches the reference (without drops) and the default path bit for bit, and every remote
-    tile of every slice went through a staging flag of this call (none of a local tile), so the
-    rows really came by the pushes."""
-    from dataclasses import replace
-
-    from interlace.reference import capacity_keep_mask
-
-    cfg = MoEConfig(hidden=40, ffn=24, num_experts=2 * world, top_k=2, dtype=torch.float32,
-                    **({} if capacity is None else dict(capacity_factor=capacity)))
-    idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(world + 20))
-    kernel = replace(INTERPRETER_CONFIG, combine_push=1)
-    results, engines = simulate(cfg, tokens, idxs, calls=2, kernel=kernel)
-    default, _ = simulate(cfg, tokens, idxs, calls=2)
-    for (outs, refs), (outs_default, _) in zip(results, default):
-        for out, ref, out_default, idx in zip(outs, refs, outs_default, idxs):
-            assert torch.equal(out, out_default)
-            if capacity is None:
-                assert rel_err(out, ref) < 1e-5
-            else:
-                assert (out[~capacity_keep_mask(idx, cfg).any(1)] == 0).all()
-    assert all(e.pushes() and not e.pushes(keep_rows=True) for e in engines)
-    El = cfg.num_experts // world
-    counts_all = torch.stack([e.dispatch_index(i)[2] for e, i in zip(engines, idxs)]).to(torch.int32)
-    staged = 0
-    for r, eng in enumerate(engines):
-        plan = build_plan(counts_all, r, El, max(tokens), cfg.top_k, kernel.block_m)
-        segs = plan.recv_tiles[0][:int(plan.recv_tiles[2])]
-        remote = int(((r + segs // El) % world != r).sum())
-        n_slices = eng.buf.spec.num_slices
-        flags = eng.buf.items1
-        assert int((flags == 2).sum()) == n_slices * remote, (r, remote)
-        assert int((flags != 0).sum()) == n_slices * remote  # one flag per staged item, none for local tiles
-        staged += remote
-    assert staged > 0
 
 
 def stalled_call(cfg, kernel, rank, expert, counts_all):
@@ -269,39 +169,16 @@ def stalled_call(cfg, kernel, rank, expert, counts_all):
     return eng, call, bufs, w_up, w_down
 
 
-def test_push_waits_time_out_with_a_named_error():
-    """A push whose GEMM1 item never ran (the "gemm" phase skipped) times out and names the
-    tile, slice and home instead of hanging."""
-    from dataclasses import replace
-
-    cfg = MoEConfig(hidden=64, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
-    kernel = replace(INTERPRETER_CONFIG, combine_push=1)
-    # every token on expert 0, on rank 0: rank 1's rows are remote rows of rank 0
-    eng, call, bufs, _, w_down = stalled_call(cfg, kernel, 0, 0, [[8, 0], [8, 0]])
-    eng.layer1(call, w_down, "push")
-    from interlace.strategies.fused.inference import check_error_record
-
-    with pytest.raises(RuntimeError, match=r"rank 0: timed out waiting for its own GEMM1 output \(row tile 1, "
-                                           r"N-slice 0, home rank 1\) to push \(flag value 0, expected epoch 1\)"):
-        check_error_record(bufs[0])
-    with pytest.raises(ValueError, match="combine_pull and combine_push are two layer1 modes"):
-        replace(kernel, combine_pull=1)
-
-
-@pytest.mark.parametrize("send_tma", [0, 1])
-def test_sends_write_only_their_segments_rows(send_tma, monkeypatch):
+def test_sends_write_only_their_segments_rows():
     """A partial send tile writes its valid rows only: in each receiver's region of a source,
-    the rows past what that source sent stay poisoned (TMA sends clip at the tile's last row;
-    the pointer path masks). Row counts not divisible by the tile or the copy step."""
+    the rows past what that source sent stay poisoned (the stores are masked). Row counts not
+    divisible by the tile or the copy step; weights through TMA."""
     from dataclasses import replace
 
-    monkeypatch.setenv("INTERLACE_TMA", "1")
-
-    env.refresh()
     cfg = MoEConfig(hidden=48, ffn=32, num_experts=4, top_k=2, dtype=torch.float32)
     tokens = [23, 13]
     idxs = random_indices(cfg, tokens, torch.Generator().manual_seed(4))
-    kernel = replace(INTERPRETER_CONFIG, block_m=16, copy_rows=8, copy_cols=32, send_tma=send_tma)
+    kernel = replace(INTERPRETER_CONFIG, block_m=16, copy_rows=8, copy_cols=32, tma=True)
     results, engines = simulate(cfg, tokens, idxs, max_tokens=40, kernel=kernel, poison_recv=True)
     (outs, refs), = results
     for out, ref in zip(outs, refs):
@@ -339,8 +216,6 @@ def test_wait_times_out_with_a_named_error_instead_of_hanging():
     # rank 0 claims to send 8 rows
     eng, call, bufs, w_up, _ = stalled_call(cfg, INTERPRETER_CONFIG, 1, 1, [[0, 8], [0, 8]])
     eng.layer0(call, w_up, "gemm")
-    from interlace.strategies.fused.inference import check_error_record
-
     with pytest.raises(RuntimeError, match=r"rank 1: timed out waiting for rows from source rank 0 for local "
                                            r"expert 0, row tile 0 \(flag value 0, expected epoch 1\)"):
         check_error_record(bufs[1])
@@ -356,8 +231,6 @@ def test_combine_waits_for_each_new_slice_once_per_program():
     assert eng.buf.spec.num_slices == 2
     bufs[0].views["flags1"][1, 0] = 1  # rank 1's slice 0 for rank 0 has landed (epoch 1); slice 1 has not
     eng.layer1(call, w_down, "comm")
-    from interlace.strategies.fused.inference import check_error_record
-
     with pytest.raises(RuntimeError, match=r"rank 0: timed out waiting for expert outputs from rank 1 for N-slice 1 "
                                            r"\(flag value 0, expected epoch 1\)"):
         check_error_record(bufs[0])
@@ -384,7 +257,7 @@ from triton.compiler import ASTSource
 import interlace.kernels.comet.layer1 as l1, interlace.kernels.comet.layer0 as l0
 
 def compile90(kernel, constexprs, bf16, i64, fp32=(), stages=4):
-    defaults = dict(FLAT=False, THREADS=256, LOCAL_TMA=False)  # compile-time switches not given
+    defaults = dict(LOCAL_TMA=False)  # compile-time switches not given
     constexprs = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **constexprs}
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -402,51 +275,20 @@ def compile90(kernel, constexprs, bf16, i64, fp32=(), stages=4):
 """
 
 _SM90_STORES = _SM90_COMPILE90 + r"""
-def widths(kernel, constexprs, bf16, i64, fp32=(), ptx_out=None):
+def widths(kernel, constexprs, bf16, i64, fp32=()):
     compiled = compile90(kernel, constexprs, bf16, i64, fp32)
-    if ptx_out is not None:
-        ptx_out.append(compiled.asm["ptx"])
     return Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(st\.global[\w.]*)", compiled.asm["ptx"]))
 
 i64 = {"ret_table", "flags1_table", "recv_table", "flags0_table", "timeline_ptr", "timeline_clock"}
-ret_tma = []  # layer1 with its rows as TMA stores: the bulk store, and a full wait before each count
-widths(l1._gemm1_combine_kernel,
-       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=True, BULK_WAIT=True, COMBINE_PULL=False, PUSH_RET=False),
-       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}, ret_tma)
-pull = []  # layer1 in pull mode: the combine's row loads from the owners' regions are 16-byte too
-widths(l1._gemm1_combine_kernel,
-       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=True, PUSH_RET=False),
-       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64 | {"y_table"}, {"weight_ptr"}, pull)
-push = []  # push mode: one system fence per batch before the relaxed counts
-widths(l1._gemm1_combine_kernel,
-       dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True, B_KMAJOR=False,
-            TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False, COMBINE_PULL=False,
-            PUSH_RET=True, PUSH_ROWS=128, PUSH_BATCH=8, PUSH_FENCED=True),
-       {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}, push)
-print(json.dumps(re.findall(r"fence\.acq_rel\.sys|atom\.global\.gpu\.relaxed\.add|atom\.global\.sys\.acq_rel", push[0])))
-print(json.dumps(Counter(re.findall(r"\n\s*(?:@%p\d+\s+)?(ld\.global[\w.]*)", pull[0]))))
-events = re.findall(r"(cp\.async\.bulk\.tensor\.2d\.global\.shared::cta|cp\.async\.bulk\.wait_group 0;"
-                    r"|atom\.global\.sys\.acq_rel)", ret_tma[0])
-print(json.dumps(events))
 print(json.dumps({
     "layer1": widths(l1._gemm1_combine_kernel,
                      dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False, BULK_WAIT=False,
-                          COMBINE_PULL=False, PUSH_RET=False),
+                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True),
                      {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, i64, {"weight_ptr"}),
-    # push mode: the combine programs' pushes of staged tiles into their homes
-    "layer1_push": widths(l1._gemm1_combine_kernel,
-                          dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                               B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
-                               BULK_WAIT=False, COMBINE_PULL=False, PUSH_RET=True, PUSH_ROWS=128,
-                               PUSH_BATCH=8, PUSH_FENCED=True),
-                          {"h_ptr", "w_ptr", "ret_ptr", "out_ptr", "y_ptr"}, i64, {"weight_ptr"}),
     "layer0": widths(l0._dispatch_gemm0_kernel,
                      dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                           GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
-                          PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False, JOINT=False),
+                          PROXY_FENCE=True, JOINT=False),
                      {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, i64),
 }))
 """
@@ -455,8 +297,7 @@ print(json.dumps({
 def test_peer_row_stores_compile_to_16_byte_vectors():
     """The rows each rank stores into a peer's buffer (layer0's sends, layer1's expert outputs)
     go out as 16-byte vector stores in the sm90 code, not 2 bytes at a time (a loaded address
-    carries no alignment unless the kernel states it). With ``ret_tma``, layer1's rows go out
-    as a TMA store and each tile count waits for it first. Compiled for sm90 without a GPU, in a
+    carries no alignment unless the kernel states it). Compiled for sm90 without a GPU, in a
     child process: the tests' interpreter mode replaces the kernels with interpreted ones."""
     import json
     import os
@@ -471,61 +312,22 @@ def test_peer_row_stores_compile_to_16_byte_vectors():
     for name, stores in counts.items():
         assert stores.get("st.global.b16", 0) == 0, f"{name}: scalar bf16 stores {stores}"
         assert stores.get("st.global.v4.b32", 0) > 0, f"{name}: no 16-byte stores {stores}"
-    # ret_tma: the rows leave as a bulk (TMA) store, and every tile count (the system-scope
-    # release its home acquires before reading the rows) comes after a full bulk wait in the code
-    events = json.loads(run.stdout.strip().splitlines()[-2])
-    assert "cp.async.bulk.tensor.2d.global.shared::cta" in events, events
-    counts_seen = [i for i, e in enumerate(events) if e.startswith("atom")]
-    assert len(counts_seen) >= 2, events
-    for i in counts_seen:
-        assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
-    # combine_pull: the rows a home loads from its peers come in 16-byte vectors as well
-    pull_loads = json.loads(run.stdout.strip().splitlines()[-3])
-    assert not any(k.startswith(("ld.global.b16", "ld.global.u16")) for k in pull_loads), pull_loads
-    assert pull_loads.get("ld.global.v4.b32", 0) >= 8, pull_loads
-    # push mode: the pushes' counts are relaxed atomics after a system fence (one per batch)
-    push_events = json.loads(run.stdout.strip().splitlines()[-4])
-    assert "fence.acq_rel.sys" in push_events, push_events
 
 
-_SM90_FLAT = _SM90_COMPILE90 + r"""
-def flat_layer1(tma_store, stages):
-    return compile90(l1._gemm1_combine_kernel,
-                     dict(TOP_K=8, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, BLOCK_T=32, GROUP_M=8, USE_TMA=True,
-                          B_KMAJOR=False, TIMELINE=0, A_TMA=True, DEFER_COUNT=True, RET_TMA=False,
-                          BULK_WAIT=tma_store, COMBINE_PULL=False, PUSH_RET=False, FLAT=True, THREADS=256,
-                          FLAT_TMA=tma_store),
-                     {"h_ptr", "w_ptr", "ret_ptr", "out_ptr"}, {"ret_table", "flags1_table", "timeline_ptr",
-                     "timeline_clock"}, {"weight_ptr"}, stages)
-
-flat = flat_layer1(True, 3)
-ptx = flat.asm["ptx"]
-flat_reg = flat_layer1(False, 4)
+_SM90_GATHERED = _SM90_COMPILE90 + r"""
 local = compile90(l0._dispatch_gemm0_kernel,
                   dict(TOP_K=8, ACTIVATION=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, COPY_ROWS=16, COPY_COLS=512,
                        GROUP_M=8, USE_TMA=True, STORE_PRE=False, B_KMAJOR=False, TIMELINE=0, A_TMA=True,
-                       PROXY_FENCE=True, SEND_TMA=False, BULK_WAIT=False, JOINT=True, LOCAL_TMA=True),
+                       PROXY_FENCE=True, JOINT=True, LOCAL_TMA=True),
                   {"x_ptr", "w_ptr", "h_ptr", "pre_ptr", "recv_ptr"}, {"recv_table", "flags0_table", "timeline_ptr",
                   "timeline_clock"}, (), 4)
-print(json.dumps(dict(
-    shared=flat.metadata.shared,
-    tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared", ptx)),
-    events=re.findall(r"cp\.async\.bulk\.wait_group 0;|atom\.global\.sys\.acq_rel\.add|"
-                      r"cp\.async\.bulk\.tensor\.2d\.global", ptx),
-    layer0_pointer_a=len(re.findall(r"cp\.async\.cg", local.asm["ptx"])),
-    reg_shared=flat_reg.metadata.shared,
-    reg_tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared", flat_reg.asm["ptx"])),
-)))
+print(json.dumps(dict(layer0_pointer_a=len(re.findall(r"cp\.async\.cg", local.asm["ptx"])))))
 """
 
 
-def test_flat_layer1_and_gathered_layer0_compile_for_sm90():
-    """sm90 code of ``flat1`` and ``gather0``, compiled without a GPU in a child process:
-    layer1's flat loop is software-pipelined (its TMA loads appear in a prologue as well as in
-    the loop: a barrier in the loop body, as :func:`_count_tile` has, makes Triton give up
-    pipelining it), fits the 227 KB of shared memory at 3 stages beside the tile store, and every
-    tile count comes after a full bulk wait; with the local rows gathered, layer0's GEMM reads no
-    A rows through pointers."""
+def test_gathered_layer0_compiles_for_sm90():
+    """sm90 code of ``gather0``, compiled without a GPU in a child process: with the local rows
+    gathered, layer0's GEMM reads no A rows through pointers."""
     import json
     import os
     import subprocess
@@ -533,31 +335,98 @@ def test_flat_layer1_and_gathered_layer0_compile_for_sm90():
 
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_FLAT], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _SM90_GATHERED], capture_output=True, text=True, env=env,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["shared"] <= 232448, got["shared"]
-    assert got["tma_loads"] >= 6, f"layer1's flat loop is not pipelined: {got['tma_loads']} TMA loads"
-    events = got["events"]
-    assert "cp.async.bulk.tensor.2d.global" in events, events
-    counts = [i for i, e in enumerate(events) if e.startswith("atom")]
-    assert len(counts) == 2, events  # in the loop (the previous tile) and after it (the last)
-    for i in counts:
-        assert events[i - 1] == "cp.async.bulk.wait_group 0;", f"a count without a bulk wait before it: {events}"
     assert got["layer0_pointer_a"] == 0, got
-    # flat1 = 2 (register stores): pipelined too, and 4 stages fit
-    assert got["reg_shared"] <= 232448 and got["reg_tma_loads"] >= 8, got
 
 
 def test_layer0_auto_switches_follow_the_hidden_size():
     """``gather0`` / ``joint0`` at -1 (the default) turn on from AUTO_GATHER0_MIN_HIDDEN; 0 and 1 force."""
     from interlace.kernels.comet.layer0 import AUTO_GATHER0_MIN_HIDDEN, layer0_switch
-    from interlace.strategies.fused.inference import GPU_CONFIG
+    from interlace.strategies.fused.options import GPU_CONFIG
 
     assert GPU_CONFIG.gather0 == GPU_CONFIG.joint0 == -1
     assert layer0_switch(-1, AUTO_GATHER0_MIN_HIDDEN) and layer0_switch(-1, 7168)
     assert not layer0_switch(-1, AUTO_GATHER0_MIN_HIDDEN - 16) and not layer0_switch(-1, 2048)
     assert layer0_switch(1, 40) and not layer0_switch(0, 8192)
+
+
+def test_fused_options_from_a_dict_or_the_dataclass():
+    """``strategy_options`` takes the fields of :class:`FusedOptions` (the kernel config's as a
+    dict under ``kernel``) or a whole ``FusedOptions``; unknown or wrong fields are refused when
+    the strategy is built, naming the valid ones or the field."""
+    from dataclasses import replace
+
+    from interlace import MoELayer
+    from interlace.strategies.fused import FusedOptions
+    from interlace.strategies.fused.options import GPU_CONFIG
+
+    cfg = MoEConfig(hidden=8, ffn=8, num_experts=2, top_k=1, dtype=torch.float32)
+    layer = MoELayer(cfg, strategy="fused:eager", device="cpu",
+                     strategy_options={"max_tokens": 16, "kernel": {"block_t": 64}})
+    opts = layer.strategy.options
+    assert opts.max_tokens == 16 and not opts.cuda_graph and opts.kernel == {"block_t": 64}
+    assert opts.kernel_for(INTERPRETER_CONFIG) == replace(INTERPRETER_CONFIG, block_t=64)
+    given = FusedOptions(n_comm=2, train_path="fused", tma=True)
+    layer = MoELayer(cfg, strategy="fused", device="cpu", strategy_options={"options": given, "n_comm1": 3})
+    assert layer.strategy.options == replace(given, n_comm1=3) and layer.strategy.train_path == "fused"
+    assert given.kernel_for(GPU_CONFIG) == replace(GPU_CONFIG, tma=True)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) 'block_q'; valid: max_tokens, n_comm, "):
+        MoELayer(cfg, strategy="fused", device="cpu", strategy_options={"block_q": 1})
+    with pytest.raises(ValueError, match=r"kernel.*unknown field\(s\) 'no_such_field'; valid: block_m, "):
+        FusedOptions(kernel={"no_such_field": 1})
+    for kernel, match in (({"copy_cols": 500}, "copy_cols must be a power of two"),
+                          ({"block_t": 0}, "block_t must be a power of two"),
+                          ({"defer_count": 2}, "defer_count is a switch"),
+                          ({"gather0": 2}, "gather0 is -1"),
+                          ({"slice_group": -1}, "slice_group")):
+        with pytest.raises(ValueError, match=match):
+            FusedOptions(kernel=kernel)
+    with pytest.raises(ValueError, match="n_comm must be a positive int or 'auto'"):
+        FusedOptions(n_comm=0)
+
+
+_CPU_WITHOUT_INTERPRETER = r"""
+import torch
+from interlace import MoEConfig, MoELayer
+
+cfg = MoEConfig(hidden=16, ffn=16, num_experts=2, top_k=1, dtype=torch.float32)
+x = torch.randn(4, 16)
+layer = MoELayer(cfg, strategy="fused", device="cpu")
+layer(x.clone().requires_grad_()).sum().backward()  # plain fused trains through sequential
+print("fused training | ran")
+for spec, training in (("fused", False), ("fused:train", True), ("fused:recompute", True)):
+    layer = MoELayer(cfg, strategy=spec, device="cpu")
+    try:
+        with torch.set_grad_enabled(training):
+            layer(x.clone().requires_grad_(training))
+    except RuntimeError as e:
+        print(spec, "|", str(e).replace(chr(10), " // "), "| engine", layer.strategy.engine)
+    else:
+        print(spec, "| ran")
+"""
+
+
+def test_fused_on_cpu_without_the_interpreter_says_what_it_needs():
+    """Without ``TRITON_INTERPRET=1`` on a CPU, a call that would run the fused kernels raises one
+    line saying what it needs, before any work (no buffers, no engine); plain ``fused``'s
+    training calls run ``sequential``'s path and work. In a child process: the tests run
+    under the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _CPU_WITHOUT_INTERPRETER], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == "fused training | ran"
+    for spec, line in zip(("fused", "fused:train", "fused:recompute"), lines[1:]):
+        assert line == (f"{spec} | {spec} needs CUDA GPUs (or TRITON_INTERPRET=1 to run its Triton kernels on the "
+                        f"CPU); got a cpu tensor | engine None"), line
 
 
 def test_plan_orders_local_tiles_first():
@@ -600,7 +469,7 @@ def test_fused_gloo_two_ranks_all_cases():
     fused forward and a recompute through sequential (``fused:recompute``)."""
     from cases import CASES
     from helpers import run_gloo
-    from test_distributed import CONFIGS, _check_all
+    from core.test_distributed import CONFIGS, _check_all
 
     run_gloo(_check_all, 2, "fused:recompute", list(CONFIGS), CASES, ("random", "uneven_and_empty_rank"))
 
@@ -611,7 +480,7 @@ def _train_paths(rank, world):
     no_grad always runs them."""
     from cases import make_inputs
     from helpers import reference_grads
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -651,7 +520,7 @@ def test_fused_training_paths():
 
 def test_fused_gloo_four_ranks():
     from helpers import run_gloo
-    from test_distributed import _check_all
+    from core.test_distributed import _check_all
 
     run_gloo(_check_all, 4, "fused", ["capacity"], ["zero_recv_rank", "uneven_and_empty_rank"], ())
 
@@ -663,13 +532,37 @@ def test_fused_train_gloo_two_ranks_all_cases():
     receives nothing, an empty rank, an empty batch)."""
     from cases import CASES
     from helpers import run_gloo
-    from test_distributed import CONFIGS, _check_all
+    from core.test_distributed import CONFIGS, _check_all
 
     run_gloo(_check_all, 2, "fused:train", list(CONFIGS), CASES)
 
 
+def _check_with_options(rank, world, options, config_names, cases):
+    """``_check_all`` (tests/core/test_distributed.py) for ``fused:train`` built with ``options``."""
+    from cases import case_indices, case_tokens, make_inputs
+    from helpers import assert_grads_match, reference_grads
+    from core.test_distributed import CONFIGS, TOL
+
+    from interlace import MoELayer
+
+    for name in config_names:
+        cfg = CONFIGS[name]
+        for case in cases:
+            tokens = case_tokens(case, world)
+            indices = case_indices(case, cfg, world, tokens, seed=world)
+            xs, gs = make_inputs(cfg, tokens, seed=world)
+            layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu", strategy_options=options)
+            x = xs[rank].clone().requires_grad_()
+            out = layer(x, expert_indices=None if indices is None else indices[rank])
+            refs = reference_grads(cfg, 11, xs, gs, indices, aux_coef=cfg.aux_loss_coef)
+            where = f"rank {rank}/{world} fused:train {options} {name} {case}"
+            assert rel_err(out, refs[0][rank]) < TOL, where + " output"
+            out.backward(gs[rank])
+            assert_grads_match(layer, x, refs, rank, tokens[rank], where, TOL)
+
+
 @pytest.mark.parametrize("persistent", [1, 2])
-def test_fused_train_gloo_four_ranks_and_tma_path(persistent, monkeypatch):
+def test_fused_train_gloo_four_ranks_and_tma_path(persistent):
     """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
     expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads; persistent
@@ -677,14 +570,11 @@ def test_fused_train_gloo_four_ranks_and_tma_path(persistent, monkeypatch):
     run's rows through window maps that read the rows past its end as zeros, an empty run one
     all-zero step)."""
     from helpers import run_gloo
-    from test_distributed import _check_all
 
-    monkeypatch.setenv("INTERLACE_TMA", "1")
+    from interlace.tuning.tables import GemmConfig
 
-    env.refresh()
-    monkeypatch.setenv("INTERLACE_WGRAD", f"16,16,16,4,1,2,0,0,1,{persistent}")
-    env.refresh()
-    run_gloo(_check_all, 4, "fused:train", ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
+    options = {"tma": True, "wgrad": GemmConfig(16, 16, 16, 4, 1, group_m=2, a_tma=1, persistent=persistent)}
+    run_gloo(_check_with_options, 4, options, ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 
 def _two_layers(rank, world):
@@ -692,7 +582,7 @@ def _two_layers(rank, world):
     backward 1), three steps with fresh tokens, against the same two layers on ``sequential``:
     what a layer's backward needs must survive the other layer's use of the buffer."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -724,7 +614,7 @@ def test_fused_train_one_rank():
     """World size 1 (the simulated transport)."""
     from cases import make_inputs
     from helpers import assert_grads_match, reference_grads
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -745,7 +635,7 @@ def test_fused_train_second_backward_through_one_forward_raises():
     through the same forward (retain_graph) must raise, not use the overwritten rows; a fresh
     forward trains again."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
@@ -864,10 +754,10 @@ def test_fused_interleave_decided_per_owner(monkeypatch):
     """Auto interleave with a low row threshold: rank 0's experts get many rows (local first),
     rank 1's few (interleaved); each sender follows its destination's choice. Two calls against
     the reference, the recv buffers poisoned."""
-    import interlace.strategies.fused.inference as fused_mod
+    import interlace.strategies.fused.options as fused_options
     from interlace.kernels.comet.plan import owner_leads
 
-    monkeypatch.setattr(fused_mod, "AUTO_INTERLEAVE0_MAX_ROWS", 6)
+    monkeypatch.setattr(fused_options, "AUTO_INTERLEAVE0_MAX_ROWS", 6)
     assert INTERPRETER_CONFIG.interleave0 == -1 and INTERPRETER_CONFIG.interleave0_args() == (8, 6)
     cfg = MoEConfig(hidden=40, ffn=24, num_experts=6, top_k=2, dtype=torch.float32)  # 3 experts per rank
     tokens = [30, 26]
@@ -900,6 +790,8 @@ def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_pat
     # nearest bucket in log distance, and an override directory beside the package's
     (tmp_path / "fused-split-test.json").write_text(json.dumps(
         {"entries": {split_key(cfg, 2, 77): {"1024": [4, 8], "8192": [24, 12]}}, "meta": {}}))
+    from interlace import env
+
     monkeypatch.setenv("INTERLACE_TUNING_DIR", str(tmp_path))
     env.refresh()
     assert lookup_split(cfg, 2800, world=2, sm_count=77) == (4, 8)  # log-nearer to 1024 than to 8192
@@ -938,7 +830,7 @@ def test_fused_train_graphs_match_eager_and_never_share_buffers():
     saved state lives in the graph's buffers until its backward (without that guard its
     gradients come out wrong)."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
 
@@ -962,7 +854,7 @@ def test_fused_train_graph_freed_by_a_forward_without_backward():
     import gc
 
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder
@@ -990,7 +882,7 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
     before that still gets its backward (eagerly, on the state it saved), and later calls
     capture again; every call bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
     from interlace.parallel import release_shared_buffers
@@ -1054,7 +946,7 @@ def test_fused_train_graph_eviction_skips_held_graphs_and_new_weights_recapture(
     holds a pending call's state, and evicts it once that call's backward has run; replacing a
     weight tensor (not an in-place update) captures anew. Every call bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     import interlace.strategies.fused.inference as fused
     from interlace import MoELayer
@@ -1105,7 +997,7 @@ def test_fused_inference_graphs_match_eager():
     with a token count eager, then capture and replays, then new weight tensors capture anew;
     every output bitwise as on the eager path."""
     from cases import make_inputs
-    from test_distributed import CONFIGS
+    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder

@@ -16,18 +16,19 @@ from interlace import MoEConfig
 from interlace.tools.timeline import covered, draw_timeline, summarize
 from interlace.experts import init_expert_weights
 from interlace.kernels.timeline import KINDS
-from interlace.strategies.fused.inference import INTERPRETER_CONFIG as KC, FusedEngine, run_simulated
+from interlace.strategies.fused.engine import FusedEngine, run_simulated
+from interlace.strategies.fused.options import INTERPRETER_CONFIG as KC
 from interlace.parallel.peer_buffer import BufferSpec, simulated_world
 
 from helpers import rel_err
-from test_fused import expert_reference, random_indices
+from strategies.test_fused import expert_reference, random_indices
 
 
 def cdiv(a, b):
     return -(-a // b)
 
 
-def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg, push: int = 0) -> dict:
+def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg) -> dict:
     """Work items of rank ``me`` from every rank's kept rows per expert (W, E)."""
     W = kept_all.shape[0]
     tiles = lambda s, d: sum(cdiv(int(kept_all[s, d * El + e]), KC.block_m) for e in range(El))  # noqa: E731
@@ -37,19 +38,14 @@ def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg, 
     return {"send": sum(tiles(me, d) for d in range(W) if d != me), "gemm0_local": local * n_blocks0,
             "gemm0_remote": (recv - local) * n_blocks0, "gemm1": n_slices * local,
             "gemm1_remote": n_slices * (recv - local), "combine": n_slices * cdiv(tokens, KC.block_t),
-            "push1": n_slices * (recv - local) if push else 0}
+            "push1": 0}
 
 
-@pytest.mark.parametrize("push", [0, 1])
-def test_timeline_records_every_work_item_of_the_last_call(push):
-    """``push``: layer1 in push mode, whose pushes are recorded too (one per remote GEMM1 item)."""
-    from dataclasses import replace
-
+def test_timeline_records_every_work_item_of_the_last_call():
     cfg = MoEConfig(hidden=40, ffn=40, num_experts=4, top_k=2, dtype=torch.float32)
     W, El, n_programs, n_comm = 2, 2, 4, (1, 2)
     spec = BufferSpec(W, El, cfg.hidden, cfg.top_k, 40, KC.block_m, KC.block_n1, cfg.dtype)
-    kc = replace(KC, combine_push=push)
-    engines = [FusedEngine(cfg, b, kc, n_programs, *n_comm, max_spins=1 << 20, timeline=True)
+    engines = [FusedEngine(cfg, b, KC, n_programs, *n_comm, max_spins=1 << 20, timeline=True)
                for b in simulated_world(spec)]
     w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), 1, torch.device("cpu"))
     gen = torch.Generator().manual_seed(random.randrange(1 << 30))
@@ -65,7 +61,7 @@ def test_timeline_records_every_work_item_of_the_last_call(push):
     kept_all = torch.stack([eng.dispatch_index(i)[2] for eng, i in zip(engines, idxs)])
     for me, eng in enumerate(engines):
         recs = eng.timeline_records()
-        want = expected_counts(kept_all, me, El, tokens[me], cfg, push)
+        want = expected_counts(kept_all, me, El, tokens[me], cfg)
         assert want["send"] > 0 and want["gemm0_remote"] > 0  # the case exercises every kind
         got = {k: sorted(r["item"] for r in recs if r["kind"] == k) for k in KINDS}
         assert {k: len(v) for k, v in got.items()} == want
@@ -77,16 +73,12 @@ def test_timeline_records_every_work_item_of_the_last_call(push):
         # GEMM1 items by their rows' home (here / a peer), together 0 .. n-1
         assert sorted(got["gemm1"] + got["gemm1_remote"]) == list(range(want["gemm1"] + want["gemm1_remote"]))
         assert want["gemm1_remote"] > 0 and got["combine"] == list(range(want["combine"]))
-        # push mode: exactly the remote GEMM1 items are pushed, each after its GEMM item ended
-        assert got["push1"] == (got["gemm1_remote"] if push else [])
-        gemm_end = {r["item"]: r["end"] for r in recs if r["kind"] == "gemm1_remote"}
-        assert all(r["waited"] > gemm_end[r["item"]] for r in recs if r["kind"] == "push1")
         for r in recs:
             assert 0 <= r["start"] <= r["waited"] <= r["end"], r
             assert r["layer"] == (0 if r["kind"] in ("send", "gemm0_local", "gemm0_remote") else 1)
             # Separate role launches here: sends/combine only on communication programs.
             on_comm = r["pid"] < n_comm[r["layer"]]
-            assert on_comm == (r["kind"] in ("send", "combine", "push1")) and 0 <= r["pid"] < n_programs, r
+            assert on_comm == (r["kind"] in ("send", "combine")) and 0 <= r["pid"] < n_programs, r
         # Logical clock: layer0 before layer1, and the waits of remote tiles are recorded.
         assert max(r["end"] for r in recs if r["layer"] == 0) < min(r["start"] for r in recs if r["layer"] == 1)
         assert all(r["waited"] > r["start"] for r in recs if r["kind"] == "gemm0_remote")

@@ -25,22 +25,30 @@ import triton
 import triton.language as tl
 
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
-from interlace.kernels.comet.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
+from interlace.kernels.comet.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
-from interlace.kernels.expert_gemm.grouped_gemm import tma_rows_ok
+from interlace.kernels.expert_gemm.grouped_gemm import _ensure_allocator, tma_rows_ok, use_tma
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
 ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
 
 # ``gather0`` and ``joint0`` at -1 (auto) are on where the hidden size (GEMM0's reduction) is at
-# least this. Runs 126–127 (2× H200, interleaved rounds against both off): with hidden 4096 and
-# 7168 (mixtral-8x7b, phi3.5-moe, dsv3-like at 8192/16384 tokens) the two together made layer0
-# without remote traffic 8–9% shorter (dsv3-like 8192: 6.61 → 6.01 ms, mixtral-8x7b 6.55 → 5.99)
-# and the layer 1.7–4.8% faster on 9 of 12 row-runs; with hidden 2048 (qwen2-moe, qwen3-30b-a3b,
-# flashdmoe-cfg) the layer moved 0.965–1.022×, every 16384-token row 0.2–2.2% slower: there the
-# gather's extra copy of the local rows weighs more against a short GEMM0.
+# least this: with a smaller hidden size the gather's extra copy of the local rows weighs more
+# against a short GEMM0 than TMA's reads save (measured: docs/performance.md).
 AUTO_GATHER0_MIN_HIDDEN = 4096
+
+
+def forced_tma(by_capability: bool, force: bool | None, weights: torch.Tensor) -> bool:
+    """Whether a fused kernel reads ``weights`` through TMA: ``by_capability`` (what
+    :func:`~interlace.kernels.comet.flags.launch_roles` found) unless the kernel config's
+    ``tma`` forces it (True: wherever the tensors allow, the interpreter included; False: never)."""
+    if force is None:
+        return by_capability
+    tma = use_tma(weights, force=force)
+    if tma:
+        _ensure_allocator()  # in-kernel descriptors need Triton's allocator
+    return tma
 
 
 def layer0_switch(value: int, hidden: int) -> bool:
@@ -50,15 +58,8 @@ def layer0_switch(value: int, hidden: int) -> bool:
 
 @triton.jit
 def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
-                    SEND_TMA: tl.constexpr = False):
-    """dst[dst_row0 + r] = x[assign[row0 + r] // TOP_K] for r < nrows (all N columns).
-    ``SEND_TMA``: each step's rows leave as a TMA store through a descriptor that ends at the
-    tile's last valid row (the rows past it, another segment's, are clipped); the caller waits
-    for the stores before it releases the tile's flag."""
-    if SEND_TMA:
-        dst_desc = tl.make_tensor_descriptor(dst_ptr, shape=[dst_row0 + nrows, N], strides=[N, 1],
-                                             block_shape=[COPY_ROWS, COPY_COLS])
+                    BLOCK_M: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr):
+    """dst[dst_row0 + r] = x[assign[row0 + r] // TOP_K] for r < nrows (all N columns)."""
     for r0 in range(0, BLOCK_M, COPY_ROWS):
         r = r0 + tl.arange(0, COPY_ROWS)
         rmask = r < nrows
@@ -68,10 +69,7 @@ def _copy_send_tile(x_ptr, assign_ptr, dst_ptr, row0, dst_row0, nrows, N, TOP_K:
             cols = c0 + tl.arange(0, COPY_COLS)
             m = rmask[:, None] & (cols < N)[None, :]
             v = tl.load(x_ptr + tok[:, None] * N + cols[None, :], mask=m)
-            if SEND_TMA:
-                dst_desc.store([dst_row0 + r0, c0], v)
-            else:
-                tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
+            tl.store(dst_ptr + dst_rows[:, None] * N + cols[None, :], v, mask=m)
 
 
 @triton.jit
@@ -115,8 +113,6 @@ def _dispatch_gemm0_kernel(
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     A_TMA: tl.constexpr = False,  # remote tiles' A rows (contiguous in recv) through a TMA descriptor
     PROXY_FENCE: tl.constexpr = False,  # with A_TMA on a GPU: order the flag acquire before the TMA loads
-    SEND_TMA: tl.constexpr = False,  # sends as TMA stores (see _copy_send_tile)
-    BULK_WAIT: tl.constexpr = False,  # with SEND_TMA on a GPU: wait for the stores before a flag
     JOINT: tl.constexpr = False,  # SwiGLU with TMA weights: gate and up in one dot (expert_tile.gate_up_tile)
     LOCAL_TMA: tl.constexpr = False,  # with A_TMA: the local rows were gathered into region me (gather0)
 ):
@@ -136,10 +132,7 @@ def _dispatch_gemm0_kernel(
             row0 = tl.load(send_row0 + seg) + i * BLOCK_M
             dst_row0 = me * cap + tl.load(send_dst_off + seg) + i * BLOCK_M
             dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
-            _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS,
-                            SEND_TMA)
-            if BULK_WAIT:
-                bulk_stores_done(epoch)
+            _copy_send_tile(x_ptr, assign_ptr, dst, row0, dst_row0, nrows, N, TOP_K, BLOCK_M, COPY_ROWS, COPY_COLS)
             flags = peer_region(flags0_table, d, tl.int32)
             publish_flag(flags + (me * num_local + e) * TPS + i, epoch)
             if TIMELINE:
@@ -184,7 +177,7 @@ def _dispatch_gemm0_kernel(
             h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
             h_rows = (h_row0 + offs_m).to(tl.int64)
             # Row pointers by select, not by branch: a pointer produced by a branch keeps the
-            # compiler from pipelining the A loads (measured: 2.5x slower GEMM0).
+            # compiler from pipelining the A loads (a much slower GEMM0).
             is_local = j == 0
             if not LOCAL_TMA:  # (a compile-time branch: the select below stays one pointer)
                 local = tl.load(assign_ptr + tl.load(recv_local_row0 + seg) + i * BLOCK_M + offs_m,
@@ -246,14 +239,14 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     to record every work item, or None (off: the recording is compiled out).
     ``pre`` (W·cap, up_width): also store the pre-activation there (training).
     ``w_kmajor``: ``w_up`` is a (E_l, N, K) matrix used as stored (``activation="none"``: the
-    backward's dy_rows @ W_down)."""
+    backward's dy_rows @ W_down). ``config.tma`` forces TMA on or off (None: by capability)."""
     spec = buf.spec
     N = spec.hidden
     K = w_up.shape[2] if w_kmajor else w_up.shape[1] // (2 if activation == "swiglu" else 1)
     pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
+    tma = forced_tma(tma, config.tma, w_up)
     # (the backward's k-major GEMM keeps the pointer path)
     a_tma = bool(config.a_tma0) and tma and not w_kmajor and tma_rows_ok(buf.views["recv"])
-    send_tma = bool(config.send_tma) and tma and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     # gather0: the local rows are copied into region `me` of recv first, so every GEMM0 tile reads
@@ -282,7 +275,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
         COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, GROUP_M=config.group_m, USE_TMA=tma,
         STORE_PRE=pre is not None, B_KMAJOR=w_kmajor,
         num_warps=config.num_warps, num_stages=config.num_stages, TIMELINE=tl_mode, A_TMA=a_tma,
-        PROXY_FENCE=a_tma and x.is_cuda, SEND_TMA=send_tma, BULK_WAIT=send_tma and x.is_cuda,
+        PROXY_FENCE=a_tma and x.is_cuda,
         JOINT=layer0_switch(config.joint0, N) and tma and not w_kmajor and activation == "swiglu",
         LOCAL_TMA=local_tma,
     )

@@ -18,10 +18,9 @@ form one contiguous *segment* starting at ``start_all[s, d·E_l + e]``.
   at W = 2 the two orders are the same.)
 
 **Interleaved order** (``lead`` < E_l, W ≥ 2). Local-first reads every expert's weights twice
-per layer0, once for its local rows and again for its remote rows half a layer later (run 160:
-dsv3-like's GEMM0 items ran 10% slower than without remote rows; run 162: 7% for the expert
-block with its weights read twice). But the first remote source's rows all arrive early (the
-sends took 1.3 of 6 ms there), so the receive tiles go: the local segments of the first
+per layer0, once for its local rows and again for its remote rows half a layer later, which
+makes GEMM0's items measurably slower. But the first remote source's rows all arrive early
+(the sends take a small part of layer0), so the receive tiles go: the local segments of the first
 ``lead`` experts (time for the first sends to land), then for each later expert its local
 segment and the first remote source's (``j = 1``) segment back to back (its weights read
 once), then the first ``lead`` experts' ``j = 1`` segments, then the other sources in order.
@@ -32,9 +31,8 @@ Each owner's ``lead`` comes from ``interleave = (k, max_rows)``: ``⌈E_l / k⌉
 receives at most ``max_rows`` rows per local expert in this call, else ``E_l`` (k = 0: always
 ``E_l``). The plan computes it on the device from ``counts_all``, which every rank holds, so a
 sender rotates its experts as its destination orders them, and no host sync is needed. Re-read
-weights cost in proportion to 1 / (rows per expert): run 164 measured the layer 1–7% faster
-with k = 8 at up to 1024 rows per local expert, and 0–3% slower at 2048 and more, but for
-qwen3-30b-a3b (2.8% faster at 2048).
+weights cost in proportion to 1 / (rows per expert), so the interleaved order pays off for
+owners with few rows per expert only (the measured threshold: docs/performance.md).
 
 Segments are cut into row tiles of ``BLOCK_M``; tile i of a segment is the unit of readiness
 (flag ``flags0[s, e, i]``) and of the GEMMs. ``_plan_kernel`` computes everything in one launch;
@@ -212,8 +210,8 @@ def _plan_kernel(
     BLOCK_M: tl.constexpr, W_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     # Every program computes the (small) per-segment tables; program 0 stores them, and the
-    # programs share the tile lists (one program emitting ~1000 tiles took ~100 µs on H200 at
-    # dsv3-like 8192 tokens, run 160, with every later kernel of the call waiting on it).
+    # programs share the tile lists (one program emitting every tile of a large call was slow,
+    # with every later kernel of the call waiting on it).
     # 3-D index (source s, destination d, local expert el).
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)

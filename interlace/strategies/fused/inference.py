@@ -1,7 +1,7 @@
 """``fused``: COMET's fine-grained overlap — dispatch fused into GEMM0, GEMM1 fused into combine.
 
 Per call, on every rank (no host sync anywhere after the first call; the epoch lives on the
-device, so CUDA-graph capture should work, but it has not been tried yet):
+device):
 
 1. counting sort of the routing (``build_dispatch_index``) and **one all-gather** of every
    rank's kept rows per expert (a device collective; nothing is read back to the host);
@@ -12,6 +12,10 @@ device, so CUDA-graph capture should work, but it has not been tried yet):
 4. layer1 (:mod:`interlace.kernels.comet.layer1`): GEMM1 column-wise with its tiles stored at the
    home ranks, and combine programs reducing each token's top-k rows per N-slice as slices land.
 
+Steps 1–4 of one rank are :class:`~interlace.strategies.fused.engine.FusedEngine`; this module
+is the strategy around it: set-up, the transports' phase order, training paths, CUDA graphs and
+error checks. Options: :class:`~interlace.strategies.fused.options.FusedOptions`.
+
 Transports (:class:`interlace.parallel.PeerBuffer`): ``symmetric`` on CUDA (torch symmetric
 memory), ``staged`` on other process groups (gloo in CI: the same kernels, with collectives
 moving the staged regions between the kernel phases).
@@ -21,15 +25,13 @@ Training (a call that builds an autograd graph). ``train_path`` says what such a
 * ``"fused"`` (``"fused:train"``) runs the fused kernels forward *and* backward
   (:mod:`interlace.strategies.fused.train`: the backward's dispatch is the forward's combine and
   vice versa, the same two kernels with their roles swapped, weight gradients by the expert
-  kernels' weight-gradient kernel). With CUDA graphs (below) it is 1.05–1.23× ``sequential``
-  on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–16384 tokens (2× H200, docs/benchmarks.md
-  run 151) and 0.93–1.02× on the GEMM-bound mixtral-8x7b, phi3.5-moe and dsv3-like; it keeps
-  more activation memory (up to 1.4× ``sequential``'s peak). ``auto`` picks it per shape from
-  the measured profile;
+  kernels' weight-gradient kernel). It keeps more activation memory than ``sequential``;
+  ``auto`` picks it per shape from the measured profile (docs/performance.md);
 * ``"recompute"`` (``"fused:recompute"``) runs the fused kernels forward, saves only the
   layer's inputs, and recomputes the forward through ``sequential`` in the backward
   (activation checkpointing: less activation memory, one extra forward of time).
-``no_grad`` / inference calls always run the fused kernels.
+``no_grad`` / inference calls always run the fused kernels. The kernels need CUDA GPUs, or
+``TRITON_INTERPRET=1`` on the CPU; elsewhere a call that would run them raises at once.
 
 Deadlock freedom: communication work never waits; every wait is on work that was claimed
 earlier from an in-order queue by a running program (interlace.kernels.comet.flags), so progress does
@@ -37,23 +39,12 @@ not depend on which programs the GPU schedules first; the grid is the device's S
 never assumed) and a peer that never runs the layer makes the bounded waits record an error
 (raised on this rank's next call, or by :meth:`FusedStrategy.synchronize_and_check`).
 
-Options: ``max_tokens`` (tokens per rank the buffers are sized for; default: the first call's
-largest T over ranks — that first call's all-reduce is the one host sync this strategy makes),
-``n_comm`` / ``n_comm1`` (communication/combine programs of layer0/layer1: an int, or "auto"
-for the tuned value, see ``interlace tune``), ``max_spins`` (bound of every wait),
-``transport`` ("auto", "symmetric", "staged"), ``symm_backend`` (None/"CUDA"/"NVSHMEM"),
-``timeline`` (record every work item's start/wait/end, read by :meth:`FusedStrategy.timeline_records`;
-off by default and then compiled out of the kernels), ``cuda_graph`` (default True; ``"fused:eager"``
-turns it off: inference calls replay a CUDA graph per token count, see below).
-
 CUDA graphs: nothing between the routing and the output needs the host (the epoch, the plan and
 every flag live on the device; the count exchange is a device collective), so an inference call
 with CUDA symmetric memory captures that part once per token count T (on its second call with
 that T; the first one runs eagerly and compiles the kernels) and replays it afterwards: inputs
-are copied into the graph's static buffers and the output is copied out. 2× H200: 1.07–1.43×
-faster than the eager fused call on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 4096–16384
-tokens (docs/benchmarks.md, run 25; the most at small T, where the eager call is bound by the
-host's kernel launches).
+are copied into the graph's static buffers and the output is copied out. Replays save most at
+small T, where the eager call is bound by the host's kernel launches.
 The graph holds the weights' addresses: it is re-captured when ``w_up``/``w_down`` are different
 tensors (in-place optimizer updates need nothing). At most ``MAX_GRAPHS`` token counts keep a
 graph (least recently used dropped); a capture synchronizes the device once, so a workload that
@@ -63,11 +54,9 @@ the caller). The error record is checked after every replay.
 ``fused:train`` does the same for training calls (:class:`~interlace.strategies.fused.train.TrainGraph`):
 the forward and the backward up to the weight gradients are captured per token count; the
 saved state lives in the graph's buffers, so while one call's backward is pending, other
-calls with that token count run eagerly. Eager, that call was bound by the host (2× H200,
-run 150: 3.3–4.3 ms of host work per qwen2-moe/flashdmoe-cfg/qwen3-30b-a3b 4096 step against
-2.8–3.8 ms of kernels); replayed, its host time is 1.6–2.1 ms (run 151).
-A live graph with a captured NCCL collective makes the communicator's destruction wait forever
-(run 151), so once a strategy captures, ``dist.destroy_process_group`` is wrapped to drop every
+calls with that token count run eagerly. Eager, such a call is bound by the host's launches.
+A live graph with a captured NCCL collective makes the communicator's destruction wait forever,
+so once a strategy captures, ``dist.destroy_process_group`` is wrapped to drop every
 fused graph first (:func:`guard_destroy_process_group`); call
 :func:`interlace.parallel.release_shared_buffers` before it as well (it drops the graphs and the
 buffers, and covers a ``destroy_process_group`` imported before the wrapping).
@@ -75,26 +64,24 @@ buffers, and covers a ``destroy_process_group`` imported before the wrapping).
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from interlace.kernels import alloc
 from interlace.kernels.comet.flags import describe_error
-from interlace.kernels.comet.layer1 import gemm1_combine
-from interlace.kernels.comet.layer0 import dispatch_gemm0
-from interlace.kernels.comet.plan import build_plan
-from interlace.kernels.routing_index import build_dispatch_index
-from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL, TimelineBuffer, layer_capacities
-from interlace.kernels.rows import _INTERPRET
+from interlace.kernels.rows import _INTERPRET, use_triton
+from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 from interlace.strategies.base import Strategy, register_strategy
+from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
+from interlace.strategies.fused.options import GPU_CONFIG, INTERPRETER_CONFIG, FusedOptions
+from interlace.strategies.fused.train import FusedTrain, RecomputeMoE, TrainGraph
 from interlace.strategies.graphs import CudaGraphRecorder
 from interlace.strategies.sequential import SequentialStrategy
-from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
+
+MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
 
 
 _LIVE = weakref.WeakSet()  # every FusedStrategy: release_shared_buffers drops their graphs
@@ -117,7 +104,7 @@ def guard_destroy_process_group() -> None:
     """Make ``torch.distributed.destroy_process_group`` drop interlace's CUDA graphs first.
 
     A live graph with a captured NCCL collective keeps ``ncclCommDestroy`` waiting forever
-    (pytorch/pytorch#115388; run 151): a script that destroys its group while a layer still
+    (pytorch/pytorch#115388): a script that destroys its group while a layer still
     holds a graph would hang at exit. Installed once, at a strategy's first capture. A
     reference to the function taken before that (``from torch.distributed import
     destroy_process_group``) is not covered: call :func:`interlace.parallel.release_shared_buffers`
@@ -140,161 +127,6 @@ def guard_destroy_process_group() -> None:
         distributed_c10d.destroy_process_group = destroy_process_group
 
 
-TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
-MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
-
-
-# interleave0 = -1: the interleaved layer0 order where owners receive at most this many rows per
-# local expert (see FusedKernelConfig.interleave0).
-AUTO_INTERLEAVE0_MAX_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class FusedKernelConfig:
-    """Tile sizes of the two fused kernels (tuning configs live beside the kernels' users)."""
-
-    block_m: int = 128  # row tile of both layers (= the unit of layer0 readiness)
-    block_n: int = 128  # layer0 GEMM column block (over K)
-    block_n1: int = 256  # layer1 N-slice (= the unit of layer1 readiness); 256 beat 128 (fewer h re-reads)
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 4
-    copy_rows: int = 16  # rows per load/store step of a communication program (32/64: no gain, runs 53/56/62)
-    copy_cols: int = 512
-    block_t: int = 32  # tokens per combine task (64/128: no gain, run 53)
-    group_m: int = 8  # row tiles sharing a weight block in L2 (both layers)
-    slice_group: int = 4  # layer1: N-slices per group (1: COMET's column-wise order; 0: all)
-    # A rows through a TMA descriptor (Hopper+; ignored where TMA is off): layer0's remote tiles
-    # (a_tma0; local rows are gathered, and Hopper has no TMA gather) and layer1's h rows (a_tma1).
-    # layer1: count a finished tile (a system-scope release that waits for its peer stores to land)
-    # after the next tile's main loop, so the stores drain under it (defer_count). The three
-    # together ran 0.6-4.1% faster than without on 9 of the 12 BENCHMARKS rows at 8192/16384 and
-    # 0.7-2.2% slower on 3 (dsv3-like 8192/16384, phi3.5-moe 8192) in run 46, 3-8% faster on the
-    # six small-expert rows in run 47 (interleaved A/B); off: INTERLACE_FUSED="a_tma0=0,a_tma1=0,defer_count=0".
-    a_tma0: int = 1
-    a_tma1: int = 1
-    defer_count: int = 1
-    # TMA stores for the rows that cross NVLink (Hopper+, where TMA is on): layer1's expert-output
-    # tiles (ret_tma) and layer0's sends (send_tma; copy_cols ≤ 256). Both are correct (interpreter
-    # tests; gpu_check with ret_tma, run 55) and slower on H200: ret_tma 1.00-1.05× the time of the
-    # register stores (run 55), send_tma 0.99-1.27× (run 57). Triton waits after each descriptor
-    # store until TMA has read the staged tile, and TMA stores reach about half a program's
-    # register-store rate over NVLink (run 61). Kept as options for other GPUs and Triton versions.
-    ret_tma: int = 0
-    send_tma: int = 0
-    # layer1 in pull mode (interlace.kernels.comet.layer1): GEMM tiles store locally and the home's
-    # combine programs load the rows from their owners, so no GEMM program pushes over NVLink.
-    # Inference forward on peer-load transports only (training saves the returned rows, which
-    # pull mode never gathers; the staged transport has no peer loads). Measured 3–11% slower (run 64):
-    # the GEMM tiles stop stalling, but the pulls wait for whole tokens and land after GEMM1.
-    combine_pull: int = 0
-    # layer1 in push mode (interlace.kernels.comet.layer1): GEMM tiles with a remote home are staged
-    # locally and the combine programs push them to their homes as they become ready (same
-    # limits as pull mode: inference forward on peer-store transports). Measured 0.97–1.12× the
-    # default's time (runs 72–75): GEMM1 stops stalling, but under GEMM1 a push program moves only
-    # 6–12 GB/s, so half the bytes cross after it. Off.
-    combine_push: int = 0
-    push_batch: int = 8  # push mode: items a program claims and pushes before counting them (one wait)
-    push_rows: int = 128  # push mode: rows per load/store step of a push (capped at block_m)
-    # layer0 with SwiGLU and TMA weights: a tile's gate and up rows as one 3-D TMA block and one
-    # BLOCK_M × 2·block_n dot, as the expert kernels' ``joint`` (interlace.kernels.expert_gemm.tile). Run 86
-    # (alone): the local-only time 0.3–3.2% shorter on 10 of 12 rows, the layer 0.930–1.017×.
-    # layer0: this rank's own rows are first gathered (one copy kernel) into its own region of
-    # recv, which no peer writes, so the local tiles read contiguous rows through TMA like the
-    # remote ones instead of a pointer gather (Hopper has no TMA gather; gather0, needs a_tma0).
-    # -1 (auto) turns each on where the hidden size is at least AUTO_GATHER0_MIN_HIDDEN
-    # (interlace.kernels.comet.layer0, which gives the measurements); 0 / 1 force it.
-    joint0: int = -1
-    gather0: int = -1
-    # layer1's GEMM items as one flat loop over (item, k step), statically dealt to the GEMM
-    # programs, each tile's rows stored to its home by TMA (interlace.kernels.comet.layer1._gemm1_flat):
-    # the pipeline runs across tiles. Needs TMA and a_tma1; the default layer1 mode, forward only.
-    # Run 127: layer1 3–5% shorter without remote traffic (dsv3-like 8192: 3.935 → 3.724 ms), but
-    # not with it (4.440 → 4.358 ms; the layer 0.996–1.045× the default over the 12 rows): a
-    # tile's TMA store to a peer holds the loop until NVLink has taken it. 2: the same loop with
-    # register stores (every thread counts its own; 4 stages fit). Run 130: layer1 4–9% shorter in
-    # the phase measurement, the graph-replayed layer 0.993–1.052× (9 of 12 rows slower). Off.
-    flat1: int = 0
-    # layer0's receive order (interlace.kernels.comet.plan, "interleaved order"): the first 1/k of the
-    # experts run their local rows alone, then every later expert's local and first remote
-    # source's rows back to back, so their weights are read once per layer0 instead of twice.
-    # k ≥ 1: always; 0: local rows first (every expert's weights read twice); -1 (auto): k = 8
-    # where an owner receives at most AUTO_INTERLEAVE0_MAX_ROWS rows per local expert in the call
-    # (decided on the device from the counts). Run 164 (2× H200, interleaved A/B, k = 8 against
-    # local-first): 0.93–0.99× the time at 512–1024 rows per expert (dsv3-like, qwen3-30b-a3b 8192,
-    # qwen2-moe 8192, flashdmoe-cfg), 1.00–1.03× at 2048–8192 (mixtral-8x7b, phi3.5-moe, qwen2-moe
-    # 16384) but for qwen3-30b-a3b 16384 (0.97×).
-    interleave0: int = -1
-
-    def interleave0_args(self) -> tuple[int, int]:
-        """(k, max_rows) of the plan's interleaved order (:attr:`interleave0`)."""
-        if self.interleave0 < 0:
-            return 8, AUTO_INTERLEAVE0_MAX_ROWS
-        return self.interleave0, 2**31 - 1
-
-    def __post_init__(self):
-        """Refuse a config the kernels cannot compile or would run wrongly, naming the field (the
-        compiler's own errors for these come late and name none)."""
-        pow2 = ("block_m", "block_n", "block_n1", "block_k", "num_warps", "copy_rows", "copy_cols", "block_t",
-                "push_rows")
-        for name in pow2:
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"fused kernel config: {name} must be a power of two ≥ 1, got {v!r}")
-        if not isinstance(self.interleave0, int) or self.interleave0 < -1:
-            raise ValueError(f"fused kernel config: interleave0 is -1 (auto), 0 (local rows first) or k ≥ 1, got "
-                             f"{self.interleave0!r}")
-        if self.push_batch < 1:
-            raise ValueError(f"fused kernel config: push_batch must be ≥ 1, got {self.push_batch!r}")
-        if self.num_stages < 1 or self.group_m < 1 or self.slice_group < 0:
-            raise ValueError(f"fused kernel config: num_stages and group_m must be ≥ 1 and slice_group ≥ 0, got "
-                             f"{self.num_stages}, {self.group_m}, {self.slice_group}")
-        for name in ("a_tma0", "a_tma1", "defer_count", "ret_tma", "send_tma", "combine_pull", "combine_push"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"fused kernel config: {name} is a switch (0 or 1), got {getattr(self, name)!r}")
-        for name in ("joint0", "gather0"):
-            if getattr(self, name) not in (-1, 0, 1):
-                raise ValueError(f"fused kernel config: {name} is -1 (auto), 0 or 1, got {getattr(self, name)!r}")
-        if self.flat1 not in (0, 1, 2):
-            raise ValueError(f"fused kernel config: flat1 is 0 (off), 1 (TMA stores) or 2 (register stores), "
-                             f"got {self.flat1!r}")
-        # A TMA box is at most 256 elements along each dimension.
-        if self.send_tma and max(self.copy_rows, self.copy_cols) > 256:
-            raise ValueError(f"fused kernel config: send_tma stores copy_rows × copy_cols boxes, each side ≤ 256; got "
-                             f"{self.copy_rows} × {self.copy_cols} (e.g. INTERLACE_FUSED=send_tma=1,copy_cols=256)")
-        if self.combine_pull and self.combine_push:
-            raise ValueError("fused kernel config: combine_pull and combine_push are two layer1 modes; pick one")
-        if self.ret_tma and max(self.block_m, self.block_n1) > 256:
-            raise ValueError(f"fused kernel config: ret_tma stores block_m × block_n1 boxes, each side ≤ 256; got "
-                             f"{self.block_m} × {self.block_n1}")
-
-
-GPU_CONFIG = FusedKernelConfig()
-# Under the interpreter each op costs the same whatever its size: wide blocks, few programs.
-INTERPRETER_CONFIG = FusedKernelConfig(16, 32, 32, 32, 4, 1, 16, 64, 16, group_m=2, slice_group=1)
-DEFAULT_SPINS = 1 << 26  # ~seconds of polling: far beyond any healthy wait, short of a hang
-
-
-def kernel_config_from_env(base: FusedKernelConfig) -> FusedKernelConfig:
-    """``INTERLACE_FUSED="block_n1=256,slice_group=0"`` overrides fields (tuning experiments)."""
-    value = os.environ.get("INTERLACE_FUSED")
-    if not value:
-        return base
-    fields = {}
-    for item in value.split(","):
-        key, _, v = item.partition("=")
-        if not hasattr(base, key.strip()):
-            raise ValueError(f"INTERLACE_FUSED: unknown field {key!r}")
-        fields[key.strip()] = int(v)
-    return replace(base, **fields)
-
-
-def default_split(num_programs: int) -> tuple[int, int]:
-    """Untuned (n_comm, n_comm1): about 1/8 of the programs move data. ``interlace tune`` measures."""
-    n = max(1, num_programs // 8)
-    return n, n
-
-
 @dataclass
 class ForwardGraph:
     """One token count's captured inference call: its recorder, static inputs (x, expert
@@ -308,159 +140,18 @@ class ForwardGraph:
     owner = None
 
 
-@dataclass
-class FusedCall:
-    """One rank's state of one call between the kernel phases."""
-
-    x: torch.Tensor
-    topk_weight: torch.Tensor
-    row_of_assignment: torch.Tensor
-    assignment_of_row: torch.Tensor
-    plan: object
-    h: torch.Tensor
-    out: torch.Tensor
-    kept: torch.Tensor | None = None  # (E,) rows kept per expert (the staged return exchange)
-
-
-class FusedEngine:
-    """The fused layer of one rank over one :class:`PeerBuffer` (any transport).
-
-    :meth:`prepare` → :meth:`layer0` → :meth:`layer1`; each layer takes ``role`` ``"all"``
-    (one launch, GPU) or runs its two program roles as separate launches (``"comm"``,
-    ``"gemm"``): simulated ranks in one process and the staged transport call those in
-    producer-before-consumer order across ranks.
-    """
-
-    def __init__(self, cfg, buf: PeerBuffer, kernel: FusedKernelConfig, n_programs: int, n_comm: int,
-                 n_comm1: int, max_spins: int = DEFAULT_SPINS, timeline: bool = False):
-        self.cfg, self.buf, self.kernel = cfg, buf, kernel
-        self.n_programs, self.n_comm, self.n_comm1, self.max_spins = n_programs, n_comm, n_comm1, max_spins
-        # ---- timeline (opt-in): per-work-item records, see interlace.kernels.timeline ----
-        device = buf.epoch.device
-        self.timeline = TimelineBuffer(device, CLOCK_GPU if device.type == "cuda" and not _INTERPRET
-                                       else CLOCK_LOGICAL) if timeline else None
-
-    def _timeline_args(self, call: FusedCall, layer: int):
-        if self.timeline is None:
-            return None
-        n_blocks0 = -(-call.h.shape[1] // self.kernel.block_n)
-        self.timeline.ensure(*layer_capacities(call.plan, n_blocks0, self.buf.spec.num_slices, call.out.shape[0],
-                                               self.kernel.block_t))
-        return self.timeline.args(layer)
-
-    def timeline_records(self) -> list[dict]:
-        """Records of this rank's last call (host sync); see :meth:`TimelineBuffer.records`."""
-        if self.timeline is None:
-            raise RuntimeError("the timeline is off: build the strategy with timeline=True")
-        return self.timeline.records(int(self.buf.epoch.item()))
-
-    def dispatch_index(self, topk_idx: torch.Tensor):
-        cfg = self.cfg
-        T = topk_idx.shape[0]
-        if T > self.buf.spec.max_tokens:
-            raise ValueError(f"{T} tokens exceed the fused buffers' max_tokens={self.buf.spec.max_tokens}; "
-                             f"build the strategy with strategy_options={{'max_tokens': ...}}")
-        return build_dispatch_index(topk_idx, cfg.num_experts, cfg.capacity(T))
-
-    def prepare(self, x, topk_weight, index, counts_all) -> FusedCall:
-        """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``."""
-        row_of_assignment, assignment_of_row, _, _ = index
-        spec = self.buf.spec
-        plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m,
-                          interleave=self.kernel.interleave0_args())
-        K = self.cfg.ffn
-        h = alloc.empty((spec.world * spec.cap, K), x.dtype, x.device)
-        out = alloc.empty(x.shape, x.dtype, x.device)
-        return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out, index[2])
-
-    def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all", pre: torch.Tensor | None = None,
-               backward: bool = False) -> None:
-        """Forward: h = act(x rows @ W_upᵀ) (and the pre-activation into ``pre``). Backward
-        (``call.x`` the weighted output-gradient rows, ``w_up`` = W_down): h = rows @ W_down."""
-        dispatch_gemm0(call.x, call.assignment_of_row, w_up, call.h, self.buf, call.plan,
-                       activation="none" if backward else self.cfg.activation, n_comm=self.n_comm,
-                       n_programs=self.n_programs, config=self.kernel, max_spins=self.max_spins, role=role,
-                       timeline=self._timeline_args(call, 0), pre=pre, w_kmajor=backward)
-
-    def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all", backward: bool = False,
-               keep_rows: bool = False) -> None:
-        """Forward: out = combine(h @ W_downᵀ). Backward (``call.h`` = d_h, ``w_down`` = W_up,
-        weights 1): out = Σ_j (d_h @ W_up)[row(t, j)] = dx. ``keep_rows``: the caller reads the
-        returned rows (``ret``) afterwards, so pull mode is off for this call."""
-        gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
-                      n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
-                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward,
-                      pull=self.pulls(backward or keep_rows), push=self.pushes(backward or keep_rows))
-
-    def pulls(self, keep_rows: bool = False) -> bool:
-        """Whether layer1 runs in pull mode: asked for (``combine_pull``), on a transport with
-        peer loads, and no returned rows wanted afterwards (training, the backward)."""
-        return bool(self.kernel.combine_pull) and self.buf.kind != "staged" and not keep_rows
-
-    def pushes(self, keep_rows: bool = False) -> bool:
-        """Whether layer1 runs in push mode: asked for (``combine_push``), on a transport with
-        peer stores, and the receive buffer not read after the call (training reads the rows
-        it received there; the backward's weight gradients read its layer0 rows)."""
-        return bool(self.kernel.combine_push) and self.buf.kind != "staged" and not keep_rows
-
-
-def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:
-    """All ranks of a simulated world (one process), each phase of every rank before the next."""
-    indices = [eng.dispatch_index(t) for eng, t in zip(engines, topk_idxs)]
-    counts_all = torch.stack([ix[2] for ix in indices]).to(torch.int32)
-    for eng in engines:
-        eng.buf.advance_epoch()
-    calls = [eng.prepare(x, w, ix, counts_all) for eng, x, w, ix in zip(engines, xs, topk_weights, indices)]
-    for phase in (("layer0", "comm"), ("layer0", "gemm"), ("layer1", "gemm"), ("layer1", "push"), ("layer1", "comm")):
-        for eng, call, wu, wd in zip(engines, calls, w_ups, w_downs):
-            if phase[0] == "layer0":
-                eng.layer0(call, wu, phase[1])
-            elif phase[1] != "push" or eng.pushes():
-                eng.layer1(call, wd, phase[1])
-    for eng in engines:
-        check_error_record(eng.buf)
-    return [c.out for c in calls]
-
-
-def check_error_record(buf: PeerBuffer) -> None:
-    """Raise if a wait of this rank timed out (reads the record: a host sync)."""
-    message = describe_error(buf.error.tolist())
-    if message:
-        buf.error.zero_()
-        raise RuntimeError(message)
-
-
-class _FusedMoE(torch.autograd.Function):
-    """Forward: the fused kernels. Backward: recompute through ``sequential`` and differentiate."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
-        ctx.strategy = strategy
-        ctx.save_for_backward(x, topk_weight, w_up, w_down, topk_idx)
-        return strategy._forward(x, topk_idx, topk_weight, w_up, w_down)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, topk_weight, w_up, w_down, topk_idx = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, topk_weight, w_up, w_down)]
-        with torch.enable_grad():
-            out = ctx.strategy.recompute(inputs[0], topk_idx, *inputs[1:])
-            need = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, need, grad, allow_unused=True))
-        return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
-
-
 @register_strategy
 class FusedStrategy(Strategy):
     name = "fused"
     fused_routing = True
 
-    def __init__(self, config, ep, max_tokens: int | None = None, n_comm: int | str = "auto",
-                 n_comm1: int | str = "auto", max_spins: int = DEFAULT_SPINS, transport: str = "auto",
-                 symm_backend: str | None = None, kernel: FusedKernelConfig | None = None, timeline: bool = False,
-                 train_path: str = "sequential", cuda_graph: bool = True):
+    def __init__(self, config, ep, options: FusedOptions | dict | None = None, **fields):
+        """``options``: a :class:`FusedOptions` or a dict of its fields; keyword ``fields``
+        (what ``strategy_options={...}`` passes) replace those. An unknown field raises
+        ``ValueError`` naming the valid ones."""
         super().__init__(config, ep)
-        self.cuda_graph = bool(cuda_graph)
+        self.options = opts = FusedOptions.build(options, **fields)
+        self.cuda_graph = bool(opts.cuda_graph)
         self._graphs: OrderedDict = OrderedDict()  # T → ForwardGraph (inference calls)
         self._graph_seen: set = set()
         # fused:train's graphs: T → TrainGraph; token counts seen by an eager forward / backward.
@@ -469,25 +160,27 @@ class FusedStrategy(Strategy):
         self._train_backward_seen: set = set()
         self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
         _LIVE.add(self)
-        if train_path not in TRAIN_PATHS:
-            raise ValueError(f"train_path must be one of {TRAIN_PATHS}, got {train_path!r}")
-        self.train_path = train_path
-        self.timeline = bool(timeline)
-        if transport not in ("auto", "symmetric", "staged"):
-            raise ValueError(f"transport must be 'auto', 'symmetric' or 'staged', got {transport!r}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        for name, v in (("n_comm", n_comm), ("n_comm1", n_comm1)):
-            if v != "auto" and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int or 'auto', got {v!r}")
-        self.max_tokens, self.transport, self.symm_backend = max_tokens, transport, symm_backend
-        self._n_comm_opt, self._n_comm1_opt, self.max_spins = n_comm, n_comm1, max_spins
-        self.kernel = kernel
+        self.train_path = opts.train_path
+        self.timeline = bool(opts.timeline)
+        self.max_tokens, self.transport, self.symm_backend = opts.max_tokens, opts.transport, opts.symm_backend
+        self._n_comm_opt, self._n_comm1_opt, self.max_spins = opts.n_comm, opts.n_comm1, opts.max_spins
         self.buf: PeerBuffer | None = None
         self.engine: FusedEngine | None = None
         self.split_source = "unset"  # "option", "tuned" or "default": where n_comm came from
         self._recompute = SequentialStrategy(config, ep)
         self._pending_error: tuple | None = None
+
+    @property
+    def spec_name(self) -> str:
+        """How this strategy is spelled for its training path (``fused``, ``fused:train``, ...)."""
+        return {"sequential": "fused", "fused": "fused:train", "recompute": "fused:recompute"}[self.train_path]
+
+    def _require_kernels(self, x: torch.Tensor) -> None:
+        """Before any work: the fused kernels run on CUDA tensors, or under the interpreter.
+        (Training calls of plain ``fused`` run ``sequential`` and never get here.)"""
+        if not use_triton(x):
+            raise RuntimeError(f"{self.spec_name} needs CUDA GPUs (or TRITON_INTERPRET=1 to run its Triton kernels "
+                               f"on the CPU); got a {x.device.type} tensor")
 
     # -- set-up (first call) ---------------------------------------------------------------
     def _setup(self, x: torch.Tensor) -> None:
@@ -500,7 +193,7 @@ class FusedStrategy(Strategy):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
             max_tokens = max(1, int(t.item()))
         on_gpu = x.is_cuda
-        kernel = self.kernel or kernel_config_from_env(GPU_CONFIG if on_gpu and not _INTERPRET else INTERPRETER_CONFIG)
+        kernel = self.options.kernel_for(GPU_CONFIG if on_gpu and not _INTERPRET else INTERPRETER_CONFIG)
         spec = BufferSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, kernel.block_m,
                           kernel.block_n1, cfg.dtype)
         transport = self.transport
@@ -549,15 +242,14 @@ class FusedStrategy(Strategy):
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
         if training and self.train_path == "sequential":
             return self._recompute(x, topk_idx, topk_weight, w_up, w_down)  # sequential's graph, no recompute
+        self._require_kernels(x)
         if self.engine is None:
             self._setup(x)
         self._raise_pending_error()
         if training and self.train_path == "fused":
-            from interlace.strategies.fused.train import FusedTrain
-
             return FusedTrain.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if training:
-            return _FusedMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
+            return RecomputeMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         recorder = self._recorder(x)
         if recorder is not None:
             return self._graph_forward(x, topk_idx, topk_weight, w_up, w_down, recorder)
@@ -616,8 +308,6 @@ class FusedStrategy(Strategy):
     def _train_graph(self, x, w_up, w_down):
         """This training call's :class:`~interlace.strategies.fused.train.TrainGraph`, or None
         to run it eagerly (:meth:`_recorder`, :meth:`_graph_entry`)."""
-        from interlace.strategies.fused.train import TrainGraph
-
         recorder = self._recorder(x)
         if recorder is None:
             return None
@@ -691,8 +381,10 @@ class FusedStrategy(Strategy):
         return eng.prepare(x, topk_weight, index, counts_all), index
 
     def _run_layers(self, call, w0, w1, pre=None, backward=False, between=None):
-        """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport. ``between``
-        runs after layer0 (the backward's activation derivative)."""
+        """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport (one launch
+        each on the symmetric one; each program role apart on the others, with the staged
+        regions exchanged between). ``between`` runs after layer0 (the backward's activation
+        derivative)."""
         eng, buf = self.engine, self.buf
         if buf.kind == "symmetric" and not _INTERPRET:
             marks = self._phase_marks()
@@ -700,7 +392,7 @@ class FusedStrategy(Strategy):
             marks and marks[1].record()
             if between is not None:
                 between()
-            eng.layer1(call, w1, backward=backward, keep_rows=pre is not None)
+            eng.layer1(call, w1, backward=backward)
             marks and marks[2].record()
         else:
             eng.layer0(call, w0, "comm", pre=pre, backward=backward)
@@ -708,10 +400,10 @@ class FusedStrategy(Strategy):
             eng.layer0(call, w0, "gemm", pre=pre, backward=backward)
             if between is not None:
                 between()
-            eng.layer1(call, w1, "gemm", backward=backward, keep_rows=pre is not None)
+            eng.layer1(call, w1, "gemm", backward=backward)
             if buf.kind == "staged":
                 buf.exchange_return(self._owner_of_rows(call.kept, call.out.shape[0]), int(call.kept.sum()))
-            eng.layer1(call, w1, "comm", backward=backward, keep_rows=pre is not None)
+            eng.layer1(call, w1, "comm", backward=backward)
 
     def _phase_marks(self):
         """With ``profile_phases = True``: CUDA events (start, after layer0, after layer1) of the

@@ -15,8 +15,8 @@ forward's combine and vice versa):
 2. layer0: communication programs push the g rows to the experts' owners while GEMM programs
    compute ``d_act = g_rows @ W_down[e]`` (W_down as stored, no activation), local tiles first,
    remote tiles as their flags arrive;
-3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (measured faster than an epilogue,
-   docs/benchmarks.md run 31), over the rows each source sent, written over ``pre`` (so one
+3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (faster than an epilogue, see
+   docs/performance.md), over the rows each source sent, written over ``pre`` (so one
    backward per forward: a second one through the same graph raises);
 4. layer1: ``dx_rows = d_h @ W_up[e]`` column-wise, each tile stored straight into the home's
    return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
@@ -27,6 +27,12 @@ forward's combine and vice versa):
 
 No step reads anything back to the host on the symmetric transport (the staged transport's
 return exchange counts rows on the host, as in the forward).
+
+``fused:recompute`` (:class:`RecomputeMoE`) is the other training path through the fused
+kernels: the fused forward, and a backward that recomputes the layer through ``sequential``.
+
+The strategy (:class:`interlace.strategies.fused.inference.FusedStrategy`) is passed in and
+used for its buffers, engine and call steps; this module does not import it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from interlace.kernels import alloc
+from interlace.kernels.activation import activation_reference, swiglu_backward, swiglu_backward_regions
+from interlace.kernels.expert_gemm.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
 from interlace.kernels.rows import combine_rows_backward
+from interlace.strategies.fused.engine import FusedCall
 
 
 @dataclass
@@ -86,13 +95,9 @@ def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str,
     SwiGLU's derivative then touches only those (the other rows come back unspecified) and
     is written over ``pre`` (the caller's last use of it: a capacity-sized buffer saved)."""
     if activation == "swiglu":
-        from interlace.kernels.activation import swiglu_backward, swiglu_backward_regions
-
         if used is not None:
             return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel(), out=pre)
         return swiglu_backward(pre, d_act)
-    from interlace.kernels.activation import activation_reference
-
     with torch.enable_grad():
         p = pre.detach().float().requires_grad_()
         (grad,) = torch.autograd.grad(activation_reference(p, activation), p, d_act.float())
@@ -162,8 +167,6 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
     """Steps 1–4 of the backward and the own g rows into the receive buffer (capturable):
     ``(dx (T, N), d_weight (T, k), d_h (W·cap, up))``; ``d_h`` is written over ``st.pre``
     for SwiGLU."""
-    from interlace.strategies.fused.inference import FusedCall
-
     buf, spec = strategy.buf, strategy.buf.spec
     T, N = grad.shape
     k = spec.top_k
@@ -204,12 +207,13 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
 
 def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor, w_up, w_down, activation: str):
     """5. owner: dW_up and dW_down into fresh tensors, reducing each expert's rows from every
-    source where they lie (runs after :func:`backward_body`, on the same stream)."""
-    from interlace.kernels.expert_gemm.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
-
+    source where they lie (runs after :func:`backward_body`, on the same stream). The kernel's
+    config is the strategy's ``wgrad`` option, else the expert kernels' tuned one."""
     N = grad.shape[1]
-    _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
-    tma = use_tma(w_up, w_down)
+    c_w = strategy.options.wgrad
+    if c_w is None:
+        _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
+    tma = use_tma(w_up, w_down, force=strategy.engine.kernel.tma)
     dw_up = _launch_wgrad(d_h, st.x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
                           w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
     mark(strategy, "bwd dW_up")
@@ -345,3 +349,24 @@ class FusedTrain(torch.autograd.Function):
             ctx.lease.release()  # stream order: the next replay runs after these kernels
         strategy._check_errors()
         return dx, d_weight, dw_up, dw_down, None, None
+
+
+class RecomputeMoE(torch.autograd.Function):
+    """``fused:recompute``. Forward: the fused kernels. Backward: recompute the layer through
+    ``sequential`` and differentiate it (only the inputs are saved)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
+        ctx.strategy = strategy
+        ctx.save_for_backward(x, topk_weight, w_up, w_down, topk_idx)
+        return strategy._forward(x, topk_idx, topk_weight, w_up, w_down)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, topk_weight, w_up, w_down, topk_idx = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in (x, topk_weight, w_up, w_down)]
+        with torch.enable_grad():
+            out = ctx.strategy.recompute(inputs[0], topk_idx, *inputs[1:])
+            need = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, need, grad, allow_unused=True))
+        return (*[next(grads) if t.requires_grad else None for t in inputs], None, None)
