@@ -232,7 +232,7 @@ def errors_text(rows: list[EvalRow]) -> str:
                      for d, (signed, absolute) in error_by_degree(rows).items())
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="interlace pipeline-eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=["default", "tiny"], default="default",
                    help="configurations to evaluate: the default grid, or a tiny one for CPU tests")
@@ -259,6 +259,11 @@ def main(argv=None) -> int:
     p.add_argument("--rescore", default=None, metavar="MARKDOWN",
                    help="no device: re-score the first evaluation table in this file (e.g. a run in "
                         "docs/benchmarks.md cut to its section) with --profile, refitting its calibration")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.rescore:
         if not args.profile:

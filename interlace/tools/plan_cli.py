@@ -88,7 +88,7 @@ def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top
     return result
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="interlace plan", description=__doc__.split("\n\n")[0],
                                  epilog="e.g. interlace plan --model mixtral-8x7b --cluster h100x1024")
     ap.add_argument("--model", default=None, help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file")
@@ -107,6 +107,11 @@ def main(argv=None) -> int:
                     help="MoE strategies to consider")
     ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--out", default="plan-out", help="directory for the JSON and PNG ('' for none)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if not args.all_presets and (args.model is None or args.cluster is None):
         ap.print_usage(sys.stderr)

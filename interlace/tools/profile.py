@@ -406,7 +406,7 @@ def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: i
         fit_tp_shape(prof, cfg, tp, ep)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="interlace profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg"],
                    help="presets whose shape classes to measure")
@@ -423,6 +423,11 @@ def main(argv=None) -> int:
                         "`interlace bench` results to the profile --out")
     p.add_argument("--fused-replace", action="store_true",
                    help="with --fused-from: shape classes in those results drop their older pairs first")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.fused_from:
         if not args.out:

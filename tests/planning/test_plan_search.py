@@ -113,7 +113,7 @@ def test_compare_tp_ep_script(tmp_path, capsys):
     assert mod.main([str(tmp_path / "missing.json")]) == 2
 
 
-def test_cluster_model_against_run7_layer_times():
+def test_cluster_model_against_measured_layer_times():
     import statistics
 
     from interlace.planning.monta.validate import SHIPPED, score

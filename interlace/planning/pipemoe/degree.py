@@ -44,13 +44,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from interlace.config import MoEConfig
 from interlace.planning.pipemoe.models import interp_log_rows
-from interlace.planning.profile import MODES, Calibration, Profile, as_profile, parse_shape_key, shape_key
 from interlace.planning.pipemoe.schedule import DegreeChoice, Op, chunk_sizes, pipemoe_theorem1, simulate_ops
+from interlace.planning.profile import MODES, Calibration, Profile, as_profile, shape_key
 
 DEFAULT_DEGREES = (1, 2, 3, 4, 6, 8, 12, 16)
 MIN_GAIN = 0.05  # smallest predicted gain over degree 1 that the planner acts on
