@@ -1,6 +1,6 @@
 """Predicted vs measured TP×EP layer times: ``python benchmarks/compare_tp_ep.py [docs/data/tp_ep_measured.json]``.
 
-Reads the measured medians written by ``benchmarks/device_tp_ep.py`` (run 15: its "times" list of
+Reads the measured medians written by ``benchmarks/device_tp_ep.py`` (its "times" list of
 {"config", "tokens", "mesh": "tp2xep1", "strategy": "tp_ep:O2-4" | "sequential", "median_ms"},
 forward only) and prints, per row, the
 planner's prediction (``interlace.planning.monta.layer.predict_layer_ms`` with the shipped 2×H200 profile,
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from interlace.config import preset  # noqa: E402
 from interlace.planning.monta.layer import predict_layer_ms  # noqa: E402
+from interlace.planning.profile import load_profile  # noqa: E402
 
 
 def _get(rec: dict, *names, default=None):
@@ -54,7 +55,8 @@ def form_and_strategy(rec: dict) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="?", default="docs/data/tp_ep_measured.json")
+    ap.add_argument("json", nargs="?", default="docs/data/tp_ep_measured.json",
+                    help="measured tp_ep.json of benchmarks/device_tp_ep.py")
     ap.add_argument("--cluster", default=None, help="predict from a cluster preset instead of the shipped profile")
     ap.add_argument("--profile", default=None,
                     help="predict from this profile JSON (e.g. one with TP shard classes from "
@@ -62,12 +64,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     source = args.cluster
     if args.profile:
-        from interlace.planning.profile import load_profile
-
         source = load_profile(2, path=args.profile)
     path = Path(args.json)
     if not path.exists():
-        print(f"{path} not found (run 15 writes it)", file=sys.stderr)
+        print(f"{path} not found (benchmarks/device_tp_ep.py writes it)", file=sys.stderr)
         return 2
     rows, errors = [], []
     for rec in records(json.loads(path.read_text())):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls on the 2×H200 machine for the pipelining issue. Steps:
+# Device runs of the pipelined strategy and its planner on a 2-GPU machine. Steps:
 #   check  GPU correctness check of every strategy
 #   eval   profile (grid shape classes + BENCHMARKS.md presets) and the planner evaluation grid
 #   bench  the BENCHMARKS.md forward table with pipelined (auto degree from that profile)

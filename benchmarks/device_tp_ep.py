@@ -36,6 +36,8 @@ from interlace.experts import init_expert_weights, shard_ffn
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router
 from interlace.parallel import release_shared_buffers
+from interlace.planning.profile import PACKAGED_DIR, load_profile
+from interlace.tools.profile import profile_tp
 
 CONFIGS = ("mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg")
 FORMS = ("tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3")
@@ -137,7 +139,7 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--profile-tp", action="store_true",
-                    help="first measure the configs' TP=2 shard classes (interlace.planning.monta.tp_profile) into a copy "
+                    help="first measure the configs' TP=2 shard classes (interlace.tools.profile.profile_tp) into a copy "
                          "of --profile, save it as OUT/profile_tp.json, and compare the planner with it last")
     ap.add_argument("--profile", default=None, help="base profile (default: the shipped 2xH200 one)")
     ap.add_argument("--profile-tokens", type=int, nargs="+", default=[1000, 3000, 12000, 40000],
@@ -170,9 +172,6 @@ def main():
 
     profile_path = None
     if args.profile_tp:
-        from interlace.planning.profile import PACKAGED_DIR, load_profile
-        from interlace.planning.monta.tp_profile import profile_tp
-
         prof = load_profile(2, path=args.profile or PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json")
         profile_tp(prof, [preset(n) for n in args.configs], args.profile_tokens, tp=2, show=env.rank == 0)
         profile_path = os.path.join(args.out, "profile_tp.json")

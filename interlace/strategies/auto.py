@@ -14,10 +14,9 @@ run:
   the predicted time beats the best of the above by more than ``FUSED_MARGIN``;
 * ``fused:train`` (the fused kernels forward and backward) for a training call, likewise from
   measured ``fused:train`` / ``sequential`` forward + backward pairs (``ShapeProfile.fused_train``).
-  It won on qwen2-moe and qwen3-30b-a3b at 8192–16384 tokens (1.01–1.18×) and lost elsewhere
-  (docs/benchmarks.md, run 68), so only measurements decide. It holds more memory than
-  ``sequential`` (+3–37% peak in run 68; up to 2.1× at EP = 4, run 40): ``train_fused=False``
-  keeps training calls off it.
+  It wins on some shapes and token counts and loses on others, so only measurements decide. It
+  holds more memory than ``sequential`` (``docs/performance.md``): ``train_fused=False`` keeps
+  training calls off it.
 
 Strategies the profile has no measurements for are not chosen: the planner would only be
 guessing. Without a profile (e.g. CPU gloo ranks) it runs ``sequential`` and warns once.
@@ -36,10 +35,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
+from interlace.planning.profile import as_profile, shape_key
 from interlace.strategies.base import Strategy, make_strategy, register_strategy
 
 # Smallest measured-and-interpolated gain of fused over the best alternative that auto acts on
-# (the same rows of one strategy moved by up to 17% between leases, docs/benchmarks.md run 26).
+# (timings of one strategy move between machine leases; docs/performance.md).
 FUSED_MARGIN = 0.05
 
 
@@ -49,9 +50,6 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     call; raises FileNotFoundError without a profile."""
     if world == 1:
         return "sequential", ["world size 1: nothing to overlap"]
-    from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
-    from interlace.planning.profile import as_profile, shape_key
-
     profile = as_profile(profile, world)  # read a path once, for both questions below
     plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
     notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
@@ -97,8 +95,6 @@ class AutoStrategy(Strategy):
         if key not in self.choices:
             try:
                 if self.ep.world > 1:
-                    from interlace.planning.profile import as_profile
-
                     self._profile = as_profile(self._profile, self.ep.world)  # read once
                 spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,
                                               mode, self.train_fused)

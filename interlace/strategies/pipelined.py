@@ -38,15 +38,22 @@ import torch
 from interlace.parallel.comm import all_to_all_async, all_to_all_counts
 from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
 from interlace.kernels.rows import CombineRows, DispatchRows, gather_rows
+from interlace.planning.pipemoe.degree import choose_degree
+from interlace.planning.pipemoe.schedule import chunk_sizes
+from interlace.planning.profile import Profile, load_profile
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy, expert_ffn
 
+# What "no performance profile" was already warned about in this process (the error's text,
+# which names the machine key or the path): once each, not per layer or token count.
+_WARNED_NO_PROFILE: set[str] = set()
 
-def chunk_sizes(tokens: int, degree: int) -> list[int]:
-    """Split ``tokens`` into ``min(degree, tokens)`` near-equal chunks (first ones larger)."""
-    r = max(1, min(degree, tokens))
-    base, extra = divmod(tokens, r)
-    return [base + (1 if c < extra else 0) for c in range(r)]
+
+def _warn_no_profile_once(err: FileNotFoundError) -> None:
+    message = str(err)
+    if message not in _WARNED_NO_PROFILE:
+        _WARNED_NO_PROFILE.add(message)
+        warnings.warn(f"pipelined: {message}; using degree 1 (run `interlace profile` to choose it)", stacklevel=3)
 
 
 class _ChunkPlan:
@@ -152,7 +159,12 @@ class PipelinedStrategy(Strategy):
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
-        return {"degree": "auto" if arg == "auto" else int(arg)}
+        if arg == "auto":
+            return {"degree": "auto"}
+        if not arg.isdigit():
+            raise ValueError(f"pipelined: the part after ':' is the pipeline degree, an int such as "
+                             f"'pipelined:4', or 'pipelined:auto'; got {arg!r}")
+        return {"degree": int(arg)}
 
     def degree_for(self, tokens: int, mode: str = "fwd") -> int:
         """The pipeline degree used for a batch of ``tokens`` tokens on this rank, for a
@@ -161,17 +173,13 @@ class PipelinedStrategy(Strategy):
             return self.degree
         key = (tokens, mode)
         if key not in self._chosen:
-            from interlace.planning.pipemoe.degree import choose_degree  # no import cycle at module load
-            from interlace.planning.profile import Profile, load_profile
-
             try:
                 if not isinstance(self._profile, Profile):  # read the JSON once, not per token count
                     self._profile = load_profile(self.ep.world, path=self._profile)
                 self._chosen[key] = choose_degree(self.config, tokens, self.ep.world, self._profile,
                                                   max_degree=self.max_degree, mode=mode).degree
             except FileNotFoundError as err:
-                warnings.warn(f"pipelined: {err}; using degree 1 (run `interlace profile` to choose it)",
-                              stacklevel=2)
+                _warn_no_profile_once(err)
                 self._chosen[key] = 1
         return self._chosen[key]
 

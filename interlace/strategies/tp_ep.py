@@ -57,10 +57,11 @@ import torch
 import torch.distributed as dist
 
 from interlace.parallel.comm import all_gather_single, all_to_all_async, reduce_scatter_single
+from interlace.parallel.mesh import MoEMesh
 from interlace.kernels.routing_index import build_dispatch_index
 from interlace.kernels.rows import CombineRows, DispatchRows, gather_rows
+from interlace.planning.pipemoe.schedule import chunk_sizes
 from interlace.strategies.base import Strategy, register_strategy
-from interlace.strategies.pipelined import chunk_sizes
 from interlace.strategies.sequential import expert_ffn
 
 FORMS = ("O0", "O1", "O2", "O3")
@@ -365,13 +366,18 @@ class TpEpStrategy(Strategy):
 
     def __init__(self, config, ep, mesh=None, form: str = "O1", chunks: int = 2):
         super().__init__(config, ep)
-        from interlace.parallel.mesh import MoEMesh
-
         if form not in FORMS:
             raise ValueError(f"tp_ep form must be one of {FORMS}, got {form!r}")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= 64:
             raise ValueError(f"tp_ep chunks must be an int in 1..64, got {chunks!r}")
         self.mesh = mesh if mesh is not None else MoEMesh.from_groups(None, ep.group)
+        if self.mesh.ep_group is None and self.mesh.tp_group is None:
+            # Every form runs collectives on the mesh's groups; without them the first call
+            # would fail deep inside torch.distributed.
+            raise ValueError(
+                "tp_ep needs process groups: call torch.distributed.init_process_group first and pass "
+                "MoELayer(..., mesh=MoEMesh.build(tp=..., ep=...)) (or group= for an EP-only mesh), "
+                "or use strategy 'sequential' on a single process")
         if self.mesh.ep != ep.world:
             raise ValueError(f"mesh ep={self.mesh.ep} does not match the expert-parallel group size {ep.world}")
         self.mesh.shard_ffn(config.ffn)  # K divisible by tp
@@ -381,6 +387,9 @@ class TpEpStrategy(Strategy):
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
         form, _, chunks = arg.partition("-")
+        if chunks and not chunks.isdigit():
+            raise ValueError(f"tp_ep: the part after ':' is a form {FORMS}, optionally with a chunk count "
+                             f"for O2/O3 (e.g. 'tp_ep:O2-4'); got {arg!r}")
         return {"form": form, **({"chunks": int(chunks)} if chunks else {})}
 
     def __repr__(self) -> str:

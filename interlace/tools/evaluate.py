@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 
 from interlace.config import MoEConfig
+from interlace.layer import MoELayer
+from interlace.planning.pipemoe.calibration import calibrate_profile, merge_points
 from interlace.planning.pipemoe.degree import DEFAULT_DEGREES, choose_degree
+from interlace.planning.profile import Profile, load_profile
+from interlace.tools.bench import bench_config, init_env, make_routing, reduce_max, rel_err, time_cpu, time_cuda
+from interlace.tools.profile import run_profile
 
 # (hidden N, FFN K, experts E, top-k) shape classes × variants (tokens per rank, top-k, routing).
 SHAPES = [
@@ -85,9 +90,6 @@ class EvalRow:
 
 def run_eval(grid: list[GridPoint], degrees, env, profile, warmup: int, iters: int, seed: int = 0,
              tolerance: float = 2e-2, show: bool = True) -> list[EvalRow]:
-    from interlace.tools.bench import make_routing, reduce_max, rel_err, time_cpu, time_cuda
-    from interlace.layer import MoELayer
-
     rows = []
     for i, point in enumerate(grid):
         cfg = point.config
@@ -230,37 +232,40 @@ def errors_text(rows: list[EvalRow]) -> str:
                      for d, (signed, absolute) in error_by_degree(rows).items())
 
 
-def main(argv=None) -> int:
-    from interlace.tools.bench import bench_config, init_env
-    from interlace.planning.profile import load_profile, run_profile
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="interlace pipeline-eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--grid", choices=["default", "tiny"], default="default")
-    p.add_argument("--degrees", nargs="+", type=int, default=list(DEFAULT_DEGREES))
+    p.add_argument("--grid", choices=["default", "tiny"], default="default",
+                   help="configurations to evaluate: the default grid, or a tiny one for CPU tests")
+    p.add_argument("--degrees", nargs="+", type=int, default=list(DEFAULT_DEGREES),
+                   help="pipeline degrees to measure and plan among")
     p.add_argument("--profile", default=None, help="profile JSON (default: this machine's stored profile)")
     p.add_argument("--profile-first", action="store_true",
                    help="measure the grid's shape classes into the profile before evaluating")
     # Deliberately not the grid's token counts: the evaluation tests the model away from the
     # points it was calibrated on.
-    p.add_argument("--profile-tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000])
+    p.add_argument("--profile-tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000],
+                   help="with --profile-first: tokens per rank of the calibration points")
     p.add_argument("--also-profile", nargs="*", default=[], metavar="PRESET",
                    help="with --profile-first: also profile these presets' shape classes")
     p.add_argument("--merge-points", nargs="*", default=[], metavar="PROFILE",
                    help="with --profile-first: pool these earlier profiles' raw layer timings into the "
-                        "fresh one (interlace.planning.profile.merge_points); the fresh-only profile is kept "
+                        "fresh one (interlace.planning.pipemoe.calibration.merge_points); the fresh-only profile is kept "
                         "as OUT/profile_fresh.json")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing each degree")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per degree (the median is reported)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
-    p.add_argument("--out", default="bench-out/pipeline-eval")
+    p.add_argument("--out", default="bench-out/pipeline-eval",
+                   help="directory for pipeline_eval.json and pipeline_eval.md")
     p.add_argument("--rescore", default=None, metavar="MARKDOWN",
                    help="no device: re-score the first evaluation table in this file (e.g. a run in "
                         "docs/benchmarks.md cut to its section) with --profile, refitting its calibration")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.rescore:
-        from interlace.planning.pipemoe.degree import calibrate_profile
-        from interlace.planning.profile import Profile
-
         if not args.profile:
             p.error("--rescore needs --profile")
         profile = Profile.from_json(json.loads(open(args.profile).read()))
@@ -292,8 +297,6 @@ def main(argv=None) -> int:
         small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,)}
         profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile, **small)
         if args.merge_points:
-            from interlace.planning.profile import Profile, merge_points
-
             if env.rank == 0:
                 os.makedirs(args.out, exist_ok=True)
                 profile.save(os.path.join(args.out, "profile_fresh.json"))

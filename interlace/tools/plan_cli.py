@@ -1,6 +1,8 @@
 """``interlace plan``: rank layouts × MoE strategies × all-to-all forms for a model on a cluster.
 
     interlace plan --model mixtral-8x7b --cluster h100x1024 --seq 4096 --global-batch 1024
+    interlace plan --all-presets --out ''
+
     interlace plan --model my_model.json --cluster my_cluster.json --out plan-out
 
 Prints the ranked table (layout, form and chunks, strategy, predicted ms per MoE layer forward +
@@ -20,8 +22,21 @@ from pathlib import Path
 from interlace.planning.monta.cluster import PRESET_NAMES, load_cluster
 from interlace.planning.monta.memory import RECOMPUTE
 from interlace.planning.monta.model import MODEL_PRESETS, load_model
-from interlace.planning.monta.search import Planner, PlanResult, TrainSetup
+from interlace.planning.monta.search import STRATEGIES, Planner, PlanResult, TrainSetup
 from interlace.planning.monta.simulate import timeline, write_timeline_png
+
+LEGEND = """legend:
+  TPt EPe CPc PPp DPd  tensor-, expert-, context-, pipeline- and data-parallel group sizes; CPcv ("vertical"):
+                       the EP group is the CP group, so EP adds no dimension of its own
+  O0                   plain all-to-all over EP (with TP > 1 every assignment crosses it once per TP rank)
+  O1                   MoNTA: drop the TP duplicates, all-to-all 1/t of the volume, all-gather over TP
+  O2×n, O3×n           O1 in n chunks: chunk c+1's all-to-all beside chunk c's all-gather (O3: and beside
+                       chunk c's re-layout copy); n from MoNTA's chunk search
+  sequential           dispatch, then experts, then combine
+  pipelined:r          PipeMoE: r token chunks, chunk i+1's dispatch beside chunk i's experts
+  layer fwd+bwd ms     one MoE layer's forward + backward on one GPU
+  MoE step ms          all MoE layers of a training step, pipeline bubbles and expert-gradient sync included
+  GiB/GPU              predicted peak memory of one GPU"""
 
 
 def format_table(result: PlanResult, top: int) -> str:
@@ -39,6 +54,8 @@ def format_table(result: PlanResult, top: int) -> str:
     if not result.ranked:
         lines.append("no layout fits: " + "; ".join(f"{lay.label()}: {why}" for lay, why, _ in result.rejected[:3])
                      + f" (try {', '.join(_remedies(result.setup))} or more GPUs)")
+    if result.ranked:
+        lines.append(LEGEND)
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 
@@ -51,7 +68,7 @@ def _remedies(setup: TrainSetup) -> list[str]:
 
 
 def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top: int,
-              strategies=("sequential", "pipelined", "fused")) -> PlanResult:
+              strategies=STRATEGIES) -> PlanResult:
     cluster, model = load_cluster(cluster_spec), load_model(model_spec)
     planner = Planner(cluster, model, setup, strategies)
     result = planner.run()
@@ -71,22 +88,36 @@ def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top
     return result
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="interlace plan", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="mixtral-8x7b", help=f"preset ({', '.join(MODEL_PRESETS)}) or JSON file")
-    ap.add_argument("--cluster", default="h200x2", help=f"preset ({', '.join(PRESET_NAMES)}) or JSON file")
-    ap.add_argument("--all-presets", action="store_true", help="every model preset on every cluster preset")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="interlace plan", description=__doc__.split("\n\n")[0],
+                                 epilog="e.g. interlace plan --model mixtral-8x7b --cluster h100x1024")
+    ap.add_argument("--model", default=None, help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file")
+    ap.add_argument("--cluster", default=None, help=f"cluster: a preset ({', '.join(PRESET_NAMES)}) or a JSON file")
+    ap.add_argument("--all-presets", action="store_true",
+                    help="plan every model preset on every cluster preset (instead of --model/--cluster)")
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length in tokens")
+    ap.add_argument("--global-batch", type=int, default=1024, help="sequences per training step")
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch on one GPU")
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3),
+                    help="ZeRO stage: how far optimizer states, gradients and weights are sharded")
     ap.add_argument("--no-sp", action="store_true", help="no sequence parallelism")
-    ap.add_argument("--recompute", default="selective", choices=RECOMPUTE)
-    ap.add_argument("--strategies", nargs="+", default=["sequential", "pipelined", "fused"],
-                    help="MoE strategies to consider (sequential, pipelined, fused)")
-    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--recompute", default="selective", choices=RECOMPUTE,
+                    help="activation recomputation in the backward (memory model)")
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES,
+                    help="MoE strategies to consider")
+    ap.add_argument("--top", type=int, default=15, help="rows of the ranked table to print")
     ap.add_argument("--out", default="plan-out", help="directory for the JSON and PNG ('' for none)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    if not args.all_presets and (args.model is None or args.cluster is None):
+        ap.print_usage(sys.stderr)
+        missing = " and ".join(f"--{n}" for n in ("model", "cluster") if getattr(args, n) is None)
+        print(f"interlace plan: give {missing} (or --all-presets); --help lists the presets", file=sys.stderr)
+        return 2
     try:
         setup = TrainSetup(args.seq, args.global_batch, args.micro_batch, args.zero, not args.no_sp, args.recompute)
         out = Path(args.out) if args.out else None

@@ -89,7 +89,8 @@ def test_profile_and_eval_commands_end_to_end(tmp_path):
 
 
 def test_calibration_recovers_chunk_cost_and_interference():
-    from interlace.planning.pipemoe.degree import calibrate, model_terms
+    from interlace.planning.pipemoe.calibration import calibrate
+    from interlace.planning.pipemoe.degree import model_terms
 
     cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
     prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
@@ -136,7 +137,7 @@ def test_shipped_profile_loads_and_plans_the_presets():
             plan = choose_degree(bench_config(name, small=False), 8192, prof.world, prof)
             assert plan.degree in plan.per_degree_ms and all(t > 0 for t in plan.per_degree_ms.values())
             assert plan.shape_used == shape_key(bench_config(name, small=False), prof.world)
-            # Measured fused/sequential pairs (run 26) for auto's forward-only choice.
+            # Measured fused/sequential pairs for auto's forward-only choice.
             assert prof.shapes[plan.shape_used].fused, f"{path.name}: no fused pairs for {name}"
 
 
@@ -155,7 +156,7 @@ def _synthetic_points(prof, cfg, truth, mode, tokens=(1000, 3000, 12000, 40000),
 
 
 def test_calibration_recovers_host_cost_per_chunk_and_both_modes():
-    from interlace.planning.pipemoe.degree import calibrate_profile
+    from interlace.planning.pipemoe.calibration import calibrate_profile
 
     cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
     prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
@@ -276,7 +277,8 @@ def test_profiling_never_extends_the_shipped_profile(tmp_path, monkeypatch):
 def test_residual_correction_reproduces_calibration_points_and_interpolates_between_them():
     """What the fitted terms miss at the raw points is interpolated (log rows, then log r),
     held flat outside the calibrated range, and averaged over repeated points."""
-    from interlace.planning.pipemoe.degree import calibrate_profile, residual_ratio
+    from interlace.planning.pipemoe.calibration import calibrate_profile
+    from interlace.planning.pipemoe.degree import residual_ratio
 
     cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
     prof = synthetic_profile(2, cfg, 0.02, 200, 0.05, 450, host=0.03)
@@ -310,8 +312,7 @@ def test_residual_correction_reproduces_calibration_points_and_interpolates_betw
 
 
 def test_merging_profiles_pools_raw_points_and_refits():
-    from interlace.planning.pipemoe.degree import calibrate_profile
-    from interlace.planning.profile import merge_points
+    from interlace.planning.pipemoe.calibration import calibrate_profile, merge_points
 
     cfg = MoEConfig(hidden=2048, ffn=1408, num_experts=64, top_k=4)
     truth = dict(host=0.2, alpha=0.3, beta=4e-6, pipe=0.5, chunk=0.05, kappa=0.3)

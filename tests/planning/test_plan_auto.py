@@ -10,7 +10,8 @@ import torch
 
 from helpers import reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
-from interlace.planning.profile import PACKAGED_DIR, Profile, add_fused_points, shape_key
+from interlace.planning.profile import PACKAGED_DIR, Profile, shape_key
+from interlace.tools.profile import add_fused_points
 from test_pipeline_planning import synthetic_profile
 
 PROFILE = PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json"

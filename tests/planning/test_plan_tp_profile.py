@@ -1,4 +1,5 @@
-"""TP shard classes in the profile (interlace.planning.monta.tp_profile): fit, prediction, measurement."""
+"""TP shard classes in the profile: fit (interlace.planning.monta.tp_profile), prediction,
+measurement (interlace.tools.profile.profile_tp)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import torch
 from helpers import run_gloo
 from interlace import MoEConfig
 from interlace.planning.pipemoe.models import SizeCurve
-from interlace.planning.profile import Profile, TPShapeProfile
+from interlace.planning.profile import Profile, TPShapeProfile, tp_residual_ratio, tp_shard_key
 from interlace.planning.monta.layer import ProfileMachine, make_plan, predict_layer_ms, simulate_layer
-from interlace.planning.monta.tp_profile import fit_tp_shape, tp_shard_key
+from interlace.planning.monta.tp_profile import fit_tp_shape
 
 
 def _profile(world=2):
@@ -55,8 +56,6 @@ def test_fit_recovers_the_fixed_line_and_every_form_uses_the_shard_curve():
             assert predict_layer_ms(cfg, T, 2, 1, form, "sequential", prof, backward=backward) == pytest.approx(expect)
     # A chunked form measured 20% above its model at every calibration point: its predictions
     # (and those of the same form at another chunk count) carry that; other forms do not.
-    from interlace.planning.monta.tp_profile import tp_residual_ratio
-
     for T in (1000, 3000, 12000):
         a, b = truth["fwd"]
         entry.calibration.append((T, 2, 1.2 * (_raw_ms(prof, cfg, T, "O2:2", False) + a + b * T * 2), "O2:2"))
@@ -77,7 +76,7 @@ def test_fit_recovers_the_fixed_line_and_every_form_uses_the_shard_curve():
 
 
 def _measure(rank, world):
-    from interlace.planning.monta.tp_profile import profile_tp
+    from interlace.tools.profile import profile_tp
 
     cfg = MoEConfig(hidden=32, ffn=16, num_experts=4, top_k=2, dtype=torch.float32)
     prof = _profile(world)

@@ -21,9 +21,9 @@ from interlace.planning.monta.primitives import Compute, Group, Link
 
 GIB = 1024 ** 3
 # Host time per extra chunk of interlace's pipelined strategy (forward): the median of
-# (ms at degree r − ms at degree 1)/(r − 1) over the host-bound (T = 3000) raw layer timings of run 7
-# kept in the shipped profile (0.8–1.0 ms for r = 2 and 4). The op microbenchmarks see only 0.23 ms
-# of it (host_ms index + prep + combine); the rest is autograd, NCCL wrappers and stream waits.
+# (ms at degree r − ms at degree 1)/(r − 1) over the host-bound (T = 3000) raw layer timings of the
+# 2×H200 profile in interlace/tuning/profiles/runs/. The op microbenchmarks (host_ms index + prep +
+# combine) see only a fraction of it; the rest is autograd, NCCL wrappers and stream waits.
 CHUNK_HOST_US = 900.0
 
 
@@ -108,10 +108,9 @@ class Cluster:
 
 
 # ----------------------------------------------------------------------------- presets
-# Measured grouped-GEMM efficiency on H200 (../shared/HARDWARE.md, torch._grouped_mm bf16, balanced
-# groups, against the measured 769 TFLOP/s matmul peak), as (FLOPs of one GEMM per expert, efficiency):
-# E4 T8192 4096×14336 → 755; E32 T16384 2048×1408 → 446; E128 T65536 7168×2048 → 661;
-# E32 T16384 2048×2048 → 509 TFLOP/s.
+# Measured grouped-GEMM efficiency on H200 (torch._grouped_mm bf16, balanced groups, against the
+# measured dense matmul peak; docs/performance.md), as (FLOPs of one GEMM per expert, efficiency)
+# for Mixtral-, Qwen2-, DeepSeek-V3- and FlashDMoE-like shapes.
 _H200_GEMM_POINTS = (
     (2 * 2048 * 4096 * 14336, 755 / 769), (2 * 512 * 2048 * 1408, 446 / 769),
     (2 * 512 * 7168 * 2048, 661 / 769), (2 * 512 * 2048 * 2048, 509 / 769),

@@ -29,8 +29,7 @@ size); elsewhere (clusters, the layout search) it is modelled as COMET's fine-gr
 hiding 86.5% of the shorter of communication and compute (COMET §5.3). Backward (training)
 repeats the op list with twice the expert time (input and weight gradients); a training call of
 ``fused`` runs ``sequential``'s forward and backward (the strategy's default ``train_path``;
-``fused:train`` measured slower on most shapes, docs/benchmarks.md run 68), so its backward is
-that of ``sequential``. This planner does not model ``fused:train``; ``auto`` picks it from
+``fused:train`` measured slower on most shapes), so its backward is that of ``sequential``. This planner does not model ``fused:train``; ``auto`` picks it from
 measured pairs only.
 
 Costs come from a *machine*: :class:`ClusterMachine` (a cluster description) or
@@ -42,12 +41,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from interlace.config import MoEConfig
-from interlace.planning.pipemoe.schedule import Op, simulate_ops
 from interlace.planning.monta import primitives as P
-from interlace.planning.monta.cluster import Cluster
 from interlace.planning.monta.chunks import MontaInputs, find_chunks
+from interlace.planning.monta.cluster import CHUNK_HOST_US, Cluster, cluster_preset, load_cluster
 from interlace.planning.monta.primitives import Group, Link
+from interlace.planning.pipemoe.degree import fused_speedup
+from interlace.planning.pipemoe.degree import predict_layer_ms as calibrated
+from interlace.planning.pipemoe.schedule import Op, chunk_sizes, simulate_ops
+from interlace.planning.profile import (PACKAGED_DIR, Profile, form_key, load_profile, parse_shape_key, shape_key,
+                                        tp_fixed_line, tp_residual_ratio, tp_shard_key)
 
 FORMS = ("O0", "O1", "O2", "O3")
 FUSED_HIDDEN = 0.865  # COMET §5.3: hides 86.5% of the communication latency on average
@@ -55,8 +60,6 @@ MAX_FORM_CHUNKS = 16
 
 
 def _bpe(cfg: MoEConfig) -> int:
-    import torch
-
     return torch.empty((), dtype=cfg.dtype).element_size()
 
 
@@ -119,12 +122,8 @@ class ProfileMachine(ClusterMachine):
         intra = Link("nvlink", 450.0, points=pts, source=f"profile {profile.key}")
         copy_gbps = hbm_gbps or profile.copy_gbps / 2  # gathers: bytes read + written
         hbm = Link("hbm", copy_gbps, peak_efficiency=1.0, latency_us=0.0)
-        from interlace.planning.monta.cluster import cluster_preset
-
         base = cluster_preset("h200x2")
         h = profile.host_ms
-        from interlace.planning.monta.cluster import CHUNK_HOST_US
-
         chunk_us = max(CHUNK_HOST_US, 1e3 * (h.get("index", 0.0) + h.get("prep", 0.0) + h.get("combine", 0.0)))
         self.cluster = Cluster(f"profile:{profile.key}", profile.key, w, 1, base.memory_gib, base.compute,
                                intra, None, hbm, host_op_us=profile.a2a_host_ms * 1e3, sync_us=0.0,
@@ -152,9 +151,6 @@ class ProfileMachine(ClusterMachine):
     def expert(self, cfg: MoEConfig, rows: float, tp: int, e_local: int) -> float:
         if rows <= 0:
             return 0.0
-        from interlace.planning.profile import parse_shape_key
-        from interlace.planning.monta.tp_profile import tp_shard_key
-
         entry = self.profile.tp_shapes.get(tp_shard_key(cfg, tp, e_local)) if tp > 1 else None
         if entry is not None:  # the TP shard class itself was measured
             return entry.expert(rows)
@@ -163,8 +159,6 @@ class ProfileMachine(ClusterMachine):
         return shape.expert(rows * cfg.hidden * (cfg.ffn // tp) / (n * k))
 
     def fixed(self, cfg: MoEConfig, tokens: int, tp: int) -> tuple[float, float]:
-        from interlace.planning.profile import shape_key
-
         if self.raw_fixed:
             return 0.0, 0.0
         _, shape = self.profile.shape(shape_key(cfg, self.profile.world))
@@ -307,7 +301,7 @@ def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) ->
         u = add("unpermute", "compute", m.copy((rows * B + tokens * B) / t), last)
         return add("AG", "tp", m.ag(tokens * B, plan.tp_group), [u])
 
-    chunks = [T] if plan.strategy != "pipelined" else _split(T, plan.degree)
+    chunks = [T] if plan.strategy != "pipelined" else chunk_sizes(T, plan.degree)
     waits = []
     for c, tc in enumerate(chunks):
         if c:  # one more chunk's bookkeeping (counting sort, index, gather) on the host
@@ -321,11 +315,6 @@ def layer_ops(m: ClusterMachine, plan: LayerPlan, expert_factor: float = 1.0) ->
     if plan.strategy != "pipelined":
         combine(T, [experts[-1]])
     return ops
-
-
-def _split(tokens: int, r: int) -> list[int]:
-    base, extra = divmod(tokens, r)
-    return [base + (1 if c < extra else 0) for c in range(r) if base + (1 if c < extra else 0) > 0]
 
 
 def simulate_layer(m: ClusterMachine, plan: LayerPlan, backward: bool = False) -> tuple[float, list[Op], list[float]]:
@@ -379,10 +368,6 @@ def _measured_fused_ms(prof, config: MoEConfig, tokens: int, backward: bool) -> 
     class (``interlace.planning.pipemoe.degree.fused_speedup``) applied to the calibrated sequential
     prediction; a training call is sequential's forward + backward with the fused forward in
     place of sequential's (its default train path). None without pairs."""
-    from interlace.planning.pipemoe.degree import fused_speedup
-    from interlace.planning.pipemoe.degree import predict_layer_ms as calibrated
-    from interlace.planning.profile import shape_key
-
     shape = prof.shapes.get(shape_key(config, prof.world))
     speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k)
     if speedup is None:
@@ -403,16 +388,10 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
     ``Profile``, or None for the shipped 2×H200 profile. With a profile and TP = 1 the
     calibrated run-time planner's model is used (``interlace.planning.pipemoe.degree.predict_layer_ms``).
     """
-    from interlace.planning.profile import Profile
-
     src = profile_or_cluster
     if src is None:
-        from interlace.planning.profile import PACKAGED_DIR, load_profile
-
         src = load_profile(2, path=PACKAGED_DIR / "NVIDIA_H200-sm132-w2-n1-p2p.json")
     if isinstance(src, str):
-        from interlace.planning.monta.cluster import load_cluster
-
         src = load_cluster(src)
     strat, r = parse_strategy(strategy)
     if isinstance(src, Profile):
@@ -421,8 +400,6 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
             if measured is not None:
                 return measured
         if tp == 1 and strat in ("sequential", "pipelined") and ep == src.world:
-            from interlace.planning.pipemoe.degree import predict_layer_ms as calibrated
-
             if not backward:
                 return calibrated(src, config, tokens, ep, r)
             try:  # the run-time planner's own forward + backward model, where it has one
@@ -437,8 +414,6 @@ def predict_layer_ms(config: MoEConfig, tokens: int, tp: int, ep: int, form: str
         m = ProfileMachine(src)
         m.raw_fixed = True
         if tp > 1:
-            from interlace.planning.monta.tp_profile import form_key, tp_fixed_line, tp_residual_ratio, tp_shard_key
-
             plan = make_plan(m, config, tokens, tp, ep, form, strategy)
             total = simulate_layer(m, plan)[0]
             if backward:
@@ -470,8 +445,6 @@ def _profile_fixed_ms(prof, config: MoEConfig, tokens: int, backward: bool) -> f
     launch gaps), as the run-time planner calibrated it on the profile's own ``sequential``
     points at the same dispatched rows T·k (a TP rank dispatches all of its T tokens' rows).
     Nothing here is fitted on TP×EP measurements."""
-    from interlace.planning.pipemoe.degree import predict_layer_ms as calibrated
-
     mode = "fwdbwd" if backward else "fwd"
     try:
         with_fixed = calibrated(prof, config, tokens, prof.world, 1, mode=mode, corrected=False)

@@ -10,8 +10,12 @@ cp ≥ ep; the search simply tries both and lets the model decide.
 For each layout: micro-batches m = ceil(global batch / (b · attention-DP replicas)), tokens per
 GPU per micro-batch T = b·s/cp, the memory model (:mod:`interlace.planning.monta.memory`) — layouts that do
 not fit are rejected with their reason — and, for every form (O0–O3 with TP > 1) and strategy
-(sequential, pipelined r ∈ {2, 4, 8}, fused), the step time of :mod:`interlace.planning.monta.simulate`.
+(sequential, pipelined r ∈ {2, 4, 8}), the step time of :mod:`interlace.planning.monta.simulate`.
 Ties break on memory, then on the simpler layout, so the ranking is deterministic.
+
+``fused`` is accepted but never gets rows of its own: a training call of the ``fused`` strategy
+runs ``sequential``'s forward and backward (its default train path), so its step time is
+exactly ``sequential``'s (:data:`FUSED_NOTE`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ from interlace.planning.monta.model import ModelSpec, with_dtype
 from interlace.planning.monta.simulate import StepTime
 
 PIPELINE_DEGREES = (2, 4, 8)
+STRATEGIES = ("sequential", "pipelined", "fused")
+FUSED_NOTE = ("fused: no rows of its own: a training call of `fused` runs sequential's forward and backward "
+              "(its default train path), so its step time is sequential's; fused:train is not modelled "
+              "(strategy 'auto' chooses it from measured pairs only)")
 
 
 @dataclass(frozen=True)
@@ -131,11 +139,12 @@ def enumerate_layouts(cluster: Cluster, model: ModelSpec, setup: TrainSetup) -> 
 class Planner:
     """Evaluates layouts on one cluster, caching layer simulations shared between layouts."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainSetup,
-                 strategies=("sequential", "pipelined", "fused")):
-        unknown = set(strategies) - {"sequential", "pipelined", "fused"}
+    def __init__(self, cluster: Cluster, model: ModelSpec, setup: TrainSetup, strategies=STRATEGIES):
+        unknown = set(strategies) - set(STRATEGIES)
         if unknown or not strategies:
-            raise ValueError(f"strategies must be among sequential, pipelined, fused; got {list(strategies)}")
+            raise ValueError(f"strategies must be among {', '.join(STRATEGIES)}; got {list(strategies)}")
+        if set(strategies) == {"fused"}:
+            raise ValueError(f"{FUSED_NOTE}: pass sequential too")
         self.strategies = tuple(strategies)
         self.cluster, self.setup = cluster, setup
         self.model = with_dtype(model, cluster.dtype)
@@ -186,8 +195,6 @@ class Planner:
             if lay.ep > 1 or lay.tp > 1:
                 if f in ("O0", "O1"):
                     opts += [(f, f"pipelined:{r}") for r in PIPELINE_DEGREES]
-                if lay.tp == 1 and "fused" in self.strategies:
-                    opts.append((f, "fused"))  # the fused kernels are EP-only
         opts = [(f, st) for f, st in opts if st.partition(":")[0] in self.strategies]
         return opts
 
@@ -231,14 +238,15 @@ class Planner:
         for c in ranked[:100]:  # explanations only for what is shown
             plan, fwd, _ = self.layer(c.layout, c.form, c.strategy)
             c.why = self.explain(plan, fwd, c.memory, c.layout)
-        notes = ["times are the MoE layers only (attention and dense layers are not modelled)",
-                 "fused (EP only) is predicted from COMET's reported overlap, not yet from measurements"]
+        notes = ["times are the MoE layers only (attention and dense layers are not modelled)"]
+        if "fused" in self.strategies:
+            notes.append(FUSED_NOTE)
         if not ranked:
             notes.append("no layout fits the GPU memory; see rejected_closest")
         return PlanResult(self.cluster, self.model, self.setup, ranked, rejected, len(layouts), notes)
 
 
 def plan_cluster(cluster: Cluster, model: ModelSpec, setup: TrainSetup | None = None,
-                 strategies=("sequential", "pipelined", "fused")) -> PlanResult:
+                 strategies=STRATEGIES) -> PlanResult:
     return Planner(cluster, model, setup or TrainSetup(), strategies).run()
 

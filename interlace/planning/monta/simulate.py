@@ -56,9 +56,23 @@ def timeline(m: ClusterMachine, plan: LayerPlan) -> list[tuple[str, str, float, 
     return rows
 
 
+OP_COLORS = {"A2A": "tab:red", "AG": "tab:blue", "RS": "tab:cyan", "AR": "tab:purple", "D2D": "tab:olive",
+             "expert": "tab:green", "unpermute": "tab:gray", "route+sync": "tab:orange"}
+OTHER_COLOR = "tab:brown"
+
+
+def legend_entries(rows) -> list[tuple[str, str]]:
+    """(op kind, color) of every kind drawn in ``rows`` (what :func:`timeline` returns), in the
+    order of :data:`OP_COLORS`, then others in order of appearance: the legend lists only what
+    the picture shows."""
+    kinds = list(dict.fromkeys(name.split(":", 1)[1] for _, name, _, _ in rows))
+    known = [k for k in OP_COLORS if k in kinds]
+    return [(k, OP_COLORS[k]) for k in known] + [(k, OTHER_COLOR) for k in kinds if k not in OP_COLORS]
+
+
 def write_timeline_png(rows, path, title: str) -> str:
     """Draw the timeline with matplotlib; returns a message saying what was written (or why not)."""
-    try:
+    try:  # matplotlib is optional: imported only when a PNG is wanted
         import matplotlib
 
         matplotlib.use("Agg")
@@ -67,19 +81,19 @@ def write_timeline_png(rows, path, title: str) -> str:
         return f"timeline PNG not written: matplotlib is not installed (pip install matplotlib); wanted {path}"
     streams = sorted({r[0] for r in rows}, key=["compute", "a2a", "tp"].index
                      if all(r[0] in ("compute", "a2a", "tp") for r in rows) else str)
-    colors = {"A2A": "tab:red", "AG": "tab:blue", "RS": "tab:cyan", "AR": "tab:purple", "D2D": "tab:olive",
-              "expert": "tab:green", "unpermute": "tab:gray", "route+sync": "tab:orange"}
+    entries = legend_entries(rows)
+    colors = dict(entries)
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(streams)))
     for stream, name, start, end in rows:
         y = streams.index(stream)
         kind = name.split(":", 1)[1]
-        ax.broken_barh([(start, end - start)], (y - 0.4, 0.8), facecolors=colors.get(kind, "tab:brown"),
+        ax.broken_barh([(start, end - start)], (y - 0.4, 0.8), facecolors=colors[kind],
                        edgecolor="black", linewidth=0.3, alpha=0.9 if name.startswith("fwd") else 0.6)
     ax.set_yticks(range(len(streams)), streams)
     ax.set_xlabel("ms (forward, then backward, of one MoE layer)")
     ax.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in entries]
+    ax.legend(handles, [k for k, _ in entries], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,8 +17,7 @@ The layer time for degree r, forward (``mode="fwd"``) or forward + backward (``"
   plus the shape class's ``chunk_host_ms``, the host time the strategy's own Python spends per
   chunk (autograd functions, NCCL wrappers, stream waits), which no op microbenchmark sees. It sits
   inside the simulation, so it is hidden while the GPU is busy and is the whole cost when the
-  layer is host-bound — which is why a fixed per-chunk term fitted at one size was wrong at
-  another (run 7: r = 2–4 under-predicted by 10–12% at small T, r = 1 over-predicted).
+  layer is host-bound; a fixed per-chunk term fitted at one size is wrong at another.
 * ``fixed`` is a line over dispatched rows fitted on degree-1 points: what the op model leaves
   out of a ``sequential`` call (routing, count exchange, host sync). ``pipe_ms`` is the fixed
   extra of the pipelined code path over ``sequential``'s (r = 1 *is* ``sequential``: a
@@ -26,18 +25,12 @@ The layer time for degree r, forward (``mode="fwd"``) or forward + backward (``"
   chunk costs on the device beyond the model; ``interference`` the fraction of the overlapped
   all-to-all time the compute it overlaps loses (NCCL kernels take SMs and memory bandwidth).
 
-All fitted terms come from the profile's own raw calibration points (:func:`calibrate_profile`):
-per shape class ``chunk_host_ms`` by a 1-D search (it differs by class: 2× H200 run 13 saw
-0.6–1.05 ms of host time per chunk), the rest per class and mode by (non-negative) least
-squares on relative errors. Without forward + backward points a shape
-class predicts ``fwdbwd`` with its forward terms.
-
-What the fitted terms still miss at each raw point (measured / modelled) is kept per mode and
-interpolated at prediction time (:func:`residual_ratio`: linear in log rows, then in log r,
-flat outside the calibrated range), so the calibrated model reproduces its own points and
-bends between them the way the measurements do; far from every point it is the fitted form.
-Profiles pooled from several runs (:func:`interlace.planning.profile.merge_points`) average
-the lease-to-lease drift of those points (2× H200 runs 7 and 13: ±30% on host-bound points).
+The fitted terms come from the profile's own raw calibration points
+(:mod:`interlace.planning.pipemoe.calibration`). What they still miss at each raw point
+(measured / modelled) is kept per mode and interpolated at prediction time
+(:func:`residual_ratio`: linear in log rows, then in log r, flat outside the calibrated range),
+so the calibrated model reproduces its own points and bends between them the way the
+measurements do; far from every point it is the fitted form.
 
 The degree is the argmin over the allowed degrees (≤ 16 simulations, done once per distinct
 token count and mode and cached by the strategy), except that degree 1 — the point the
@@ -48,21 +41,18 @@ on the α–β lines is reported beside it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from interlace.config import MoEConfig
 from interlace.planning.pipemoe.models import interp_log_rows
-from interlace.planning.profile import MODES, Calibration, Profile, as_profile, parse_shape_key, shape_key
-from interlace.planning.pipemoe.schedule import DegreeChoice, Op, pipemoe_theorem1, simulate_ops
+from interlace.planning.pipemoe.schedule import DegreeChoice, Op, chunk_sizes, pipemoe_theorem1, simulate_ops
+from interlace.planning.profile import MODES, Calibration, Profile, as_profile, shape_key
 
 DEFAULT_DEGREES = (1, 2, 3, 4, 6, 8, 12, 16)
 MIN_GAIN = 0.05  # smallest predicted gain over degree 1 that the planner acts on
-HOST_GRID_MS = tuple(0.1 * i for i in range(21))  # coarse candidates for Profile.chunk_host_ms (refined ±0.1)
 
 
 def _element_size(cfg: MoEConfig) -> int:
@@ -70,8 +60,6 @@ def _element_size(cfg: MoEConfig) -> int:
 
 
 def _chunks(tokens: int, r: int) -> list[int]:
-    from interlace.strategies.pipelined import chunk_sizes
-
     sizes = chunk_sizes(tokens, r)
     return sizes + [0] * (r - len(sizes))
 
@@ -93,9 +81,8 @@ def pipeline_ops(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int,
 
     A chunk's device time is never taken below its share of the whole batch's time at the
     measured sustained rate (``max(curve(part), curve(whole)·part/whole)``): short bursts in a
-    microbenchmark run at boost clocks that a long pipelined layer does not keep (seen on
-    H200: the expert stage measured 672 TFLOP/s at 3.8k rows but 589 at 80k), so splitting
-    work cannot make it cheaper in total.
+    microbenchmark run at boost clocks that a long pipelined layer does not keep (measured on
+    H200: ``docs/performance.md``), so splitting work cannot make it cheaper in total.
     """
     _check_mode(mode)
     _, shape = prof.shape(shape_key(cfg, world))
@@ -175,7 +162,8 @@ def model_terms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: int, 
     return total, overlapped_comm_ms(ops, r)
 
 
-def _calibrated(cal: Calibration, sim: float, overlapped: float, rows: int, r: int, h_index: float) -> float:
+def calibrated_ms(cal: Calibration, sim: float, overlapped: float, rows: int, r: int, h_index: float) -> float:
+    """The op-level simulation ``sim`` plus the fitted terms ``cal`` (the formula above)."""
     # The fixed line is fitted over a few token counts: never let it extrapolate below 0.
     total = sim + max(cal.fixed(rows), 0.0) + (r - 1) * h_index
     if r > 1:
@@ -234,101 +222,8 @@ def predict_layer_ms(prof: Profile, cfg: MoEConfig, tokens: int, world: int, r: 
         return sim
     _, shape = prof.shape(shape_key(cfg, world))
     rows = tokens * cfg.top_k
-    total = _calibrated(shape.terms(mode), sim, overlapped, rows, r, prof.host_ms["index"])
+    total = calibrated_ms(shape.terms(mode), sim, overlapped, rows, r, prof.host_ms["index"])
     return total * residual_ratio(shape, mode, rows, r) if corrected else total
-
-
-def _nonneg_lstsq(A, b) -> np.ndarray:
-    """Least squares with non-negative unknowns, by trying every subset of free columns
-    (A has at most a few columns)."""
-    A = np.asarray(A, dtype=float)
-    b = np.asarray(b, dtype=float)
-    n = A.shape[1]
-    best, best_err = np.zeros(n), float(b @ b)
-    for k in range(1, n + 1):
-        for cols in itertools.combinations(range(n), k):
-            x_sub = np.linalg.lstsq(A[:, cols], b, rcond=None)[0]
-            if np.any(x_sub < 0):
-                continue
-            x = np.zeros(n)
-            x[list(cols)] = x_sub
-            err = float(np.sum((A @ x - b) ** 2))
-            if err < best_err - 1e-15:
-                best, best_err = x, err
-    return best
-
-
-def _shape_cfg(prof: Profile, skey: str, top_k: int) -> MoEConfig:
-    n, k_ffn, e_local, act = parse_shape_key(skey)
-    return MoEConfig(hidden=n, ffn=k_ffn, num_experts=e_local * prof.world, top_k=top_k, activation=act)
-
-
-def _fit_terms(prof: Profile, skey: str, points, mode: str, host_extra: float) -> tuple[Calibration, list[float]]:
-    """Calibration terms of one shape class and mode from its raw points ``(T, k, r, ms)``,
-    and the relative errors of the calibrated model on them."""
-    h_index = prof.host_ms["index"]
-    sims = {}
-    for T, k, r, _ in points:
-        sims[(T, k, r)] = model_terms(prof, _shape_cfg(prof, skey, k), T, prof.world, r, mode, host_extra)
-    cal = Calibration()
-    ones = [(T * k, ms - sims[(T, k, r)][0]) for T, k, r, ms in points if r == 1]
-    if ones:
-        xs = np.array([x for x, _ in ones], dtype=float)
-        ys = np.array([y for _, y in ones], dtype=float)
-        if len(set(xs.tolist())) > 1:
-            beta, alpha = np.polyfit(xs, ys, 1)
-            cal.fixed = type(cal.fixed)(float(alpha), float(beta))
-        else:
-            cal.fixed = type(cal.fixed)(float(ys.mean()), 0.0)
-    rows, target = [], []
-    for T, k, r, ms in points:
-        if r == 1:
-            continue
-        sim, overlapped = sims[(T, k, r)]
-        w = 1.0 / ms  # relative errors: small layers count as much as large ones
-        rows.append([w, (r - 1) * w, overlapped * w])
-        target.append((ms - sim - max(cal.fixed(T * k), 0.0) - (r - 1) * h_index) * w)
-    if rows:
-        cal.pipe_ms, cal.chunk_ms, cal.interference = (float(v) for v in _nonneg_lstsq(rows, target))
-    errors = [_calibrated(cal, *sims[(T, k, r)], T * k, r, h_index) / ms - 1 for T, k, r, ms in points]
-    cal.model_error = float(np.sqrt(np.mean(np.square(errors)))) if errors else 0.0
-    return cal, errors
-
-
-def calibrate(prof: Profile, skey: str, host_grid=HOST_GRID_MS) -> None:
-    """Fit one shape class's terms from its raw points, in place: its per-chunk host cost by
-    a 1-D search (coarse ``host_grid``, then refined: the value whose least-squares fits leave
-    the smallest squared relative error over both modes' points), then each mode's terms."""
-    shape = prof.shapes[skey]
-    modes = [m for m in MODES if shape.points(m)]
-
-    def total_error(h):
-        return sum(float(np.sum(np.square(_fit_terms(prof, skey, shape.points(m), m, h)[1]))) for m in modes)
-
-    if any(r > 1 for m in modes for _, _, r, _ in shape.points(m)):
-        coarse = min(host_grid, key=total_error)
-        step = min((abs(a - b) for a, b in zip(host_grid, host_grid[1:])), default=0.0) / 5
-        fine = [max(0.0, coarse + step * i) for i in range(-4, 5)] if step > 0 else [coarse]
-        shape.chunk_host_ms = float(min(fine, key=total_error))
-    shape.residuals = {}
-    for mode in modes:
-        cal, errors = _fit_terms(prof, skey, shape.points(mode), mode, shape.chunk_host_ms or 0.0)
-        shape.set_terms(mode, cal)
-        # What the fitted terms still miss at each raw point, for residual_ratio to interpolate.
-        shape.residuals[mode] = [[T * k, r, 1.0 / (1.0 + e)] for (T, k, r, _), e in zip(shape.points(mode), errors)]
-
-
-def calibrate_profile(prof: Profile, host_grid=HOST_GRID_MS) -> None:
-    """Calibrate every shape class from the profile's own raw points (:func:`calibrate`);
-    ``Profile.chunk_host_ms`` becomes the median of the classes' host costs (the value for a
-    class without pipelined points)."""
-    hosts = []
-    for skey in prof.shapes:
-        calibrate(prof, skey, host_grid)
-        if prof.shapes[skey].chunk_host_ms is not None:
-            hosts.append(prof.shapes[skey].chunk_host_ms)
-    if hosts:
-        prof.chunk_host_ms = float(np.median(hosts))
 
 
 @dataclass

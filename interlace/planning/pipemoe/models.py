@@ -70,8 +70,7 @@ class SizeCurve:
     efficiency-vs-size curve). Below the measured range it uses the α–β line; above it, the
     rate of the largest measurement (``t_max · x / x_max``): the line is fitted with relative
     weights over sizes spanning many decades, so its slope is set by mid-size points and
-    over-predicts large transfers (seen on 2× H200: the all-to-all line gave 13 ms for a
-    4.6 GB per-rank exchange that measured 6.8 ms).
+    over-predicts large transfers (about twice the measured time of the largest all-to-alls).
     """
 
     sizes: list[float]

@@ -30,6 +30,15 @@ import math
 from dataclasses import dataclass
 
 
+def chunk_sizes(tokens: int, degree: int) -> list[int]:
+    """Split ``tokens`` into ``min(degree, tokens)`` near-equal chunks (first ones larger).
+
+    The split the ``pipelined`` and ``tp_ep`` strategies run, and the one the planner models."""
+    r = max(1, min(degree, tokens))
+    base, extra = divmod(tokens, r)
+    return [base + (1 if c < extra else 0) for c in range(r)]
+
+
 # ----------------------------------------------------------------------------- Eqs. 9–12
 def simulate_eqs_9_12(t_d, t_e, t_c) -> float:
     """Completion time of Eqs. 9–12 for per-chunk times (lists of length r); Eq. 12 for r = 1."""
