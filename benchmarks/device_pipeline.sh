@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device runs of the pipelined strategy and its planner on a 2-GPU machine. Steps:
 #   check  GPU correctness check of every strategy
-#   eval   profile (grid shape classes + BENCHMARKS.md presets) and the planner evaluation grid
-#   bench  the BENCHMARKS.md forward table with pipelined (auto degree from that profile)
+#   eval   profile (grid shape classes + the presets) and the planner evaluation grid
+#   bench  the forward table of docs/benchmarking.md with pipelined (auto degree from that profile)
 #   fb     forward+backward rows for mixtral-8x7b and qwen2-moe
 # usage: bash benchmarks/device_pipeline.sh STEP [STEP ...]   (logs, JSON and the profile land under $OUT)
 # EVAL_ARGS (e.g. "--warmup 3 --iters 12"), BENCH_ARGS (e.g. "--interleave") and STEP_TIMEOUT (seconds

@@ -389,7 +389,7 @@ def parse_args(argv=None):
     if "naive" not in args.strategies:
         args.strategies = ["naive"] + args.strategies  # speedups and checks are against naive
     if args.warmup < 5 or args.iters < 20:
-        print("note: BENCHMARKS.md asks for >= 5 warm-up and >= 20 timed calls", file=sys.stderr)
+        print("note: docs/benchmarking.md asks for >= 5 warm-up and >= 20 timed calls", file=sys.stderr)
     return args
 
 

@@ -11,7 +11,7 @@ USAGE = """usage: interlace <command> [options]     (interlace <command> --help:
 
 commands:
   demo           run the layer on this machine (GPUs: torchrun benchmark; CPU: 2 simulated gloo ranks)
-  bench          the BENCHMARKS.md harness (launch with torchrun --nproc-per-node W for W GPUs)
+  bench          the benchmark harness (docs/benchmarking.md) (launch with torchrun --nproc-per-node W for W GPUs)
   profile        microbenchmarks → the performance profile the pipelined strategy plans with
   pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice
   tune-experts   measure kernel configs of the Triton expert GEMMs and write the tuning tables

@@ -176,8 +176,8 @@ def markdown(rows: list[EvalRow], summary: dict, degrees) -> str:
 
 
 def rows_from_markdown(text: str, grid: list[GridPoint] | None = None) -> list[EvalRow]:
-    """The measured per-degree times of an evaluation table written by :func:`markdown` (e.g. a
-    run recorded in docs/benchmarks.md; the first table whose rows name grid points), for
+    """The measured per-degree times of an evaluation table written by :func:`markdown` (the
+    first table whose rows name grid points), for
     re-scoring a new model offline with :func:`rescore`."""
     points = {p.name: p for p in (grid or default_grid())}
     degrees, rows = None, []
@@ -257,8 +257,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-out/pipeline-eval",
                    help="directory for pipeline_eval.json and pipeline_eval.md")
     p.add_argument("--rescore", default=None, metavar="MARKDOWN",
-                   help="no device: re-score the first evaluation table in this file (e.g. a run in "
-                        "docs/benchmarks.md cut to its section) with --profile, refitting its calibration")
+                   help="no device: re-score the first evaluation table in this file (pipeline_eval.md "
+                        "of an earlier run) with --profile, refitting its calibration")
     return p
 
 

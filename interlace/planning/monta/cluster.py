@@ -116,7 +116,7 @@ _H200_GEMM_POINTS = (
     (2 * 512 * 7168 * 2048, 661 / 769), (2 * 512 * 2048 * 2048, 509 / 769),
 )
 _H200_COMPUTE = Compute(769.0, points=_H200_GEMM_POINTS, launch_us=15.0,
-                        source="../shared/HARDWARE.md: bf16 matmul 8192³ 769 TFLOP/s; grouped_mm points fitted")
+                        source="measured on an H200: bf16 matmul 8192³ 769 TFLOP/s; grouped_mm points fitted")
 
 
 def _compute_like_h200(peak_tflops: float, peak_efficiency: float, source: str) -> Compute:
@@ -152,13 +152,13 @@ def _presets() -> dict[str, Cluster]:
             "h200x2", "NVIDIA H200 (141 GB HBM3e)", 2, 1, 139.8, _H200_COMPUTE,
             Link("nvlink", 450.0, points=_h200_nvlink_points(),
                  source=nvlink4 + "; efficiency points from the shipped profile's all-to-all curve "
-                 "(interlace/profiles/NVIDIA_H200-sm132-w2-n1-p2p.json)"),
+                 "(interlace/tuning/profiles/NVIDIA_H200-sm132-w2-n1-p2p.json)"),
             None,
             Link("hbm", 4800.0, latency_us=4.0, peak_efficiency=2042 / 4800,
                  source="H200 HBM3e 4.8 TB/s spec; measured device copy 4084 GB/s read+write "
-                 "(../shared/HARDWARE.md) = 2042 GB/s of bytes copied"),
+                 "= 2042 GB/s of bytes copied"),
             host_op_us=10.0, sync_us=40.0,
-            source="the measured 2×H200 node: ../shared/HARDWARE.md (2026-11-21) and the shipped profile"),
+            source="the measured 2×H200 node (2026-11-21) and the shipped profile"),
         "h800x8": _hopper_sxm("h800x8", "NVIDIA H800 SXM (80 GB HBM3)", 1, Link(
             "nvlink", 200.0, latency_us=12.0, peak_efficiency=0.8,
             source="MoNTA Table 5: H800 200 GB/s one direction; r_max 0.8 as MoNTA's 8-card AllGather (0.803)"),
