@@ -55,16 +55,16 @@ class MoEConfig:
         router_gemm: how the router's logits GEMM ``x @ W_router^T`` runs when the activations
             are 16-bit. ``"split"`` (bf16 activations, fp32 router): one bf16 tensor-core GEMM
             against the weight's three bf16 pieces, whose sum is the fp32 weight exactly, split
-            in registers (:mod:`interlace.kernels.router_gemm`); the tensor cores' fp32 accumulation
-            kept errors within 3e-6 of the products' magnitude (the fp32 GEMM: 4e-7), and the
-            top-k of 99.9–100% of tokens equal the fp32 GEMM's (2× H200, run 163).
+            in registers (:mod:`interlace.kernels.router_gemm`); every product is exact in the
+            fp32 accumulator, so the logits are fp32-class (only the accumulation rounds) and
+            the top-k almost always equals the fp32 GEMM's, at about a bf16 GEMM's cost.
             ``"input"``: both operands rounded to the activations' dtype, fp32 accumulation;
-            the fastest, but the rounded weight changes the top-k of many tokens (with random
-            weights, 7% of dsv3-like's; run 163). ``"upcast"``: the activations converted to
-            ``router_dtype`` and an fp32 (fp64) GEMM; at dsv3-like 8192 tokens that took 0.62 ms
-            plus 0.18 ms for the conversion, about 6% of the fused layer (run 160), where
-            ``"split"`` took 0.21 ms. Other cases (fp16 activations with ``"split"``, fp32/fp64
-            activations) take ``"upcast"``'s path.
+            the fastest, but the rounded weight changes the top-k of many tokens.
+            ``"upcast"``: the activations converted to ``router_dtype`` and an fp32 (fp64)
+            GEMM: exact products without the split, but a full-precision GEMM plus a
+            conversion of the activations, several times ``"split"``'s cost on GPUs
+            (``docs/performance.md``). Other cases (fp16 activations with ``"split"``,
+            fp32/fp64 activations) take ``"upcast"``'s path.
         source: where the shape comes from (for presets).
     """
 
@@ -152,7 +152,7 @@ class MoEConfig:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-# Model shapes of ../shared/BENCHMARKS.md. Each cites where its numbers come from.
+# Model shapes the benchmarks use (docs/benchmarking.md). Each cites where its numbers come from.
 PRESETS: dict[str, MoEConfig] = {
     "mixtral-8x7b": MoEConfig(
         hidden=4096, ffn=14336, num_experts=8, top_k=2,
@@ -180,13 +180,13 @@ PRESETS: dict[str, MoEConfig] = {
     ),
     "flashdmoe-cfg": MoEConfig(
         hidden=2048, ffn=2048, num_experts=64, top_k=2,
-        source="FlashDMoE §4 (embedding 2048, FFN 2048, top-2; 64 experts as in BENCHMARKS.md)",
+        source="FlashDMoE §4 (embedding 2048, FFN 2048, top-2; 64 experts as in the benchmarks)",
     ),
 }
 
 
 def preset(name: str, **changes) -> MoEConfig:
-    """A preset by its BENCHMARKS.md name, with optional field changes."""
+    """A preset by name (a key of :data:`PRESETS`), with optional field changes."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return PRESETS[name].with_(**changes) if changes else PRESETS[name]

@@ -49,10 +49,14 @@ def shard_ffn(w_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig, lo: i
 
 
 class GroupedExperts(nn.Module):
-    """Experts ``first .. first + num_local - 1`` of the layer.
+    """Experts ``first .. first + num_local - 1`` of the layer: weights only; the strategy
+    runs them (rows grouped by expert through one grouped GEMM per projection).
 
-    Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K); with a
-    tensor-parallel slice ``ffn_slice=(lo, hi)`` of K, the :func:`shard_ffn` slices of them.
+    Shapes: E_local = ``num_local``, N = ``config.hidden``, K = ``config.ffn``, up_width =
+    ``config.up_width`` (2K for SwiGLU, gate rows first; else K).
+    Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K), in
+    ``config.dtype``; with a tensor-parallel slice ``ffn_slice=(lo, hi)`` of K, the
+    :func:`shard_ffn` slices of them (K replaced by hi − lo).
     """
 
     def __init__(self, config: MoEConfig, first: int, num_local: int, seed: int, device: torch.device,

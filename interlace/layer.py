@@ -10,7 +10,8 @@ from interlace.config import MoEConfig
 from interlace.experts import GroupedExperts
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
-from interlace.strategies import STRATEGIES, make_strategy
+from interlace.strategies import make_strategy  # (importing the package registers every strategy)
+from interlace.strategies.base import strategy_class
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -27,6 +28,27 @@ class AddAuxiliaryLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
 
 
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    """The parameters' device; ``ValueError`` for a CUDA device this process cannot use (before
+    torch's own error for it, which on a CPU-only build is a linker-level message)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible to this process")
+            raise ValueError(f"device {device} was asked for, but CUDA is not available ({why}); "
+                             f"use device='cpu' (see the README's CPU quick start)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} was asked for, but this process sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 class MoELayer(nn.Module):
     """A distributed Mixture-of-Experts layer.
 
@@ -37,21 +59,24 @@ class MoELayer(nn.Module):
     Args:
         config: the layer's :class:`MoEConfig` (must be equal on every rank; checked here).
         group: expert-parallel process group, or None.
-        strategy: ``"naive"``, ``"sequential"`` or ``"pipelined"`` (``"pipelined:4"`` fixes
-            the degree); see ``interlace.strategies``.
+        strategy: a name of ``interlace.STRATEGIES`` (``"naive"``, ``"sequential"``,
+            ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"auto"``), optionally with its
+            ``":arg"`` (``"pipelined:4"`` fixes the degree). A strategy that cannot run on
+            ``device`` here says what it needs (``ValueError``) before any weight is built.
         seed: every weight is a function of (seed, expert id); ranks agree without
             broadcasting and a single-process reference can rebuild the same weights.
-        device: where parameters live (default: the current CUDA device, else CPU).
+        device: where parameters live (default: the current CUDA device, else CPU). A CUDA
+            device on a machine without CUDA raises ``ValueError``.
         strategy_options: keyword options of the strategy (e.g. ``{"degree": "auto"}``).
         mesh: an :class:`interlace.parallel.mesh.MoEMesh` instead of ``group``: experts over its EP
             group, each expert's FFN dimension sharded over its TP group (strategy
             ``"tp_ep:O0"`` … ``"tp_ep:O3"`` for tp > 1). ``MoEMesh.build`` gives the groups
             their own high-priority communicators.
 
-    Forward: ``x`` (..., N) in ``config.dtype`` → (..., N). ``expert_indices`` (T, k) may
-    force the choice of experts (tests, benchmarks); the weights still come from the router.
-    With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
-    is folded into the backward pass and its value kept in ``last_aux_loss``.
+    Shapes: T tokens on this rank, N = ``config.hidden``, K = ``config.ffn``, E =
+    ``config.num_experts``, k = ``config.top_k``, W the expert-parallel world size.
+    Parameters: ``router.weight`` (E, N); ``experts.w_up`` (E/W, up_width, N) with up_width
+    2K for SwiGLU (gate rows first) else K; ``experts.w_down`` (E/W, N, K).
     """
 
     def __init__(
@@ -69,37 +94,37 @@ class MoELayer(nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
+        device = _resolve_device(device)
         if mesh is not None and group is not None:
             raise ValueError("give the expert-parallel group= or a mesh=, not both")
         self.mesh = mesh if mesh is not None else MoEMesh.from_groups(None, group)
         ffn_slice = self.mesh.shard_ffn(config.ffn)
         self.ep = ExpertParallel.build(self.mesh.ep_group, config.num_experts)
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
         check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig")
         check_same_across_ranks(seed, self.ep, "seed")
         if self.mesh.tp > 1:
             tp_view = ExpertParallel(self.mesh.tp_group, self.mesh.tp_rank, self.mesh.tp, config.num_experts)
             check_same_across_ranks(config.fingerprint(), tp_view, "MoEConfig")
             check_same_across_ranks(seed, tp_view, "seed")
+        # The strategy first: one that cannot run here says so before any weight is built.
+        self.strategy = self._make_strategy(strategy, strategy_options or {}, device)
         self.router = Router(config, seed, device)
         self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device, ffn_slice)
-        self.strategy = self._make_strategy(strategy, strategy_options or {})
         self.last_aux_loss: torch.Tensor | None = None
 
     def set_strategy(self, name: str, **options) -> None:
         """Switch the strategy; parameters are untouched. Call it on every rank alike."""
         self.strategy = self._make_strategy(name, options)
 
-    def _make_strategy(self, name: str, options: dict):
-        cls = STRATEGIES.get(name.partition(":")[0])
+    def _make_strategy(self, name: str, options: dict, device: torch.device | None = None):
+        cls = strategy_class(name)
         if getattr(cls, "uses_mesh", False):
             options = {"mesh": self.mesh, **options}
         elif self.mesh.tp > 1:
             raise ValueError(f"strategy {name!r} does not shard experts over a tensor-parallel group "
                              f"(mesh tp={self.mesh.tp}); use 'tp_ep:O0' .. 'tp_ep:O3'")
-        return make_strategy(name, self.config, self.ep, **options)
+        device = self.experts.w_up.device if device is None else device
+        return make_strategy(name, self.config, self.ep, device=device, **options)
 
     def _check_input(self, x: torch.Tensor) -> None:
         cfg = self.config
@@ -114,6 +139,20 @@ class MoELayer(nn.Module):
             raise ValueError(f"input is on {x.device} but the layer's weights are on {weight_device}")
 
     def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """
+        Args:
+            x: (..., N) tokens in ``config.dtype`` on the layer's device; the leading dims
+                flatten to T tokens.
+            expert_indices: optional (T, k) int32/int64 forced choice of experts (tests,
+                benchmarks): each row k distinct experts in ``[0, E)``, else ``ValueError``.
+                The weights still come from the router, so it still gets gradients.
+
+        Returns:
+            (..., N) in ``config.dtype``: Σ_j weight[t, j] · expert_{idx[t, j]}(x[t]).
+
+        With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
+        is folded into the backward pass and its value kept in ``last_aux_loss``.
+        """
         self._check_input(x)
         shape = x.shape
         x = x.reshape(-1, self.config.hidden).contiguous()

@@ -64,8 +64,8 @@ def _split_mm(a, b, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> tor
 
 class _SplitRouterLogits(torch.autograd.Function):
     """``router_gemm="split"``: bf16 ``x`` (T, N) @ fp32 ``W`` (E, N)ᵀ over W's three bf16
-    pieces, fp32 accumulation (:mod:`interlace.kernels.router_gemm`): fp32-class logits (the
-    tensor cores' accumulation kept ~19 bits on H200, run 163) at a bf16 GEMM's cost.
+    pieces, fp32 accumulation (:mod:`interlace.kernels.router_gemm`): fp32-class logits (each
+    product of bf16 pieces is exact in fp32; only the accumulation rounds) at a bf16 GEMM's cost.
     Backward: dW = gᵀ x with g (T, E) in three pieces; dx = g W from two pieces each (~2^-16
     relative before dx's bf16 rounding)."""
 
@@ -206,7 +206,13 @@ def load_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, config: MoEC
 
 
 def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: MoEConfig) -> None:
-    """Shape/dtype checks on the host; the value range is asserted on the device (no sync)."""
+    """``ValueError``/``TypeError`` for a forced choice of experts the layer cannot route.
+
+    ``expert_indices`` (T, k) int32/int64: each row k distinct experts in ``[0, E)``. Only
+    called when the caller forces the routing (tests, benchmarks), so it may read the indices.
+    """
+    if not isinstance(expert_indices, torch.Tensor):
+        raise TypeError(f"expert_indices must be a tensor, got {type(expert_indices).__name__}")
     if expert_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"expert_indices must be int32 or int64, got {expert_indices.dtype}")
     if tuple(expert_indices.shape) != (num_tokens, config.top_k):
@@ -214,20 +220,31 @@ def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: 
             f"expert_indices must have shape (tokens, top_k)=({num_tokens}, {config.top_k}), "
             f"got {tuple(expert_indices.shape)}"
         )
-    if expert_indices.numel():
-        torch._assert_async(
-            (expert_indices.min() >= 0) & (expert_indices.max() < config.num_experts),
-            "expert_indices out of range [0, num_experts)",
-        )
+    if not expert_indices.numel():
+        return
+    out_of_range = ((expert_indices < 0) | (expert_indices >= config.num_experts)).any(dim=1)
+    ordered = expert_indices.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+    # NOTE: host sync (one read of two flags), only on this forced-routing path.
+    any_out_of_range, any_repeated = torch.stack([out_of_range.any(), repeated.any()]).tolist()
+    if any_out_of_range:
+        row = int(out_of_range.nonzero()[0])
+        raise ValueError(f"expert_indices row {row} is {expert_indices[row].tolist()}: "
+                         f"an index out of range [0, num_experts={config.num_experts})")
+    if any_repeated:
+        row = int(repeated.nonzero()[0])
+        raise ValueError(f"expert_indices row {row} is {expert_indices[row].tolist()}: "
+                         f"it names an expert twice (each token's top_k={config.top_k} experts must be distinct)")
 
 
 class Router(nn.Module):
     """Token router, replicated on every rank (its gradient is this rank's tokens' share;
     reduce it across ranks as with any data-parallel parameter).
 
+    Shapes: T tokens, N hidden, E experts, k = top_k.
     Parameters: ``weight`` (E, N) in ``config.router_dtype``. Buffers: ``expert_bias`` (E,)
-    for the sigmoid router (DeepSeek-V3's selection bias; update it with
-    :meth:`update_bias`).
+    fp32 for the sigmoid router (DeepSeek-V3's selection bias; update it with
+    :meth:`update_bias`), else None.
     """
 
     def __init__(self, config: MoEConfig, seed: int, device: torch.device):
@@ -242,12 +259,23 @@ class Router(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None, fused: bool = False):
-        """x (T, N) → topk_idx (T, k), topk_weight (T, k), logits (T, E)."""
+        """
+        Args:
+            x: (T, N) tokens.
+            expert_indices: optional (T, k) forced choice (see :func:`route`).
+            fused: the one-kernel Triton top-k where it can run (see :func:`route`).
+
+        Returns:
+            topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in
+            ``config.router_dtype``, logits (T, E) in ``config.router_dtype``.
+        """
         return route(x, self.weight, self.expert_bias, self.config, expert_indices, fused)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded.
+
+        ``tokens_per_expert`` (E,): the load each expert got (any numeric dtype)."""
         if self.expert_bias is None:
             raise ValueError("update_bias is for the sigmoid router")
         load = tokens_per_expert.float()

@@ -23,7 +23,8 @@ from interlace.parallel import release_shared_buffers
 def strict_tensor_descriptors() -> None:
     """Make the interpreter refuse tensor descriptors that CUDA refuses: every dimension must
     hold 1 to 2³² elements. Triton's interpreter checks alignment only, and a descriptor with an
-    empty dimension ran on the CPU but stopped an H200 with an illegal instruction. Idempotent; the gloo workers get it by importing this module."""
+    empty dimension ran on the CPU but stopped a GPU with an illegal instruction. Idempotent; the
+    gloo workers get it by importing this module."""
     try:
         from triton.runtime.interpreter import TensorDescHandle
     except ImportError:  # a Triton without the interpreter's descriptors: nothing to tighten

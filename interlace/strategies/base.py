@@ -10,6 +10,29 @@ from interlace.parallel.comm import ExpertParallel
 from interlace.config import MoEConfig
 
 
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether Triton kernels can run on ``device`` in this process: a CUDA device, or the CPU
+    under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before Python starts)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def require_triton(spec: str, device: torch.device | str) -> None:
+    """The one-line ``ValueError`` of a strategy whose kernels are Triton-only, on a device
+    where Triton cannot run (for :meth:`Strategy.check_runtime`)."""
+    if not triton_runs_on(device):
+        raise ValueError(
+            f"strategy {spec!r} runs Triton kernels, which need a CUDA device or, on the CPU, Triton's "
+            f"interpreter (set TRITON_INTERPRET=1 before starting Python); the layer is on {torch.device(device)}"
+        )
+
+
 class Strategy:
     """Dispatch → local experts → combine, for routing the layer already decided.
 
@@ -20,12 +43,18 @@ class Strategy:
     ``w_up`` (E_local, up_width, N) and ``w_down`` (E_local, N, K) are this rank's experts.
     Gradients flow through autograd. Subclasses set ``name`` and register themselves with
     :func:`register_strategy`.
+
+    What a strategy needs from the machine is said by :meth:`check_runtime`, which the layer
+    calls before it builds the strategy: on a machine that lacks it, the user gets one line
+    saying what is missing instead of a backend's error at the first call.
     """
 
     name: ClassVar[str] = ""
     # Whether the layer routes with the one-kernel Triton router (interlace.kernels.router_topk)
     # or with plain torch ops (what the naive baseline does).
     fused_routing: ClassVar[bool] = False
+    # Whether every call runs Triton kernels (no torch fallback): checked by check_runtime's default.
+    needs_triton: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
         if options:
@@ -37,6 +66,19 @@ class Strategy:
     def parse_arg(cls, arg: str) -> dict:
         """Options from the ``name:arg`` spelling (e.g. ``"pipelined:4"``)."""
         raise ValueError(f"strategy {cls.name!r} takes no ':' argument, got {arg!r}")
+
+    @classmethod
+    def check_runtime(cls, spec: str, device: torch.device, **options) -> None:
+        """Raise ``ValueError``, one line saying what is needed, if this strategy with these
+        options cannot run on ``device`` in this process.
+
+        ``spec`` is the name as the user spelled it (``"fused:train"``), for the message;
+        ``options`` are the constructor's (the ``:arg`` already parsed; they are validated by
+        the constructor, after this check). The default checks :attr:`needs_triton`; a strategy
+        whose needs depend on its options overrides it (:func:`require_triton` helps).
+        """
+        if cls.needs_triton:
+            require_triton(spec, device)
 
     def __call__(
         self,
@@ -62,15 +104,27 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, **options) -> Strategy:
-    """Build a strategy by name; ``"name:arg"`` passes ``arg`` through ``Strategy.parse_arg``.
-
-    Strategies may create process groups: construct them on every rank in the same order.
-    """
-    base, _, arg = name.partition(":")
+def strategy_class(name: str) -> type[Strategy]:
+    """The registered class of ``"name"`` or ``"name:arg"``; ``ValueError`` for an unknown name."""
+    if not isinstance(name, str):
+        raise TypeError(f"strategy must be a name (str), got {type(name).__name__}")
+    base = name.partition(":")[0]
     if base not in STRATEGIES:
         raise ValueError(f"unknown strategy {base!r}; available: {', '.join(sorted(STRATEGIES))}")
-    cls = STRATEGIES[base]
+    return STRATEGIES[base]
+
+
+def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, device: torch.device | str | None = None,
+                  **options) -> Strategy:
+    """Build a strategy by name; ``"name:arg"`` passes ``arg`` through ``Strategy.parse_arg``.
+
+    With ``device``, :meth:`Strategy.check_runtime` runs first (the layer passes its device).
+    Strategies may create process groups: construct them on every rank in the same order.
+    """
+    cls = strategy_class(name)
+    _, _, arg = name.partition(":")
     if arg:
         options = {**cls.parse_arg(arg), **options}
+    if device is not None:
+        cls.check_runtime(name, torch.device(device), **options)
     return cls(config, ep, **options)

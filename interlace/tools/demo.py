@@ -2,10 +2,11 @@
 
 * With ≥ 2 GPUs: a torchrun benchmark of the default config (qwen2-moe, 4096 and 16384
   tokens/GPU, random routing, forward; naive vs sequential vs fused), through the harness.
-* On a CPU-only machine: 2 gloo ranks on this machine run the layer forward and backward on a
-  small config with every strategy, check outputs and all gradients against the fp64
-  reference, and print a table. Triton kernels run under the interpreter there, so the CPU
-  demo exercises the same kernels as the GPUs.
+* Otherwise (a CPU-only machine, or ``--cpu``): 2 simulated ranks, processes joined by a gloo
+  group on this machine, run the layer forward and backward on a small config with each
+  strategy, check outputs and all gradients against the fp64 reference, and print a table.
+  Triton kernels run under Triton's CPU interpreter there, so the CPU demo exercises the same
+  kernels as the GPUs (slowly: it shows correctness, not speed).
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 DEFAULT_CONFIG = "qwen2-moe"
+GPU_STRATEGIES = ("naive", "sequential", "fused")
+# A plain "fused" training call runs sequential's forward and backward (the faster training
+# path); fused:train runs the fused kernels both ways, fused:recompute the fused forward
+# recomputed through sequential for the backward.
+CPU_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused:train", "fused:recompute")
 
 
 def _gpu_demo(args) -> int:
@@ -27,17 +34,19 @@ def _gpu_demo(args) -> int:
     if "RANK" not in os.environ:
         n = torch.cuda.device_count()
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "-m", "interlace.tools.demo",
-               "--config", args.config]
+               "--config", args.config, "--out", args.out]
+        if args.strategies:
+            cmd += ["--strategies", *args.strategies]
         print("launching:", " ".join(cmd), flush=True)
         return subprocess.call(cmd)
     from interlace.tools.bench import main as bench_main
 
-    bench_main(["--configs", args.config, "--tokens", "4096", "16384", "--strategies", "naive", "sequential",
-                "fused", "--out", args.out])
+    bench_main(["--configs", args.config, "--tokens", "4096", "16384", "--strategies",
+                *(args.strategies or GPU_STRATEGIES), "--out", args.out])
     return 0
 
 
-def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
+def _cpu_worker(rank: int, world: int, port: int, queue, strategies: tuple[str, ...]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -47,6 +56,9 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
     from interlace.parallel import release_shared_buffers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The interpreter computes masked-off lanes too (NaN/inf there are never stored): numpy's
+    # warnings about them say nothing about the results, which the table checks.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     cfg = MoEConfig(hidden=64, ffn=48, num_experts=8, top_k=2, dtype=torch.float32, renormalize=True)
@@ -70,10 +82,7 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
         return ((a.double() - b).norm() / b.norm()).item()
 
     rows = []
-    # A plain "fused" training call runs sequential's forward and backward (the fastest measured);
-    # fused:train runs the fused kernels both ways, fused:recompute the fused forward recomputed
-    # through sequential for the backward.
-    for strategy in ("naive", "sequential", "sequential:triton", "pipelined:3", "fused:train", "fused:recompute"):
+    for strategy in strategies:
         layer = MoELayer(cfg, strategy=strategy, seed=seed, device="cpu")
         x = xs[rank].clone().requires_grad_()
         t0 = time.perf_counter()
@@ -92,8 +101,12 @@ def _cpu_worker(rank: int, world: int, port: int, queue) -> None:
 
 
 def _cpu_demo(args) -> int:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # run the real Triton kernels on the CPU
+    # Run the real Triton kernels on the CPU (read by Triton in the worker processes, which
+    # inherit the environment: this process has no kernel to run).
+    os.environ["TRITON_INTERPRET"] = "1"
     import torch.multiprocessing as mp
+
+    strategies = tuple(args.strategies or CPU_STRATEGIES)
 
     world = 2
     with socket.socket() as s:
@@ -101,9 +114,11 @@ def _cpu_demo(args) -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    print(f"no GPU here: {world} gloo ranks on this CPU, hidden 64, ffn 48, 8 experts (4/rank), top-2, fp32; "
+    print(f"CPU demo (no 2 GPUs here, or --cpu): {world} simulated ranks (gloo processes on this CPU), "
+          f"Triton kernels under Triton's CPU interpreter; hidden 64, ffn 48, 8 experts (4/rank), top-2, fp32; "
           f"forward+backward against the fp64 reference", flush=True)
-    mp.start_processes(_cpu_worker, args=(world, port, queue), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_cpu_worker, args=(world, port, queue, strategies), nprocs=world, join=True,
+                       start_method="spawn")
     results = dict(queue.get() for _ in range(world))
     tol = 1e-5
     print()
@@ -122,9 +137,12 @@ def _cpu_demo(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="interlace demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG)
-    p.add_argument("--out", default="bench-out")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="preset of the GPU benchmark (default %(default)s)")
+    p.add_argument("--out", default="bench-out", help="folder of the GPU benchmark's results (default %(default)s)")
     p.add_argument("--cpu", action="store_true", help="the CPU demo even if GPUs are present")
+    p.add_argument("--strategies", nargs="+", metavar="NAME",
+                   help=f"strategies to run (default: {' '.join(GPU_STRATEGIES)} on GPUs; "
+                        f"{' '.join(CPU_STRATEGIES)} on the CPU)")
     args = p.parse_args(argv)
     import torch
 

@@ -46,8 +46,85 @@ def test_bad_inputs():
         layer(torch.randn(3, 16), expert_indices=torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(TypeError, match="int32 or int64"):
         layer(torch.randn(3, 16), expert_indices=torch.zeros(3, 2))
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(ValueError, match="out of range"):
         layer(torch.randn(3, 16), expert_indices=torch.full((3, 2), 4, dtype=torch.long))
+
+
+def test_bad_expert_indices_name_the_row():
+    layer = MoELayer(MoEConfig(**BASE), device="cpu")
+    x = torch.randn(3, 16)
+    good = torch.tensor([[0, 1], [2, 3], [3, 0]])
+    layer(x, expert_indices=good)
+    layer(x, expert_indices=good.int())
+    with pytest.raises(ValueError, match=r"row 1 is \[2, 2\].*twice"):
+        layer(x, expert_indices=torch.tensor([[0, 1], [2, 2], [3, 0]]))
+    with pytest.raises(ValueError, match=r"row 2 is \[-1, 0\].*out of range"):
+        layer(x, expert_indices=torch.tensor([[0, 1], [2, 3], [-1, 0]]))
+    with pytest.raises(ValueError, match=r"row 0 is \[1, 4\].*out of range"):
+        layer(x, expert_indices=torch.tensor([[1, 4], [2, 3], [3, 0]], dtype=torch.int32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda():
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match=r"device cuda.*CUDA is not available"):
+            MoELayer(MoEConfig(**BASE), device=device)
+    with pytest.raises(ValueError, match="not a torch device"):
+        MoELayer(MoEConfig(**BASE), device="gpu0")
+
+
+def test_strategy_check_runtime_runs_before_any_weight():
+    """MoELayer asks the strategy class (Strategy.check_runtime) with the device and the parsed
+    options before it builds anything, and passes its ValueError through."""
+    from interlace.strategies.base import STRATEGIES, Strategy, register_strategy
+
+    seen = []
+
+    class NeedsSomething(Strategy):
+        name = "test_needs_something"
+
+        def __init__(self, config, ep, level: int = 0):
+            super().__init__(config, ep)
+            self.level = level
+
+        @classmethod
+        def parse_arg(cls, arg):
+            return {"level": int(arg)}
+
+        @classmethod
+        def check_runtime(cls, spec, device, **options):
+            seen.append((spec, device, options))
+            if options.get("level", 0) > 1:
+                raise ValueError(f"strategy {spec!r} needs a level-{options['level']} machine")
+
+    register_strategy(NeedsSomething)
+    try:
+        layer = MoELayer(MoEConfig(**BASE), strategy="test_needs_something:1", device="cpu")
+        assert seen == [("test_needs_something:1", torch.device("cpu"), {"level": 1})]
+        with pytest.raises(ValueError, match="needs a level-2 machine"):
+            MoELayer(MoEConfig(**BASE), strategy="test_needs_something:2", device="cpu")
+        with pytest.raises(ValueError, match="needs a level-3 machine"):
+            layer.set_strategy("test_needs_something", level=3)
+        assert seen[-1] == ("test_needs_something", torch.device("cpu"), {"level": 3})
+    finally:
+        del STRATEGIES[NeedsSomething.name]
+
+
+def test_needs_triton_default_check():
+    from interlace.strategies.base import Strategy, require_triton, triton_runs_on
+
+    assert triton_runs_on("cuda")
+    assert not triton_runs_on("meta")
+    with pytest.raises(ValueError, match=r"strategy 'x:y' runs Triton kernels.*TRITON_INTERPRET=1.*meta"):
+        require_triton("x:y", "meta")
+
+    class TritonOnly(Strategy):
+        name = "test_triton_only"
+        needs_triton = True
+
+    with pytest.raises(ValueError, match="'test_triton_only' runs Triton kernels"):
+        TritonOnly.check_runtime("test_triton_only", torch.device("meta"))
+    Strategy.check_runtime("naive", torch.device("meta"))  # the default needs nothing
 
 
 def test_bad_strategy_and_options():
@@ -62,6 +139,8 @@ def test_bad_strategy_and_options():
         MoELayer(cfg, strategy="pipelined", strategy_options={"degree": 0}, device="cpu")
     with pytest.raises(TypeError, match="MoEConfig"):
         MoELayer(dict(BASE), device="cpu")
+    with pytest.raises(TypeError, match="strategy must be a name"):
+        MoELayer(cfg, strategy=None, device="cpu")
 
 
 @pytest.mark.parametrize(

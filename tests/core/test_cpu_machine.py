@@ -1,0 +1,117 @@
+"""What a newcomer on a CPU-only machine runs: ``interlace demo``, every strategy by name, and
+Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from interlace.strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@triton.jit
+def _strided_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # ``n`` is a runtime argument used as a loop bound: the interpreter turns it into a Python
+    # int through ``tensor.__index__`` (what failed under NumPy 2.4).
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, axis=0))
+
+
+def test_interpreter_runtime_loop_bound_under_any_numpy():
+    """NumPy 2.4 raises where 1.25–2.3 warn: with the warning made an error, this test sees 2.4's
+    behaviour under any NumPy, and the kernel must still run (interlace.triton_compat)."""
+    from triton import knobs
+
+    if not knobs.runtime.interpret:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    from interlace import triton_compat
+
+    x = torch.arange(37, dtype=torch.float32)
+    out = torch.empty(1, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Conversion of an array with ndim > 0", category=DeprecationWarning)
+        _strided_sum_kernel[(1,)](x, out, x.numel(), BLOCK=8)
+    assert out.item() == x.sum().item()
+    assert triton_compat.patch_interpreter()  # in place, and idempotent
+
+
+def test_cpu_demo_runs(capsys, monkeypatch):
+    """``interlace demo``'s CPU path (2 gloo ranks, the interpreter), on one strategy whose
+    routing index runs Triton kernels with runtime loop bounds."""
+    from interlace.tools import demo
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert demo.main(["--cpu", "--strategies", "sequential"]) == 0
+    out = capsys.readouterr().out
+    assert "2 simulated ranks" in out and "Triton's CPU interpreter" in out
+    assert "all strategies agree with the reference" in out
+    assert out.count("| sequential |") == 2  # one row per rank
+
+
+# Each spelling that picks a different code path on a single process.
+SPECS = sorted(STRATEGIES) + ["sequential:triton", "pipelined:2", "fused:train", "fused:recompute", "tp_ep:O0"]
+# These get their check_runtime from the fused and tp_ep areas; until then they fail with
+# Triton's "0 active drivers" / torch's generic process-group error.
+PENDING = {"fused", "fused:train", "fused:recompute", "tp_ep", "tp_ep:O0"}
+
+_PROBE = r"""
+import json, sys
+import torch
+from interlace import MoEConfig, MoELayer
+
+cfg = MoEConfig(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
+for spec in sys.argv[1:]:
+    try:
+        layer = MoELayer(cfg, strategy=spec, device="cpu")
+        x = torch.randn(5, 16, requires_grad=True)
+        layer(x).sum().backward()
+        with torch.no_grad():
+            layer.eval()(x)
+        result = {"spec": spec, "ran": True}
+    except Exception as exc:
+        result = {"spec": spec, "ran": False, "type": type(exc).__name__, "message": str(exc)}
+    print("RESULT " + json.dumps(result), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def strategies_without_interpreter():
+    """Every spec built and called once on the CPU in a process without Triton's interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *SPECS], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r["spec"]] = r
+    assert len(results) == len(SPECS), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return results
+
+
+@pytest.mark.parametrize(
+    "spec", [pytest.param(s, marks=pytest.mark.xfail(reason="check_runtime comes with its own area", strict=False))
+             if s in PENDING else s for s in SPECS])
+def test_every_strategy_runs_or_says_what_it_needs_on_cpu(spec, strategies_without_interpreter):
+    r = strategies_without_interpreter[spec]
+    if r["ran"]:
+        return
+    msg = r["message"]
+    assert r["type"] == "ValueError", r
+    assert "\n" not in msg.strip() and "active drivers" not in msg, msg
+    assert repr(spec.partition(":")[0]) in msg or repr(spec) in msg, f"the message should name the strategy: {msg}"
