@@ -33,12 +33,12 @@ def _strided_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def test_interpreter_runtime_loop_bound_under_any_numpy():
     """NumPy 2.4 raises where 1.25–2.3 warn: with the warning made an error, this test sees 2.4's
-    behaviour under any NumPy, and the kernel must still run (interlace.triton_compat)."""
+    behaviour under any NumPy, and the kernel must still run (interlace.kernels.interpreter_compat)."""
     from triton import knobs
 
     if not knobs.runtime.interpret:
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
-    from interlace import triton_compat
+    from interlace.kernels import interpreter_compat as triton_compat
 
     x = torch.arange(37, dtype=torch.float32)
     out = torch.empty(1, dtype=torch.float32)
