@@ -375,7 +375,7 @@ class TpEpStrategy(Strategy):
             # Every form runs collectives on the mesh's groups; without them the first call
             # would fail deep inside torch.distributed.
             raise ValueError(
-                "tp_ep needs process groups: call torch.distributed.init_process_group first and pass "
+                "strategy 'tp_ep' needs process groups: call torch.distributed.init_process_group first and pass "
                 "MoELayer(..., mesh=MoEMesh.build(tp=..., ep=...)) (or group= for an EP-only mesh), "
                 "or use strategy 'sequential' on a single process")
         if self.mesh.ep != ep.world:

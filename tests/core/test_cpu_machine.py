@@ -64,9 +64,6 @@ def test_cpu_demo_runs(capsys, monkeypatch):
 
 # Each spelling that picks a different code path on a single process.
 SPECS = sorted(STRATEGIES) + ["sequential:triton", "pipelined:2", "fused:train", "fused:recompute", "tp_ep:O0"]
-# These get their check_runtime from the fused and tp_ep areas; until then they fail with
-# Triton's "0 active drivers" / torch's generic process-group error.
-PENDING = {"fused", "fused:train", "fused:recompute", "tp_ep", "tp_ep:O0"}
 
 _PROBE = r"""
 import json, sys
@@ -104,9 +101,7 @@ def strategies_without_interpreter():
     return results
 
 
-@pytest.mark.parametrize(
-    "spec", [pytest.param(s, marks=pytest.mark.xfail(reason="check_runtime comes with its own area", strict=False))
-             if s in PENDING else s for s in SPECS])
+@pytest.mark.parametrize("spec", SPECS)
 def test_every_strategy_runs_or_says_what_it_needs_on_cpu(spec, strategies_without_interpreter):
     r = strategies_without_interpreter[spec]
     if r["ran"]:

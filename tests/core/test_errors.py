@@ -144,26 +144,24 @@ def test_bad_strategy_and_options():
 
 
 @pytest.mark.parametrize(
-    "value,match",
+    "kernel,match",
     [
-        ("copy_cols=500", "copy_cols must be a power of two"),
-        ("block_t=0", "block_t must be a power of two"),
-        ("defer_count=2", "defer_count is a switch"),
-        ("flat1=3", "flat1 is 0"),
-        ("gather0=2", "gather0 is -1"),
-        ("slice_group=-1", "slice_group"),
-        ("send_tma=1", "send_tma stores"),  # copy_cols 512 is past a TMA box's 256
-        ("ret_tma=1,block_n1=512", "ret_tma stores"),
-        ("no_such_field=1", "unknown field"),
+        ({"copy_cols": 500}, "copy_cols must be a power of two"),
+        ({"block_t": 0}, "block_t must be a power of two"),
+        ({"defer_count": 2}, "defer_count is a switch"),
+        ({"gather0": 2}, "gather0 is -1"),
+        ({"slice_group": -1}, "slice_group"),
+        ({"no_such_field": 1}, "unknown field"),
     ],
 )
-def test_bad_fused_kernel_config_names_the_field(value, match, monkeypatch):
-    """INTERLACE_FUSED overrides are checked when the config is built, before any kernel is
-    compiled: the field is named (Triton's own errors for these come at compile time, on a GPU)."""
-    from interlace.strategies.fused.inference import GPU_CONFIG, kernel_config_from_env
+def test_bad_fused_kernel_config_names_the_field(kernel, match):
+    """The fused kernel options (``strategy_options={"kernel": {...}}``) are checked when the
+    options are built, before any kernel is compiled: the field is named (Triton's own errors for
+    these come at compile time, on a GPU)."""
+    from interlace.strategies.fused import FusedOptions
+    from interlace.strategies.fused.options import GPU_CONFIG
 
-    monkeypatch.setenv("INTERLACE_FUSED", value)
     with pytest.raises(ValueError, match=match):
-        kernel_config_from_env(GPU_CONFIG)
-    monkeypatch.setenv("INTERLACE_FUSED", "send_tma=1,copy_cols=256,ret_tma=1")
-    assert kernel_config_from_env(GPU_CONFIG).send_tma == 1  # within the limits: accepted
+        FusedOptions(kernel=kernel).kernel_for(GPU_CONFIG)
+    accepted = FusedOptions(kernel={"copy_cols": 256, "block_t": 64}).kernel_for(GPU_CONFIG)
+    assert (accepted.copy_cols, accepted.block_t) == (256, 64)  # within the limits: accepted

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.kernels.comet.flags import describe_error
-from interlace.kernels.rows import _INTERPRET, use_triton
+from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
@@ -144,6 +144,9 @@ class ForwardGraph:
 class FusedStrategy(Strategy):
     name = "fused"
     fused_routing = True
+    # Inference calls (and every call of fused:train / fused:recompute) run the fused Triton
+    # kernels; a fused layer that can only train through sequential's path is not what was asked.
+    needs_triton = True
 
     def __init__(self, config, ep, options: FusedOptions | dict | None = None, **fields):
         """``options``: a :class:`FusedOptions` or a dict of its fields; keyword ``fields``
@@ -174,13 +177,6 @@ class FusedStrategy(Strategy):
     def spec_name(self) -> str:
         """How this strategy is spelled for its training path (``fused``, ``fused:train``, ...)."""
         return {"sequential": "fused", "fused": "fused:train", "recompute": "fused:recompute"}[self.train_path]
-
-    def _require_kernels(self, x: torch.Tensor) -> None:
-        """Before any work: the fused kernels run on CUDA tensors, or under the interpreter.
-        (Training calls of plain ``fused`` run ``sequential`` and never get here.)"""
-        if not use_triton(x):
-            raise RuntimeError(f"{self.spec_name} needs CUDA GPUs (or TRITON_INTERPRET=1 to run its Triton kernels "
-                               f"on the CPU); got a {x.device.type} tensor")
 
     # -- set-up (first call) ---------------------------------------------------------------
     def _setup(self, x: torch.Tensor) -> None:
@@ -242,7 +238,6 @@ class FusedStrategy(Strategy):
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
         if training and self.train_path == "sequential":
             return self._recompute(x, topk_idx, topk_weight, w_up, w_down)  # sequential's graph, no recompute
-        self._require_kernels(x)
         if self.engine is None:
             self._setup(x)
         self._raise_pending_error()
