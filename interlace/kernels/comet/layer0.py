@@ -27,7 +27,7 @@ import triton.language as tl
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
 from interlace.kernels.comet.flags import (WAIT_LAYER0, bulk_stores_done, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
-from interlace.kernels.expert_gemm.grouped_gemm import tma_rows_ok
+from interlace.kernels.tma import tma_rows_ok
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 

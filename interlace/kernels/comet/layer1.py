@@ -45,7 +45,7 @@ import triton.language as tl
 from interlace.kernels.expert_gemm.tile import slice_grouped_work
 from interlace.kernels.comet.flags import (WAIT_LAYER1, WAIT_PUSH1, bulk_stores_done, claim, fence_acq_rel_sys, finish_queue,
                                  launch_roles, peer_region, publish_flag, wait_flag)
-from interlace.kernels.expert_gemm.grouped_gemm import tma_rows_ok
+from interlace.kernels.tma import tma_rows_ok
 from interlace.kernels.launch import launch
 from interlace.kernels.timeline import (KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, KIND_PUSH1, timeline_now,
                                     timeline_record)

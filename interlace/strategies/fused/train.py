@@ -205,17 +205,19 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
 def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor, w_up, w_down, activation: str):
     """5. owner: dW_up and dW_down into fresh tensors, reducing each expert's rows from every
     source where they lie (runs after :func:`backward_body`, on the same stream)."""
-    from interlace.kernels.expert_gemm.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
+    from interlace.kernels.expert_gemm.configs import choose_backward_configs
+    from interlace.kernels.expert_gemm.wgrad import launch_wgrad
+    from interlace.kernels.tma import use_tma
 
     N = grad.shape[1]
     _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
     tma = use_tma(w_up, w_down)
-    dw_up = _launch_wgrad(d_h, st.x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
-                          w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
+    dw_up = launch_wgrad(d_h, st.x_rows, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
+                         w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
     mark(strategy, "bwd dW_up")
     recv = strategy.buf.views["recv"].view(-1, N)
-    dw_down = _launch_wgrad(recv, st.act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
-                            N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
+    dw_down = launch_wgrad(recv, st.act, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
+                           N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
     mark(strategy, "bwd dW_down")
     return dw_up, dw_down
 
