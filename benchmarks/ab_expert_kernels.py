@@ -1,13 +1,12 @@
 """Interleaved A/B of one Triton expert kernel's configs on bench shapes (one GPU).
 
     python benchmarks/ab_expert_kernels.py --config dsv3-like [qwen2-moe ...] --tokens 4096 [16384 ...] \
-        --kernel gemm1 --variants table 128,256,64,8,3,16,0,0,0,0,0,1 [--rounds 5] [--routing balanced|ragged]
+        --kernel gemm1 --variants table 128,256,64,8,3,16,tma_store=1 [--rounds 5] [--routing balanced|ragged]
 
 Each (config, tokens) pair is one A/B, run in turn in this process (one compile per kernel).
 
-The tuner (``interlace tune-experts``) times a forward kernel inside the whole forward and each
-candidate once; its spread (±10% on the same config, run 107) buries the few-percent effects of
-one config field. Here one kernel runs alone on the bench block's rows (``bench_expert_kernels``:
+The tuner (``interlace tune-experts``) picks among its candidates by a few rounds of timing; its
+spread between runs of the same config can bury the few-percent effects of one config field. Here one kernel runs alone on the bench block's rows (``bench_expert_kernels``:
 one GPU's share of a ``--world``-GPU layer; ``balanced``: every expert T·k/E rows, ``ragged``: the
 tuner's counts within ±1/8 of that, so experts end mid-tile), and the variants are timed in turn,
 ``--rounds`` times (``do_bench`` medians), so drift between calls hits every variant alike.
@@ -15,8 +14,8 @@ tuner's counts within ±1/8 of that, so experts end mid-tile), and the variants 
 Kernels: ``gemm0`` (gate/up GEMM with its activation; with ``a_tma`` the gather copy it needs
 is included; ``gemm0_train`` storing h as well, from the training table), ``gemm1`` (down projection), ``d_pre_act`` and ``dx`` (backward GEMMs), ``dw_down``
 and ``dw_up`` (weight gradients; dW_up includes the gather copy of x's rows). A variant
-is ``table`` (the tuning table's choice for this shape) or a config as in ``INTERLACE_GEMM0``
-(``bm,bn,bk,warps,stages[,group_m,flatten,unfused_act,a_tma,persistent,joint,tma_store,chain]``).
+is ``table`` (the tuning table's choice for this shape) or a config
+(``bm,bn,bk,warps,stages[,group_m][,field=value...]``, :func:`interlace.tuning.tables.parse_config`).
 Outputs are checked against the first variant's (bf16 tolerance).
 """
 
@@ -30,21 +29,26 @@ import triton
 
 from interlace.tools.bench import bench_config, rel_err
 from interlace.experts import init_expert_weights
-from interlace.kernels.expert_gemm import grouped_gemm as gg
+from interlace.kernels.expert_gemm import configs as expert_configs
+from interlace.kernels.expert_gemm.backward import backward_steps
+from interlace.kernels.expert_gemm.gemm0 import launch_gemm0
+from interlace.kernels.expert_gemm.grouped import launch_gemm
+from interlace.kernels.expert_gemm.schedule import tile_schedule
+from interlace.kernels.tma import ensure_allocator, use_tma
 from interlace.tools.tune_experts import ragged_ends
-from interlace.tuning.tables import GemmConfig
+from interlace.tuning.tables import GemmConfig, parse_config
 
-TABLE_INDEX = {"gemm0": (gg.FORWARD_KERNELS, 0), "gemm0_train": (gg.TRAIN_FORWARD_KERNELS, 0),
-               "gemm1": (gg.FORWARD_KERNELS, 1),
-               "d_pre_act": (gg.BACKWARD_KERNELS, 0), "dx": (gg.BACKWARD_KERNELS, 1),
-               "dw_down": (gg.BACKWARD_KERNELS, 2), "dw_up": (gg.BACKWARD_KERNELS, 2)}
+TABLE_INDEX = {"gemm0": (expert_configs.FORWARD_KERNELS, 0), "gemm0_train": (expert_configs.TRAIN_FORWARD_KERNELS, 0),
+               "gemm1": (expert_configs.FORWARD_KERNELS, 1),
+               "d_pre_act": (expert_configs.BACKWARD_KERNELS, 0), "dx": (expert_configs.BACKWARD_KERNELS, 1),
+               "dw_down": (expert_configs.BACKWARD_KERNELS, 2), "dw_up": (expert_configs.BACKWARD_KERNELS, 2)}
 
 
 def parse_variant(text: str, kernel: str, x, w_down, rows: int, activation: str) -> GemmConfig:
     if text == "table":
         kernels, i = TABLE_INDEX[kernel]
-        return gg._choose(kernels, x, w_down, rows, activation)[0][i]
-    return GemmConfig(*(int(v) for v in text.split(",")))
+        return expert_configs._choose(kernels, x, w_down, rows, activation, expert_configs.DEFAULT_OPTIONS)[0][i]
+    return parse_config(text)
 
 
 def _host_ms(fn) -> float:
@@ -96,27 +100,27 @@ def ab_one(args, config: str, tokens: int) -> dict:
     act_in = torch.randn(R, K, device=dev).to(cfg.dtype)
     dy = torch.randn(R, N, device=dev).to(cfg.dtype)
     h = torch.randn(R, up_width, device=dev).to(cfg.dtype)
-    tma = gg.use_tma(w_up, w_down)
+    tma = use_tma(w_up, w_down)
     if tma:
-        gg._ensure_allocator()
+        ensure_allocator()
     variants = [parse_variant(v, args.kernel, x, w_down, R, cfg.activation) for v in args.variants]
     flops = 2 * R * N * K * {"gemm0": up_width // K, "gemm0_train": up_width // K, "gemm1": 1, "d_pre_act": 1,
                              "dx": up_width // K, "dw_down": 1, "dw_up": up_width // K}[args.kernel]
 
     def runner(c: GemmConfig):
         if args.kernel in ("gemm0", "gemm0_train", "gemm1"):
-            sched = gg.tile_schedule(ends, R, c.block_m)
+            sched = tile_schedule(ends, R, c.block_m)
             out = torch.empty(R, N if args.kernel == "gemm1" else K, device=dev, dtype=cfg.dtype)
             if args.kernel != "gemm1":  # gemm0_train stores h too, as the training forward does
                 h_out = torch.empty_like(h) if args.kernel == "gemm0_train" else None
-                return out, lambda: gg._launch_gemm0(x, gather, divisor, w_up, out, h_out, sched, R, cfg.activation,
-                                                     c, tma)
-            return out, lambda: gg._launch_gemm(act_in, w_down, out, None, ends, R, cols=N, red=K, b_trans=True,
-                                                epilogue=0, config=c, schedule=sched, tma=tma)
-        c_act, c_dx, c_w = gg.choose_backward_configs(dy, w_down, R, cfg.activation)[:3]
+                return out, lambda: launch_gemm0(x, gather, divisor, w_up, out, h_out, sched, R, cfg.activation,
+                                                 c, tma)
+            return out, lambda: launch_gemm(act_in, w_down, out, None, ends, R, cols=N, red=K, b_trans=True,
+                                            epilogue=0, config=c, schedule=sched, tma=tma)
+        c_act, c_dx, c_w = expert_configs.choose_backward_configs(dy, w_down, R, cfg.activation)[:3]
         configs = {"d_pre_act": (c, c_dx, c_w), "dx": (c_act, c, c_w)}.get(args.kernel, (c_act, c_dx, c))
-        outputs, steps = gg.backward_steps(dy, x, gather, divisor, w_up, w_down, ends, cfg.activation, h, act_in,
-                                           configs)
+        outputs, steps = backward_steps(dy, x, gather, divisor, w_up, w_down, ends, cfg.activation, h, act_in,
+                                        configs)
         launch = dict((name, fn) for name, _, fn in steps)
         if args.kernel == "dx":
             launch["d_pre_act"]()  # dx reads d(pre-activation)
@@ -129,7 +133,7 @@ def ab_one(args, config: str, tokens: int) -> dict:
 
     runs = [runner(c) for c in variants]
     # Compile, warm, and compare each variant with the first as it runs, holding one copy of the first's
-    # output (fp32 copies of every variant's dsv3-like dW_up ran an H100 out of memory, run 173).
+    # output (fp32 copies of every variant's dsv3-like dW_up run an H100 out of memory).
     first = None
     for i, (out, fn) in enumerate(runs):
         got = fn()

@@ -13,13 +13,13 @@ Correctness: forward and backward (dx, dW_up, dW_down, d routing weights) of bot
 against an fp32 per-expert loop, fresh random inputs; a Triton error more than 2× the torch
 path's (+1e-3) marks the row FAIL. Timing: ``triton.testing.do_bench`` medians of forward
 (no grad) and forward+backward, ≥ 20 timed calls (``--bench-rounds R``: R rounds alternating
-torch and Triton, the median over the rounds: one process's torch-then-Triton order moved rows
-by up to 12% between passes, run 173); TFLOP/s of the three expert GEMMs (×3 with backward); the
+torch and Triton, the median over the rounds: one process's torch-then-Triton order can move rows
+between passes); TFLOP/s of the three expert GEMMs (×3 with backward); the
 backward's TFLOP/s is 2× the forward FLOPs over (fwd+bwd − fwd) time. The Triton block's training
 forward (grad enabled: it stores h and the activations) is timed too, and "bwd/fwd (f+b − train fwd)"
 takes the backward as f+b minus it: the backward pass itself, where f+b − fwd also charges it what
 storing h costs the training forward over the inference one. (Timing ``backward`` alone between CUDA
-events after a synchronize measured the host's launches on the small rows instead: run 192.) "first s" is the first
+events after a synchronize measures the host's launches on the small rows instead.) "first s" is the first
 Triton forward+backward call of the row (compiles on the first row of a config set).
 ``--paired N`` times instead call by call: N iterations, each running the five timed calls once in a
 rotated order (medians per call; the rounds are then not run), so that every number of a row saw the
@@ -32,16 +32,17 @@ kernel (torch.profiler over 10 no-grad calls), so the two forwards can be compar
 ``--tables NAME=DIR …`` instead A/Bs sets of tuning tables in one process: per row, ``--rounds``
 interleaved rounds, each timing the Triton block's forward and forward+backward once per set
 (tables from DIR through ``$INTERLACE_TUNING_DIR``; an empty DIR: the packaged tables), then the
-medians per set. Drift between processes (up to 6% on a row, run 143) hits every set alike there.
-``--envs NAME=VAR=VALUE[,VAR=VALUE] …`` does the same for environment settings (e.g.
-``copy=INTERLACE_WGRAD_GATHER=copy fused=INTERLACE_WGRAD_GATHER=fused``) and reports whether every
-set's output and gradients are bitwise equal to the first set's (run 186 A/B'd a code path this way).
+medians per set. Drift between processes hits every set alike there.
+``--options NAME=[FIELD=VALUE[/FIELD=VALUE]] …`` does the same for sets of
+:class:`~interlace.kernels.expert_gemm.configs.ExpertKernelOptions` (FIELD ``gemm0``, ``gemm1``,
+``bwd_act``, ``bwd_dx``, ``wgrad``: a config as ``bm,bn,bk,warps,stages[,group_m][,field=value...]``;
+``tma``: 0 or 1; e.g. ``table= flat1=gemm1=128,256,64,8,3,a_tma=1,persistent=2``) and reports whether
+every set's output and gradients are bitwise equal to the first set's.
 """
 
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 
@@ -52,8 +53,11 @@ from interlace.tools.bench import bench_config, squared_error_sums
 from interlace.config import PRESETS
 from interlace.experts import init_expert_weights
 from interlace.kernels.activation import activation_reference
-from interlace.kernels.expert_gemm.grouped_gemm import (TritonExpertFFN, backward_steps, choose_backward_configs,
-                                        choose_configs, expert_ffn_triton)
+from interlace.env import refresh as refresh_environment, settings
+from interlace.kernels.expert_gemm.autograd import TritonExpertFFN
+from interlace.kernels.expert_gemm.backward import backward_steps
+from interlace.kernels.expert_gemm.configs import ExpertKernelOptions, choose_backward_configs, choose_configs
+from interlace.kernels.expert_gemm.forward import expert_ffn_triton
 from interlace.tuning import tables as tuning
 from interlace.kernels.routing_index import build_dispatch_index
 from interlace.kernels.rows import CombineRows, DispatchRows
@@ -69,21 +73,23 @@ def balanced_routing(T: int, k: int, E: int, dev):
     return idx, weights
 
 
-def block(backend: str, x, w_up, w_down, weights, index, activation: str):
-    """The expert block x (T, N) → (T, N) on one backend (``index`` from build_dispatch_index)."""
+def block(backend: str, x, w_up, w_down, weights, index, activation: str, options: ExpertKernelOptions | None = None):
+    """The expert block x (T, N) → (T, N) on one backend (``index`` from build_dispatch_index;
+    ``options``: the Triton kernels')."""
     row_of_assignment, assignment_of_row, ends, rows = index
     k = row_of_assignment.shape[1]
     if backend == "triton":
-        y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row, k, rows, ends, activation, row_of_assignment)
+        y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row, k, rows, ends, activation, row_of_assignment,
+                                  options)
     else:
         y = expert_ffn(DispatchRows.apply(x, assignment_of_row, row_of_assignment), w_up, w_down, ends, activation)
     return CombineRows.apply(y, weights, row_of_assignment, x.dtype)
 
 
-def block_grads(backend: str, cfg, x, w_up, w_down, weights, index, grad) -> list[torch.Tensor]:
+def block_grads(backend: str, cfg, x, w_up, w_down, weights, index, grad, options=None) -> list[torch.Tensor]:
     """One backend's block output and its gradients (x, W_up, W_down, routing weights) for ``grad``."""
     leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
-    out = block(backend, *leaves, index, cfg.activation)
+    out = block(backend, *leaves, index, cfg.activation, options)
     out.backward(grad)
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -111,7 +117,7 @@ def check(cfg, x, w_up, w_down, weights, index, grad, group_bytes: float = 2e9):
 
     The fp32 reference runs over groups of experts whose fp32 weights take at most ``group_bytes``
     and is compared group by group: fp32 copies and gradients of every expert at once, beside
-    both backends' gradients, were more than an 80 GB H100 holds at dsv3-like 16384 (run 170)."""
+    both backends' gradients, are more than an 80 GB H100 holds at dsv3-like 16384."""
     got = {backend: block_grads(backend, cfg, x, w_up, w_down, weights, index, grad)
            for backend in ("torch", "triton")}
     E = w_up.shape[0]
@@ -156,21 +162,21 @@ def bench_ms(fn, grad_to_none=None) -> float:
                                    return_mode="median")
 
 
-def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad, train_forward: bool = False):
+def time_backend(backend, cfg, x, w_up, w_down, weights, index, grad, train_forward: bool = False, options=None):
     """(fwd ms, fwd+bwd ms) medians; ``train_forward``: also the training forward's (grad enabled:
     it stores what the backward reads, and its graph is dropped), so that f+b minus it is the
-    backward's time in the same steady state."""
+    backward's time in the same steady state. ``options``: the Triton kernels'."""
     def fwd():
         with torch.no_grad():
-            return block(backend, x, w_up, w_down, weights, index, cfg.activation)
+            return block(backend, x, w_up, w_down, weights, index, cfg.activation, options)
 
     leaves = [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)]
 
     def fwd_train():
-        block(backend, *leaves, index, cfg.activation)
+        block(backend, *leaves, index, cfg.activation, options)
 
     def fwd_bwd():
-        block(backend, *leaves, index, cfg.activation).backward(grad)
+        block(backend, *leaves, index, cfg.activation, options).backward(grad)
 
     t_f = bench_ms(fwd)
     t_fb = bench_ms(fwd_bwd, grad_to_none=leaves)
@@ -182,7 +188,7 @@ def paired_times(cfg, x, w_up, w_down, weights, index, grad, calls: int, warmup:
     the Triton forward, training forward and forward+backward) in an order rotated per iteration, each
     between CUDA events after a 256 MB L2 flush, as ``do_bench`` times one call; {name: [ms per call]}.
     The five see the same clock: under the H100's 700 W cap the SM clock moves between phases of one
-    process (run 194), which separate ``do_bench`` blocks (one per backend and kind) each catch apart."""
+    process, which separate ``do_bench`` blocks (one per backend and kind) each catch apart."""
     leaves = {b: [t.detach().requires_grad_() for t in (x, w_up, w_down, weights)] for b in ("torch", "triton")}
 
     def fwd(b):
@@ -296,10 +302,10 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="seeds the routing permutation, tokens and gradients")
     p.add_argument("--tables", nargs="+", default=None, metavar="NAME=DIR",
                    help="A/B these sets of tuning tables instead (interleaved rounds, Triton block only)")
-    p.add_argument("--envs", nargs="+", default=None, metavar="NAME=VAR=VALUE[,VAR=VALUE]",
-                   help="A/B these environment settings instead (interleaved rounds, Triton block only; the "
-                        "gradients of every set are compared with the first's, bitwise)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables or --envs A/B")
+    p.add_argument("--options", nargs="+", default=None, metavar="NAME=[FIELD=VALUE[/FIELD=VALUE]]",
+                   help="A/B these sets of expert kernel options instead (interleaved rounds, Triton block only; "
+                        "the gradients of every set are compared with the first's, bitwise)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the --tables or --options A/B")
     p.add_argument("--bench-rounds", type=int, default=1,
                    help="interleaved torch/Triton rounds per row (medians over them; the order alternates)")
     p.add_argument("--paired", type=int, default=0, metavar="N",
@@ -307,7 +313,9 @@ def main():
     args = p.parse_args()
     if args.paired and (args.no_backward or args.paired < 1):
         p.error("--paired N times the forward+backward calls too: it needs N ≥ 1 and no --no-backward")
-    if args.tables or args.envs:
+    if args.tables and args.options:
+        p.error("--tables and --options are two separate A/Bs")
+    if args.tables or args.options:
         return ab_sets(args)
     results = []
     for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
@@ -377,8 +385,8 @@ def main():
 
 
 def bench_rows(args):
-    """Every bench row's data, seeded (the same rows in every process; run 144: the spread is not the
-    data's): (config name, cfg, T, w_up, w_down, routing weights, dispatch index, x, grad)."""
+    """Every bench row's data, seeded (the same rows in every process, so a spread between processes
+    is not the data's): (config name, cfg, T, w_up, w_down, routing weights, dispatch index, x, grad)."""
     dev = torch.device("cuda")
     torch.manual_seed(args.seed)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -404,49 +412,51 @@ def use_tables(directory: str) -> None:
         os.environ["INTERLACE_TUNING_DIR"] = directory
     else:
         os.environ.pop("INTERLACE_TUNING_DIR", None)
+    refresh_environment()
     tuning.clear_cache()  # also expires the expert block's memo of its configs
 
 
-def use_envs(settings: str) -> None:
-    """``VAR=VALUE[,VAR=VALUE]`` into the environment (``VAR=`` removes VAR). A value may hold
-    commas (a config: ``INTERLACE_WGRAD=128,256,64,8,3``): only a comma before ``NAME=`` separates."""
-    for item in filter(None, re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", settings)):
-        var, value = item.split("=", 1)
-        if value:
-            os.environ[var] = value
-        else:
-            os.environ.pop(var, None)
-    tuning.clear_cache()
+def parse_options(spec: str) -> ExpertKernelOptions:
+    """``FIELD=VALUE[/FIELD=VALUE]`` → :class:`ExpertKernelOptions` (configs as
+    :func:`interlace.tuning.tables.parse_config` reads them, ``tma`` 0 or 1; empty: the defaults)."""
+    fields = {}
+    for item in filter(None, spec.split("/")):
+        name, _, value = item.partition("=")
+        fields[name] = bool(int(value)) if name == "tma" else tuning.parse_config(value)
+    return ExpertKernelOptions(**fields)
 
 
 def ab_sets(args) -> None:
-    """Interleaved A/B of table sets (``--tables``) or environment settings (``--envs``): per row
+    """Interleaved A/B of table sets (``--tables``) or kernel option sets (``--options``): per row
     and round, the Triton block timed once per set."""
+    specs = [(spec.split("=", 1) + [""])[:2] for spec in (args.tables or args.options)]
     if args.tables:
-        sets = [(spec.split("=", 1) + [""])[:2] for spec in args.tables]
-        apply = use_tables
+        sets = [(label, setting, None) for label, setting in specs]
     else:
-        sets = [(spec.split("=", 1) + [""])[:2] for spec in args.envs]
-        apply = use_envs
+        sets = [(label, None, parse_options(setting)) for label, setting in specs]
+
+    def apply(directory):
+        if directory is not None:
+            use_tables(directory)
     results = []
     for name, cfg, T, w_up, w_down, weights, index, x, grad in bench_rows(args):
         row = {"config": name, "tokens": T, "sets": {}}
-        times = {label: ([], []) for label, _ in sets}
+        times = {label: ([], []) for label, _, _ in sets}
         for _ in range(args.rounds):
-            for label, setting in sets:
-                apply(setting)
-                f, fb = time_backend("triton", cfg, x, w_up, w_down, weights, index, grad)
+            for label, directory, options in sets:
+                apply(directory)
+                f, fb = time_backend("triton", cfg, x, w_up, w_down, weights, index, grad, options=options)
                 times[label][0].append(f)
                 times[label][1].append(fb)
         reference = None
-        for label, setting in sets:
-            apply(setting)
-            source = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation)[2] + "; "
-                      + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation)[3])
+        for label, directory, options in sets:
+            apply(directory)
+            source = (choose_configs(x, w_down, T * cfg.top_k, cfg.activation, options=options)[2] + "; "
+                      + choose_backward_configs(x, w_down, T * cfg.top_k, cfg.activation, options=options)[3])
             f, fb = times[label]
             row["sets"][label] = {"fwd": f, "fb": fb, "configs": source}
-            if args.envs:  # e.g. the same kernels on other streams or in another order: the same bits
-                got = block_grads("triton", cfg, x, w_up, w_down, weights, index, grad)
+            if args.options:  # e.g. another kernel form of the same sums: the same bits?
+                got = block_grads("triton", cfg, x, w_up, w_down, weights, index, grad, options)
                 if reference is None:
                     reference = got
                 else:
@@ -461,15 +471,15 @@ def ab_sets(args) -> None:
             json.dump(results, f, indent=1)
     first = sets[0][0]
     print(f"\nmedian ms over {args.rounds} interleaved rounds; ratio = {first} ÷ set (> 1: the set is faster)\n")
-    print("| config | tokens | " + " | ".join(f"{lb} fwd | {lb} bwd" for lb, _ in sets) + " | "
-          + " | ".join(f"fwd {first}/{lb} | bwd {first}/{lb}" for lb, _ in sets[1:]) + " |")
+    print("| config | tokens | " + " | ".join(f"{lb} fwd | {lb} bwd" for lb, _, _ in sets) + " | "
+          + " | ".join(f"fwd {first}/{lb} | bwd {first}/{lb}" for lb, _, _ in sets[1:]) + " |")
     print("|---|---|" + "---|---|" * len(sets) + "---|---|" * (len(sets) - 1))
     for r in results:
         med = {lb: (statistics.median(v["fwd"]), statistics.median(v["fb"]) - statistics.median(v["fwd"]))
                for lb, v in r["sets"].items()}
-        cells = [f"{med[lb][0]:.3f} | {med[lb][1]:.3f}" for lb, _ in sets]
-        cells += [f"{med[first][0] / med[lb][0]:.3f} | {med[first][1] / med[lb][1]:.3f}" for lb, _ in sets[1:]]
-        same = [str(r["sets"][lb]["bitwise_equal_to_first"]) for lb, _ in sets[1:]
+        cells = [f"{med[lb][0]:.3f} | {med[lb][1]:.3f}" for lb, _, _ in sets]
+        cells += [f"{med[first][0] / med[lb][0]:.3f} | {med[first][1] / med[lb][1]:.3f}" for lb, _, _ in sets[1:]]
+        same = [str(r["sets"][lb]["bitwise_equal_to_first"]) for lb, _, _ in sets[1:]
                 if "bitwise_equal_to_first" in r["sets"][lb]]
         print(f"| {r['config']} | {r['tokens']} | " + " | ".join(cells) + " |" + (" bitwise equal: " + ", ".join(same)
                                                                                  if same else ""))

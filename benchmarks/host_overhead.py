@@ -9,7 +9,7 @@ a permutation as after the all-to-all. Per backend:
   GPU held busy (``torch.cuda._sleep``) while the host issues the call, i.e. the kernels' own time;
 * host ms: wall time until ``backward()`` returns, the GPU idle at the start. A block whose host
   time exceeds its GPU time starves the GPU: in a layer the next all-to-all then waits for the
-  slower rank (run 66: ``sequential:triton`` lost ~1.1 ms at qwen3-30b-a3b 4096 that way);
+  slower rank;
 * host syncs in one call (``torch.cuda.set_sync_debug_mode``);
 * with ``--profile``, the top host functions of the Triton backend (cProfile).
 

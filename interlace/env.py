@@ -54,7 +54,7 @@ def _read() -> Environment:
 _CURRENT: Environment | None = None
 
 
-def get() -> Environment:
+def settings() -> Environment:
     """The environment as read at first use (or at the last :func:`refresh`)."""
     global _CURRENT
     if _CURRENT is None:
@@ -66,4 +66,4 @@ def refresh() -> Environment:
     """Read the variables again (tests that set them)."""
     global _CURRENT
     _CURRENT = None
-    return get()
+    return settings()

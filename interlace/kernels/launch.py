@@ -28,7 +28,7 @@ import os
 
 import torch
 import triton
-from interlace import env
+from interlace.env import refresh as refresh_environment, settings
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)
@@ -83,7 +83,7 @@ def args_key(args: tuple) -> tuple:
 def _supported() -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if not env.get().fast_launch:
+    if not settings().fast_launch:
         return False
     return triton.__version__.startswith("3.6.") and torch.cuda.is_available()
 
@@ -118,7 +118,7 @@ def reset() -> None:
     global _ENABLED
     _ENABLED = None
     _CACHE.clear()
-    env.refresh()
+    refresh_environment()
 
 
 _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from interlace import env
+from interlace.env import settings
 from interlace.config import MoEConfig
 from interlace.planning.pipemoe.models import AlphaBeta, SizeCurve, interp_log_rows
 
@@ -41,7 +41,7 @@ PACKAGED_DIR = Path(__file__).resolve().parent.parent / "tuning" / "profiles"
 
 # ----------------------------------------------------------------------------- keys and storage
 def profile_dir() -> Path:
-    return env.get().profile_dir
+    return settings().profile_dir
 
 
 def machine_key(world: int, device: torch.device) -> str:

@@ -8,6 +8,13 @@ one GEMM; the kernel reads both halves in place), the inverse re-layout, the rev
 all-to-all, and a deterministic fp32 gather-reduce combine (no atomics, forward or backward).
 
 At world size 1 there is no communication and, dropless, no host sync at all.
+
+Options (``MoELayer(..., strategy="sequential", strategy_options={...})``):
+
+* ``expert_backend``: ``"torch"`` (``torch._grouped_mm``, the default) or ``"triton"``
+  (interlace's grouped GEMMs; the spelling ``"sequential:triton"`` says the same);
+* ``kernels``: an :class:`~interlace.kernels.expert_gemm.configs.ExpertKernelOptions` for the
+  Triton backend (configs and TMA; default: the tuning tables' choice).
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from interlace.parallel.comm import all_to_all, all_to_all_counts
-from interlace.kernels.expert_gemm import grouped_gemm
+from interlace.kernels.expert_gemm.autograd import TritonExpertFFN, supports
+from interlace.kernels.expert_gemm.configs import ExpertKernelOptions
 from interlace.kernels.activation import activation_fused
 from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
 from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
@@ -32,14 +40,16 @@ def expert_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: 
 EXPERT_BACKENDS = ("torch", "triton")
 
 
-def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, w_down, offs, activation):
+def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, w_down, offs, activation,
+                        kernels: ExpertKernelOptions | None = None):
     """Expert FFN of rows ``x[src_row[q]]`` (expert-major order) → (num_rows, N).
 
     ``torch``: a gather kernel, then torch._grouped_mm + SwiGLU kernel + torch._grouped_mm.
-    ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load.
+    ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load
+    (``kernels``: their options).
     """
-    if backend == "triton" and grouped_gemm.supports(x, w_up):
-        return grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse)
+    if backend == "triton" and supports(x, w_up):
+        return TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse, kernels)
     return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
 
 
@@ -48,11 +58,18 @@ class SequentialStrategy(Strategy):
     name = "sequential"
     fused_routing = True
 
-    def __init__(self, config, ep, expert_backend: str = "torch"):
+    def __init__(self, config, ep, expert_backend: str = "torch", kernels: ExpertKernelOptions | None = None):
         super().__init__(config, ep)
         if expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}")
+        if kernels is not None and not isinstance(kernels, ExpertKernelOptions):
+            raise TypeError(f"strategy option 'kernels' must be an ExpertKernelOptions "
+                            f"(interlace.kernels.expert_gemm.configs), got {type(kernels).__name__}")
+        if kernels is not None and expert_backend != "triton":
+            raise ValueError("strategy option 'kernels' configures the Triton expert kernels: use it with "
+                             "expert_backend='triton' (strategy 'sequential:triton')")
         self.expert_backend = expert_backend
+        self.kernels = kernels
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -69,10 +86,10 @@ class SequentialStrategy(Strategy):
         if ep.world == 1:
             # Host sync only with a capacity: the number of kept rows sizes the buffers.
             rows = T * k if capacity is None else int(expert_end[-1])
-            if self.expert_backend == "triton" and grouped_gemm.supports(x, w_up):
+            if self.expert_backend == "triton" and supports(x, w_up):
                 # The dispatch gather is fused into the first GEMM: rows read x[assignment // k].
-                y = grouped_gemm.TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows,
-                                                       expert_end, cfg.activation, row_of_assignment)
+                y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows, expert_end,
+                                          cfg.activation, row_of_assignment, self.kernels)
             else:
                 x_send = DispatchRows.apply(x, assignment_of_row[:rows], row_of_assignment)
                 y = expert_ffn(x_send, w_up, w_down, expert_end, cfg.activation)
@@ -93,7 +110,7 @@ class SequentialStrategy(Strategy):
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
         y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
-                                        offs, cfg.activation)
+                                        offs, cfg.activation, self.kernels)
         del x_recv
         y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
         del y_grouped

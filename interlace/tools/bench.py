@@ -37,7 +37,7 @@ import torch.distributed as dist
 from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
-from interlace import env
+from interlace.env import settings
 
 ROUTINGS = ("random", "balanced", "skewed", "local")
 ZIPF_EXPONENT = 1.2
@@ -356,8 +356,8 @@ def markdown_table(rows: list[Row]) -> str:
 
 def git_commit() -> str:
     """INTERLACE_COMMIT if set (copies without .git, e.g. the GPU machine), else git's HEAD."""
-    if env.get().commit:
-        return env.get().commit
+    if settings().commit:
+        return settings().commit
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or "unknown"

@@ -63,7 +63,7 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, programs: int, rows: int = 1
     if programs < 1:
         raise ValueError(f"programs must be ≥ 1, got {programs}")
     if tma_store:
-        from interlace.kernels.expert_gemm.grouped_gemm import _ensure_allocator
+        from interlace.kernels.tma import ensure_allocator as _ensure_allocator
         _ensure_allocator()  # device-side descriptors need Triton's scratch allocator
     _copy_rows_kernel[(programs,)](src, dst, src.shape[0], src.shape[1], ROWS=rows, COLS=cols, TMA_STORE=tma_store,
                                    num_warps=8)

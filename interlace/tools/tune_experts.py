@@ -11,9 +11,9 @@ skipped and reported). The survivors are then timed on their own kernel's launch
 with its gather copy where the config reads rows through TMA, with or without storing h; GEMM1;
 the backward kernel's steps), ``--rounds`` times in turn, each a
 ``triton.testing.do_bench`` median (on the CPU interpreter, one host-timed call), and the
-candidate with the lowest median over the rounds wins. Timing the forward kernels inside the whole
-forward, each once, left a spread of up to ±40% between runs of one config (run 108) and picked by
-noise. Prints the chosen configs, their TFLOP/s and the time the tuning took.
+candidate with the lowest median over the rounds wins (timing the forward kernels inside the whole
+forward, each once, spread too much between runs of one config and picked by noise). Prints the
+chosen configs, their TFLOP/s and the time the tuning took.
 """
 
 from __future__ import annotations
@@ -31,24 +31,28 @@ import triton
 
 from interlace.tools.bench import rel_err
 from interlace.tuning import tables as tuning
-from interlace.kernels.expert_gemm.grouped_gemm import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG, TRAIN_GEMM0_KERNEL,
-                                        _ensure_allocator, _launch_gemm, _launch_gemm0, backward_steps,
-                                        expert_ffn_triton, expert_ffn_triton_backward, tile_schedule, use_tma)
+from interlace.kernels.expert_gemm.backward import backward_steps, expert_ffn_triton_backward
+from interlace.kernels.expert_gemm.configs import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG,
+                                                   TRAIN_GEMM0_KERNEL)
+from interlace.kernels.expert_gemm.forward import expert_ffn_triton
+from interlace.kernels.expert_gemm.gemm0 import launch_gemm0
+from interlace.kernels.expert_gemm.grouped import launch_gemm
+from interlace.kernels.expert_gemm.schedule import tile_schedule
+from interlace.kernels.tma import ensure_allocator, use_tma
 from interlace.tuning.tables import GemmConfig, ShapeClass
 
 # Small candidate sets (each config compiles once, a few seconds); the first is the default.
 # GEMM0 and the d(pre-activation) GEMM hold two fp32 tiles (gate and up), so their tiles are
-# half as wide as GEMM1's. Fields: block m, n, k, warps, stages, group_m, flatten, unfused_act, a_tma,
-# persistent, joint, tma_store.
+# half as wide as GEMM1's. Positional fields: block m, n, k, warps, stages, group_m.
 A = dict(a_tma=1)  # the A rows through TMA too (a gathered A copied contiguous first)
 J = dict(joint=1)  # GEMM0: gate and up as one 3-D TMA block and one double-width dot
-P = dict(a_tma=1, persistent=1)  # weight gradients: persistent programs, TMA stores
-F = dict(a_tma=1, persistent=2)  # the same in one flat loop, pipelined across output blocks
-T = dict(tma_store=1)  # full tiles stored through TMA (not with flatten; smem: 3 stages at 128 × 256)
+F = dict(a_tma=1, persistent=2)  # weight gradients: persistent programs in one flat loop, TMA stores
+T = dict(tma_store=1)  # full tiles stored through TMA (smem: 3 stages at 128 × 256)
 L = dict(a_tma=1, persistent=2)  # GEMM0/GEMM1/dx/d(act): one flat loop over (tile, k step), TMA in and out
+U = dict(unfused_act=1)  # d(act): the SwiGLU derivative in a separate pass
 CANDIDATES = {
     "expert_gemm0": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                     GemmConfig(128, 128, 64, 8, 4, 16), GemmConfig(128, 128, 64, 8, 4, 8, 1),
+                     GemmConfig(128, 128, 64, 8, 4, 16),
                      GemmConfig(128, 128, 64, 8, 4, **A), GemmConfig(128, 128, 64, 8, 3, **A),
                      GemmConfig(128, 128, 64, 8, 4, **J), GemmConfig(128, 128, 64, 8, 3, **J),
                      GemmConfig(128, 128, 64, 8, 4, **A, **J), GemmConfig(128, 128, 64, 8, 3, **A, **J),
@@ -57,19 +61,19 @@ CANDIDATES = {
                      GemmConfig(128, 128, 64, 8, 4, **A, **J, **T),
                      GemmConfig(128, 128, 64, 8, 3, **L, **J), GemmConfig(128, 128, 64, 8, 4, **L, **J)],
     "expert_gemm1": [GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 256, 64, 8, 4),
-                     GemmConfig(128, 256, 64, 8, 3, 16), GemmConfig(128, 256, 64, 8, 3, 8, 1),
+                     GemmConfig(128, 256, 64, 8, 3, 16),
                      GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 4, **A),
                      GemmConfig(128, 256, 64, 8, 3, **T), GemmConfig(128, 256, 64, 8, 3, 16, **T),
                      GemmConfig(128, 256, 64, 8, 3, **A, **T),
                      GemmConfig(128, 256, 64, 8, 3, **L), GemmConfig(128, 128, 64, 8, 4, **L)],
     "expert_bwd_act": [GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 128, 64, 8, 3),
-                       GemmConfig(128, 128, 64, 8, 4, 8, 1), GemmConfig(128, 128, 128, 8, 3),
-                       # the SwiGLU derivative in a separate pass (unfused_act=1)
+                       GemmConfig(128, 128, 128, 8, 3),
+                       # the SwiGLU derivative in a separate pass
                        # (a plain store holds no h tile in registers: wider tiles fit)
-                       GemmConfig(128, 128, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1),
-                       GemmConfig(128, 256, 64, 8, 4, 8, 0, 1), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A),
-                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **T), GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **A, **T),
-                       GemmConfig(128, 256, 64, 8, 3, 8, 0, 1, **L)],
+                       GemmConfig(128, 128, 64, 8, 4, **U), GemmConfig(128, 256, 64, 8, 3, **U),
+                       GemmConfig(128, 256, 64, 8, 4, **U), GemmConfig(128, 256, 64, 8, 3, **U, **A),
+                       GemmConfig(128, 256, 64, 8, 3, **U, **T), GemmConfig(128, 256, 64, 8, 3, **U, **A, **T),
+                       GemmConfig(128, 256, 64, 8, 3, **U, **L)],
     "expert_bwd_dx": [GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 256, 64, 8, 3),
                       GemmConfig(128, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4, **A),
                       GemmConfig(128, 256, 64, 8, 3, **A), GemmConfig(128, 256, 64, 8, 3, **T),
@@ -84,12 +88,8 @@ CANDIDATES = {
                      # program's epilogue and pipeline fill run under another's main loop
                      GemmConfig(128, 128, 64, 4, 3, **A), GemmConfig(128, 128, 64, 4, 2, **A),
                      GemmConfig(128, 256, 64, 8, 2, **A), GemmConfig(128, 256, 64, 8, 3, 16, **A),
-                     # persistent programs, blocks stored through TMA (the store drains under the
-                     # next block's loads)
-                     GemmConfig(128, 256, 64, 8, 3, **P), GemmConfig(128, 256, 64, 8, 3, 16, **P),
-                     GemmConfig(128, 256, 64, 8, 2, **P), GemmConfig(128, 128, 64, 8, 4, **P),
-                     # one flat loop over (block, row block) steps: short reductions lose no
-                     # pipeline fill per block
+                     # persistent programs in one flat loop over (block, row block) steps, blocks
+                     # stored through TMA: short reductions lose no pipeline fill per block
                      GemmConfig(128, 256, 64, 8, 3, **F), GemmConfig(128, 256, 64, 8, 3, 16, **F),
                      GemmConfig(128, 256, 64, 8, 2, **F), GemmConfig(128, 128, 64, 8, 4, **F)],
 }
@@ -99,17 +99,16 @@ INTERPRETER_CANDIDATES = [INTERPRETER_CONFIG, GemmConfig(32, 16, 16, 4, 1, 2)]
 CANDIDATES["expert_gemm0_train"] = CANDIDATES["expert_gemm0"]
 KERNELS = [k for k, _, _ in FORWARD_KERNELS + TRAIN_GEMM0_KERNEL + BACKWARD_KERNELS]
 BACKWARD_NAMES = {k for k, _, _ in BACKWARD_KERNELS}
-# The backward steps (grouped_gemm.backward_steps) a backward kernel's config runs: a candidate is
-# timed on those alone (timing the whole backward buried a 20% kernel difference in its noise:
-# docs/benchmarks.md, run 38).
+# The backward steps (expert_gemm.backward.backward_steps) a backward kernel's config runs: a candidate
+# is timed on those alone (timing the whole backward buries a kernel's difference in its noise).
 BACKWARD_STEPS = {"expert_bwd_act": ("d_pre_act",), "expert_bwd_dx": ("dx",), "expert_wgrad": ("dw_down", "dw_up")}
 
 
 def ragged_ends(bucket: int, experts: int, device) -> torch.Tensor:
     """Inclusive row ends of ``experts`` experts with ``bucket`` rows on average, each count drawn
     within ±1/8 of it (seeded) and the total exactly bucket·experts: experts end mid-block, as
-    under real routing (equal multiples of the block favoured kernels that pay for partial
-    blocks: docs/benchmarks.md, run 91)."""
+    under real routing (equal multiples of the block favour kernels that pay for partial
+    blocks)."""
     g = torch.Generator().manual_seed(bucket * 1009 + experts)
     spread = bucket // 8
     shift = torch.randint(-spread, spread + 1, (experts // 2,), generator=g)
@@ -183,16 +182,16 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
             c = chosen[kernel]
             tma = use_tma(w_up, w_down)
             if tma:
-                _ensure_allocator()
+                ensure_allocator()
             sched = tile_schedule(ends, rows, c.block_m)
             if kernel in ("expert_gemm0", "expert_gemm0_train"):
                 act_out = torch.empty_like(act)
                 h_out = torch.empty_like(h) if kernel == "expert_gemm0_train" else None
-                return (lambda: _launch_gemm0(x, gather, 1, w_up, act_out, h_out, sched, rows, shape.activation, c,
-                                              tma)), 2 * rows * shape.hidden * w_up.shape[1]
+                return (lambda: launch_gemm0(x, gather, 1, w_up, act_out, h_out, sched, rows, shape.activation, c,
+                                             tma)), 2 * rows * shape.hidden * w_up.shape[1]
             y_out = torch.empty(rows, shape.hidden, device=device, dtype=dtype)
-            return (lambda: _launch_gemm(act, w_down, y_out, None, ends, rows, cols=shape.hidden, red=shape.ffn,
-                                         b_trans=True, epilogue=0, config=c, schedule=sched, tma=tma)), \
+            return (lambda: launch_gemm(act, w_down, y_out, None, ends, rows, cols=shape.hidden, red=shape.ffn,
+                                        b_trans=True, epilogue=0, config=c, schedule=sched, tma=tma)), \
                 2 * rows * shape.hidden * shape.ffn
 
         for kernel in kernels or KERNELS:
@@ -205,7 +204,7 @@ def tune_shape(shape: ShapeClass, dtype, device, buckets: list[int], candidates:
                 chosen[kernel] = c
                 try:
                     # fresh outputs every call (no clone: dsv3-like's weight gradients are 11 GB,
-                    # and clones plus fp32 copies ran an 80 GB H100 out of memory, run 169)
+                    # and clones plus fp32 copies run an 80 GB H100 out of memory)
                     outs = [t for t in run() if t is not None]
                     if want is None:  # the first candidate (the default) is the reference
                         want = outs

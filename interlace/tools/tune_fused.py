@@ -33,7 +33,7 @@ from interlace.tools.bench import init_env, make_routing, reduce_max, time_cuda
 from interlace.config import preset
 from interlace.layer import MoELayer
 from interlace.tuning.fused_split import PACKAGE_DIR, load_entries, split_key, write_entries
-from interlace import env
+from interlace.env import settings
 
 CANDIDATES = (4, 8, 12, 16, 24, 32, 48)
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the candidates")
     p.add_argument("--margin", type=float, default=0.02,
                    help="a tabled split stays unless a candidate is this much faster (0: always the fastest)")
-    p.add_argument("--out-dir", default=str(env.get().tuning_dir or PACKAGE_DIR))
+    p.add_argument("--out-dir", default=str(settings().tuning_dir or PACKAGE_DIR))
     args = p.parse_args(argv)
     env = init_env()
     if not env.cuda or env.world < 2:

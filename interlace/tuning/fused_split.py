@@ -17,7 +17,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from interlace import env
+from interlace.env import settings
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 _WARNED: set = set()
@@ -25,7 +25,7 @@ _WARNED: set = set()
 
 def tuning_dirs() -> list[Path]:
     dirs = [PACKAGE_DIR]
-    extra = env.get().tuning_dir
+    extra = settings().tuning_dir
     if extra:
         dirs.insert(0, Path(extra))
     return dirs

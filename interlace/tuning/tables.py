@@ -17,51 +17,82 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import triton
-from interlace import env
+from interlace.env import settings
 
 PACKAGED_DIR = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
 class GemmConfig:
+    """One expert GEMM kernel's launch configuration (a tuning table entry's ``config``).
+
+    The fields after the block sizes choose a kernel form; a form applies where the kernel and
+    the operands allow it (TMA fields need TMA weights, :func:`interlace.kernels.tma.use_tma`)
+    and is ignored elsewhere, except the combinations :func:`interlace.kernels.expert_gemm.configs.check_config`
+    refuses."""
+
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     group_m: int = 8  # row tiles per L2 swizzle group of the persistent GEMMs
-    flatten: int = 0  # 1: software-pipeline across the persistent loop's work items
     # d(pre-activation) GEMM only, SwiGLU: 1 = store d(act) and apply the derivative in a
-    # separate elementwise pass instead of the epilogue (grouped_gemm._launch_d_pre_act)
+    # separate elementwise pass instead of the epilogue (expert_gemm.backward.launch_d_pre_act)
     unfused_act: int = 0
     # 1: the A rows through a TMA descriptor too (Hopper; contiguous rows only: a gathered A is
     # copied contiguous first). Else A is a pipelined tl.load. For the weight gradients: both
     # operands' rows through descriptors (an expert's last partial block of rows by masked loads).
     a_tma: int = 0
-    # Weight gradients with a_tma only: persistent programs (one per SM) that store each output
-    # block through a TMA descriptor, so the store drains under the next block's loads; 2: the
-    # same as one flat loop over (block, row block) steps, pipelined across blocks. The other
-    # GEMMs with a_tma and TMA weights: 2 = one flat loop over (tile, k step) steps, A, B and the
-    # output through TMA (GEMM0, and the plain-epilogue GEMMs: GEMM1, dx, d(act) unfused).
+    # 0: a loop per work item (tile × column block, or weight-gradient block); 2 (with a_tma and
+    # TMA weights): one flat loop over (work item, k step) steps, A, B and the output through
+    # TMA, pipelined across work items (GEMM0, the plain-epilogue GEMMs GEMM1, dx, d(act)
+    # unfused, and the weight gradients). Other values are refused.
     persistent: int = 0
     # GEMM0 with SwiGLU and TMA weights only: gate and up rows as one 3-D TMA block and one
-    # BLOCK_M × 2·BLOCK_N dot (expert_tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
+    # BLOCK_M × 2·BLOCK_N dot (expert_gemm.tile.gate_up_tile) instead of two BLOCK_M × BLOCK_N dots.
     joint: int = 0
     # GEMM0's activations and the plain-epilogue grouped GEMMs (GEMM1, dx, d(act)), with TMA
     # weights: full tiles stored through a TMA descriptor (drains under the next tile's main
-    # loop), an expert's partial last tile by a masked store. Not with flatten (Triton 3.6).
+    # loop), an expert's partial last tile by a masked store.
     tma_store: int = 0
-    # GEMM1 only: 1 = the forward's GEMM0 and GEMM1 in one launch (interlace.kernels.expert_gemm.chain): a
-    # program goes on to GEMM1 tiles once its GEMM0 tiles are done, each waiting for GEMM0's
-    # activations of its rows, so GEMM1 fills GEMM0's last wave. GEMM1 runs the nested loop then.
-    chain: int = 0
+
+
+def parse_config(text: str) -> GemmConfig:
+    """A config from ``bm,bn,bk,warps,stages[,group_m][,field=value...]`` (the benchmark scripts'
+    spelling), e.g. ``128,256,64,8,3,a_tma=1,persistent=2``."""
+    positional, named = [], {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, value = item.partition("=")
+        if eq:
+            named[name] = int(value)
+        elif named:
+            raise ValueError(f"config {text!r}: a positional field after a named one")
+        else:
+            positional.append(int(item))
+    return GemmConfig(*positional, **named)
+
+
+# Fields that tables written by earlier versions may hold, only ever at these values (the forms
+# they chose were removed): read and dropped.
+RETIRED_FIELDS = {"flatten": 0, "chain": 0}
+
+
+def config_from_entry(config: dict) -> GemmConfig:
+    """A table entry's ``config`` dict as a :class:`GemmConfig` (retired fields at their old
+    default dropped; any other value of them is an error, as its kernel form is gone)."""
+    config = dict(config)
+    for name, value in RETIRED_FIELDS.items():
+        if name in config and config.pop(name) != value:
+            raise ValueError(f"tuning table config {config} sets {name}, a kernel form interlace no longer has; "
+                             "re-run `interlace tune-experts`")
+    return GemmConfig(**config)
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,7 @@ def table_key(kernel: str, device_name: str, sm_count: int, triton_version: str 
 
 
 def tuning_dirs() -> list[Path]:
-    extra = env.get().tuning_dir
+    extra = settings().tuning_dir
     dirs = [extra] if extra else []
     return dirs + [PACKAGED_DIR]
 
@@ -95,7 +126,7 @@ def tuning_dirs() -> list[Path]:
 _TABLES: dict[str, list[dict] | None] = {}
 _WARNED: set[str] = set()
 # lookup results by (table key, shape, bucket, default): every expert-block call looks up five
-# kernels, and scoring every entry each time cost ~0.1 ms of host time per lookup (run 76).
+# kernels, and scoring every entry each time costs host time on every call.
 _LOOKUPS: dict[tuple, tuple[GemmConfig, str]] = {}
 _GENERATION = 0  # advances whenever the caches above are emptied, so callers' memos expire too
 
@@ -190,7 +221,7 @@ def _lookup(key: str, kernel: str, device_name: str, sm_count: int, capability, 
     best = min(entries, key=score)
     exact = ShapeClass(**best["shape"]) == shape and best["bucket"] == bucket
     source = "tuned" if exact else f"tuned, nearest {best['shape']} bucket {best['bucket']}"
-    return GemmConfig(**best["config"]), source if borrowed is None else f"borrowed from {borrowed}, {source}"
+    return config_from_entry(best["config"]), source if borrowed is None else f"borrowed from {borrowed}, {source}"
 
 
 def write_table(path: Path, entries: list[dict], meta: dict) -> Path:

@@ -197,14 +197,14 @@ def test_tuner_rows_are_ragged_around_the_bucket():
 
 def test_expert_config_choice_is_memoized_until_tables_change(table_dir, monkeypatch):
     """The expert block chooses its five configs on every call; the answer is memoized per
-    shape, rows bucket and env override, and a written table or an override still takes effect."""
+    shape, rows bucket and kernel options, and a written table or an option still takes effect."""
     from types import SimpleNamespace
 
     import torch
 
-    import interlace.kernels.expert_gemm.grouped_gemm as gg
+    import interlace.kernels.expert_gemm.configs as gg
 
-    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100, (9, 0)))
+    monkeypatch.setattr(gg, "device_identity", lambda index: ("GPU X", 100, (9, 0)))
     calls = []
     real_lookup = gg.lookup
 
@@ -226,9 +226,9 @@ def test_expert_config_choice_is_memoized_until_tables_change(table_dir, monkeyp
     assert len(calls) == 4
     write(table_dir, "expert_gemm0", [entry(2048, 256, 16)])  # a new table expires the memo
     assert gg.choose_configs(x, w_down, 8 * 256, "swiglu")[0].block_m == 16
-    monkeypatch.setenv("INTERLACE_GEMM0", "128,128,64,8,4")  # so does an override
-    c0, _, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu")
-    assert c0.block_m == 128 and source.startswith("gemm0 env")
+    forced = gg.ExpertKernelOptions(gemm0=GemmConfig(128, 128, 64, 8, 4))  # so does an option
+    c0, _, source = gg.choose_configs(x, w_down, 8 * 256, "swiglu", options=forced)
+    assert c0.block_m == 128 and source.startswith("gemm0 options")
 
 
 def test_training_forward_takes_gemm0_from_its_own_table(table_dir, monkeypatch):
@@ -240,9 +240,10 @@ def test_training_forward_takes_gemm0_from_its_own_table(table_dir, monkeypatch)
 
     import torch
 
-    import interlace.kernels.expert_gemm.grouped_gemm as gg
+    import interlace.kernels.expert_gemm.configs as gg
+    import interlace.kernels.expert_gemm.forward as forward
 
-    monkeypatch.setattr(gg, "_device_identity", lambda index: ("GPU X", 100, (1, 0)))  # no kin anywhere
+    monkeypatch.setattr(gg, "device_identity", lambda index: ("GPU X", 100, (1, 0)))  # no kin anywhere
     x = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))  # the CUDA path, on the CPU
     w_down = torch.empty(8, 2048, 1024)
     write(table_dir, "expert_gemm0", [entry(2048, 256, 64)])
@@ -259,10 +260,35 @@ def test_training_forward_takes_gemm0_from_its_own_table(table_dir, monkeypatch)
                                                                    gg.GemmConfig(32, 128, 64, 8, 3))
     seen = []
     real = gg.choose_configs
-    monkeypatch.setattr(gg, "choose_configs", lambda *a, **kw: (seen.append(a[4:] or kw.get("store_h")),
-                                                                 real(*a, **kw))[1])
+    monkeypatch.setattr(forward, "choose_configs", lambda *a, **kw: (seen.append(a[4:] or kw.get("store_h")),
+                                                                      real(*a, **kw))[1])
     xs, w_up, w_dn = torch.randn(5, 16), torch.randn(2, 48, 16), torch.randn(2, 16, 24)
     ends = torch.tensor([2, 5], dtype=torch.int32)
     for store_h in (False, True):
-        gg.expert_ffn_triton(xs, None, 1, 5, w_up, w_dn, ends, "swiglu", store_h=store_h)
+        forward.expert_ffn_triton(xs, None, 1, 5, w_up, w_dn, ends, "swiglu", store_h=store_h)
     assert seen == [(False,), (True,)], seen
+
+
+def test_packaged_expert_tables_hold_only_kernel_forms_that_exist():
+    """Every entry of the packaged expert tables reads as a GemmConfig the kernels accept."""
+    from interlace.kernels.expert_gemm.configs import check_config
+    from interlace.tuning.tables import PACKAGED_DIR, config_from_entry
+
+    paths = sorted(PACKAGED_DIR.glob("expert_*.json"))
+    assert paths
+    for path in paths:
+        for e in json.loads(path.read_text())["entries"]:
+            check_config(config_from_entry(e["config"]))
+
+
+def test_retired_config_fields_read_at_their_old_default_only():
+    """A table written before ``flatten`` and ``chain`` went still loads where they are 0; any
+    other value names the field (its kernel form is gone)."""
+    from interlace.tuning.tables import config_from_entry, parse_config
+
+    base = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    assert config_from_entry({**base, "flatten": 0, "chain": 0}) == GemmConfig(64, 128, 64, 8, 3)
+    with pytest.raises(ValueError, match="chain"):
+        config_from_entry({**base, "chain": 1})
+    assert parse_config("64,128,64,8,3,16,a_tma=1,persistent=2") == GemmConfig(64, 128, 64, 8, 3, 16, a_tma=1,
+                                                                                persistent=2)

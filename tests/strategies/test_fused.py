@@ -520,19 +520,16 @@ def _check_with_options(rank, world, options, config_names, cases):
             assert_grads_match(layer, x, refs, rank, tokens[rank], where, TOL)
 
 
-@pytest.mark.parametrize("persistent", [1, 2])
-def test_fused_train_gloo_four_ranks_and_tma_path(persistent):
+def test_fused_train_gloo_four_ranks_and_tma_path():
     """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
-    expert's rows: whole 16-row blocks by descriptor, each run's tail by masked loads; persistent
-    programs storing the blocks through a descriptor; 2: one flat loop over the blocks' runs, each
-    run's rows through window maps that read the rows past its end as zeros, an empty run one
-    all-zero step)."""
+    expert's rows in one flat loop over the blocks' runs, each run's rows through window maps that
+    read the rows past its end as zeros, an empty run one all-zero step)."""
     from helpers import run_gloo
 
     from interlace.tuning.tables import GemmConfig
 
-    options = {"tma": True, "wgrad": GemmConfig(16, 16, 16, 4, 1, group_m=2, a_tma=1, persistent=persistent)}
+    options = {"tma": True, "wgrad": GemmConfig(16, 16, 16, 4, 1, group_m=2, a_tma=1, persistent=2)}
     run_gloo(_check_with_options, 4, options, ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from interlace.kernels.tma import ensure_allocator, use_tma
+
 # What a wait was for (stored in the error record); constexpr so kernels may read them.
 WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
 WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
 WAIT_PUSH1 = tl.constexpr(3)  # layer1 push mode: a push waiting for this rank's own GEMM1 item
-WAIT_CHAIN = tl.constexpr(4)  # one GPU's chained forward: a GEMM1 tile waiting for GEMM0's rows
 
 
 @triton.jit
@@ -106,47 +107,6 @@ def publish_flag(flag_ptr, epoch):
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
 
-@triton.jit
-def cta_barrier(x):
-    """``bar.sync 0`` (what ``tl.debug_barrier()`` emits) as inline assembly: Triton 3.6's software
-    pipeliner leaves a loop that holds a debug_barrier unpipelined (the flat GEMM0 loop lost its
-    stages: 180 → 147 KB of shared memory in an sm90 compile), and it does not look into inline
-    assembly. Every thread of the program must reach it (uniform control flow). Returns ``x`` (no
-    interpreter form: callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
-    return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def count_done(count_ptr, done_ptr, FENCE: tl.constexpr, ASM: tl.constexpr):
-    """One more finished work item of a row tile (``*count_ptr``) and of the launch (``*done_ptr``):
-    this program's earlier stores, TMA stores included (FENCE: their bulk groups are waited for
-    first; a no-op for stores that already landed), are visible to whoever acquires either count.
-    All threads meet at a barrier (ASM: :func:`cta_barrier`, which keeps a loop pipelined; else
-    ``tl.debug_barrier``) before one thread's release."""
-    if FENCE:
-        bulk_stores_done(0)
-    if ASM:
-        cta_barrier(0)
-    else:
-        tl.debug_barrier()
-    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-    tl.atomic_add(done_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def wait_count(count_ptr, target, max_spins, error_ptr, rank, what, tile):
-    """Acquire-spin (GPU scope) until ``*count_ptr >= target``; False after ``max_spins`` polls,
-    with a WAIT_CHAIN error record written by plain stores (the record may live in pinned host
-    memory, where a device atomic is not portable)."""
-    count = _spin_until(count_ptr, target, max_spins, "gpu")
-    ok = count >= target
-    if not ok:
-        _record_fields(error_ptr, rank, WAIT_CHAIN, rank, what, tile, count, target)
-        tl.store(error_ptr, 1)
-    return ok
-
-
 def describe_error(record: list[int]) -> str | None:
     """Human-readable message of an error record, or None if no wait timed out."""
     if not record or record[0] == 0:
@@ -154,11 +114,6 @@ def describe_error(record: list[int]) -> str | None:
     _, rank, kind, peer, what, tile, flag, epoch = record[:8]
     if kind == WAIT_LAYER0.value:
         waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
-    elif kind == WAIT_CHAIN.value:
-        return (f"rank {rank}: the chained expert forward timed out: a GEMM1 tile of expert {what} waited for "
-                f"GEMM0's activations of row tile {tile} ({flag} of {epoch} column blocks done). Its programs "
-                "must all be resident at once: another kernel holding SMs for seconds, or a bug; "
-                "INTERLACE_CHAIN=0 runs GEMM0 and GEMM1 as two launches")
     elif kind == WAIT_PUSH1.value:
         waited = f"its own GEMM1 output (row tile {tile}, N-slice {what}, home rank {peer}) to push"
     else:
@@ -188,17 +143,17 @@ def finish_queue(queue_ptr, n_programs):
         tl.atomic_xchg(queue_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
-def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights) -> tuple[int, int, bool]:
+def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights,
+                 force_tma: bool | None = None) -> tuple[int, int, bool]:
     """(pid_base, grid, use TMA) of a fused-kernel launch. ``role``: ``"all"`` (one launch, both
     program roles), ``"comm"`` (programs [0, n_comm)), ``"push"`` (the same programs, layer1's
-    pushes only: simulated ranks run every rank's pushes before any combine) or ``"gemm"`` (the rest)."""
-    from interlace.kernels.expert_gemm.grouped_gemm import _ensure_allocator, use_tma
-
+    pushes only: simulated ranks run every rank's pushes before any combine) or ``"gemm"`` (the rest).
+    ``force_tma``: as ``force`` of :func:`interlace.kernels.tma.use_tma` (None: by device)."""
     if not 0 < n_comm < n_programs:
         raise ValueError(f"{layer} needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
     pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "push": (0, n_comm),
                       "gemm": (n_comm, n_programs - n_comm)}[role]
-    tma = use_tma(weights)
+    tma = use_tma(weights, force=force_tma)
     if tma:
-        _ensure_allocator()
+        ensure_allocator()
     return pid_base, grid, tma

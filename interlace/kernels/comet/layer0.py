@@ -27,7 +27,7 @@ import triton.language as tl
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
 from interlace.kernels.comet.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
-from interlace.kernels.expert_gemm.grouped_gemm import _ensure_allocator, tma_rows_ok, use_tma
+from interlace.kernels.tma import ensure_allocator, tma_rows_ok, use_tma
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
@@ -47,7 +47,7 @@ def forced_tma(by_capability: bool, force: bool | None, weights: torch.Tensor) -
         return by_capability
     tma = use_tma(weights, force=force)
     if tma:
-        _ensure_allocator()  # in-kernel descriptors need Triton's allocator
+        ensure_allocator()  # in-kernel descriptors need Triton's allocator
     return tma
 
 

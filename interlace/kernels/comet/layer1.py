@@ -26,7 +26,7 @@ from interlace.kernels.expert_gemm.tile import slice_grouped_work
 from interlace.kernels.comet.flags import (WAIT_LAYER1, claim, finish_queue, launch_roles, peer_region, publish_flag,
                                  wait_flag)
 from interlace.kernels.comet.layer0 import forced_tma
-from interlace.kernels.expert_gemm.grouped_gemm import tma_rows_ok
+from interlace.kernels.tma import tma_rows_ok
 from interlace.kernels.launch import launch
 from interlace.kernels.timeline import KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, timeline_now, timeline_record
 

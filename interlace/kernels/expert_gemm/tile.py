@@ -6,7 +6,8 @@ a peer-filled receive buffer, ...), gate and up accumulated in the same tile for
 JOINT, in one double-width dot over a 3-D weight descriptor, :func:`joint_gate_up_desc`);
 ``activation_epilogue`` turns the accumulators into the activation in fp32.
 ``kmajor_tile`` is the same main loop for weights stored (reduction, output) per expert — the
-fused backward multiplies by W_down and W_up untransposed.
+fused backward multiplies by W_down and W_up untransposed. ``window_map`` and ``store_tile``
+bound TMA loads and stores at a row without a descriptor per tile (the flat loops).
 ACTIVATION: 0 SwiGLU, 1 GELU (exact, erf), 2 ReLU, 3 none (the plain product; backward).
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+ACTIVATION_ID = {"swiglu": 0, "gelu": 1, "relu": 2}  # the kernels' ACTIVATION constexpr per activation
 
 
 @triton.jit
@@ -144,3 +147,38 @@ def slice_grouped_work(work, n_tiles, n_slices, slice_group, GROUP_M: tl.constex
     sl0 = g * per
     tile, s = grouped_work(work % group_items, n_tiles, tl.minimum(n_slices - sl0, per), GROUP_M)
     return tile, sl0 + s
+
+
+@triton.jit
+def window_map(ptr, rows, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A **window map** over a row-major (rows, cols) matrix: the 3-D view (s, i, c) ↦ row s + i,
+    column c, whose middle dimension has BLOCK_ROWS entries, loaded or stored in boxes of
+    (1, BLOCK_ROWS, BLOCK_COLS). Moving a box's middle coordinate below 0 (loads) or past
+    BLOCK_ROWS - 1 (stores) puts some of its rows outside that dimension: TMA reads those as
+    zeros and drops their stores, while the other rows are rows of the matrix. So one map made
+    before a loop bounds every step at a step-dependent row, where a 2-D map would have to be
+    made again per step (a global write and a proxy fence each). Boxes never reach before row 0
+    or past ``rows``; TMA stores take no negative coordinate (an illegal instruction on H200)."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, BLOCK_ROWS, cols], strides=[cols, cols, 1],
+                                     block_shape=[1, BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
+def store_tile(out_win, out_ptr, val, row0, row_end, nb, COLS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M × BLOCK_N) output tile at rows ``row0 ..`` (valid below ``row_end``), column
+    block ``nb``, through TMA (the store drains under the next tile's loads). A partial tile's
+    box must not reach the next expert's first rows. ``out_win`` is the output's
+    :func:`window_map` (BLOCK_M rows), made once per program: the box at s = row_end - BLOCK_M,
+    i = BLOCK_M - v (v valid rows) puts the tile's rows on rows row0 .. row_end-1 and its other
+    rows past the middle dimension's end, where TMA drops them. Only a tile ending before row
+    BLOCK_M (s would be negative) takes a map made here, ending at ``row_end``. (A map per
+    partial tile costs a global write and a proxy fence in the loop; a masked store instead
+    needs a layout-conversion buffer on top of the TMA store's, which the flat kernels'
+    pipelines leave no shared memory for.)"""
+    box = tl.reshape(val.to(out_ptr.dtype.element_ty), (1, BLOCK_M, BLOCK_N))
+    if row_end >= BLOCK_M:
+        out_win.store([row_end - BLOCK_M, BLOCK_M - (row_end - row0), nb * BLOCK_N], box)
+    else:  # (a 3-D box too, so both stores share one staging buffer)
+        part = tl.make_tensor_descriptor(out_ptr, shape=[1, row_end, COLS], strides=[COLS, COLS, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_N])
+        part.store([0, row0, nb * BLOCK_N], box)

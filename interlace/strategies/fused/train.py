@@ -44,7 +44,9 @@ import torch
 
 from interlace.kernels import alloc
 from interlace.kernels.activation import activation_reference, swiglu_backward, swiglu_backward_regions
-from interlace.kernels.expert_gemm.grouped_gemm import _launch_wgrad, choose_backward_configs, use_tma
+from interlace.kernels.expert_gemm.configs import choose_backward_configs
+from interlace.kernels.expert_gemm.wgrad import launch_wgrad
+from interlace.kernels.tma import use_tma
 from interlace.kernels.rows import combine_rows_backward
 from interlace.strategies.fused.engine import FusedCall
 
@@ -214,12 +216,12 @@ def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor
     if c_w is None:
         _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
     tma = use_tma(w_up, w_down, force=strategy.engine.kernel.tma)
-    dw_up = _launch_wgrad(d_h, st.x_rows, None, 1, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
-                          w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
+    dw_up = launch_wgrad(d_h, st.x_rows, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
+                         w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
     mark(strategy, "bwd dW_up")
     recv = strategy.buf.views["recv"].view(-1, N)
-    dw_down = _launch_wgrad(recv, st.act, None, 1, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
-                            N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
+    dw_down = launch_wgrad(recv, st.act, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
+                           N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
     mark(strategy, "bwd dW_down")
     return dw_up, dw_down
 
