@@ -28,16 +28,15 @@ from triton.language.extra.cuda import globaltimer, smid
 
 from interlace.kernels.launch import cdiv
 
-# gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (by default
-# its output crosses NVLink from this program; in layer1's push mode a push1 item moves it).
-KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote", "push1")
+# gemm1: a GEMM1 tile whose rows' home is this rank; gemm1_remote: home elsewhere (its output
+# crosses NVLink from this program).
+KINDS = ("send", "gemm0_local", "gemm0_remote", "gemm1", "combine", "gemm1_remote")
 KIND_SEND = tl.constexpr(0)
 KIND_GEMM0_LOCAL = tl.constexpr(1)
 KIND_GEMM0_REMOTE = tl.constexpr(2)
 KIND_GEMM1 = tl.constexpr(3)
 KIND_COMBINE = tl.constexpr(4)
 KIND_GEMM1_REMOTE = tl.constexpr(5)
-KIND_PUSH1 = tl.constexpr(6)
 FIELDS = ("epoch", "pid", "sm", "kind", "item", "start", "waited", "end")
 CLOCK_GPU, CLOCK_LOGICAL = 1, 2
 

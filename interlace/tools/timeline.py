@@ -28,7 +28,7 @@ import torch.distributed as dist
 from interlace.kernels.timeline import KINDS
 
 COLORS = {"send": "#d62728", "gemm0_local": "#1f77b4", "gemm0_remote": "#17becf", "gemm1": "#2ca02c",
-          "gemm1_remote": "#98df8a", "combine": "#ff7f0e", "push1": "#9467bd"}
+          "gemm1_remote": "#98df8a", "combine": "#ff7f0e"}
 WAIT_COLOR = "#bbbbbb"
 
 

@@ -37,8 +37,7 @@ def expected_counts(kept_all: torch.Tensor, me: int, El: int, tokens: int, cfg) 
     n_blocks0, n_slices = cdiv(cfg.ffn, KC.block_n), cdiv(cfg.hidden, KC.block_n1)
     return {"send": sum(tiles(me, d) for d in range(W) if d != me), "gemm0_local": local * n_blocks0,
             "gemm0_remote": (recv - local) * n_blocks0, "gemm1": n_slices * local,
-            "gemm1_remote": n_slices * (recv - local), "combine": n_slices * cdiv(tokens, KC.block_t),
-            "push1": 0}
+            "gemm1_remote": n_slices * (recv - local), "combine": n_slices * cdiv(tokens, KC.block_t)}
 
 
 def test_timeline_records_every_work_item_of_the_last_call():

@@ -19,7 +19,6 @@ from interlace.kernels.tma import ensure_allocator, use_tma
 # What a wait was for (stored in the error record); constexpr so kernels may read them.
 WAIT_LAYER0 = tl.constexpr(1)  # a GEMM0 tile waiting for its dispatched rows
 WAIT_LAYER1 = tl.constexpr(2)  # the combine waiting for an N-slice of returned expert outputs
-WAIT_PUSH1 = tl.constexpr(3)  # layer1 push mode: a push waiting for this rank's own GEMM1 item
 
 
 @triton.jit
@@ -77,30 +76,6 @@ def fence_proxy_async(x):
 
 
 @triton.jit
-def bulk_stores_done(x):
-    """``cp.async.bulk.wait_group 0`` then ``fence.proxy.async.global``: this thread's TMA stores
-    (bulk groups it committed; a no-op for threads that issued none) have completed, and are
-    ordered before its later generic-proxy accesses (the release of a flag that covers them).
-    ``.read`` waits, which Triton emits after a descriptor store, only free the shared memory the
-    store reads from; the rows may still be in flight. Returns ``x`` (no interpreter form:
-    callers gate it with a constexpr that is off under TRITON_INTERPRET)."""
-    return tl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
-                                     "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def fence_acq_rel_sys(x):
-    """``fence.acq_rel.sys`` in every thread. After a ``tl.debug_barrier()`` it makes the
-    program's earlier stores (peer stores included: it waits for them to land) ordered before
-    its later relaxed atomics — one wait for many counts, where each acq_rel atomic would wait
-    again — and after a relaxed atomic that saw other programs' counts it is the acquire side.
-    Returns ``x`` (no interpreter form: callers gate it with a constexpr that is off under
-    TRITON_INTERPRET)."""
-    return tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def publish_flag(flag_ptr, epoch):
     """Make this program's earlier stores (all threads) visible, then set the flag (release)."""
     tl.debug_barrier()
@@ -114,8 +89,6 @@ def describe_error(record: list[int]) -> str | None:
     _, rank, kind, peer, what, tile, flag, epoch = record[:8]
     if kind == WAIT_LAYER0.value:
         waited = f"rows from source rank {peer} for local expert {what}, row tile {tile}"
-    elif kind == WAIT_PUSH1.value:
-        waited = f"its own GEMM1 output (row tile {tile}, N-slice {what}, home rank {peer}) to push"
     else:
         waited = f"expert outputs from rank {peer} for N-slice {what}"
     return (f"rank {rank}: timed out waiting for {waited} (flag value {flag}, expected epoch {epoch}); "
@@ -146,12 +119,11 @@ def finish_queue(queue_ptr, n_programs):
 def launch_roles(layer: str, role: str, n_comm: int, n_programs: int, weights,
                  force_tma: bool | None = None) -> tuple[int, int, bool]:
     """(pid_base, grid, use TMA) of a fused-kernel launch. ``role``: ``"all"`` (one launch, both
-    program roles), ``"comm"`` (programs [0, n_comm)), ``"push"`` (the same programs, layer1's
-    pushes only: simulated ranks run every rank's pushes before any combine) or ``"gemm"`` (the rest).
+    program roles), ``"comm"`` (programs [0, n_comm)) or ``"gemm"`` (the rest).
     ``force_tma``: as ``force`` of :func:`interlace.kernels.tma.use_tma` (None: by device)."""
     if not 0 < n_comm < n_programs:
         raise ValueError(f"{layer} needs 0 < n_comm ({n_comm}) < programs ({n_programs})")
-    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm), "push": (0, n_comm),
+    pid_base, grid = {"all": (0, n_programs), "comm": (0, n_comm),
                       "gemm": (n_comm, n_programs - n_comm)}[role]
     tma = use_tma(weights, force=force_tma)
     if tma:

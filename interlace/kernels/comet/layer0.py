@@ -27,7 +27,7 @@ import triton.language as tl
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
 from interlace.kernels.comet.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
-from interlace.kernels.tma import ensure_allocator, tma_rows_ok, use_tma
+from interlace.kernels.tma import tma_rows_ok
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.timeline import KIND_GEMM0_LOCAL, KIND_GEMM0_REMOTE, KIND_SEND, timeline_now, timeline_record
 
@@ -37,18 +37,6 @@ ACTIVATIONS = {"swiglu": 0, "gelu": 1, "relu": 2, "none": 3}
 # least this: with a smaller hidden size the gather's extra copy of the local rows weighs more
 # against a short GEMM0 than TMA's reads save (measured: docs/performance.md).
 AUTO_GATHER0_MIN_HIDDEN = 4096
-
-
-def forced_tma(by_capability: bool, force: bool | None, weights: torch.Tensor) -> bool:
-    """Whether a fused kernel reads ``weights`` through TMA: ``by_capability`` (what
-    :func:`~interlace.kernels.comet.flags.launch_roles` found) unless the kernel config's
-    ``tma`` forces it (True: wherever the tensors allow, the interpreter included; False: never)."""
-    if force is None:
-        return by_capability
-    tma = use_tma(weights, force=force)
-    if tma:
-        ensure_allocator()  # in-kernel descriptors need Triton's allocator
-    return tma
 
 
 def layer0_switch(value: int, hidden: int) -> bool:
@@ -243,8 +231,7 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
     spec = buf.spec
     N = spec.hidden
     K = w_up.shape[2] if w_kmajor else w_up.shape[1] // (2 if activation == "swiglu" else 1)
-    pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up)
-    tma = forced_tma(tma, config.tma, w_up)
+    pid_base, grid, tma = launch_roles("layer0", role, n_comm, n_programs, w_up, force_tma=config.tma)
     # (the backward's k-major GEMM keeps the pointer path)
     a_tma = bool(config.a_tma0) and tma and not w_kmajor and tma_rows_ok(buf.views["recv"])
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)

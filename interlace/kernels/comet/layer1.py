@@ -25,7 +25,6 @@ import triton.language as tl
 from interlace.kernels.expert_gemm.tile import slice_grouped_work
 from interlace.kernels.comet.flags import (WAIT_LAYER1, claim, finish_queue, launch_roles, peer_region, publish_flag,
                                  wait_flag)
-from interlace.kernels.comet.layer0 import forced_tma
 from interlace.kernels.tma import tma_rows_ok
 from interlace.kernels.launch import launch
 from interlace.kernels.timeline import KIND_COMBINE, KIND_GEMM1, KIND_GEMM1_REMOTE, timeline_now, timeline_record
@@ -201,8 +200,7 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     backward's d_h @ W_up, K = up width). ``config.tma`` forces TMA on or off (None: by capability)."""
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
-    pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down)
-    tma = forced_tma(tma, config.tma, w_down)
+    pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down, force_tma=config.tma)
     a_tma = bool(config.a_tma1) and tma and tma_rows_ok(h) and h.shape[1] == K
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
