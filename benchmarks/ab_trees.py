@@ -8,7 +8,8 @@ given, rotated every round, each from its own folder (``python -m`` puts the wor
 ``sys.path``, so a tree is imported from where it runs). Arguments after ``--`` go to every bench call.
 Per row (config, tokens, routing, mode, strategy) the result is the median of the rounds' medians for
 each tree and the ratio ``tree_i / tree_0``; rows any tree failed on are listed as failed. Writes
-``OUT/ab.json`` (every round's rows) and prints the table last. A tree without ``interlace/tools/bench.py``
+``OUT/ab.json`` (every round's rows) and prints the table last. Rounds split over several machine calls
+are pooled afterwards with ``python3 benchmarks/ab_trees.py --merge A/ab.json B/ab.json``. A tree without ``interlace/tools/bench.py``
 is run as ``-m interlace.bench`` (the layout before the move to ``interlace/tools``).
 """
 
@@ -47,33 +48,13 @@ def row_key(r: dict) -> tuple:
     return (r["config"], r["tokens"], r["routing"], r["mode"], r["strategy"])
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH of a checkout (two or more)")
-    p.add_argument("--rounds", type=int, default=2, help="bench calls per tree")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per bench call")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--timeout", type=float, default=900, help="seconds per bench call")
-    args = p.parse_args(own)
-    trees = [t.split("=", 1) for t in args.tree]
-    if len(trees) < 2 or any(len(t) != 2 for t in trees):
-        p.error("give at least two --tree LABEL=PATH")
-    os.makedirs(args.out, exist_ok=True)
+def print_table(labels: list[str], rounds: list[dict]) -> float:
+    """The per-row table of medians and ratios; returns the largest |ratio − 1|."""
     times: dict[tuple, dict[str, list[float]]] = {}
-    rounds = []
-    for i in range(args.rounds):
-        order = trees[i % len(trees):] + trees[:i % len(trees)]
-        for label, path in order:
-            rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout)
-            rounds.append({"round": i, "tree": label, "rows": rows})
-            for r in rows:
-                if r.get("status") == "ok" and r.get("median_ms") is not None:
-                    times.setdefault(row_key(r), {}).setdefault(label, []).append(r["median_ms"])
-    with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
-    labels = [t[0] for t in trees]
+    for rnd in rounds:
+        for r in rnd["rows"]:
+            if r.get("status") == "ok" and r.get("median_ms") is not None:
+                times.setdefault(row_key(r), {}).setdefault(rnd["tree"], []).append(r["median_ms"])
     print("\n| config | tokens | routing | mode | strategy | " + " | ".join(f"{l} ms" for l in labels)
           + " | " + " | ".join(f"{l}/{labels[0]}" for l in labels[1:]) + " |")
     print("|" + "---|" * (5 + 2 * len(labels) - 1))
@@ -88,6 +69,36 @@ def main(argv=None) -> int:
         print("| " + " | ".join(str(k) for k in key) + " | "
               + " | ".join(f"{m:.3f}" if m else "failed" for m in meds) + " | " + " | ".join(ratios) + " |")
     print(f"\nlargest |ratio − 1|: {worst:.3f}")
+    return worst
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--merge"]:
+        files = [json.load(open(f)) for f in argv[1:]]
+        print_table(list(files[0]["trees"]), [rnd for f in files for rnd in f["rounds"]])
+        return 0
+    own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", action="append", required=True, help="LABEL=PATH of a checkout (two or more)")
+    p.add_argument("--rounds", type=int, default=2, help="bench calls per tree")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per bench call")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--timeout", type=float, default=900, help="seconds per bench call")
+    args = p.parse_args(own)
+    trees = [t.split("=", 1) for t in args.tree]
+    if len(trees) < 2 or any(len(t) != 2 for t in trees):
+        p.error("give at least two --tree LABEL=PATH")
+    os.makedirs(args.out, exist_ok=True)
+    rounds = []
+    for i in range(args.rounds):
+        order = trees[i % len(trees):] + trees[:i % len(trees)]
+        for label, path in order:
+            rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout)
+            rounds.append({"round": i, "tree": label, "rows": rows})
+    with open(os.path.join(args.out, "ab.json"), "w") as f:
+        json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
+    print_table([t[0] for t in trees], rounds)
     return 0
 
 
