@@ -205,11 +205,13 @@ def load_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, config: MoEC
     return num_experts * (f * probs.mean(dim=0)).sum()
 
 
-def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: MoEConfig) -> None:
+def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: MoEConfig,
+                         values: bool = True) -> None:
     """``ValueError``/``TypeError`` for a forced choice of experts the layer cannot route.
 
     ``expert_indices`` (T, k) int32/int64: each row k distinct experts in ``[0, E)``. Only
     called when the caller forces the routing (tests, benchmarks), so it may read the indices.
+    ``values=False`` checks type and shape only (the caller knows these values passed before).
     """
     if not isinstance(expert_indices, torch.Tensor):
         raise TypeError(f"expert_indices must be a tensor, got {type(expert_indices).__name__}")
@@ -220,7 +222,7 @@ def check_expert_indices(expert_indices: torch.Tensor, num_tokens: int, config: 
             f"expert_indices must have shape (tokens, top_k)=({num_tokens}, {config.top_k}), "
             f"got {tuple(expert_indices.shape)}"
         )
-    if not expert_indices.numel():
+    if not values or not expert_indices.numel():
         return
     out_of_range = ((expert_indices < 0) | (expert_indices >= config.num_experts)).any(dim=1)
     ordered = expert_indices.sort(dim=1).values

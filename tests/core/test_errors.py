@@ -165,3 +165,20 @@ def test_bad_fused_kernel_config_names_the_field(kernel, match):
         FusedOptions(kernel=kernel).kernel_for(GPU_CONFIG)
     accepted = FusedOptions(kernel={"copy_cols": 256, "block_t": 64}).kernel_for(GPU_CONFIG)
     assert (accepted.copy_cols, accepted.block_t) == (256, 64)  # within the limits: accepted
+
+
+def test_forced_indices_values_are_checked_once_per_tensor_version():
+    """A caller that passes the same ``expert_indices`` tensor call after call (the bench) pays the
+    value check's host read once; a fresh tensor, or the same one modified in place, is checked again."""
+    cfg = MoEConfig(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
+    layer = MoELayer(cfg, strategy="naive", device="cpu")
+    x = torch.randn(3, 16)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    layer(x, expert_indices=idx)
+    idx[1, 1] = 2  # in place: a repeated expert in row 1
+    with pytest.raises(ValueError, match="row 1 .* names an expert twice"):
+        layer(x, expert_indices=idx)
+    with pytest.raises(ValueError, match="out of range"):
+        layer(x, expert_indices=torch.tensor([[0, 1], [2, 3], [1, 4]]))
+    with pytest.raises(ValueError, match="shape"):  # the shape is checked on every call
+        layer(x[:2], expert_indices=torch.tensor([[0, 1], [2, 3], [1, 2]]))
