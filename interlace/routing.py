@@ -175,9 +175,29 @@ def route(
         logits (T, E).
     """
     logits = router_logits(x, weight, config, input_dtype)
+    topk_idx, topk_weight = route_logits(logits, expert_bias, config, expert_indices, fused)
+    return topk_idx, topk_weight, logits
+
+
+def route_logits(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    config: MoEConfig,
+    expert_indices: torch.Tensor | None = None,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k choice and weights from router logits (the second half of :func:`route`, for
+    callers that compute the logits their own way, e.g. :mod:`interlace.hf`).
+
+    Args:
+        logits: (T, E) router logits; the routing math runs in ``logits.dtype``.
+        expert_bias, expert_indices, fused: as in :func:`route`.
+
+    Returns:
+        topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in logits.dtype.
+    """
     if fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits):
-        topk_idx, topk_weight = _FusedRouteTopK.apply(logits, expert_bias, config)
-        return topk_idx, topk_weight, logits
+        return _FusedRouteTopK.apply(logits, expert_bias, config)
     scores = router_scores(logits, config)
     if expert_indices is None:
         choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
@@ -186,7 +206,7 @@ def route(
         topk_idx = torch.topk(choice, config.top_k, dim=-1, sorted=True).indices
     else:
         topk_idx = expert_indices.long()
-    return topk_idx, topk_weights(scores, topk_idx, config), logits
+    return topk_idx, topk_weights(scores, topk_idx, config)
 
 
 def load_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:
