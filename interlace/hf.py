@@ -78,8 +78,40 @@ def _softmax_topk(block: nn.Module) -> dict:
     return dict(_experts_shape(block), top_k=block.gate.top_k, router="softmax", renormalize=bool(renormalize))
 
 
+def _deepseek_v3(block: nn.Module) -> dict:
+    """DeepSeek-V3: sigmoid scores; the selection bias ``e_score_correction_bias`` added for the
+    choice only; group-limited (a group scores the sum of its two best biased scores); the
+    unbiased scores of the chosen k renormalized (norm_topk_prob) and scaled."""
+    gate = block.gate
+    return dict(_experts_shape(block), top_k=gate.top_k, router="sigmoid", renormalize=bool(gate.norm_topk_prob),
+                route_scale=float(gate.routed_scaling_factor), n_group=int(gate.num_group or 1),
+                topk_group=int(gate.topk_group or gate.num_group or 1), group_score="top2_sum")
+
+
+def _deepseek_v2(block: nn.Module) -> dict:
+    """DeepSeek-V2: softmax, top-k (``greedy``) or group-limited top-k with a group's best score
+    (``group_limited_greedy``), scaled by routed_scaling_factor, never renormalized."""
+    gate = block.gate
+    grouped = gate.topk_method == "group_limited_greedy"
+    if gate.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {gate.topk_method!r} is not supported")
+    return dict(_experts_shape(block), top_k=gate.top_k, router="softmax", renormalize=False,
+                route_scale=float(gate.routed_scaling_factor), n_group=int(gate.num_group) if grouped else 1,
+                topk_group=int(gate.topk_group) if grouped else None, group_score="max")
+
+
 def _plain_logits(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, router.weight)
+
+
+def _fp32_logits(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek: the router GEMM in fp32 whatever the model's dtype."""
+    return F.linear(x.float(), router.weight.float())
+
+
+def _deepseek_shared(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """DeepSeek: the n_shared_experts always-on experts, one SwiGLU MLP, on every token."""
+    return block.shared_experts(hidden_states)
 
 
 def _qwen2_shared(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -92,6 +124,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen3MoeSparseMoeBlock": Family(_softmax_topk, _plain_logits),
     "OlmoeSparseMoeBlock": Family(_softmax_topk, _plain_logits),
     "Qwen2MoeSparseMoeBlock": Family(_softmax_topk, _plain_logits, shared=_qwen2_shared),
+    "DeepseekV3MoE": Family(_deepseek_v3, _fp32_logits, shared=_deepseek_shared),
+    "DeepseekV2Moe": Family(_deepseek_v2, _fp32_logits, shared=_deepseek_shared),
 }
 
 
@@ -222,7 +256,7 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
     :class:`InterlaceMoeBlock` that takes over its weights.
 
     Args:
-        model: a transformers 5.x model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), on its device,
+        model: a transformers 5.x model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3), on its device,
             with its weights (load the checkpoint before, or load it afterwards with
             ``load_state_dict``, which accepts full HF tensors at any world size).
         group: the expert-parallel process group (default: the world group when

@@ -30,15 +30,36 @@ FAMILIES = {
                        head_dim=8)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
               dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
+                       num_experts_per_tok=2)),
+    # Layer 0 dense (first_k_dense_replace), layer 1 MoE: 8 experts in 4 groups, 2 groups kept, top-3.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                         num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                         qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=2,
+                         num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
+                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
 }
+# Blocks per model: DeepSeek-V3's first layer is dense.
+MOE_LAYERS = {"deepseek_v3": 1}
 
 
 def build(family: str, seed: int = 0):
     """The tiny HF model of ``family`` in fp32, weights a function of ``seed``."""
     model_cls, config_cls, fields = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**_COMMON, **fields)
+    config = getattr(transformers, config_cls)(**{**_COMMON, **fields})
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).float()
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():
+        for module in model.modules():  # DeepSeek-V3: a selection bias that changes choices
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, module.num_experts))
+    return model
 
 
 def token_batches(world: int):
@@ -57,7 +78,8 @@ def check_family(family: str, strategy: str, rank: int, world: int):
     ref = build(family)
     model = copy.deepcopy(ref)
     names = replace_moe_blocks(model, strategy=strategy)
-    assert len(names) == 2 and len(moe_blocks(model)) == 2
+    expected = MOE_LAYERS.get(family, 2)
+    assert len(names) == expected and len(moe_blocks(model)) == expected
     batches = token_batches(world)
     ids = batches[rank]
     where = f"{family} {strategy} rank {rank}/{world}"
@@ -129,7 +151,8 @@ def test_state_dict_equals_hf_at_world_one():
 
 
 # One gloo launch for every family (a launch costs more than a family's check); the strategies vary.
-GLOO_CASES = [("mixtral", "sequential"), ("qwen3_moe", "pipelined:2"), ("olmoe", "auto")]
+GLOO_CASES = [("mixtral", "sequential"), ("qwen3_moe", "pipelined:2"), ("olmoe", "auto"),
+              ("qwen2_moe", "sequential"), ("deepseek_v3", "sequential"), ("deepseek_v2", "pipelined:2")]
 
 
 def _gloo_families(rank, world, cases):
