@@ -17,10 +17,12 @@ import torch
 Activation = Literal["swiglu", "gelu", "relu"]
 RouterKind = Literal["softmax", "sigmoid"]
 RouterGemm = Literal["split", "input", "upcast"]
+GroupScore = Literal["top2_sum", "max"]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu", "relu")
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
 ROUTER_GEMMS: tuple[str, ...] = ("split", "input", "upcast")
+GROUP_SCORES: tuple[str, ...] = ("top2_sum", "max")
 # Activation / weight dtypes the fast paths support. fp64 is for references and CPU tests.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
@@ -65,6 +67,23 @@ class MoEConfig:
             conversion of the activations, several times ``"split"``'s cost on GPUs
             (``docs/performance.md``). Other cases (fp16 activations with ``"split"``,
             fp32/fp64 activations) take ``"upcast"``'s path.
+        softmax_after_topk: softmax router only: choose the k experts of the largest logits and
+            take the softmax over those k logits as the weights (top-k, then softmax), instead
+            of the softmax over all E experts' logits gathered at the k chosen (softmax, then
+            top-k; with ``renormalize`` the two are equal in exact arithmetic).
+        n_group: group-limited routing (DeepSeek-V2/V3): the E experts form ``n_group`` groups of
+            E / n_group consecutive experts; each token first keeps its ``topk_group`` best
+            groups, then chooses its k experts among theirs. 1: no groups.
+        topk_group: groups kept per token (default: all ``n_group``, no limit).
+        group_score: a group's score for that choice, from the choice scores (with the
+            selection bias): ``"top2_sum"``, the sum of its two best (DeepSeek-V3), or
+            ``"max"``, its best (DeepSeek-V2's ``group_limited_greedy``).
+        shared_ffn: intermediate size of the shared expert, a dense FFN with the routed
+            experts' activation applied to every token beside them (DeepSeek's
+            ``n_shared_experts`` always-on experts are one FFN of n_shared·K; Qwen2-MoE's
+            ``shared_expert_intermediate_size``); 0: none. Its weights are replicated.
+        shared_gate: scale the shared expert's output per token by ``sigmoid(x · w_gate)``
+            (Qwen2-MoE's ``shared_expert_gate``, w_gate (1, N)).
         source: where the shape comes from (for presets).
     """
 
@@ -81,6 +100,12 @@ class MoEConfig:
     dtype: torch.dtype = torch.bfloat16
     router_dtype: torch.dtype = torch.float32
     router_gemm: RouterGemm = "split"
+    softmax_after_topk: bool = False
+    n_group: int = 1
+    topk_group: int | None = None
+    group_score: GroupScore = "top2_sum"
+    shared_ffn: int = 0
+    shared_gate: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -118,8 +143,38 @@ class MoEConfig:
             raise ValueError(f"route_scale must be a positive finite number, got {self.route_scale}")
         if self.aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
+        if self.softmax_after_topk and self.router != "softmax":
+            raise ValueError("softmax_after_topk is for the softmax router")
+        for name in ("n_group", "shared_ffn"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (name == "n_group" and value < 1):
+                raise ValueError(f"MoEConfig.{name} must be an int >= {1 if name == 'n_group' else 0}, got {value!r}")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by n_group={self.n_group}")
+        groups = self.groups_kept
+        if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= self.n_group:
+            raise ValueError(f"topk_group must be in 1..n_group={self.n_group}, got {self.topk_group!r}")
+        if groups * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(f"topk_group={groups} groups of {self.num_experts // self.n_group} experts hold fewer "
+                             f"than top_k={self.top_k} experts")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"unsupported group_score {self.group_score!r}; choose one of {GROUP_SCORES}")
+        if self.group_limited and self.group_score == "top2_sum" and self.num_experts // self.n_group < 2:
+            raise ValueError("group_score='top2_sum' needs at least 2 experts per group")
+        if self.shared_gate and not self.shared_ffn:
+            raise ValueError("shared_gate needs a shared expert (shared_ffn > 0)")
 
     # ----------------------------------------------------------------- derived
+    @property
+    def groups_kept(self) -> int:
+        """Groups each token keeps (``topk_group``, default ``n_group``)."""
+        return self.n_group if self.topk_group is None else self.topk_group
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group-limited routing removes any expert from a token's choice."""
+        return self.groups_kept < self.n_group
+
     @property
     def gated(self) -> bool:
         """SwiGLU has two input projections (gate and up); GELU/ReLU one."""
@@ -137,7 +192,8 @@ class MoEConfig:
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
 
     def flops_per_token(self) -> int:
-        """Expert FLOPs per token (forward): 2·k·N·K per projection, 3 projections for SwiGLU."""
+        """Routed-expert FLOPs per token (forward): 2·k·N·K per projection, 3 projections for
+        SwiGLU (the shared expert's are not counted)."""
         projections = 3 if self.gated else 2
         return 2 * self.top_k * self.hidden * self.ffn * projections
 

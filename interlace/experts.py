@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from interlace.config import MoEConfig
+from interlace.kernels.activation import activation_reference
 
 
 def init_expert_weights(
@@ -69,3 +70,46 @@ class GroupedExperts(nn.Module):
         w_up, w_down = shard_ffn(w_up, w_down, config, *self.ffn_slice)
         self.w_up = nn.Parameter(w_up)
         self.w_down = nn.Parameter(w_down)
+
+
+def shared_expert_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor | None,
+                          activation: str) -> torch.Tensor:
+    """The shared expert, plainly: x (T, N), w_up (up_width_s, N), w_down (N, K_s), gate (1, N)
+    or None → (T, N) = [sigmoid(x · gateᵀ) ·] act(x w_upᵀ) w_downᵀ. The layer and the
+    reference both run it (dense GEMMs; nothing to fuse)."""
+    y = activation_reference(x @ w_up.t(), activation) @ w_down.t()
+    if gate is not None:
+        y = torch.sigmoid(x @ gate.t()) * y
+    return y
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert (``MoEConfig.shared_ffn`` > 0), replicated on every rank and run on
+    every rank's own tokens beside the routed experts: DeepSeek's shared experts (one FFN of
+    n_shared·K), Qwen2-MoE's shared expert with its sigmoid gate (``MoEConfig.shared_gate``).
+
+    Parameters: ``w_up`` (up_width_s, N), gate rows first for SwiGLU, with up_width_s 2·K_s for
+    SwiGLU else K_s (K_s = ``config.shared_ffn``); ``w_down`` (N, K_s); ``gate`` (1, N) with
+    ``shared_gate``. Weights are a function of ``seed`` only (drawn from their own generator),
+    so ranks agree without a broadcast. Gradients are data-parallel: all-reduce them.
+    """
+
+    def __init__(self, config: MoEConfig, seed: int, device: torch.device):
+        super().__init__()
+        self.activation = config.activation
+        N, K = config.hidden, config.shared_ffn
+        up_width = 2 * K if config.gated else K
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + 104_729)
+        w_up = torch.randn(up_width, N, generator=gen, device=device) / N**0.5
+        w_down = torch.randn(N, K, generator=gen, device=device) / K**0.5
+        self.w_up = nn.Parameter(w_up.to(config.dtype))
+        self.w_down = nn.Parameter(w_down.to(config.dtype))
+        if config.shared_gate:
+            gate = torch.randn(1, N, generator=gen, device=device) / N**0.5
+            self.gate = nn.Parameter(gate.to(config.dtype))
+        else:
+            self.gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, N) → (T, N)."""
+        return shared_expert_forward(x, self.w_up, self.w_down, self.gate, self.activation)

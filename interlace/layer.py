@@ -9,7 +9,7 @@ from torch import nn
 
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.config import MoEConfig
-from interlace.experts import GroupedExperts
+from interlace.experts import GroupedExperts, SharedExpert
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import make_strategy  # (importing the package registers every strategy)
@@ -78,7 +78,9 @@ class MoELayer(nn.Module):
     Shapes: T tokens on this rank, N = ``config.hidden``, K = ``config.ffn``, E =
     ``config.num_experts``, k = ``config.top_k``, W the expert-parallel world size.
     Parameters: ``router.weight`` (E, N); ``experts.w_up`` (E/W, up_width, N) with up_width
-    2K for SwiGLU (gate rows first) else K; ``experts.w_down`` (E/W, N, K).
+    2K for SwiGLU (gate rows first) else K; ``experts.w_down`` (E/W, N, K); with
+    ``config.shared_ffn`` > 0, ``shared.w_up``, ``shared.w_down`` (and ``shared.gate``), the
+    replicated shared expert (:class:`interlace.experts.SharedExpert`).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class MoELayer(nn.Module):
         self.strategy = self._make_strategy(strategy, strategy_options or {}, device)
         self.router = Router(config, seed, device)
         self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device, ffn_slice)
+        self.shared = SharedExpert(config, seed, device) if config.shared_ffn else None
         self.last_aux_loss: torch.Tensor | None = None
         # (weak reference, version) of the last forced expert_indices whose values were checked
         self._checked_indices: tuple[weakref.ref, int] | None = None
@@ -152,7 +155,8 @@ class MoELayer(nn.Module):
                 The weights still come from the router, so it still gets gradients.
 
         Returns:
-            (..., N) in ``config.dtype``: Σ_j weight[t, j] · expert_{idx[t, j]}(x[t]).
+            (..., N) in ``config.dtype``: Σ_j weight[t, j] · expert_{idx[t, j]}(x[t]), plus the
+            shared expert's output ``shared(x[t])`` when the config has one.
 
         With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
         is folded into the backward pass and its value kept in ``last_aux_loss``.
@@ -169,6 +173,10 @@ class MoELayer(nn.Module):
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
         topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
         out = self.strategy(x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
+        if self.shared is not None:
+            # Beside the routed experts, on this rank's tokens, after the strategy: overlapping
+            # it with the dispatch on a side stream (Megatron's shared-expert overlap) is not done yet.
+            out = out + self.shared(x)
         if self.config.aux_loss_coef > 0 and self.training:
             aux = load_balance_loss(logits, topk_idx, self.config) * self.config.aux_loss_coef
             self.last_aux_loss = aux.detach()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from interlace.config import MoEConfig
+from interlace.experts import shared_expert_forward
 from interlace.kernels.activation import activation_reference
 from interlace.routing import load_balance_loss, route
 
@@ -40,12 +41,15 @@ def reference_moe(
     expert_bias: torch.Tensor | None = None,
     expert_indices: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The MoE layer, plainly.
 
     Args:
         x: (T, N) tokens of one rank (capacity is per rank, so call it per rank's tokens).
         router_weight: (E, N); w_up: (E, up_width, N); w_down: (E, N, K), all experts.
+        shared: the shared expert's ``(w_up (up_width_s, N), w_down (N, K_s), gate (1, N) or
+            None)`` when ``config.shared_ffn`` > 0, added to every token's output.
     Returns:
         out (T, N) in compute_dtype, aux_loss (scalar, unscaled).
     """
@@ -64,4 +68,9 @@ def reference_moe(
         h = x[tokens] @ w_up[e].t()
         y = activation_reference(h, config.activation) @ w_down[e].t()
         out = out.index_add(0, tokens, topk_weight[tokens, slots].unsqueeze(-1) * y)
+    if config.shared_ffn:
+        if shared is None:
+            raise ValueError("config.shared_ffn > 0: pass the shared expert's weights (shared=)")
+        s_up, s_down, s_gate = (None if t is None else t.to(c) for t in shared)
+        out = out + shared_expert_forward(x, s_up, s_down, s_gate, config.activation)
     return out, load_balance_loss(logits, topk_idx, config)

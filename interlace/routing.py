@@ -175,18 +175,73 @@ def route(
         logits (T, E).
     """
     logits = router_logits(x, weight, config, input_dtype)
-    if fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits):
-        topk_idx, topk_weight = _FusedRouteTopK.apply(logits, expert_bias, config)
-        return topk_idx, topk_weight, logits
+    topk_idx, topk_weight = route_logits(logits, expert_bias, config, expert_indices, fused)
+    return topk_idx, topk_weight, logits
+
+
+def route_logits(
+    logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    config: MoEConfig,
+    expert_indices: torch.Tensor | None = None,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k choice and weights from router logits (the second half of :func:`route`, for
+    callers that compute the logits their own way, e.g. :mod:`interlace.hf`).
+
+    Args:
+        logits: (T, E) router logits; the routing math runs in ``logits.dtype``.
+        expert_bias, expert_indices, fused: as in :func:`route`.
+
+    Returns:
+        topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in logits.dtype.
+    """
+    if (fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits)
+            and fused_topk_supports(config)):
+        return _FusedRouteTopK.apply(logits, expert_bias, config)
+    if config.softmax_after_topk:
+        if expert_indices is None:
+            choice = torch.nan_to_num(logits.detach(), nan=float("-inf"))
+            topk_idx = torch.topk(limit_to_groups(choice, config), config.top_k, dim=-1, sorted=True).indices
+        else:
+            topk_idx = expert_indices.long()
+        weight = torch.softmax(logits.gather(1, topk_idx), dim=-1)
+        return topk_idx, weight * config.route_scale if config.route_scale != 1.0 else weight
     scores = router_scores(logits, config)
     if expert_indices is None:
         choice = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
         # NaN scores never win (as in the fused kernel): the choice stays k valid experts.
         choice = torch.nan_to_num(choice.detach(), nan=float("-inf"))
-        topk_idx = torch.topk(choice, config.top_k, dim=-1, sorted=True).indices
+        topk_idx = torch.topk(limit_to_groups(choice, config), config.top_k, dim=-1, sorted=True).indices
     else:
         topk_idx = expert_indices.long()
-    return topk_idx, topk_weights(scores, topk_idx, config), logits
+    return topk_idx, topk_weights(scores, topk_idx, config)
+
+
+def fused_topk_supports(config: MoEConfig) -> bool:
+    """Whether the one-kernel Triton top-k (:mod:`interlace.kernels.router_topk`) computes this
+    routing: softmax-then-top-k or sigmoid with a bias, no expert groups."""
+    return not config.softmax_after_topk and not config.group_limited
+
+
+def limit_to_groups(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V2/V3): (T, E) choice scores with every expert outside
+    each token's ``topk_group`` best groups set to −inf (unchanged without a group limit).
+
+    A group's score is the sum of its two best choice scores (``group_score="top2_sum"``,
+    DeepSeek-V3, where the choice includes the selection bias) or its best (``"max"``, V2).
+    """
+    if not config.group_limited:
+        return choice
+    T, E, G = choice.shape[0], config.num_experts, config.n_group
+    grouped = choice.view(T, G, E // G)
+    if config.group_score == "top2_sum":
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    else:
+        group_score = grouped.max(dim=-1).values
+    best = torch.topk(group_score, config.groups_kept, dim=-1).indices
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def load_balance_loss(logits: torch.Tensor, topk_idx: torch.Tensor, config: MoEConfig) -> torch.Tensor:

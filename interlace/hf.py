@@ -1,0 +1,330 @@
+"""Hugging Face transformers (5.x) MoE models on interlace: :func:`replace_moe_blocks`.
+
+Each sparse-MoE block of a transformers model (``MixtralSparseMoeBlock``,
+``Qwen3MoeSparseMoeBlock``, ``OlmoeSparseMoeBlock``, ...) becomes an :class:`InterlaceMoeBlock`
+that holds the HF block's own weights, routes as the HF block does (interlace's router, the
+family's score function and top-k order) and runs the routed experts through an interlace
+strategy, with the experts sharded over the expert-parallel group: rank r holds experts
+``[r*E/W, (r+1)*E/W)``.
+
+The replacement keeps HF's module names, so checkpoints move both ways:
+
+* its parameters and buffers have HF's state-dict keys (``gate.weight``,
+  ``experts.gate_up_proj`` (E, 2K, N), ``experts.down_proj`` (E, N, K), the shared expert's
+  own keys), and at world size 1 HF's shapes: ``model.state_dict()`` loads into the plain
+  transformers model;
+* at world size W > 1 the expert tensors are this rank's shard (E/W, ...):
+  :func:`gather_hf_state_dict` all-gathers the full HF state dict, and ``load_state_dict``
+  takes a full HF state dict (each rank keeps its slice of the experts);
+* the router stays an instance of the HF router class (its class is swapped for a subclass
+  that routes with interlace), so HF's ``output_router_logits`` hooks record its logits and
+  the auxiliary load-balancing loss works unchanged.
+
+Shapes: B batch, S sequence, T = B·S tokens on this rank, N hidden size, K expert FFN size,
+E routed experts, k experts per token, W expert-parallel world size.
+
+Training with W > 1: the expert shards are not replicated; do not all-reduce their gradients
+(each rank's expert gradient already sums every rank's tokens, through the all-to-all's
+backward). All-reduce the others (:func:`replicated_parameters`) as data-parallel gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from interlace.config import MoEConfig
+from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
+from interlace.parallel.mesh import MoEMesh
+from interlace.routing import route_logits
+from interlace.strategies import make_strategy
+
+
+# ----------------------------------------------------------------------------- families
+@dataclass(frozen=True)
+class Family:
+    """How one transformers MoE block routes and what it adds beside the routed experts.
+
+    ``config``: the :class:`MoEConfig` fields of a block (hidden, ffn, experts, top_k, the
+    routing flags) read from the block's modules. ``logits``: the block's router GEMM
+    ``(router, x (T, N)) → (T, E)`` exactly as HF computes it. ``shared``: the output of the
+    always-on experts ``(block, hidden_states (B, S, N)) → (B, S, N)``, or None.
+    """
+
+    config: Callable[[nn.Module], dict]
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    shared: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    jitter: bool = False  # Mixtral's multiplicative input noise in training (router_jitter_noise)
+
+
+def _experts_shape(block: nn.Module) -> dict:
+    experts = block.experts
+    act = type(experts.act_fn).__name__
+    if act not in ("SiLUActivation", "SiLU"):
+        raise ValueError(f"{type(block).__name__}: interlace runs SwiGLU experts (hidden_act 'silu'), got {act}")
+    E, two_k, N = experts.gate_up_proj.shape
+    return dict(hidden=N, ffn=two_k // 2, num_experts=E, activation="swiglu")
+
+
+def _softmax_topk(block: nn.Module) -> dict:
+    """Mixtral, Qwen2/3-MoE, OLMoE: softmax over all experts, then top-k, then (norm_topk_prob)
+    the k weights renormalized; Mixtral always renormalizes."""
+    renormalize = getattr(block.gate, "norm_topk_prob", True)
+    return dict(_experts_shape(block), top_k=block.gate.top_k, router="softmax", renormalize=bool(renormalize))
+
+
+def _deepseek_v3(block: nn.Module) -> dict:
+    """DeepSeek-V3: sigmoid scores; the selection bias ``e_score_correction_bias`` added for the
+    choice only; group-limited (a group scores the sum of its two best biased scores); the
+    unbiased scores of the chosen k renormalized (norm_topk_prob) and scaled."""
+    gate = block.gate
+    return dict(_experts_shape(block), top_k=gate.top_k, router="sigmoid", renormalize=bool(gate.norm_topk_prob),
+                route_scale=float(gate.routed_scaling_factor), n_group=int(gate.num_group or 1),
+                topk_group=int(gate.topk_group or gate.num_group or 1), group_score="top2_sum")
+
+
+def _deepseek_v2(block: nn.Module) -> dict:
+    """DeepSeek-V2: softmax, top-k (``greedy``) or group-limited top-k with a group's best score
+    (``group_limited_greedy``), scaled by routed_scaling_factor, never renormalized."""
+    gate = block.gate
+    grouped = gate.topk_method == "group_limited_greedy"
+    if gate.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {gate.topk_method!r} is not supported")
+    return dict(_experts_shape(block), top_k=gate.top_k, router="softmax", renormalize=False,
+                route_scale=float(gate.routed_scaling_factor), n_group=int(gate.num_group) if grouped else 1,
+                topk_group=int(gate.topk_group) if grouped else None, group_score="max")
+
+
+def _plain_logits(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, router.weight)
+
+
+def _fp32_logits(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek: the router GEMM in fp32 whatever the model's dtype."""
+    return F.linear(x.float(), router.weight.float())
+
+
+def _deepseek_shared(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """DeepSeek: the n_shared_experts always-on experts, one SwiGLU MLP, on every token."""
+    return block.shared_experts(hidden_states)
+
+
+def _qwen2_shared(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE: one shared SwiGLU expert on every token, scaled by ``sigmoid(x · w_gate)``."""
+    return torch.sigmoid(block.shared_expert_gate(hidden_states)) * block.shared_expert(hidden_states)
+
+
+FAMILIES: dict[str, Family] = {
+    "MixtralSparseMoeBlock": Family(_softmax_topk, _plain_logits, jitter=True),
+    "Qwen3MoeSparseMoeBlock": Family(_softmax_topk, _plain_logits),
+    "OlmoeSparseMoeBlock": Family(_softmax_topk, _plain_logits),
+    "Qwen2MoeSparseMoeBlock": Family(_softmax_topk, _plain_logits, shared=_qwen2_shared),
+    "DeepseekV3MoE": Family(_deepseek_v3, _fp32_logits, shared=_deepseek_shared),
+    "DeepseekV2Moe": Family(_deepseek_v2, _fp32_logits, shared=_deepseek_shared),
+}
+
+
+# ----------------------------------------------------------------------------- modules
+class InterlaceRouterMixin:
+    """Routes with interlace; mixed into the HF router class (see :func:`_router_class`), so the
+    module keeps its class identity for HF's output hooks and its parameters and buffers.
+
+    ``forward(hidden_states (..., N))`` → ``(logits (T, E) as HF computes them, weights (T, k)
+    fp32, indices (T, k) int64)``, HF's router return order.
+    """
+
+    def forward(self, hidden_states: torch.Tensor):
+        config: MoEConfig = self.interlace_config
+        x = hidden_states.reshape(-1, config.hidden)
+        logits = self.interlace_family.logits(self, x)
+        bias = getattr(self, "e_score_correction_bias", None)
+        idx, weight = route_logits(logits.float(), bias, config, fused=self.interlace_fused)
+        return logits, weight, idx
+
+
+_ROUTER_CLASSES: dict[type, type] = {}
+
+
+def _router_class(hf_class: type) -> type:
+    """``Interlace<HFRouter>``: the mixin over the HF router class, one per HF class, in this
+    module's namespace so pickling a model finds it."""
+    if hf_class not in _ROUTER_CLASSES:
+        name = "Interlace" + hf_class.__name__
+        cls = type(name, (InterlaceRouterMixin, hf_class), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        _ROUTER_CLASSES[hf_class] = cls
+    return _ROUTER_CLASSES[hf_class]
+
+
+class ShardedExperts(nn.Module):
+    """This rank's routed experts in HF's fused layout.
+
+    Parameters: ``gate_up_proj`` (E/W, 2K, N), gate rows [0, K) then up rows [K, 2K) (HF's
+    ``chunk(2)`` order, which is interlace's SwiGLU layout); ``down_proj`` (E/W, N, K).
+    ``load_state_dict`` also takes HF's full (E, ...) tensors and keeps this rank's slice.
+    """
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel):
+        super().__init__()
+        self.ep = ep
+        self.num_experts = gate_up_proj.shape[0]
+        self.gate_up_proj = _shard(gate_up_proj, ep)
+        self.down_proj = _shard(down_proj, ep)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        lo, n = self.ep.first_expert, self.ep.num_local
+        for name in ("gate_up_proj", "down_proj"):
+            tensor = state_dict.get(prefix + name)
+            if tensor is not None and n != self.num_experts and tensor.shape[0] == self.num_experts:
+                state_dict[prefix + name] = tensor[lo:lo + n]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"experts {self.ep.first_expert}..{self.ep.first_expert + self.ep.num_local - 1} of {self.num_experts}"
+
+
+def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:
+    """Rank ``ep.rank``'s experts of an HF (E, ...) tensor: the same Parameter at W = 1 (no copy),
+    else a copy of the slice (a view would keep the whole tensor alive)."""
+    if ep.world == 1 and isinstance(param, nn.Parameter):
+        return param
+    lo = ep.first_expert
+    return nn.Parameter(param.detach()[lo:lo + ep.num_local].clone(), requires_grad=param.requires_grad)
+
+
+class InterlaceMoeBlock(nn.Module):
+    """An HF sparse-MoE block on interlace: HF's router (routing with interlace), this rank's
+    experts (:class:`ShardedExperts`) run by an interlace strategy, and HF's shared-expert
+    modules (if the family has them) as they are, on every rank's own tokens.
+
+    ``forward(hidden_states (B, S, N))`` → (B, S, N), what the HF block returns. The router's
+    logits reach HF's ``output_router_logits`` through the router's forward hooks, as in HF.
+    """
+
+    def __init__(self, block: nn.Module, family: Family, config: MoEConfig, ep: ExpertParallel, strategy,
+                 name: str):
+        super().__init__()
+        self.family_name = name
+        self.family = family
+        self.config = config
+        self.ep = ep
+        self.strategy = strategy
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0)) if family.jitter else 0.0
+        # The block's children in its own order (state-dict key order): the router (its class
+        # swapped, its tensors kept), the experts (sharded), any other module (shared experts) as is.
+        for attr, child in block.named_children():
+            if attr == "gate":
+                child.__class__ = _router_class(type(child))
+                child.interlace_config, child.interlace_family = config, family
+                child.interlace_fused = strategy.fused_routing
+            elif attr == "experts":
+                child = ShardedExperts(child.gate_up_proj, child.down_proj, ep)
+            setattr(self, attr, child)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+            hidden_states = hidden_states * noise
+        x = hidden_states.reshape(-1, self.config.hidden).contiguous()
+        _, weight, idx = self.gate(x)
+        out = self.strategy(x, idx, weight, self.experts.gate_up_proj, self.experts.down_proj).reshape(shape)
+        if self.family.shared is not None:
+            out = out + self.family.shared(self, hidden_states)
+        return out
+
+    def set_strategy(self, name: str, **options) -> None:
+        """Switch the strategy (on every rank alike); weights are untouched."""
+        self.strategy = make_strategy(name, self.config, self.ep, device=self.experts.down_proj.device, **options)
+        self.gate.interlace_fused = self.strategy.fused_routing
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"{self.family_name}: experts={c.num_experts} ({self.ep.num_local}/rank), top_k={c.top_k}, "
+                f"router={c.router}, renormalize={c.renormalize}, strategy={self.strategy.name}")
+
+
+# ----------------------------------------------------------------------------- entry points
+def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None, strategy: str = "auto",
+                       strategy_options: dict | None = None, **config_changes) -> list[str]:
+    """Replace every transformers sparse-MoE block of ``model`` in place by an
+    :class:`InterlaceMoeBlock` that takes over its weights.
+
+    Args:
+        model: a transformers 5.x model (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3), on its device,
+            with its weights (load the checkpoint before, or load it afterwards with
+            ``load_state_dict``, which accepts full HF tensors at any world size).
+        group: the expert-parallel process group (default: the world group when
+            torch.distributed is initialized, else one process). Every rank of it must hold
+            the same model (same weights) and call this alike.
+        mesh: a :class:`~interlace.parallel.mesh.MoEMesh` instead of ``group`` (its EP group;
+            tensor-parallel experts, tp > 1, are not supported here).
+        strategy: an interlace strategy name (``"auto"``, ``"sequential"``, ``"pipelined:2"``, ...).
+        strategy_options: the strategy's keyword options.
+        config_changes: :class:`MoEConfig` fields to change from the block's own (e.g.
+            ``capacity_factor=1.25``; the result then differs from HF's dropless block).
+
+    Returns:
+        the qualified names of the replaced blocks. ``ValueError`` if there is none.
+    """
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("give the expert-parallel group= or a mesh=, not both")
+        if mesh.tp > 1:
+            raise ValueError(f"replace_moe_blocks shards whole experts; a mesh with tp={mesh.tp} is not supported")
+        group = mesh.ep_group
+    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in FAMILIES]
+    if not targets:
+        known = ", ".join(FAMILIES)
+        raise ValueError(f"no transformers MoE block found in {type(model).__name__} (known blocks: {known})")
+    for name, block in targets:
+        family_name = type(block).__name__
+        family = FAMILIES[family_name]
+        w = block.experts.gate_up_proj
+        config = MoEConfig(**{**family.config(block), "dtype": w.dtype, "router_dtype": torch.float32,
+                              "source": f"{family_name} {name}", **config_changes})
+        ep = ExpertParallel.build(group, config.num_experts)
+        check_same_across_ranks(config.fingerprint(), ep, f"MoEConfig of {name}")
+        impl = make_strategy(strategy, config, ep, device=w.device, **(strategy_options or {}))
+        replacement = InterlaceMoeBlock(block, family, config, ep, impl, family_name)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+    return [name for name, _ in targets]
+
+
+def moe_blocks(model: nn.Module) -> list[InterlaceMoeBlock]:
+    """The :class:`InterlaceMoeBlock` modules of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, InterlaceMoeBlock)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The sharded expert parameters (not replicated across the expert-parallel group)."""
+    return [p for m in model.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every other parameter: replicated on every rank, its gradient a data-parallel one
+    (all-reduce it across the group; the router's gradient is this rank's tokens' share)."""
+    sharded = {id(p) for p in expert_parameters(model)}
+    return [p for p in model.parameters() if id(p) not in sharded]
+
+
+def gather_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every expert shard all-gathered to HF's full (E, ...) tensor:
+    the state dict of the plain transformers model, on every rank. A collective: call it on
+    every rank of each expert-parallel group."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if not isinstance(module, ShardedExperts) or module.ep.world == 1:
+            continue
+        for attr in ("gate_up_proj", "down_proj"):
+            shard = getattr(module, attr).detach().contiguous()
+            parts = [torch.empty_like(shard) for _ in range(module.ep.world)]
+            dist.all_gather(parts, shard, group=module.ep.group)
+            state[f"{name}.{attr}" if name else attr] = torch.cat(parts)
+    return state

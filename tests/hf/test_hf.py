@@ -1,0 +1,169 @@
+"""interlace.hf: tiny transformers MoE models (built from a config, no downloads) with their MoE
+blocks replaced by interlace's, against the same model with HF's own blocks: logits, every
+gradient, five optimizer steps and the state-dict round trip, at world size 1 and under gloo
+with 2 ranks (experts sharded)."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import rel_err, run_gloo  # noqa: E402
+from interlace.hf import (  # noqa: E402
+    expert_parameters, gather_hf_state_dict, moe_blocks, replace_moe_blocks, replicated_parameters,
+)
+
+TOL = 1e-5
+VOCAB, BATCH, SEQ, STEPS, LR = 64, 2, 8, 5, 0.05
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, initializer_range=0.1, output_router_logits=True,
+               router_aux_loss_coef=0.02, tie_word_embeddings=False)
+# name: (model class, config class, config fields beyond _COMMON). Expert FFN 24, 8 experts, top-2.
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                       head_dim=8)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
+              dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
+                       num_experts_per_tok=2)),
+    # Layer 0 dense (first_k_dense_replace), layer 1 MoE: 8 experts in 4 groups, 2 groups kept, top-3.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                         num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                         qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=2,
+                         num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
+                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+}
+# Blocks per model: DeepSeek-V3's first layer is dense.
+MOE_LAYERS = {"deepseek_v3": 1}
+
+
+def build(family: str, seed: int = 0):
+    """The tiny HF model of ``family`` in fp32, weights a function of ``seed``."""
+    model_cls, config_cls, fields = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **fields})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float()
+    with torch.no_grad():
+        for module in model.modules():  # DeepSeek-V3: a selection bias that changes choices
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, module.num_experts))
+    return model
+
+
+def token_batches(world: int):
+    """(world, BATCH, SEQ) token ids: rank r's batch is [r]."""
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (world, BATCH, SEQ), generator=gen)
+
+
+def loss_of(model, ids):
+    """The causal-LM loss with HF's auxiliary balance loss (router logits through the hooks)."""
+    return model(ids, labels=ids).loss
+
+
+def check_family(family: str, strategy: str, rank: int, world: int):
+    """Interlace's model on rank ``rank``'s tokens against HF's on all ranks' tokens."""
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    names = replace_moe_blocks(model, strategy=strategy)
+    expected = MOE_LAYERS.get(family, 2)
+    assert len(names) == expected and len(moe_blocks(model)) == expected
+    batches = token_batches(world)
+    ids = batches[rank]
+    where = f"{family} {strategy} rank {rank}/{world}"
+
+    # logits
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref(ids).logits) < TOL, where + " logits"
+
+    # gradients and five SGD steps; the loss is the sum of every rank's loss, so the replicated
+    # parameters' gradients are summed over ranks and the experts' already are (all-to-all backward).
+    sharded = {id(p) for p in expert_parameters(model)}
+    ref_params = dict(ref.named_parameters())
+    for step in range(STEPS):
+        model.zero_grad()
+        ref.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        ref_loss = sum(loss_of(ref, batches[r]) for r in range(world))
+        ref_loss.backward()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+            for p in replicated_parameters(model):
+                dist.all_reduce(p.grad)
+        assert rel_err(total, ref_loss) < TOL, f"{where} loss at step {step}"
+        for name, p in model.named_parameters():
+            expected = ref_params[name].grad
+            if id(p) in sharded:
+                lo = p.shape[0] * rank
+                expected = expected[lo:lo + p.shape[0]]
+            if step == 0:
+                assert rel_err(p.grad, expected) < TOL, f"{where} grad of {name}"
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+            for p in ref.parameters():
+                p -= LR * p.grad
+
+    # state-dict round trip: the trained weights load into plain HF models, and a full HF state
+    # dict loads back into a (sharded) interlace model.
+    state = gather_hf_state_dict(model)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    plain = build(family, seed=1)
+    plain.load_state_dict(state)
+    again = build(family, seed=2)
+    replace_moe_blocks(again, strategy=strategy)
+    again.load_state_dict(state)
+    with torch.no_grad():
+        got = model(ids).logits
+        assert rel_err(got, ref(ids).logits) < TOL, where + " logits after training"
+        assert rel_err(plain(ids).logits, got) < TOL, where + " HF model from the interlace state dict"
+        assert rel_err(again(ids).logits, got) < TOL, where + " interlace model from the HF state dict"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_world_one_matches_hf(family):
+    check_family(family, "sequential", 0, 1)
+
+
+def test_state_dict_equals_hf_at_world_one():
+    """Keys, shapes and the very tensors: at world size 1 the replacement copies nothing."""
+    ref = build("qwen3_moe")
+    model = copy.deepcopy(ref)
+    before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    replace_moe_blocks(model, strategy="sequential")
+    after = model.state_dict()
+    assert list(after) == list(ref.state_dict())
+    assert {k: v.data_ptr() for k, v in after.items()} == before
+
+
+# One gloo launch for every family (a launch costs more than a family's check); the strategies vary.
+GLOO_CASES = [("mixtral", "sequential"), ("qwen3_moe", "pipelined:2"), ("olmoe", "auto"),
+              ("qwen2_moe", "sequential"), ("deepseek_v3", "sequential"), ("deepseek_v2", "pipelined:2")]
+
+
+def _gloo_families(rank, world, cases):
+    for family, strategy in cases:
+        check_family(family, strategy, rank, world)
+
+
+def test_gloo_two_ranks_match_hf():
+    run_gloo(_gloo_families, 2, GLOO_CASES)
+
+
+def test_unknown_model_raises():
+    with pytest.raises(ValueError, match="no transformers MoE block"):
+        replace_moe_blocks(torch.nn.Linear(4, 4))
