@@ -8,7 +8,9 @@ given, rotated every round, each from its own folder (``python -m`` puts the wor
 ``sys.path``, so a tree is imported from where it runs). Arguments after ``--`` go to every bench call.
 Per row (config, tokens, routing, mode, strategy) the result is the median of the rounds' medians for
 each tree and the ratio ``tree_i / tree_0``; rows any tree failed on are listed as failed. Writes
-``OUT/ab.json`` (every round's rows) and prints the table last. Rounds split over several machine calls
+``OUT/ab.json`` (every round's rows), ``OUT/LABEL-median.json`` per tree (a bench results file whose rows
+carry the median over rounds, its ratios recomputed from it: what ``benchmarks/performance_page.py``
+takes as a source) and prints the table last. Rounds split over several machine calls
 are pooled afterwards with ``python3 benchmarks/ab_trees.py --merge A/ab.json B/ab.json``. A tree without ``interlace/tools/bench.py``
 is run as ``-m interlace.bench`` (the layout before the move to ``interlace/tools``).
 """
@@ -72,6 +74,32 @@ def print_table(labels: list[str], rounds: list[dict]) -> float:
     return worst
 
 
+def median_results(label: str, rounds: list[dict], meta: dict) -> dict:
+    """One bench results file for ``label``: each row's median over the rounds, with × floor,
+    speedup over naive and TFLOP/s scaled to it; ``times_ms`` holds every round's median."""
+    per: dict[tuple, list[dict]] = {}
+    for rnd in rounds:
+        if rnd["tree"] == label:
+            for r in rnd["rows"]:
+                if r.get("status") == "ok" and r.get("median_ms"):
+                    per.setdefault(row_key(r), []).append(r)
+    rows = []
+    for key, rs in per.items():
+        ms = statistics.median(r["median_ms"] for r in rs)
+        row = dict(rs[-1], median_ms=ms, times_ms=[r["median_ms"] for r in rs])
+        if row.get("floor_ms"):
+            row["x_floor"] = ms / row["floor_ms"]
+        if rs[-1].get("tflops"):
+            row["tflops"] = rs[-1]["tflops"] * rs[-1]["median_ms"] / ms
+        rows.append(row)
+    naive = {row_key(r)[:4]: r["median_ms"] for r in rows if r["strategy"] == "naive"}
+    for r in rows:
+        if row_key(r)[:4] in naive:
+            r["speedup_vs_naive"] = naive[row_key(r)[:4]] / r["median_ms"]
+    rows.sort(key=lambda r: (r["config"], r["tokens"], r["routing"], r["mode"]))
+    return {"meta": dict(meta, rounds=len({rnd["round"] for rnd in rounds if rnd["tree"] == label})), "rows": rows}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--merge"]:
@@ -98,6 +126,13 @@ def main(argv=None) -> int:
             rounds.append({"round": i, "tree": label, "rows": rows})
     with open(os.path.join(args.out, "ab.json"), "w") as f:
         json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
+    for label, _ in trees:
+        meta_path = os.path.join(args.out, label, "results.json")
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)["meta"]
+            with open(os.path.join(args.out, f"{label}-median.json"), "w") as f:
+                json.dump(median_results(label, rounds, meta), f, indent=1)
     print_table([t[0] for t in trees], rounds)
     return 0
 
