@@ -75,12 +75,22 @@ SOURCES = [
          device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
          command="torchrun --nproc-per-node 2 benchmarks/device_tp_ep.py --configs qwen2-moe flashdmoe-cfg "
                  "mixtral-8x7b --profile-tp --skip-priority --skip-check"),
+    dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-7eac059.json",
+         title="Forward, 2× H200: every strategy (each row the median of 4 bench calls)", baseline="sequential",
+         command="python3 benchmarks/ab_trees.py --tree 4d349fb=OLD_CHECKOUT --tree 7eac059=. --rounds 4 -- "
+                 "--tokens 4096 16384 --strategies sequential pipelined fused auto   # the 7eac059-median.json it writes",
+         notes=["Timed in one lease interleaved with the layout's predecessor 4d349fb (rounds rotated): "
+                "the same rows' medians there were within 3% on 56 of 60 rows; docs/benchmarking.md says how."]),
+    dict(section="decode", table="decode-h200x2", kind="bench", file="h200x2-decode-7eac059.json",
+         title="Decode-size forward, 2× H200: every strategy", baseline="sequential",
+         notes=["× floor here is the prefill floor (FLOPs and peer bytes); at these sizes the layer streams its "
+                "expert weights, and the decode floor (docs/benchmarking.md) is not computed by the bench yet."]),
 ]
 
 SECTIONS = [
     ("prefill", "Prefill / inference forward",
      "Random routing (softmax top-k over random router weights), bf16. Training-size token counts per GPU."),
-    ("decode", "Decode", "128 tokens per GPU; × decode floor beside × floor (docs/benchmarking.md)."),
+    ("decode", "Decode", "128 and 512 tokens per GPU, random routing, bf16."),
     ("training", "Training (forward + backward)",
      "One training call: forward, then backward with a random output gradient; floor with 3× the FLOPs term."),
     ("scaling", "Scaling", "The same tables at more GPUs, weak scaling, and EP × TP factorisations."),
@@ -88,10 +98,7 @@ SECTIONS = [
 ]
 
 # What to run for a section that has no source yet.
-PENDING = {
-    "decode": "torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused "
-              "--tokens 128 --interleave",
-}
+PENDING: dict[str, str] = {}
 
 
 def fmt(value, spec):
