@@ -1,4 +1,4 @@
-"""Predicted vs measured TP×EP layer times: ``python benchmarks/compare_tp_ep.py [docs/data/tp_ep_measured.json]``.
+"""Predicted vs measured TP×EP layer times: ``python benchmarks/compare_tp_ep.py OUT/tp_ep.json``.
 
 Reads the measured medians written by ``benchmarks/device_tp_ep.py`` (its "times" list of
 {"config", "tokens", "mesh": "tp2xep1", "strategy": "tp_ep:O2-4" | "sequential", "median_ms"},
@@ -55,8 +55,7 @@ def form_and_strategy(rec: dict) -> tuple[str, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="?", default="docs/data/tp_ep_measured.json",
-                    help="measured tp_ep.json of benchmarks/device_tp_ep.py")
+    ap.add_argument("json", help="measured tp_ep.json of benchmarks/device_tp_ep.py")
     ap.add_argument("--cluster", default=None, help="predict from a cluster preset instead of the shipped profile")
     ap.add_argument("--profile", default=None,
                     help="predict from this profile JSON (e.g. one with TP shard classes from "

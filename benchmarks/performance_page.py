@@ -35,11 +35,6 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 #   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
 #        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
 SOURCES = [
-    dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward.json",
-         title="Forward, 2× H200: sequential and fused", baseline="sequential",
-         date="2026-11-23", commit="f67ee67",
-         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused "
-                 "--tokens 4096 8192 16384 --interleave"),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential",
          date="2026-11-23", commit="f68ceb6",
