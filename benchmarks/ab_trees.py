@@ -36,7 +36,14 @@ def run_round(label: str, tree: str, nproc: int, bench_args: list[str], out: str
     env = dict(os.environ, PYTHONPATH=tree, INTERLACE_COMMIT=label, PYTHONUNBUFFERED="1")
     cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", bench_module(tree), *bench_args, "--out", dest]
     print(f"+ ({label}) {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, cwd=tree, env=env, timeout=timeout, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired as err:
+        print(f"  ({label}) no result within {timeout:.0f} s; this round counts as failed for it")
+        partial = b"".join(p if isinstance(p, bytes) else p.encode() for p in (err.stdout, err.stderr) if p)
+        with open(os.path.join(out, f"{label}.log"), "a") as f:
+            f.write(partial.decode(errors="replace") + f"\n[timed out after {timeout:.0f} s]\n")
+        return []
     with open(os.path.join(out, f"{label}.log"), "a") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -124,8 +131,9 @@ def main(argv=None) -> int:
         for label, path in order:
             rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout)
             rounds.append({"round": i, "tree": label, "rows": rows})
-    with open(os.path.join(args.out, "ab.json"), "w") as f:
-        json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
+            # after every call, so a machine call that ends early still leaves the rounds done so far
+            with open(os.path.join(args.out, "ab.json"), "w") as f:
+                json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
     for label, _ in trees:
         meta_path = os.path.join(args.out, label, "results.json")
         if os.path.exists(meta_path):
