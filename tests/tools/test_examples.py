@@ -1,0 +1,58 @@
+"""examples/train_hf_moe.py on the CPU: a tiny Qwen3-MoE-like model, 3 steps, interlace's blocks
+against HF's from the same weights and data, under 2 gloo ranks (experts sharded) and alone."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "examples", "train_hf_moe.py")
+TINY = ["--device", "cpu", "--layers", "2", "--hidden", "32", "--ffn", "24", "--experts", "8", "--top-k", "2",
+        "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2", "--steps", "3", "--log-every", "1"]
+# "    2      4.146506        4.146506    0.00e+00": the --compare table (step, loss hf, loss interlace, difference)
+ROW = re.compile(r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(-?\d\.\d+e[+-]\d+)\s*$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(launcher: list[str], args: list[str]) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(launcher + [SCRIPT] + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def compare_rows(out: str) -> list[tuple[float, float]]:
+    rows = [m.groups() for m in map(ROW.match, out.splitlines()) if m]
+    assert [int(r[0]) for r in rows] == [1, 2, 3], out
+    return [(float(r[1]), float(r[2])) for r in rows]
+
+
+def test_two_gloo_ranks_interlace_matches_hf():
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    out = run(launcher, TINY + ["--compare", "--strategy", "sequential"])
+    assert "2 rank(s)" in out
+    for hf, interlace in compare_rows(out):
+        assert abs(interlace - hf) <= 1e-4 * abs(hf), out
+    for impl in ("hf", "interlace"):  # a log line per step and the summary, from rank 0 only
+        assert len(re.findall(rf"^\[{impl}\] step .* loss \d+\.\d+  tokens/s [\d,]+$", out, re.M)) == 3, out
+        assert len(re.findall(rf"^\[{impl}\] done: 3 steps, final loss", out, re.M)) == 1, out
+
+
+def test_world_size_one_without_torchrun():
+    out = run([sys.executable], TINY + ["--compare", "--strategy", "sequential"])
+    assert "1 rank(s)" in out
+    for hf, interlace in compare_rows(out):
+        assert abs(interlace - hf) <= 1e-4 * abs(hf), out
