@@ -86,6 +86,7 @@ def build_model(args, device, dtype):
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
         max_position_embeddings=args.seq, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,  # the families' ids may lie past --vocab
         output_router_logits=True,  # HF's load-balancing loss; interlace's router feeds it too
         **fields(args))
     torch.manual_seed(args.seed)
