@@ -26,6 +26,9 @@ E routed experts, k experts per token, W expert-parallel world size.
 Training with W > 1: the expert shards are not replicated; do not all-reduce their gradients
 (each rank's expert gradient already sums every rank's tokens, through the all-to-all's
 backward). All-reduce the others (:func:`replicated_parameters`) as data-parallel gradients.
+Both hold for a global loss that is the *sum* of the ranks' losses; for the usual data-parallel
+mean, divide each rank's loss by W before ``backward()`` and all-reduce the replicated gradients
+with a sum (examples/train_hf_moe.py does this).
 """
 
 from __future__ import annotations
