@@ -30,10 +30,16 @@ def bench_module(tree: str) -> str:
         else "interlace.bench"
 
 
-def run_round(label: str, tree: str, nproc: int, bench_args: list[str], out: str, timeout: float) -> list[dict]:
+PIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pin_cpus")
+
+
+def run_round(label: str, tree: str, nproc: int, bench_args: list[str], out: str, timeout: float,
+              pin: bool = False) -> list[dict]:
     tree = os.path.abspath(tree)
     dest = os.path.join(out, label)
-    env = dict(os.environ, PYTHONPATH=tree, INTERLACE_COMMIT=label, PYTHONUNBUFFERED="1")
+    # --pin: pin_cpus/sitecustomize.py gives each rank its own block of physical cores.
+    path = tree + (os.pathsep + PIN_DIR if pin else "")
+    env = dict(os.environ, PYTHONPATH=path, INTERLACE_COMMIT=label, PYTHONUNBUFFERED="1")
     cmd = ["torchrun", "--nproc-per-node", str(nproc), "-m", bench_module(tree), *bench_args, "--out", dest]
     print(f"+ ({label}) {' '.join(cmd)}", flush=True)
     try:
@@ -58,15 +64,19 @@ def row_key(r: dict) -> tuple:
 
 
 def print_table(labels: list[str], rounds: list[dict]) -> float:
-    """The per-row table of medians and ratios; returns the largest |ratio − 1|."""
+    """The per-row table of medians and ratios; returns the largest |ratio − 1|. The last column
+    is the range of the per-round ratios (tree i / tree 0 of the same round): how far one round
+    alone can be off, which says how many rounds a row needs."""
     times: dict[tuple, dict[str, list[float]]] = {}
+    paired: dict[tuple, dict[tuple, float]] = {}
     for rnd in rounds:
         for r in rnd["rows"]:
             if r.get("status") == "ok" and r.get("median_ms") is not None:
                 times.setdefault(row_key(r), {}).setdefault(rnd["tree"], []).append(r["median_ms"])
+                paired.setdefault(row_key(r), {})[(rnd.get("file", 0), rnd["round"], rnd["tree"])] = r["median_ms"]
     print("\n| config | tokens | routing | mode | strategy | " + " | ".join(f"{l} ms" for l in labels)
-          + " | " + " | ".join(f"{l}/{labels[0]}" for l in labels[1:]) + " |")
-    print("|" + "---|" * (5 + 2 * len(labels) - 1))
+          + " | " + " | ".join(f"{l}/{labels[0]}" for l in labels[1:]) + " | per-round range |")
+    print("|" + "---|" * (5 + 2 * len(labels)))
     worst = 0.0
     for key in sorted(times):
         per = times[key]
@@ -75,8 +85,13 @@ def print_table(labels: list[str], rounds: list[dict]) -> float:
         for m in meds[1:]:
             if m and meds[0]:
                 worst = max(worst, abs(m / meds[0] - 1))
+        pairs = paired[key]
+        per_round = [pairs[(f, i, labels[1])] / pairs[(f, i, labels[0])] for (f, i, t) in pairs
+                     if t == labels[0] and (f, i, labels[1]) in pairs]
+        spread = f"{min(per_round):.2f}–{max(per_round):.2f}" if per_round else "-"
         print("| " + " | ".join(str(k) for k in key) + " | "
-              + " | ".join(f"{m:.3f}" if m else "failed" for m in meds) + " | " + " | ".join(ratios) + " |")
+              + " | ".join(f"{m:.3f}" if m else "failed" for m in meds) + " | " + " | ".join(ratios)
+              + f" | {spread} |")
     print(f"\nlargest |ratio − 1|: {worst:.3f}")
     return worst
 
@@ -111,7 +126,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--merge"]:
         files = [json.load(open(f)) for f in argv[1:]]
-        print_table(list(files[0]["trees"]), [rnd for f in files for rnd in f["rounds"]])
+        print_table(list(files[0]["trees"]), [dict(rnd, file=i) for i, f in enumerate(files) for rnd in f["rounds"]])
         return 0
     own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -120,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per bench call")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--timeout", type=float, default=900, help="seconds per bench call")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to its own block of physical CPU cores (benchmarks/pin_cpus)")
     args = p.parse_args(own)
     trees = [t.split("=", 1) for t in args.tree]
     if len(trees) < 2 or any(len(t) != 2 for t in trees):
@@ -129,11 +146,11 @@ def main(argv=None) -> int:
     for i in range(args.rounds):
         order = trees[i % len(trees):] + trees[:i % len(trees)]
         for label, path in order:
-            rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout)
+            rows = run_round(label, path, args.nproc, bench_args, args.out, args.timeout, args.pin)
             rounds.append({"round": i, "tree": label, "rows": rows})
             # after every call, so a machine call that ends early still leaves the rounds done so far
             with open(os.path.join(args.out, "ab.json"), "w") as f:
-                json.dump({"trees": dict(trees), "bench_args": bench_args, "rounds": rounds}, f, indent=1)
+                json.dump({"trees": dict(trees), "bench_args": bench_args, "pin": args.pin, "rounds": rounds}, f, indent=1)
     for label, _ in trees:
         meta_path = os.path.join(args.out, label, "results.json")
         if os.path.exists(meta_path):
