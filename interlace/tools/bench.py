@@ -10,12 +10,15 @@ routing × mode it:
    reported WRONG and never timed;
 3. times each strategy with CUDA events around the whole layer call: ≥ 5 warm-up calls, a
    barrier before each timed call, the median of the timed calls, the slowest rank's median;
-4. reports × floor, speedup over naive, TFLOP/s and peak memory, with the two ceilings (bf16
-   matmul 8192³, peer copy GPU0→GPU1) measured in the same run.
+4. reports × floor (and, forward, × decode floor), speedup over naive, TFLOP/s and peak memory,
+   with the ceilings (bf16 matmul 8192³, peer copy GPU0→GPU1 and its latency, HBM read)
+   measured in the same run.
 
 Floor (docs/benchmarking.md): ``max(FLOPs / matmul peak, 2 × remote bytes / peer bandwidth)`` with
 FLOPs = 2·T·k·N·3·K and remote bytes = T·k·(W−1)/W·N·2. Forward+backward: 3× the FLOPs term
-and, since backward moves the same bytes again, 2× the communication term.
+and, since backward moves the same bytes again, 2× the communication term. Decode floor (forward):
+``max(floor, touched expert weight bytes of the busiest rank / HBM read bandwidth, 2 × peer
+latency)``, where a local expert is touched when any token of any rank chose it.
 """
 
 from __future__ import annotations
@@ -114,6 +117,35 @@ def measure_peer_gbps(env: Env, nbytes: int = 1 << 30, iters: int = 10) -> float
     return float(result.item())
 
 
+def measure_peer_latency_us(env: Env, iters: int = 50) -> float | None:
+    """One-way peer latency GPU0 → GPU1 (µs): the median time of a 4 KiB ``copy_``, measured by
+    rank 0. The decode floor counts two (dispatch and combine)."""
+    if not env.cuda or torch.cuda.device_count() < 2:
+        return None
+    result = torch.zeros(1, dtype=torch.float64, device=env.device)
+    if env.rank == 0:
+        src = torch.ones(1024, device="cuda:0")
+        dst = torch.empty(1024, device="cuda:1")
+        result[0] = statistics.median(time_cuda(lambda: dst.copy_(src), warmup=5, iters=iters, env=None)) * 1e3
+        torch.cuda.synchronize("cuda:1")
+    if env.world > 1:
+        dist.broadcast(result, 0)
+    return float(result.item())
+
+
+def measure_hbm_read_tbps(env: Env, nbytes: int = 4 << 30, iters: int = 10) -> float | None:
+    """HBM read bandwidth (TB/s): a sum over a ``nbytes`` bf16 buffer (a read with a negligible
+    write), the slowest rank's median. The decode floor's weight term divides by it."""
+    if not env.cuda:
+        return None
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=env.device)
+    out = torch.empty((), dtype=torch.float32, device=env.device)
+    times = time_cuda(lambda: torch.sum(buf, dtype=torch.float32, out=out), warmup=3, iters=iters, env=None)
+    del buf
+    tbps = nbytes / (statistics.median(times) * 1e-3) / 1e12
+    return -reduce_max(env, -tbps)
+
+
 # ----------------------------------------------------------------------------- timing
 def time_cuda(fn, warmup: int, iters: int, env: Env | None) -> list[float]:
     """Milliseconds per call with CUDA events (a barrier across ranks before each timed call)."""
@@ -186,6 +218,8 @@ class Row:
     median_ms: float | None = None
     floor_ms: float | None = None
     x_floor: float | None = None
+    decode_floor_ms: float | None = None
+    x_decode_floor: float | None = None
     speedup_vs_naive: float | None = None
     tflops: float | None = None
     peak_gib: float | None = None
@@ -204,6 +238,28 @@ def floor_ms(cfg: MoEConfig, tokens: int, world: int, mode: str, tflops: float |
     if mode == "fwdbwd":
         compute, comm = 3 * compute, 2 * comm
     return max(compute, comm) * 1e3
+
+
+def touched_expert_bytes(cfg: MoEConfig, topk_idx: torch.Tensor, env: Env) -> int:
+    """Bytes of expert weights the busiest rank must read for one call: every local expert that
+    at least one token of any rank chose (``topk_idx`` (T, k): this rank's choices)."""
+    chosen = torch.bincount(topk_idx.reshape(-1).long(), minlength=cfg.num_experts)
+    if env.world > 1:
+        dist.all_reduce(chosen, group=env.group)
+    touched = (chosen > 0).view(env.world, cfg.num_experts // env.world).sum(dim=1)
+    per_expert = (cfg.up_width + cfg.ffn) * cfg.hidden * torch.finfo(cfg.dtype).bits // 8
+    return int(touched.max()) * per_expert
+
+
+def decode_floor_ms(floor: float | None, weight_bytes: int, hbm_tbps: float | None, world: int,
+                    peer_latency_us: float | None) -> float | None:
+    """The decode floor (docs/benchmarking.md), forward only: the largest of the prefill floor,
+    reading the touched expert weights once from HBM, and (world > 1) the two one-way peer
+    latencies of dispatch and combine."""
+    if floor is None or not hbm_tbps:
+        return None
+    latency = 2 * peer_latency_us * 1e-3 if world > 1 and peer_latency_us else 0.0
+    return max(floor, weight_bytes / (hbm_tbps * 1e12) * 1e3, latency)
 
 
 def squared_error_sums(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -236,6 +292,11 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
     indices = make_routing(cfg, routing, tokens, env, args.seed)
     backward = mode == "fwdbwd"
     params = [layer.experts.w_up, layer.experts.w_down, layer.router.weight]
+    weight_bytes = None
+    if not backward:
+        with torch.no_grad():
+            topk_idx = indices if indices is not None else layer.router(x, None)[0]
+        weight_bytes = touched_expert_bytes(cfg, topk_idx, env)
 
     def call():
         xi = x.requires_grad_(backward) if backward else x
@@ -324,6 +385,11 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         row.floor_ms = floor_ms(cfg, tokens, env.world, mode, ceilings["matmul_tflops"], ceilings["peer_gbps"])
         if row.floor_ms:
             row.x_floor = row.median_ms / row.floor_ms
+        if weight_bytes is not None:
+            row.decode_floor_ms = decode_floor_ms(row.floor_ms, weight_bytes, ceilings.get("hbm_tbps"), env.world,
+                                                  ceilings.get("peer_latency_us"))
+            if row.decode_floor_ms:
+                row.x_decode_floor = row.median_ms / row.decode_floor_ms
         flops = cfg.flops_per_token() * tokens * (3 if backward else 1)
         row.tflops = flops / (row.median_ms * 1e-3) / 1e12
         if row.strategy == "naive":
@@ -341,14 +407,15 @@ def fmt(v, spec):
 
 
 def markdown_table(rows: list[Row]) -> str:
-    head = ("| config | tokens/GPU | routing | mode | strategy | median ms | × floor | vs naive | TFLOP/s "
-            "| peak GiB | max rel err vs naive | status |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| config | tokens/GPU | routing | mode | strategy | median ms | × floor | × decode floor | vs naive "
+            "| TFLOP/s | peak GiB | max rel err vs naive | status |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         err = max(r.rel_err_vs_naive.values()) if r.rel_err_vs_naive else None
         lines.append(
             f"| {r.config} | {r.tokens} | {r.routing} | {r.mode} | {r.strategy} | {fmt(r.median_ms, '.3f')} | "
-            f"{fmt(r.x_floor, '.2f')} | {fmt(r.speedup_vs_naive, '.2f')} | {fmt(r.tflops, '.0f')} | "
+            f"{fmt(r.x_floor, '.2f')} | {fmt(r.x_decode_floor, '.2f')} | {fmt(r.speedup_vs_naive, '.2f')} | "
+            f"{fmt(r.tflops, '.0f')} | "
             f"{fmt(r.peak_gib, '.2f')} | {fmt(err, '.1e')} | {r.status} |"
         )
     return "\n".join(lines)
@@ -408,7 +475,8 @@ def main(argv=None) -> list[Row]:
     env = init_env()
     if not env.cuda:
         print("note: no CUDA device; timing the CPU path (numbers are not comparable to GPU rows)", file=sys.stderr)
-    ceilings = {"matmul_tflops": measure_matmul_tflops(env), "peer_gbps": measure_peer_gbps(env)}
+    ceilings = {"matmul_tflops": measure_matmul_tflops(env), "peer_gbps": measure_peer_gbps(env),
+                "hbm_tbps": measure_hbm_read_tbps(env), "peer_latency_us": measure_peer_latency_us(env)}
     if env.cuda:
         ceilings["matmul_tflops"] = reduce_max(env, -ceilings["matmul_tflops"]) * -1  # slowest rank's peak
     meta = {
@@ -422,7 +490,9 @@ def main(argv=None) -> list[Row]:
     if env.rank == 0:
         print(f"# interlace bench — {meta['device']} ×{env.world}, commit {meta['commit']}, torch {meta['torch']}")
         print(f"# ceilings: bf16 matmul 8192³ {fmt(ceilings['matmul_tflops'], '.0f')} TFLOP/s, "
-              f"peer copy GPU0→GPU1 {fmt(ceilings['peer_gbps'], '.0f')} GB/s", flush=True)
+              f"peer copy GPU0→GPU1 {fmt(ceilings['peer_gbps'], '.0f')} GB/s, "
+              f"HBM read {fmt(ceilings['hbm_tbps'], '.2f')} TB/s, peer latency "
+              f"{fmt(ceilings['peer_latency_us'], '.1f')} µs", flush=True)
     rows: list[Row] = []
     for name in args.configs:
         cfg = bench_config(name, args.small)
@@ -436,6 +506,7 @@ def main(argv=None) -> list[Row]:
                         for r in case_rows:
                             print(f"  {r.config:14s} T={r.tokens:<6d} {r.routing:8s} {r.mode:6s} {r.strategy:11s} "
                                   f"{fmt(r.median_ms, '8.3f')} ms  ×floor {fmt(r.x_floor, '5.2f')}  "
+                                  f"×decode {fmt(r.x_decode_floor, '5.2f')}  "
                                   f"vs naive {fmt(r.speedup_vs_naive, '5.2f')}  {r.status}", flush=True)
         del layer
         if env.cuda:
