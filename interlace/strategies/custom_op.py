@@ -57,15 +57,14 @@ from torch import Tensor
 
 from interlace.strategies.base import Strategy, strategy_by_key
 
-# Which of (x, topk_weight, w_up, w_down) the op differentiates, in this order.
-DIFFERENTIABLE = ("x", "topk_weight", "w_up", "w_down")
-
 _CALL_KEYS = itertools.count(1)
 _PENDING: weakref.WeakValueDictionary[int, _SavedCall] = weakref.WeakValueDictionary()
 
 # The custom-op machinery calls an implementation below autograd: these keys are excluded in
 # the thread's dispatch state, so the strategy's ops would record no graph. The op's two
-# implementations lift the exclusion for the strategy's forward and its backward.
+# implementations lift the exclusion for the strategy's forward and its backward (torch has no
+# public switch for it; these dispatcher calls exist in every torch ≥ 2.11). Autocast stays off
+# inside, as below any op: the layer runs in config.dtype and its strategies never rely on it.
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor)
 

@@ -10,6 +10,7 @@ AOTAutograd partition as inductor, without generating code: fast on a CPU); the 
 test and the training loop use inductor, the default backend.
 """
 
+import copy
 import gc
 
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 from helpers import assert_grads_match, reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
 from interlace.strategies import custom_op
+from interlace.strategies.base import strategy_by_key
 from interlace.strategies.sequential import SequentialStrategy
 
 # fp32 throughout. Compiled and eager runs differ only where the compiled router takes the plain
@@ -187,7 +189,8 @@ def test_auto_compiles_without_graph_break():
 
 
 def test_set_strategy_recompiles():
-    """A layer that switches strategy is not run through the old one."""
+    """A layer that switches strategy is not run through the old one; a deep copy's strategy has
+    its own key."""
     layer = MoELayer(CFG, strategy="sequential", seed=7, device="cpu")
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     x = torch.randn(8, CFG.hidden)
@@ -196,6 +199,9 @@ def test_set_strategy_recompiles():
         layer.strategy = counting = CountingSequential(CFG, layer.ep)
         assert rel_err(compiled(x), layer(x)) < TOL
     assert counting.calls == 2
+    clone = copy.deepcopy(layer)  # a copy is another strategy, under its own key
+    assert int(clone.strategy.op_key[0]) != int(layer.strategy.op_key[0])
+    assert strategy_by_key(int(clone.strategy.op_key[0])) is clone.strategy
 
 
 def _gloo_sequential(rank, world):
