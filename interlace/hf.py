@@ -46,6 +46,7 @@ from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import route_logits
 from interlace.strategies import make_strategy
+from interlace.strategies.custom_op import run_strategy
 
 
 # ----------------------------------------------------------------------------- families
@@ -236,7 +237,8 @@ class InterlaceMoeBlock(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
         _, weight, idx = self.gate(x)
-        out = self.strategy(x, idx, weight, self.experts.gate_up_proj, self.experts.down_proj).reshape(shape)
+        out = run_strategy(self.strategy, x, idx, weight, self.experts.gate_up_proj,
+                           self.experts.down_proj).reshape(shape)
         if self.family.shared is not None:
             out = out + self.family.shared(self, hidden_states)
         return out

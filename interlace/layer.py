@@ -14,6 +14,7 @@ from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import make_strategy  # (importing the package registers every strategy)
 from interlace.strategies.base import strategy_class
+from interlace.strategies.custom_op import run_strategy
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -172,7 +173,7 @@ class MoELayer(nn.Module):
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
         topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
-        out = self.strategy(x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
+        out = run_strategy(self.strategy, x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
         if self.shared is not None:
             # Beside the routed experts, on this rank's tokens, after the strategy: overlapping
             # it with the dispatch on a side stream (Megatron's shared-expert overlap) is not done yet.

@@ -196,8 +196,9 @@ def route_logits(
     Returns:
         topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in logits.dtype.
     """
+    # Under torch.compile the plain torch path below is traced instead (the compiler fuses it).
     if (fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits)
-            and fused_topk_supports(config)):
+            and fused_topk_supports(config) and not torch.compiler.is_compiling()):
         return _FusedRouteTopK.apply(logits, expert_bias, config)
     if config.softmax_after_topk:
         if expert_indices is None:

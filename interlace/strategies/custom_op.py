@@ -1,0 +1,186 @@
+"""A strategy call as one opaque ``torch.library`` custom op, so a layer compiles with
+``torch.compile(fullgraph=True)``.
+
+Eagerly the layer calls its strategy directly (:func:`run_strategy` adds one function call).
+Under ``torch.compile`` the whole call ``strategy(x, topk_idx, topk_weight, w_up, w_down)``
+becomes the op ``interlace::moe_experts``: Dynamo does not trace the strategy's Python logic,
+its host-side split sizes or ``torch._grouped_mm`` (whose fake implementation and data-dependent
+offsets stop the compiler); the router, the shared expert and everything around the layer stay
+ordinary compiled torch code. The op runs the strategy eagerly, exactly as an eager call would.
+
+Forward and backward, without recomputing the forward:
+
+* ``moe_experts(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad)`` →
+  ``(out (T, N) x.dtype, handle (1,) int64 CPU)``. ``strategy_key`` is the strategy's
+  ``op_key``, a (1,) int64 CPU tensor naming it in a weak table
+  (:func:`interlace.strategies.base.strategy_by_key`): an op takes tensors and numbers, not
+  objects, and a tensor (not an int, whose value the compiler would guard) lets layers compiled
+  one by one share one graph. ``needs_grad`` says which of (x, topk_weight, w_up, w_down) want a
+  gradient, decided where the layer is traced (grad mode and ``requires_grad``). When one does,
+  the op runs the strategy on detached leaves with autograd recording, and keeps that eager
+  autograd graph (its output and leaves) in a :class:`_SavedCall` that the ``handle`` tensor's
+  storage owns (``torch.frombuffer`` holds its buffer object for the storage's lifetime).
+* The registered autograd saves ``handle`` for backward; its backward is the op
+  ``interlace::moe_experts_backward(handle, grad_out, ...)``, which finds the call by the key
+  written in the handle, runs ``torch.autograd.grad`` through the kept graph once and drops it.
+
+Why this is correct:
+
+* Handles: each forward writes a fresh key into its own handle, so several layers and several
+  micro-batches in flight each find their own graph; the key table holds the calls weakly.
+* No leak: the graph lives exactly as long as the handle's storage. The compiled forward saves
+  the handle for backward only; when the outer autograd graph is freed without a backward (an
+  evaluation loss, an exception) the saved handle dies and the call's graph with it. After its
+  backward the call drops its graph at once (as eager autograd frees saved tensors).
+* A second backward through the same forward (``retain_graph=True``) raises a clear
+  ``RuntimeError``, as does differentiating the backward (double backward: the backward op's own
+  autograd raises; ``torch.compile`` refuses ``create_graph=True`` before that).
+* Gradients: those of x, topk_weight (the routing weights: the router gets its gradient through
+  them), w_up and w_down, the strategy's own backward's; what the strategy leaves without a
+  gradient is zeros. Memory: the kept graph holds what the strategy's eager graph holds, plus
+  ``x`` itself (an autograd leaf here), which the router's GEMM saves for its backward anyway.
+* The op's output is the strategy's output tensor (no copy): compiled code may reuse its buffer
+  in place, which is safe because no strategy's backward reads its own output (each node saves
+  its inputs). A strategy that saved its output would have to return a copy.
+* ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) skip a graph with this op (its
+  handle lives on the host); ``fused`` replays its own CUDA graphs inside the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+
+import torch
+from torch import Tensor
+
+from interlace.strategies.base import Strategy, strategy_by_key
+
+_CALL_KEYS = itertools.count(1)
+_PENDING: weakref.WeakValueDictionary[int, _SavedCall] = weakref.WeakValueDictionary()
+
+# The custom-op machinery calls an implementation below autograd: these keys are excluded in
+# the thread's dispatch state, so the strategy's ops would record no graph. The op's two
+# implementations lift the exclusion for the strategy's forward and its backward (torch has no
+# public switch for it; these dispatcher calls exist in every torch ≥ 2.11). Autocast stays off
+# inside, as below any op: the layer runs in config.dtype and its strategies never rely on it.
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                  torch._C.DispatchKey.AutogradNestedTensor)
+
+
+@contextlib.contextmanager
+def _autograd_recording():
+    excluded = [k for k in _AUTOGRAD_KEYS if torch._C._dispatch_tls_is_dispatch_key_excluded(k)]
+    for key in excluded:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key in excluded:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+
+
+class _SavedCall(bytearray):
+    """One forward's eager autograd graph: ``out`` and the ``leaves`` it is differentiated
+    against. A bytearray (8 bytes: the call's key) so that a tensor's storage can own it."""
+
+    out: Tensor | None = None
+    leaves: list[Tensor] | None = None
+
+
+@torch.library.custom_op("interlace::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
+                strategy_key: Tensor, needs_grad: list[bool]) -> tuple[Tensor, Tensor]:
+    """x (T, N), topk_idx (T, k) int64, topk_weight (T, k), w_up (E_local, up_width, N),
+    w_down (E_local, N, K), strategy_key (1,) int64 on the CPU → out (T, N) in x.dtype, handle
+    (1,) int64 on the CPU."""
+    strategy = strategy_by_key(int(strategy_key[0]))
+    key = next(_CALL_KEYS)
+    saved = _SavedCall(key.to_bytes(8, "little", signed=True))
+    handle = torch.frombuffer(saved, dtype=torch.int64)
+    if not any(needs_grad):
+        return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous(), handle
+    inputs = [t.detach().requires_grad_(need) for t, need in zip((x, topk_weight, w_up, w_down), needs_grad)]
+    with _autograd_recording(), torch.enable_grad():
+        out = strategy(inputs[0], topk_idx, inputs[1], inputs[2], inputs[3])
+    saved.out, saved.leaves = out, [t for t in inputs if t.requires_grad]
+    _PENDING[key] = saved
+    return out.detach().contiguous(), handle
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("interlace::moe_experts_backward", mutates_args=())
+def moe_experts_backward(handle: Tensor, grad_out: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
+                         needs_grad: list[bool]) -> list[Tensor]:
+    """The gradients of the :func:`moe_experts` call that returned ``handle``, for the inputs
+    ``needs_grad`` names, in (x, topk_weight, w_up, w_down) order. ``topk_weight``, ``w_up`` and
+    ``w_down`` only give their shapes to the fake implementation."""
+    key = int(handle[0])
+    saved = _PENDING.pop(key, None)
+    if saved is None or saved.out is None:
+        raise RuntimeError("interlace: a second backward through one compiled MoE layer call (retain_graph=True "
+                           "is not supported: the call's autograd graph is freed by its first backward); run the "
+                           "forward again")
+    out, leaves = saved.out, saved.leaves
+    saved.out = saved.leaves = None  # freed now, as eager autograd frees a graph after its backward
+    with _autograd_recording():
+        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True) if out.requires_grad else [None] * len(
+            leaves)
+    return [torch.zeros_like(leaf) if g is None else g.contiguous() for g, leaf in zip(grads, leaves)]
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(handle, grad_out, topk_weight, w_up, w_down, needs_grad):
+    likes = (grad_out, topk_weight, w_up, w_down)
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, need in zip(likes, needs_grad) if need]
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad = inputs
+    ctx.needs_grad = list(needs_grad)
+    ctx.save_for_backward(output[1], topk_weight, w_up, w_down)
+
+
+def _backward(ctx, grad_out, _grad_handle):
+    handle, topk_weight, w_up, w_down = ctx.saved_tensors
+    grads = iter(moe_experts_backward(handle, grad_out, topk_weight, w_up, w_down, ctx.needs_grad))
+    dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
+    return dx, None, dweight, dup, ddown, None, None
+
+
+moe_experts.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("interlace: double backward (create_graph=True) through a compiled MoE layer is not supported")
+
+
+moe_experts_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def strategy_op(strategy: Strategy, x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor,
+                w_down: Tensor) -> Tensor:
+    """``strategy(x, topk_idx, topk_weight, w_up, w_down)`` through the custom op (what a
+    compiled layer runs; callable eagerly too, e.g. by tests). Shapes as :class:`Strategy`."""
+    key = getattr(strategy, "op_key", None)
+    if key is None:
+        raise TypeError(f"strategy {type(strategy).__name__} has no op_key: its __init__ must call "
+                        f"Strategy.__init__ (the compiled layer finds strategies by that key)")
+    grad = torch.is_grad_enabled()
+    needs_grad = [grad and t.requires_grad for t in (x, topk_weight, w_up, w_down)]
+    out, _handle = moe_experts(x, topk_idx, topk_weight, w_up, w_down, key, needs_grad)
+    return out
+
+
+def run_strategy(strategy: Strategy, x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor,
+                 w_down: Tensor) -> Tensor:
+    """The layer's strategy call: the strategy itself eagerly, :func:`strategy_op` while
+    ``torch.compile`` traces (Dynamo then sees one op instead of the strategy's Python)."""
+    if torch.compiler.is_compiling():
+        return strategy_op(strategy, x, topk_idx, topk_weight, w_up, w_down)
+    return strategy(x, topk_idx, topk_weight, w_up, w_down)
