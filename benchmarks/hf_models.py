@@ -130,7 +130,12 @@ class Bench:
         self.path = os.path.join(args.out, "hf_models.json")
         self.record = {"args": vars(args), "world": self.world, "device": self._device_name(),
                        "torch": torch.__version__, "transformers": transformers.__version__,
-                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
+                       "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                       "notes": ("HF blocks: plain data parallel (all experts on every rank, every gradient "
+                                 "all-reduced); interlace: experts sharded over the ranks. dsv3 trains with SGD "
+                                 "(Adam's states for HF's 22.5 G replicated expert parameters do not fit), qwen3 "
+                                 "with AdamW; dsv3 attention cut to 16 heads; vocab cut; tokens/s counts both ranks"),
+                       "rows": []}
 
     def _device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
