@@ -84,6 +84,11 @@ class MoEConfig:
             ``shared_expert_intermediate_size``); 0: none. Its weights are replicated.
         shared_gate: scale the shared expert's output per token by ``sigmoid(x · w_gate)``
             (Qwen2-MoE's ``shared_expert_gate``, w_gate (1, N)).
+        shared_overlap: on CUDA, run the shared expert on a side stream while the routed experts
+            are routed, dispatched, computed and combined, forward and backward (Megatron's
+            shared-expert overlap, :mod:`interlace.shared_overlap`); False runs it after them on
+            the current stream. The result is the same either way (not part of
+            :meth:`fingerprint`); nothing changes on a CPU.
         source: where the shape comes from (for presets).
     """
 
@@ -106,6 +111,7 @@ class MoEConfig:
     group_score: GroupScore = "top2_sum"
     shared_ffn: int = 0
     shared_gate: bool = False
+    shared_overlap: bool = True
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -161,6 +167,8 @@ class MoEConfig:
             raise ValueError(f"unsupported group_score {self.group_score!r}; choose one of {GROUP_SCORES}")
         if self.group_limited and self.group_score == "top2_sum" and self.num_experts // self.n_group < 2:
             raise ValueError("group_score='top2_sum' needs at least 2 experts per group")
+        if not isinstance(self.shared_overlap, bool):
+            raise TypeError(f"MoEConfig.shared_overlap must be a bool, got {self.shared_overlap!r}")
         if self.shared_gate and not self.shared_ffn:
             raise ValueError("shared_gate needs a shared expert (shared_ffn > 0)")
 
@@ -203,7 +211,8 @@ class MoEConfig:
     def fingerprint(self) -> int:
         """A 63-bit hash of every field that changes the math, used to check ranks agree."""
         fields = dataclasses.asdict(self)
-        fields.pop("source")
+        for name in ("source", "shared_overlap"):
+            fields.pop(name)
         text = repr(sorted((k, str(v)) for k, v in fields.items()))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 

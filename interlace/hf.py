@@ -23,6 +23,16 @@ The replacement keeps HF's module names, so checkpoints move both ways:
 Shapes: B batch, S sequence, T = B·S tokens on this rank, N hidden size, K expert FFN size,
 E routed experts, k experts per token, W expert-parallel world size.
 
+Not supported: gpt-oss (``GptOssMLP``; :func:`replace_moe_blocks` says so). Its router bias and
+top-k-then-softmax would fit interlace's router, but its experts do not fit the kernels: a bias
+after the gate/up GEMM and one after the down GEMM (each scaled into the combine with the routing
+weight), the gate and up columns interleaved and transposed, and a clamped SwiGLU with an offset,
+``(clamp(up, ±7) + 1) · g · sigmoid(1.702 g)`` with g = ``min(gate, 7)``. Every strategy's expert
+path (the torch grouped-GEMM path's activation kernel, the Triton GEMM epilogues of
+``sequential:triton`` and ``fused``, ``fused:train``'s backward, ``tp_ep``'s sharded experts) would
+need the new activation and the two biases with their gradients; biases through the torch paths
+alone would leave the default strategy unable to run the model.
+
 Training with W > 1: the expert shards are not replicated; do not all-reduce their gradients
 (each rank's expert gradient already sums every rank's tokens, through the all-to-all's
 backward). All-reduce the others (:func:`replicated_parameters`) as data-parallel gradients.
@@ -41,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from interlace import shared_overlap
 from interlace.config import MoEConfig
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
@@ -130,6 +141,13 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeSparseMoeBlock": Family(_softmax_topk, _plain_logits, shared=_qwen2_shared),
     "DeepseekV3MoE": Family(_deepseek_v3, _fp32_logits, shared=_deepseek_shared),
     "DeepseekV2Moe": Family(_deepseek_v2, _fp32_logits, shared=_deepseek_shared),
+}
+
+# MoE blocks interlace does not take, with the reason (replace_moe_blocks raises it).
+UNSUPPORTED: dict[str, str] = {
+    "GptOssMLP": "gpt-oss experts add per-expert biases (gate_up and down) and a clamped SwiGLU "
+                 "((up + 1) * gate * sigmoid(1.702 * gate), clamped at 7) that interlace's expert kernels do not "
+                 "compute; see interlace.hf's module docstring",
 }
 
 
@@ -236,12 +254,19 @@ class InterlaceMoeBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
+        # The shared experts first, on a side stream on CUDA (MoEConfig.shared_overlap), beside
+        # the routing and the strategy on this stream; joined below (same sum as HF's).
+        shared = None if self.family.shared is None else shared_overlap.start(
+            self._shared, hidden_states, overlap=self.config.shared_overlap)
         _, weight, idx = self.gate(x)
         out = run_strategy(self.strategy, x, idx, weight, self.experts.gate_up_proj,
                            self.experts.down_proj).reshape(shape)
-        if self.family.shared is not None:
-            out = out + self.family.shared(self, hidden_states)
+        if shared is not None:
+            out = out + shared.join()
         return out
+
+    def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.family.shared(self, hidden_states)
 
     def set_strategy(self, name: str, **options) -> None:
         """Switch the strategy (on every rank alike); weights are untouched."""
@@ -283,6 +308,10 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
         if mesh.tp > 1:
             raise ValueError(f"replace_moe_blocks shards whole experts; a mesh with tp={mesh.tp} is not supported")
         group = mesh.ep_group
+    for name, module in model.named_modules():
+        if type(module).__name__ in UNSUPPORTED:
+            raise ValueError(f"{name or type(model).__name__}: {type(module).__name__} is not supported: "
+                             f"{UNSUPPORTED[type(module).__name__]}")
     targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in FAMILIES]
     if not targets:
         known = ", ".join(FAMILIES)

@@ -7,6 +7,7 @@ import weakref
 import torch
 from torch import nn
 
+from interlace import shared_overlap
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.config import MoEConfig
 from interlace.experts import GroupedExperts, SharedExpert
@@ -172,12 +173,14 @@ class MoELayer(nn.Module):
             again = seen is not None and seen[0]() is expert_indices and seen[1] == expert_indices._version
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
+        # The shared expert first, on a side stream on CUDA (config.shared_overlap): it runs while
+        # this stream routes and the strategy dispatches, computes and combines; joined below.
+        shared = None if self.shared is None else shared_overlap.start(
+            self.shared, x, overlap=self.config.shared_overlap)
         topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
         out = run_strategy(self.strategy, x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
-        if self.shared is not None:
-            # Beside the routed experts, on this rank's tokens, after the strategy: overlapping
-            # it with the dispatch on a side stream (Megatron's shared-expert overlap) is not done yet.
-            out = out + self.shared(x)
+        if shared is not None:
+            out = out + shared.join()
         if self.config.aux_loss_coef > 0 and self.training:
             aux = load_balance_loss(logits, topk_idx, self.config) * self.config.aux_loss_coef
             self.last_aux_loss = aux.detach()

@@ -167,3 +167,33 @@ def test_gloo_two_ranks_match_hf():
 def test_unknown_model_raises():
     with pytest.raises(ValueError, match="no transformers MoE block"):
         replace_moe_blocks(torch.nn.Linear(4, 4))
+
+
+def test_gpt_oss_raises_one_line():
+    """gpt-oss's expert biases and clamped SwiGLU are not in interlace's kernels: a clear refusal,
+    before any block is replaced."""
+    config = transformers.GptOssConfig(**{**_COMMON, "num_hidden_layers": 1}, intermediate_size=24,
+                                       num_local_experts=8, num_experts_per_tok=2, head_dim=8)
+    model = transformers.GptOssForCausalLM(config)
+    with pytest.raises(ValueError, match=r"GptOssMLP is not supported: .*expert biases.*clamped SwiGLU") as info:
+        replace_moe_blocks(model, strategy="sequential")
+    assert "\n" not in str(info.value)
+    assert type(model.model.layers[0].mlp).__name__ == "GptOssMLP"
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_shared_overlap_option_reaches_the_blocks(family):
+    """``shared_overlap=False`` (an MoEConfig field, through replace_moe_blocks' config changes)
+    turns the side stream off; on a CPU both give HF's logits, bit for bit the same."""
+    ref = build(family)
+    ids = token_batches(1)[0]
+    logits = []
+    for overlap in (True, False):
+        model = copy.deepcopy(ref)
+        replace_moe_blocks(model, strategy="sequential", shared_overlap=overlap)
+        assert all(block.config.shared_overlap is overlap for block in moe_blocks(model))
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(logits[0], logits[1])
+    with torch.no_grad():
+        assert rel_err(logits[0], ref(ids).logits) < TOL
