@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from interlace.config import MoEConfig
-from interlace.kernels.router_gemm import split_mm, split_mm_reference
+from interlace.kernels.router_gemm import split_mm, split_mm_op, split_mm_reference
 from interlace.kernels.router_topk import route_topk
 from interlace.kernels.rows import use_triton
 
@@ -58,6 +58,8 @@ def _mm_accumulate(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
 
 def _split_mm(a, b, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> torch.Tensor:
     if use_triton(a):
+        if torch.compiler.is_compiling():  # the kernel as an opaque op: Dynamo cannot trace its launch
+            return split_mm_op(a, b, pieces_a, pieces_b, out_dtype)
         return split_mm(a, b, pieces_a, pieces_b, out_dtype)
     return split_mm_reference(a, b, pieces_a, pieces_b, out_dtype)
 

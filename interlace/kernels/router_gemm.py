@@ -122,6 +122,21 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out
     return c
 
 
+@torch.library.custom_op("interlace::split_mm", mutates_args=())
+def split_mm_op(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`split_mm` as an opaque ``torch.library`` op, for ``torch.compile`` (Dynamo cannot
+    trace a Triton launch through :func:`interlace.kernels.launch.launch`); eager callers call
+    :func:`split_mm` itself. Not differentiable by itself: the router's autograd Function calls
+    it in its forward and backward."""
+    return split_mm(a, b, pieces_a, pieces_b, out_dtype)
+
+
+@split_mm_op.register_fake
+def _split_mm_fake(a, b, pieces_a, pieces_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def split_bf16(t: torch.Tensor, pieces: int = 3) -> torch.Tensor:
     """fp32 ``t`` as ``pieces`` bf16 pieces stacked on a new first dim (hi, mid, lo; with 3,
     ``t == hi + mid + lo`` exactly: only residuals below ~1e-38 are lost, and values past
