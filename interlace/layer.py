@@ -65,6 +65,9 @@ class MoELayer(nn.Module):
             ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"auto"``), optionally with its
             ``":arg"`` (``"pipelined:4"`` fixes the degree). A strategy that cannot run on
             ``device`` here says what it needs (``ValueError``) before any weight is built.
+            Default ``"auto"``: every rank runs the same strategy, the one measured fastest on
+            the first calls of each token-count bucket (decisions cached on disk; at world
+            size 1, ``sequential``); see :mod:`interlace.strategies.auto`.
         seed: every weight is a function of (seed, expert id); ranks agree without
             broadcasting and a single-process reference can rebuild the same weights.
         device: where parameters live (default: the current CUDA device, else CPU). A CUDA
@@ -87,7 +90,7 @@ class MoELayer(nn.Module):
         self,
         config: MoEConfig,
         group=None,
-        strategy: str = "sequential",
+        strategy: str = "auto",
         seed: int = 0,
         device: torch.device | str | None = None,
         strategy_options: dict | None = None,
