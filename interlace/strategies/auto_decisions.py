@@ -71,6 +71,8 @@ class Choice:
         if self.calibration_calls:
             text += f"; calibration {self.calibration_calls} calls, {self.calibration_ms:.1f} ms, " \
                     f"{self.overhead_ms:.1f} ms over the winner"
+        elif self.notes:
+            text += f"; {self.notes[0]}"
         return text + ")"
 
 
