@@ -43,7 +43,7 @@ Each candidate serves real calls (its output is the call's output; nothing runs 
 results are exactly that candidate's): one warm-up round, then ``samples`` timed rounds. A
 training call is timed forward + backward (marks on the output's and the inputs' gradients).
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
-under ``interlace.env.get().profile_dir / "decisions"`` per device key) and reused by later
+under the profile dir's ``decisions/``, one file per device key) and reused by later
 processes; a bucket between two measured ones takes their decision when both agree, else it is
 calibrated too. ``calibrate=False`` decides from the profile alone (:func:`choose_strategy`).
 

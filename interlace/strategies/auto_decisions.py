@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from interlace import env
 from interlace.config import MoEConfig
 from interlace.parallel.comm import ExpertParallel
-from interlace.planning.profile import shape_key
+from interlace.planning.profile import profile_dir, shape_key
 
 DECISIONS_VERSION = 1
 SOURCES = ("measured", "cached", "interpolated", "predicted")
@@ -87,7 +86,7 @@ class DecisionCache:
 
     def __init__(self, device_key: str, directory: Path | None = None):
         self.device_key = device_key
-        self.path = (directory or env.get().profile_dir / "decisions") / f"{device_key}.json"
+        self.path = (directory or profile_dir() / "decisions") / f"{device_key}.json"
         self._table: dict | None = None
 
     def _load(self) -> dict:
