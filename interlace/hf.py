@@ -235,6 +235,8 @@ class InterlaceMoeBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
+        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
         _, weight, idx = self.gate(x)
         out = self.strategy(x, idx, weight, self.experts.gate_up_proj, self.experts.down_proj).reshape(shape)
         if self.family.shared is not None:

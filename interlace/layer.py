@@ -174,6 +174,8 @@ class MoELayer(nn.Module):
             again = seen is not None and seen[0]() is expert_indices and seen[1] == expert_indices._version
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
+        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
         topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
         out = self.strategy(x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
         if self.shared is not None:

@@ -1,38 +1,40 @@
 """``auto``: every rank runs the same strategy on every call, the one measured fastest here.
 
-**Agreement (why ranks never diverge).** Each call, before anything else, every rank enqueues one
-``all_reduce(MAX)`` of its token count (:class:`~interlace.strategies.auto_decisions.TokenAgreement`;
-on NCCL it does not block the host). The strategy of call i is a function of values every rank
-holds identically, and of nothing rank-local:
+**Agreement (why ranks never diverge).** Each call, every rank posts one ``all_reduce(MAX)`` of
+its host-known token count on a CPU side channel: a gloo process group over the expert-parallel
+group's ranks, created once and shared by every layer over them (the EP group itself when it is
+gloo; :class:`~interlace.strategies.auto_decisions.TokenAgreement`). The post is asynchronous and
+the wait is on the host only: it never enters a GPU stream, so it never drains the GPU's queue.
+``MoELayer.forward`` posts it before the router runs (:meth:`Strategy.begin_call`), so the
+router's launches hide its latency; a call that nobody posted for posts itself. The strategy of a
+call is then a function of values every rank holds identically, and of nothing rank-local:
 
 * the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of the group's largest
-  token count of call i − 1 (the result posted one call earlier, read from pinned memory behind
-  an event that completed a whole layer call ago); the first call of a layer reads its own
-  result instead (it blocks once). ``mode`` is ``"fwdbwd"`` for a call that builds an autograd
-  graph, else ``"fwd"``: ranks must agree on it, as on anything else whose backward runs
-  collectives (a training step is the same program on every rank).
-* what to do for a key is decided once per process, by group rank 0, and broadcast
-  (``broadcast_object_list``, a blocking step once per new key, never in the steady state): the
-  cached decision or the candidates to calibrate. Ranks reading different cache files or
-  profiles therefore still agree.
+  token count of **this** call (agreed as above; zero tokens on some or all ranks included).
+  ``mode`` is ``"fwdbwd"`` for a call that builds an autograd graph, else ``"fwd"``: ranks must
+  agree on it, as on anything else whose backward runs collectives (a training step is the same
+  program on every rank).
+* what to do for a key is decided once per process, by group rank 0, and broadcast over the
+  side channel (a blocking step once per new key, never in the steady state): the cached
+  decision or the candidates to calibrate. Ranks reading different cache files or profiles
+  therefore still agree.
 * calibration serves the calls of a key from a fixed schedule (candidates round-robin); the
   position in it advances by one per call of that key, identically on every rank. After the
-  schedule, the next call of the key makes ONE ``all_reduce(MAX)`` of every candidate's local
-  median time, and every rank takes the argmin of the same vector (ties: candidate order).
+  schedule, the next call of the key makes ONE ``all_reduce(MAX)`` (side channel) of every
+  candidate's local median time, and every rank takes the argmin of the same vector (ties:
+  candidate order).
 
 Since the key sequence, the plan per key, the schedule position and the agreed times are equal
-on every rank, so is the strategy of every call, whatever each rank's own token count (zero
-included). Sub-strategies are built with fixed parameters (``pipelined:r`` with its degree, no
-per-rank ``"auto"``).
+on every rank, so is the strategy of every call, whatever each rank's own token count. Sub-strategies
+are built with fixed parameters (``pipelined:r`` with its degree, no per-rank ``"auto"``). Every
+wait is bounded (``agree_timeout_s``: a peer that never reaches the call raises, naming the rank).
 
-**Fused buffers.** ``fused`` / ``fused:train`` hold buffers for a fixed number of tokens per rank.
-With the ``capacity`` option they are sized to it once and never grow: the user promises that no
-rank passes more tokens (as with ``fused``'s ``max_tokens``), and fused calls need no host sync.
-Without it, a call that runs a fused path reads the group's largest count of *this* call (the
-result posted at its start: a host sync, paid only by fused calls and measured in their
-calibration times) and, where it exceeds the buffers, every rank grows them at that same call to
-the next power of two. (A lagged value cannot size buffers for the call in flight: one rank's count
-may jump past it while the others cannot know.)
+**Fused buffers.** ``fused`` / ``fused:train`` hold buffers for a fixed number of tokens per
+rank. They are sized from the agreed count of the call that needs them: where it exceeds them,
+every rank grows them at that same call to the next power of two (a device sync and a barrier,
+only at a growth). With the ``capacity`` option they are sized to it once and never grow (memory
+planning: the user promises no rank passes more tokens; a call that breaks it raises on every
+rank alike).
 
 **Calibration.** For a key with no decision, the candidates come from the performance model
 (:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
@@ -40,12 +42,22 @@ may jump past it while the others cannot know.)
 (training calls, unless ``train_fused=False`` or its buffers exceed ``memory_cap``); the model
 orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
 Each candidate serves real calls (its output is the call's output; nothing runs twice, so
-results are exactly that candidate's): one warm-up round, then ``samples`` timed rounds. A
-training call is timed forward + backward (marks on the output's and the inputs' gradients).
+results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds.
+A training call is timed forward + backward (marks on the output's and the inputs' gradients).
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
-under the profile dir's ``decisions/``, one file per device key) and reused by later
-processes; a bucket between two measured ones takes their decision when both agree, else it is
-calibrated too. ``calibrate=False`` decides from the profile alone (:func:`choose_strategy`).
+under the profile dir's ``decisions/``, one file per device key, above the decisions shipped
+for the presets) and reused by later processes; a bucket between two measured ones takes their
+decision when both agree, else it is calibrated too. ``calibrate=False`` decides from the
+profile alone (:func:`choose_strategy`).
+
+**CUDA graph capture.** Inside a user's ``torch.cuda.graph`` around the layer, the agreement runs
+on the host at capture time only (the replays repeat the captured strategy at the captured token
+count, which a graph fixes anyway); a key still undecided is not calibrated while capturing (its
+timing events cannot be read inside a capture, and the graph would freeze one candidate): the
+model's first candidate runs, nothing is recorded, and the key is calibrated by later eager
+calls. Fused buffers cannot grow inside a capture: warm the layer up eagerly with the largest
+count first, or set ``capacity``. (The fused strategy's own graphs, :mod:`interlace.strategies.graphs`,
+are its business: ``auto`` only calls it.)
 
 **Explain.** ``layer.strategy.choices[(bucket, mode)]`` is a
 :class:`~interlace.strategies.auto_decisions.Choice` (what, measured or predicted, candidates'
@@ -169,12 +181,15 @@ class AutoOptions:
     warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones
     samples: int = 3  # timed rounds; the median of each candidate's samples is what ranks agree on
     cache: bool = True  # read and write the decision cache under the profile dir
+    agree_timeout_s: float = 300.0  # bound on every wait of the agreement (a peer that never comes raises)
 
     def __post_init__(self):
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
             raise ValueError(f"auto: capacity must be a positive int or None, got {self.capacity!r}")
         if self.warmup < 0 or self.samples < 1:
             raise ValueError(f"auto: warmup must be ≥ 0 and samples ≥ 1, got {self.warmup}, {self.samples}")
+        if not self.agree_timeout_s > 0:
+            raise ValueError(f"auto: agree_timeout_s must be > 0, got {self.agree_timeout_s}")
         if self.prune_ratio < 1:
             raise ValueError(f"auto: prune_ratio must be ≥ 1, got {self.prune_ratio}")
         for spec in self.candidates or ():
@@ -215,7 +230,9 @@ class AutoStrategy(Strategy):
         self._keys: dict[tuple[int, str], _KeyState] = {}
         self._impls: dict[str, Strategy] = {}
         self._fused_tokens = opts.capacity or 0  # agreed tokens per rank the fused buffers hold
-        self._agree = TokenAgreement(ep)
+        # The side channel is made here, where every rank builds the layer alike (a collective).
+        distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
+        self._agree = TokenAgreement(ep, opts.agree_timeout_s) if distributed else None
         self._cache: DecisionCache | None = None
         self._shape = decision_shape(config, ep.world)
         self._warned = False
@@ -288,7 +305,8 @@ class AutoStrategy(Strategy):
             if self.ep.world > 1:
                 box = [plan]
                 # NOTE: blocking, once per new key per process (never in the steady state).
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.ep.group, 0), group=self.ep.group)
+                group = self._agree.group
+                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
                 plan = box[0]
             if "error" in plan:
                 raise RuntimeError(f"auto: deciding {key} failed on group rank 0: {plan['error']}")
@@ -325,10 +343,10 @@ class AutoStrategy(Strategy):
                 if not warm:
                     times.append(ms)
             local.append(statistics.median(times) if times else math.inf)
-        vec = torch.tensor(local + [total], dtype=torch.float64, device=self.ep.collective_device())
-        if self.ep.world > 1:
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.ep.group)
-        agreed = vec.tolist()  # NOTE: a host sync, once per calibrated key
+        vec = torch.tensor(local + [total], dtype=torch.float64)
+        if self.ep.world > 1:  # on the side channel: host values, no GPU stream involved
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self._agree.group)
+        agreed = vec.tolist()
         times, total = agreed[:-1], agreed[-1]
         best = min(range(len(cands)), key=lambda i: (times[i], i))
         calls = len(state.schedule)
@@ -341,20 +359,29 @@ class AutoStrategy(Strategy):
             self._cache.store(self._shape, key[1], key[0], choice)
 
     # -- strategies -----------------------------------------------------------------------------
-    def _impl(self, spec: str) -> Strategy:
+    def _impl(self, spec: str, agreed: int) -> Strategy:
+        """The sub-strategy ``spec``; a fused one with buffers for ``agreed`` tokens per rank
+        (the group's largest count of this call, the same number on every rank)."""
         impl = self._impls.get(spec)
         if spec in FUSED_SPECS:
-            need = self.options.capacity
-            if need is None:
-                need = max(1, self._agree.current())  # NOTE: host sync (fused calls without a capacity)
-                if need > self._fused_tokens:
-                    self._fused_tokens = token_bucket(need)  # every rank grows here: same agreed value
+            cap = self.options.capacity
+            if cap is not None and agreed > cap:
+                raise ValueError(f"auto: a rank passed {agreed} tokens, over capacity={cap} (the fused buffers' "
+                                 f"fixed size); raise capacity or leave it None to grow the buffers")
+            need = cap or max(1, agreed)
+            if need > self._fused_tokens:
+                self._fused_tokens = cap or token_bucket(need)  # every rank grows here: same agreed value
             if impl is None or impl.max_tokens < need:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"auto: {spec}'s buffers must grow to {self._fused_tokens} tokens per rank "
+                                       f"inside a CUDA graph capture; run the layer eagerly with the largest "
+                                       f"count first, or set the capacity option")
                 if impl is not None and impl.buf is not None:
-                    # The old buffers are freed below: no peer may still write into them.
+                    # NOTE: a device sync and a barrier, only where the buffers grow: the old ones
+                    # are freed below, and no peer may still write into them.
                     impl.synchronize_and_check()
                     if self.ep.world > 1:
-                        dist.barrier(group=self.ep.group)
+                        dist.barrier(group=self._agree.group)
                 impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=self._fused_tokens)
         elif impl is None:
             impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
@@ -365,30 +392,46 @@ class AutoStrategy(Strategy):
         ``mode``, or None while it is not decided."""
         return self.choices.get((token_bucket(tokens), mode))
 
+    def begin_call(self, num_tokens: int) -> None:
+        """Post this call's token-count agreement (before the router runs, to hide its latency)."""
+        if self._agree is not None:
+            self._agree.post(num_tokens)
+
+    def _agreed_tokens(self, tokens: int) -> int:
+        agree = self._agree
+        posted = agree.posted_tokens
+        if posted is None:
+            agree.post(tokens)
+        agreed = agree.wait()
+        if posted is not None and posted != tokens:  # after the wait: every rank's sequence stays in step
+            raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
+        return agreed
+
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
         mode = "fwdbwd" if needs_grad else "fwd"
-        if self.ep.world == 1:
+        if self._agree is None:
             key = (token_bucket(x.shape[0]), mode)
             if key not in self.choices:
                 self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
-            return self._impl("sequential")(x, topk_idx, topk_weight, w_up, w_down)
-        first = self._agree.calls == 0
-        self._agree.post(x.shape[0])
-        agreed = self._agree.current() if first else self._agree.previous()
+            return self._impl("sequential", x.shape[0])(x, topk_idx, topk_weight, w_up, w_down)
+        agreed = self._agreed_tokens(x.shape[0])
         key = (token_bucket(agreed), mode)
         state = self._key_state(key, x.device)
-        clock = Clock(x.device)
-        if state.choice is None and state.pos == len(state.schedule):
-            self._decide(key, state, clock)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if state.choice is None and state.pos == len(state.schedule) and not capturing:
+            self._decide(key, state, Clock(x.device))
         if state.choice is not None:
-            return self._impl(state.choice.spec)(x, topk_idx, topk_weight, w_up, w_down)
+            return self._impl(state.choice.spec, agreed)(x, topk_idx, topk_weight, w_up, w_down)
+        if capturing:  # nothing timed or recorded inside a capture (see the module doc)
+            return self._impl(state.plan["candidates"][0], agreed)(x, topk_idx, topk_weight, w_up, w_down)
         # A calibration call: the scheduled candidate serves it, timed.
+        clock = Clock(x.device)
         c = state.schedule[state.pos]
         warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
         state.pos += 1
         marks = [clock.mark()]
-        impl = self._impl(state.plan["candidates"][c])
+        impl = self._impl(state.plan["candidates"][c], agreed)
         if needs_grad:
             marks += [None, None, None]
 

@@ -1,6 +1,6 @@
 """What ``auto`` decided, and where it keeps it: :class:`Choice` records, the on-disk
-:class:`DecisionCache`, token buckets, the lagged token-count agreement and the timing marks of
-calibration calls. The protocol that uses them is described in :mod:`interlace.strategies.auto`.
+:class:`DecisionCache`, token buckets, the token-count agreement over a CPU side channel and the
+timing marks of calibration calls. The protocol that uses them is described in :mod:`interlace.strategies.auto`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+from datetime import timedelta
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,34 +76,51 @@ class Choice:
         return text + ")"
 
 
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning" / "decisions"
+
+
+def read_decisions(path: Path) -> dict:
+    """The ``decisions`` table of a decisions file, {} where it is missing, unreadable or of
+    another version."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("decisions", {}) if data.get("version") == DECISIONS_VERSION else {}
+
+
 class DecisionCache:
     """Measured decisions of one device key, as JSON at ``<profile dir>/decisions/<key>.json``:
 
         {"version": 1, "device_key": ..., "decisions": {"<shape>/<mode>": {"<bucket>": Choice}}}
 
-    Only measured decisions are stored (as ``"cached"`` once read back). Writes replace the
-    file atomically; a decision lost to two processes writing at once is measured again.
+    Beneath the user's file lie the decisions shipped with interlace for the presets
+    (``interlace/tuning/decisions/<key>.json``, written by ``benchmarks/auto_grid.py
+    --ship``): a bucket the user's file holds wins. Only measured decisions are stored (as
+    ``"cached"`` once read back), only into the user's file. Writes replace the file
+    atomically; a decision lost to two processes writing at once is measured again.
     """
 
-    def __init__(self, device_key: str, directory: Path | None = None):
+    def __init__(self, device_key: str, directory: Path | None = None, shipped_dir: Path | None = SHIPPED_DIR):
         self.device_key = device_key
         self.path = (directory or profile_dir() / "decisions") / f"{device_key}.json"
+        self.shipped_path = None if shipped_dir is None else Path(shipped_dir) / f"{device_key}.json"
         self._table: dict | None = None
+        self._shipped: dict | None = None
 
     def _load(self) -> dict:
         if self._table is None:
-            self._table = {}
-            if self.path.exists():
-                try:
-                    data = json.loads(self.path.read_text())
-                except (OSError, ValueError):
-                    data = {}
-                if data.get("version") == DECISIONS_VERSION:
-                    self._table = data.get("decisions", {})
+            self._table = read_decisions(self.path)
         return self._table
 
+    def _load_shipped(self) -> dict:
+        if self._shipped is None:
+            self._shipped = {} if self.shipped_path is None else read_decisions(self.shipped_path)
+        return self._shipped
+
     def measured(self, shape: str, mode: str) -> dict[int, Choice]:
-        return {int(b): Choice.from_json(c) for b, c in self._load().get(f"{shape}/{mode}", {}).items()}
+        rows = {**self._load_shipped().get(f"{shape}/{mode}", {}), **self._load().get(f"{shape}/{mode}", {})}
+        return {int(b): Choice.from_json(c) for b, c in rows.items()}
 
     def lookup(self, shape: str, mode: str, bucket: int) -> Choice | None:
         """The decision for ``bucket``: stored for it (``"cached"``), or the one that both the
@@ -136,46 +154,78 @@ class DecisionCache:
             pass  # a read-only profile dir: the decision still holds for this process
 
 
-class TokenAgreement:
-    """The group's largest token count per call, agreed with a lag (one small all-reduce per call).
+_SIDE_CHANNELS: dict[tuple, dist.ProcessGroup] = {}
 
-    :meth:`post` enqueues ``all_reduce(MAX)`` of this rank's count; on NCCL it does not block the
-    host (the result is copied to pinned host memory behind a CUDA event). :meth:`previous`
-    reads the result posted at the call before (that event has long completed: a whole layer
-    call ran since), :meth:`current` the one just posted (a host sync on NCCL). Every rank posts
-    once per call in the same order, so the i-th result is the same number on every rank.
+
+def group_backend(group) -> str:
+    """``group``'s backend name (a seam for tests, which fake a non-gloo group on the CPU)."""
+    return dist.get_backend(group)
+
+
+def side_channel(ep: ExpertParallel, timeout_s: float) -> dist.ProcessGroup:
+    """The CPU (gloo) process group ``auto`` agrees on for ``ep``'s group: the group itself when
+    it is gloo, else one gloo group per rank tuple, created once and shared by every layer over
+    those ranks. Creating it is a collective of the group's ranks (of every rank when the group
+    is the whole world): call it on each of them alike, as when building the layer."""
+    if group_backend(ep.group) == "gloo":
+        return ep.group
+    ranks = tuple(dist.get_process_group_ranks(ep.group))
+    key = (id(dist.group.WORLD), ranks)  # a re-initialized default group gets fresh side channels
+    group = _SIDE_CHANNELS.get(key)
+    if group is None:
+        whole = len(ranks) == dist.get_world_size()
+        group = _SIDE_CHANNELS[key] = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                                     use_local_synchronization=not whole)
+    return group
+
+
+class TokenAgreement:
+    """The group's largest token count of the current call, agreed over a CPU side channel.
+
+    :meth:`post` starts ``all_reduce(MAX)`` of this rank's (host-known) count on the gloo group
+    of :func:`side_channel`, asynchronously; :meth:`wait` waits for it on the host. Neither
+    touches a GPU stream, so the agreement never drains the GPU's queue: posting it before the
+    router runs (``Strategy.begin_call``) hides its latency under the router's launches. Every
+    rank posts once per call in the same order, so the i-th result is the same on every rank.
+    Waits are bounded by ``timeout_s`` (a peer that never posts raises instead of hanging).
     """
 
-    def __init__(self, ep: ExpertParallel):
+    def __init__(self, ep: ExpertParallel, timeout_s: float = 300.0):
         self.ep = ep
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = side_channel(ep, timeout_s)
         self.calls = 0
-        self._slots: list = [None, None]  # (host value tensor, event or None) of the last two calls
+        self._pending: tuple | None = None  # (value tensor, work, this rank's count) of the posted call
+
+    @property
+    def posted(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def posted_tokens(self) -> int | None:
+        return None if self._pending is None else self._pending[2]
 
     def post(self, tokens: int) -> None:
-        device = self.ep.collective_device()
-        value = torch.full((1,), int(tokens), dtype=torch.int64, device=device)  # a fill: no H2D copy
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.ep.group)
-        event = None
-        if device.type == "cuda":
-            host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            host.copy_(value, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            value = host
-        self._slots[self.calls % 2] = (value, event)
+        if self._pending is not None:
+            # A post whose call never came (an exception between, on every rank alike): consumed
+            # here so that this rank's sequence of results stays the group's.
+            self.wait()
+        value = torch.tensor([int(tokens)], dtype=torch.int64)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (value, work, int(tokens))
+
+    def wait(self) -> int:
+        """The group's largest count of the posted call (a host wait on the CPU collective)."""
+        value, work, _ = self._pending
+        self._pending = None
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as err:
+            raise RuntimeError(f"auto: the token-count agreement failed or timed out after {self.timeout} on rank "
+                               f"{self.ep.rank} of {self.ep.world} (a peer did not reach this layer call?): {err}"
+                               ) from err
         self.calls += 1
-
-    def _read(self, slot) -> int:
-        value, event = slot
-        if event is not None:
-            event.synchronize()  # NOTE: a host sync only where the event has not completed yet
-        return int(value.item())
-
-    def current(self) -> int:
-        return self._read(self._slots[(self.calls - 1) % 2])
-
-    def previous(self) -> int:
-        return self._read(self._slots[(self.calls - 2) % 2])
+        return int(value.item())  # a CPU tensor: no device sync
 
 
 class Clock:

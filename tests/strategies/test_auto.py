@@ -35,8 +35,8 @@ def _spy(layer, log):
     strategy = layer.strategy
     make = strategy._impl
 
-    def impl(spec):
-        inner = make(spec)
+    def impl(spec, agreed):
+        inner = make(spec, agreed)
 
         def call(*args):
             log.append(spec)
@@ -71,10 +71,12 @@ def _uneven_calls(rank, world, tmp):
     sequences = [[1] + [0] * (world - 1), [0] * world, [5, 0, 17, 3][:world], [40, 1, 0, 9][:world],
                  [3] * world, [0, 33, 2, 8][:world], [64, 64, 1, 0][:world], [7, 0, 0, 0][:world],
                  [2, 3, 4, 5][:world], [1, 0, 0, 1][:world]]
-    for counts in sequences:
+    # Keys follow each call's agreed largest count: four passes give every bucket of the sequence
+    # (1, 0, 32, 64, 4, 64, 64, 8, 8, 1) calls enough to finish its calibration in some mode.
+    for i, counts in enumerate(sequences * 4):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         gs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
-        training = len(ran) % 3 == 2
+        training = i % 4 == 3
         if training:
             x = xs[rank].clone().requires_grad_()
             out = layer(x)
@@ -162,32 +164,98 @@ def test_calibration_outputs_and_cache_round_trip(tmp_path):
 
 
 def _fused_calibration(rank, world, tmp):
-    """With the fused path among the candidates (the Triton interpreter): the fused buffers grow
-    at agreed points only, and uneven counts still run one strategy everywhere with right outputs."""
+    """With the fused path among the candidates (the Triton interpreter): keys follow this call's
+    agreed largest count, the fused buffers grow at agreed points only (every rank at the same
+    call), and uneven counts still run one strategy everywhere with right outputs."""
     _set_profile_dir(tmp)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
                      strategy_options={"candidates": ("sequential", "fused"), "warmup": 0, "samples": 1,
                                        "cache": False})
     layer.strategy.measure_override = lambda spec, ms: 1.0 if spec == "fused" else 2.0
-    ran = []
+    ran, sizes = [], []
     _spy(layer, ran)
     g = torch.Generator().manual_seed(2)
-    # Keys follow the previous call's largest count: all of these but the last are bucket 4; the
-    # fused buffers grow at the calls whose largest count (this call's, agreed) exceeds them.
-    for counts in ([3, 0], [3, 1], [1, 3], [4, 0], [0, 30], [2, 2]):
+    # bucket 4: sequential, fused (buffers for 4), then fused decided; bucket 32: sequential, fused
+    # (its buffers grow to 32 on both ranks at that call); bucket 2: sequential, fused (no growth).
+    for counts in ([3, 0], [1, 3], [4, 0], [0, 30], [17, 2], [2, 2], [2, 1]):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         outs = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0]
         with torch.no_grad():
             out = layer(xs[rank])
         assert counts[rank] == 0 or rel_err(out, outs[rank]) < 2e-6, counts
+        impl = layer.strategy._impls.get("fused")
+        sizes.append(None if impl is None else impl.max_tokens)
     assert _gather_lists(ran)[0] == ran
-    assert ran[:5] == ["sequential", "fused", "fused", "fused", "fused"], (ran, layer.strategy.choices)
+    assert ran == ["sequential", "fused", "fused", "sequential", "fused", "sequential", "fused"], ran
+    assert sizes == [None, 4, 4, 4, 32, 32, 32], sizes
     assert layer.strategy.choices[(4, "fwd")].spec == "fused"
-    assert layer.strategy._impls["fused"].max_tokens == 32
 
 
 def test_fused_candidate_uneven_counts(tmp_path):
     run_gloo(_fused_calibration, 2, str(tmp_path))
+
+
+def _side_channel_paths(rank, world, tmp):
+    """The agreement's paths: posted by the layer before routing, or by the strategy's own call
+    (a caller that skips begin_call); a wrong announced count raises after the agreement (ranks
+    stay in step); the side channel of a non-gloo group is one gloo group per rank tuple, shared
+    by layers (here two EP subgroups of 4 ranks, the backend faked as NCCL); a peer that never
+    comes raises within the timeout."""
+    import torch.distributed as dist
+
+    from interlace.strategies import auto_decisions
+
+    _set_profile_dir(tmp)
+    g = torch.Generator().manual_seed(11 + rank)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options={"candidates": CANDS})
+    strategy = layer.strategy
+    xs = [torch.randn(5 + r, CFG.hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ref = reference_grads(CFG, 3, xs, [torch.zeros_like(t) for t in xs])[0][rank]
+    x = xs[rank]
+    with torch.no_grad():
+        idx, w, _ = layer.router(x, None, fused=True)
+        direct = strategy(x, idx, w, layer.experts.w_up, layer.experts.w_down)  # posts for itself
+        assert strategy._agree.calls == 1 and not strategy._agree.posted
+        via_layer = layer(x)  # posted by begin_call, before the router
+        assert rel_err(direct, ref) < 2e-6 and rel_err(via_layer, ref) < 2e-6
+        assert strategy._agree.calls == 2 and not strategy._agree.posted
+        strategy.begin_call(x.shape[0] + 1)
+        with pytest.raises(RuntimeError, match=f"announced {x.shape[0] + 1} tokens"):
+            strategy(x, idx, w, layer.experts.w_up, layer.experts.w_down)
+        assert strategy._agree.calls == 3 and not strategy._agree.posted
+    # Two EP subgroups {0, 1} and {2, 3}; their backend faked as NCCL: each gets one gloo side
+    # channel, shared by both layers over it.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    real = auto_decisions.group_backend
+    auto_decisions.group_backend = lambda grp: "nccl" if grp in groups else real(grp)
+    try:
+        a = MoELayer(CFG, group=mine, strategy="auto", seed=3, device="cpu", strategy_options={"candidates": CANDS})
+        b = MoELayer(CFG, group=mine, strategy="auto", seed=4, device="cpu", strategy_options={"candidates": CANDS})
+    finally:
+        auto_decisions.group_backend = real
+    assert a.strategy._agree.group is b.strategy._agree.group and a.strategy._agree.group is not mine
+    counts = [[3, 0], [9, 1]][rank // 2]
+    xs = [torch.randn(t, CFG.hidden, generator=torch.Generator().manual_seed(t)) for t in counts]
+    for lay, seed in ((a, 3), (b, 4)):
+        ref = reference_grads(CFG, seed, xs, [torch.zeros_like(t) for t in xs])[0][rank % 2]
+        for _ in range(3):
+            with torch.no_grad():
+                out = lay(xs[rank % 2])
+            assert counts[rank % 2] == 0 or rel_err(out, ref) < 2e-6
+    assert a.strategy._agree.calls == 3 and set(a.strategy.choices) <= {(4, "fwd"), (16, "fwd")}
+    # A peer that never comes: rank 0's wait raises within the timeout, naming itself.
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        lay = MoELayer(CFG, group=pair, strategy="auto", seed=3, device="cpu",
+                       strategy_options={"candidates": CANDS, "agree_timeout_s": 2.0})
+        if rank == 0:
+            with pytest.raises(RuntimeError, match="rank 0 of 2"), torch.no_grad():
+                lay(torch.randn(4, CFG.hidden, generator=g))
+
+
+def test_side_channel_paths_4_ranks(tmp_path):
+    run_gloo(_side_channel_paths, 4, str(tmp_path))
 
 
 def test_prior_prunes_far_slower_candidates():
