@@ -167,3 +167,12 @@ def test_gloo_two_ranks_match_hf():
 def test_unknown_model_raises():
     with pytest.raises(ValueError, match="no transformers MoE block"):
         replace_moe_blocks(torch.nn.Linear(4, 4))
+
+
+def test_default_strategy_is_auto():
+    """Issue 32: the adapter's default strategy is auto, as MoELayer's."""
+    from interlace.hf import moe_blocks
+
+    model = build("mixtral")
+    replace_moe_blocks(model)
+    assert moe_blocks(model) and all(b.strategy.name == "auto" for b in moe_blocks(model))
