@@ -72,14 +72,15 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
 from interlace.planning.profile import as_profile, machine_key, shape_key
-from interlace.strategies.auto_decisions import (BackwardMark, Choice, Clock, DecisionCache, TokenAgreement,
-                                                 decision_shape, token_bucket)
+from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
+                                                 TokenAgreement, decision_shape, token_bucket)
 from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
@@ -181,6 +182,8 @@ class AutoOptions:
     warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones
     samples: int = 3  # timed rounds; the median of each candidate's samples is what ranks agree on
     cache: bool = True  # read and write the decision cache under the profile dir
+    decisions_dir: str | None = None  # the decision cache's folder instead of <profile dir>/decisions
+    shipped_decisions: bool = True  # read the decisions shipped for the presets beneath the cache
     agree_timeout_s: float = 300.0  # bound on every wait of the agreement (a peer that never comes raises)
 
     def __post_init__(self):
@@ -241,7 +244,10 @@ class AutoStrategy(Strategy):
     # -- what a key runs ------------------------------------------------------------------------
     def _device_cache(self, device: torch.device) -> DecisionCache | None:
         if self.options.cache and self._cache is None:
-            self._cache = DecisionCache(machine_key(self.ep.world, device))
+            opts = self.options
+            self._cache = DecisionCache(machine_key(self.ep.world, device),
+                                        Path(opts.decisions_dir) if opts.decisions_dir else None,
+                                        SHIPPED_DIR if opts.shipped_decisions else None)
         return self._cache
 
     def _plan(self, key, device) -> dict:

@@ -322,3 +322,19 @@ def test_default_strategy_is_auto_and_logs_its_decision(caplog):
     assert layer.strategy.choices[(8, "fwdbwd")].spec == "sequential"
     assert any("world size 1" in r.getMessage() for r in caplog.records)
     assert shape_key(CFG, 1) in caplog.records[0].getMessage()
+
+
+def test_shipped_decisions_lie_beneath_the_users(tmp_path):
+    """Decisions shipped for the presets are read beneath the user's cache: a bucket the user's
+    file holds wins, one only shipped is used, and stores go to the user's file alone."""
+    ship = DecisionCache("dev", tmp_path / "ship", shipped_dir=None)
+    ship.store("S", "fwd", 64, Choice("fused", "measured"))
+    ship.store("S", "fwd", 128, Choice("fused", "measured"))
+    user = DecisionCache("dev", tmp_path / "user", shipped_dir=tmp_path / "ship")
+    assert user.lookup("S", "fwd", 64).spec == "fused" and user.lookup("S", "fwd", 64).source == "cached"
+    user.store("S", "fwd", 64, Choice("sequential", "measured"))
+    again = DecisionCache("dev", tmp_path / "user", shipped_dir=tmp_path / "ship")
+    assert again.lookup("S", "fwd", 64).spec == "sequential" and again.lookup("S", "fwd", 128).spec == "fused"
+    shipped = json.loads((tmp_path / "ship" / "dev.json").read_text())["decisions"]["S/fwd"]
+    assert shipped["64"]["spec"] == "fused"  # untouched by the user's store
+    assert DecisionCache("dev", tmp_path / "user", shipped_dir=None).lookup("S", "fwd", 128) is None
