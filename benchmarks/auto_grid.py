@@ -262,6 +262,18 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def job_key(row: dict):
+    """What a row answers: a preset's name, or a grid row's (shape, tokens, mode)."""
+    return row["config"] if row["kind"] == "preset" else (tuple(row["shape"]), row["tokens"], row["mode"])
+
+
 def plan(args) -> None:
     """Estimated compute of each part at ACHIEVED_TFLOPS (calls per row as the run makes them)."""
     total = 0.0
@@ -297,6 +309,7 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=3e-2, help="max relative error vs sequential (bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-presets", action="store_true")
+    p.add_argument("--resume", action="store_true", help="keep OUT/rows.jsonl and run only the jobs it lacks")
     p.add_argument("--ship", action="store_true", help="keep the presets' new decisions in OUT/ship/")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes and token counts (CPU, gloo)")
     p.add_argument("--plan", action="store_true", help="print the estimated compute per part and exit")
@@ -324,12 +337,19 @@ def main(argv=None) -> None:
     jobs = [("grid", s, t, m) for s in shapes for m in MODES for t in args.tokens]
     jobs += [("preset", name, None, None) for name in (PRESETS if last else [])]
     rows_path = os.path.join(args.out, "rows.jsonl")
+    done = load_rows(rows_path) if args.resume else []
+    if done:  # a run cut short by its budget: go on where it stopped (every rank reads the same file)
+        have = {job_key(r) for r in done}
+        jobs = [j for j in jobs if (j[1] if j[0] == "preset" else tuple(j[1:])) not in have]
     if env.rank == 0:
         print(f"# auto_grid part {args.part}: {len(shapes)} shapes × {len(args.tokens)} token counts × 2 modes"
               f"{' + ' + str(len(PRESETS)) + ' presets' if last else ''}, world {env.world}, "
               f"{torch.cuda.get_device_name() if env.cuda else 'cpu'}", flush=True)
-        open(rows_path, "w").close()
-    rows, skipped, layer = [], 0, None
+        if not args.resume:
+            open(rows_path, "w").close()
+        elif done:
+            print(f"# resuming: {len(done)} rows in {rows_path}, {len(jobs)} jobs left", flush=True)
+    rows, skipped, layer = list(done), 0, None
     for i, (kind, what, tokens, mode) in enumerate(jobs):
         if reduce_max(env, time.perf_counter() - start) > args.budget_s:  # every rank stops at the same job
             skipped = len(jobs) - i
