@@ -254,6 +254,8 @@ class InterlaceMoeBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
+        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
         # The shared experts first, on a side stream on CUDA (MoEConfig.shared_overlap), beside
         # the routing and the strategy on this stream; joined below (same sum as HF's).
         shared = None if self.family.shared is None else shared_overlap.start(

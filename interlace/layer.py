@@ -67,6 +67,9 @@ class MoELayer(nn.Module):
             ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"auto"``), optionally with its
             ``":arg"`` (``"pipelined:4"`` fixes the degree). A strategy that cannot run on
             ``device`` here says what it needs (``ValueError``) before any weight is built.
+            Default ``"auto"``: every rank runs the same strategy, the one measured fastest on
+            the first calls of each token-count bucket (decisions cached on disk; at world
+            size 1, ``sequential``); see :mod:`interlace.strategies.auto`.
         seed: every weight is a function of (seed, expert id); ranks agree without
             broadcasting and a single-process reference can rebuild the same weights.
         device: where parameters live (default: the current CUDA device, else CPU). A CUDA
@@ -89,7 +92,7 @@ class MoELayer(nn.Module):
         self,
         config: MoEConfig,
         group=None,
-        strategy: str = "sequential",
+        strategy: str = "auto",
         seed: int = 0,
         device: torch.device | str | None = None,
         strategy_options: dict | None = None,
@@ -173,6 +176,8 @@ class MoELayer(nn.Module):
             again = seen is not None and seen[0]() is expert_indices and seen[1] == expert_indices._version
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
+        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
         # The shared expert first, on a side stream on CUDA (config.shared_overlap): it runs while
         # this stream routes and the strategy dispatches, computes and combines; joined below.
         shared = None if self.shared is None else shared_overlap.start(

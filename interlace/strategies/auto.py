@@ -1,56 +1,105 @@
-"""``auto``: per token count, run the strategy the planner predicts fastest on this machine.
+"""``auto``: every rank runs the same strategy on every call, the one measured fastest here.
 
-For each distinct token count T and call mode (once; cached) the strategy asks the planner with
-the local performance profile (``interlace profile``; looked up by machine key like
-``pipelined``'s, or the ``profile=`` path/object given) which of the registered strategies to
-run:
+**Agreement (why ranks never diverge).** Each call, every rank posts one ``all_reduce(MAX)`` of
+its host-known token count on a CPU side channel: a gloo process group over the expert-parallel
+group's ranks, created once and shared by every layer over them (the EP group itself when it is
+gloo; :class:`~interlace.strategies.auto_decisions.TokenAgreement`). The post is asynchronous and
+the wait is on the host only: it never enters a GPU stream, so it never drains the GPU's queue.
+``MoELayer.forward`` posts it before the router runs (:meth:`Strategy.begin_call`), so the
+router's launches hide its latency; a call that nobody posted for posts itself. The strategy of a
+call is then a function of values every rank holds identically, and of nothing rank-local:
 
-* ``sequential`` or ``pipelined`` with a degree r (``interlace.planning.pipemoe.degree.choose_degree``: the
-  calibrated op-level model, leaving r = 1 only for a gain larger than the model's own error),
-  planned on the forward + backward prediction for a call whose backward will run (autograd
-  graph) and on the forward one otherwise;
-* ``fused`` for a forward-only call where the profile *measured* the fused forward beside
-  sequential's for this exact shape class (``ShapeProfile.fused``, interpolated over T·k) and
-  the predicted time beats the best of the above by more than ``FUSED_MARGIN``;
-* ``fused:train`` (the fused kernels forward and backward) for a training call, likewise from
-  measured ``fused:train`` / ``sequential`` forward + backward pairs (``ShapeProfile.fused_train``).
-  It wins on some shapes and token counts and loses on others, so only measurements decide. It
-  holds more memory than ``sequential`` (``docs/performance.md``): ``train_fused=False`` keeps
-  training calls off it.
+* the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of the group's largest
+  token count of **this** call (agreed as above; zero tokens on some or all ranks included).
+  ``mode`` is ``"fwdbwd"`` for a call that builds an autograd graph, else ``"fwd"``: ranks must
+  agree on it, as on anything else whose backward runs collectives (a training step is the same
+  program on every rank).
+* what to do for a key is decided once per process, by group rank 0, and broadcast over the
+  side channel (a blocking step once per new key, never in the steady state): the cached
+  decision or the candidates to calibrate. Ranks reading different cache files or profiles
+  therefore still agree.
+* calibration serves the calls of a key from a fixed schedule (candidates round-robin); the
+  position in it advances by one per call of that key, identically on every rank. After the
+  schedule, the next call of the key makes ONE ``all_reduce(MAX)`` (side channel) of every
+  candidate's local median time, and every rank takes the argmin of the same vector (ties:
+  candidate order).
 
-Strategies the profile has no measurements for are not chosen: the planner would only be
-guessing. Without a profile (e.g. CPU gloo ranks) it runs ``sequential`` and warns once.
+Since the key sequence, the plan per key, the schedule position and the agreed times are equal
+on every rank, so is the strategy of every call, whatever each rank's own token count. Sub-strategies
+are built with fixed parameters (``pipelined:r`` with its degree, no per-rank ``"auto"``). Every
+wait is bounded (``agree_timeout_s``: a peer that never reaches the call raises, naming the rank).
 
-Contract (as ``pipelined:auto``): every rank of the expert-parallel group must call the layer
-with the same T and mode, so that all ranks reach the same choice (the choice is a
-deterministic function of config, T, mode, world size and profile). ``pipelined`` carries every
-rank's degree in its count exchange and raises on a disagreement. ``layer.strategy.choices``
-records what was chosen, keyed by ``(T, mode)``.
+**Fused buffers.** ``fused`` / ``fused:train`` hold buffers for a fixed number of tokens per
+rank. They are sized from the agreed count of the call that needs them: where it exceeds them,
+every rank grows them at that same call to the next power of two (a device sync and a barrier,
+only at a growth). With the ``capacity`` option they are sized to it once and never grow (memory
+planning: the user promises no rank passes more tokens; a call that breaks it raises on every
+rank alike).
+
+**Calibration.** For a key with no decision, the candidates come from the performance model
+(:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
+``pipelined:r`` at the planner's degree r > 1, and ``fused`` (forward calls) or ``fused:train``
+(training calls, unless ``train_fused=False`` or its buffers exceed ``memory_cap``); the model
+orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
+Each candidate serves real calls (its output is the call's output; nothing runs twice, so
+results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds.
+A training call is timed forward + backward (marks on the output's and the inputs' gradients).
+The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
+under the profile dir's ``decisions/``, one file per device key, above the decisions shipped
+for the presets) and reused by later processes; a bucket between two measured ones takes their
+decision when both agree, else it is calibrated too. ``calibrate=False`` decides from the
+profile alone (:func:`choose_strategy`).
+
+**CUDA graph capture.** Inside a user's ``torch.cuda.graph`` around the layer, the agreement runs
+on the host at capture time only (the replays repeat the captured strategy at the captured token
+count, which a graph fixes anyway); a key still undecided is not calibrated while capturing (its
+timing events cannot be read inside a capture, and the graph would freeze one candidate): the
+model's first candidate runs, nothing is recorded, and the key is calibrated by later eager
+calls. Fused buffers cannot grow inside a capture: warm the layer up eagerly with the largest
+count first, or set ``capacity``. (The fused strategy's own graphs, :mod:`interlace.strategies.graphs`,
+are its business: ``auto`` only calls it.)
+
+**Explain.** ``layer.strategy.choices[(bucket, mode)]`` is a
+:class:`~interlace.strategies.auto_decisions.Choice` (what, measured or predicted, candidates'
+times, the calibration's cost); each decision is logged once at INFO on ``"interlace.auto"``.
+At world size 1 there is nothing to overlap or agree on: ``sequential``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
 import warnings
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
-from interlace.planning.profile import as_profile, shape_key
-from interlace.strategies.base import Strategy, make_strategy, register_strategy
+from interlace.planning.profile import as_profile, machine_key, shape_key
+from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
+                                                 TokenAgreement, decision_shape, token_bucket)
+from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
-# Smallest measured-and-interpolated gain of fused over the best alternative that auto acts on
-# (timings of one strategy move between machine leases; docs/performance.md).
+log = logging.getLogger("interlace.auto")
+
+# Smallest measured-and-interpolated gain of fused over the best alternative that the
+# profile-only choice acts on (timings of one strategy move between machine leases).
 FUSED_MARGIN = 0.05
+FUSED_SPECS = ("fused", "fused:train")
 
 
 def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 16,
                     mode: str = "fwd", train_fused: bool = True) -> tuple[str, list[str]]:
-    """(strategy spec, notes) for ``tokens`` tokens per rank and a ``"fwd"`` or ``"fwdbwd"``
-    call; raises FileNotFoundError without a profile."""
+    """The profile's choice, nothing timed: (strategy spec, notes) for ``tokens`` tokens per rank
+    and a ``"fwd"`` or ``"fwdbwd"`` call; raises FileNotFoundError without a profile.
+    ``fused`` / ``fused:train`` only where the profile measured it beside ``sequential`` for this
+    exact shape class and it wins by more than ``FUSED_MARGIN``."""
     if world == 1:
         return "sequential", ["world size 1: nothing to overlap"]
-    profile = as_profile(profile, world)  # read a path once, for both questions below
+    profile = as_profile(profile, world)
     plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
     notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
     spec = "sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"
@@ -73,60 +122,343 @@ def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 
     return spec, notes
 
 
+def predicted_candidates(config, tokens: int, world: int, profile, mode: str, max_degree: int = 16
+                         ) -> tuple[dict[str, float | None], list[str]]:
+    """The model's prior: candidate spec → predicted ms (None: no prediction) and notes.
+    ``sequential`` always; ``pipelined:r`` where the planner's degree r > 1; the fused path of
+    ``mode`` with a prediction only where the profile measured its pairs for this shape class.
+    Without a profile: ``sequential`` and the fused path, unpredicted."""
+    fused = "fused" if mode == "fwd" else "fused:train"
+    try:
+        prof = as_profile(profile, world)
+        plan = choose_degree(config, max(tokens, 1), world, prof, max_degree=max_degree, mode=mode)
+    except FileNotFoundError as err:
+        return {"sequential": None, fused: None}, [f"no profile ({err}): candidates unpredicted"]
+    out = {"sequential": plan.per_degree_ms.get(1)}
+    if plan.degree > 1:
+        out[f"pipelined:{plan.degree}"] = plan.per_degree_ms[plan.degree]
+    shape = prof.shapes.get(shape_key(config, world))
+    speedup = None if shape is None else fused_speedup(shape, max(tokens, 1) * config.top_k, mode)
+    out[fused] = None if speedup is None or out["sequential"] is None else out["sequential"] / speedup
+    return out, list(plan.notes)
+
+
+def prune(predicted: dict[str, float | None], ratio: float) -> tuple[list[str], list[str]]:
+    """(kept candidates fastest-predicted first, unpredicted last; notes on the dropped ones)."""
+    known = [ms for ms in predicted.values() if ms is not None]
+    best = min(known) if known else None
+    kept, notes = [], []
+    for spec, ms in predicted.items():
+        if ms is not None and best is not None and ms > ratio * best:
+            notes.append(f"{spec}: predicted {ms:.3f} ms, over {ratio}x the best {best:.3f} ms: not timed")
+        else:
+            kept.append(spec)
+    kept.sort(key=lambda s: (predicted[s] is None, predicted[s] or 0.0))
+    return kept, notes
+
+
+def fused_buffer_bytes(config, world: int, tokens: int) -> int:
+    """Bytes of the fused strategy's peer buffers for ``tokens`` tokens per rank (GPU tiles)."""
+    from interlace.parallel.peer_buffer import BufferSpec
+    from interlace.strategies.fused.options import GPU_CONFIG
+
+    spec = BufferSpec(world, config.num_experts // world, config.hidden, config.top_k, max(tokens, 1),
+                      GPU_CONFIG.block_m, GPU_CONFIG.block_n1, config.dtype)
+    return spec.regions()["_total"][0]
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """Options of ``auto`` (``strategy_options`` of :class:`interlace.MoELayer`)."""
+
+    profile: object = None  # a Profile, a JSON path, or None (this machine's stored profile)
+    max_degree: int = 16
+    train_fused: bool = True  # False: training calls never run fused:train
+    calibrate: bool = True  # False: decide from the profile alone (choose_strategy), time nothing
+    candidates: tuple | None = None  # specs to calibrate instead of the model's (each with fixed parameters)
+    capacity: int | None = None  # tokens per rank the fused buffers hold, fixed (a promise; see the module doc)
+    memory_cap: int | None = None  # bytes: fused:train is not a candidate where its buffers need more
+    prune_ratio: float = 1.5  # candidates predicted slower than this × the best are not timed
+    warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones
+    samples: int = 3  # timed rounds; the median of each candidate's samples is what ranks agree on
+    cache: bool = True  # read and write the decision cache under the profile dir
+    decisions_dir: str | None = None  # the decision cache's folder instead of <profile dir>/decisions
+    shipped_decisions: bool = True  # read the decisions shipped for the presets beneath the cache
+    agree_timeout_s: float = 300.0  # bound on every wait of the agreement (a peer that never comes raises)
+
+    def __post_init__(self):
+        if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
+            raise ValueError(f"auto: capacity must be a positive int or None, got {self.capacity!r}")
+        if self.warmup < 0 or self.samples < 1:
+            raise ValueError(f"auto: warmup must be ≥ 0 and samples ≥ 1, got {self.warmup}, {self.samples}")
+        if not self.agree_timeout_s > 0:
+            raise ValueError(f"auto: agree_timeout_s must be > 0, got {self.agree_timeout_s}")
+        if self.prune_ratio < 1:
+            raise ValueError(f"auto: prune_ratio must be ≥ 1, got {self.prune_ratio}")
+        for spec in self.candidates or ():
+            cls = strategy_class(spec)
+            if cls.name == "auto" or (cls.name == "pipelined" and not spec.partition(":")[2].isdigit()):
+                raise ValueError(f"auto: candidate {spec!r} must have fixed parameters (e.g. 'pipelined:4'): "
+                                 f"a per-rank choice could differ between ranks")
+
+
+class _KeyState:
+    """A key's plan (what group rank 0 decided and broadcast) and its calibration progress."""
+
+    def __init__(self, plan: dict, rounds: int):
+        self.choice: Choice | None = plan.get("choice")
+        self.plan = plan
+        cands = plan.get("candidates", [])
+        self.schedule = [i for _ in range(rounds) for i in range(len(cands))]
+        self.pos = 0
+        self.samples: list[list] = [[] for _ in cands]  # per candidate: [warm?, marks]
+
+
 @register_strategy
 class AutoStrategy(Strategy):
     name = "auto"
     fused_routing = True
 
-    def __init__(self, config, ep, profile=None, max_degree: int = 16, train_fused: bool = True):
+    def __init__(self, config, ep, options: AutoOptions | dict | None = None, **given):
         super().__init__(config, ep)
-        self._profile = profile
-        self.max_degree = max_degree
-        self.train_fused = train_fused
-        self.choices: dict[tuple[int, str], str] = {}
-        self.notes: dict[tuple[int, str], list[str]] = {}
+        if isinstance(options, dict):
+            given, options = {**options, **given}, None
+        valid = {f.name for f in fields(AutoOptions)}
+        if set(given) - valid:
+            raise ValueError(f"auto options: unknown {sorted(set(given) - valid)}; valid: {sorted(valid)}")
+        base = options or AutoOptions()
+        self.options = opts = AutoOptions(**{**{f: getattr(base, f) for f in valid}, **given})
+        self._profile = opts.profile
+        self.choices: dict[tuple[int, str], Choice] = {}
+        self._keys: dict[tuple[int, str], _KeyState] = {}
         self._impls: dict[str, Strategy] = {}
+        self._fused_tokens = opts.capacity or 0  # agreed tokens per rank the fused buffers hold
+        # The side channel is made here, where every rank builds the layer alike (a collective).
+        distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
+        self._agree = TokenAgreement(ep, opts.agree_timeout_s) if distributed else None
+        self._cache: DecisionCache | None = None
+        self._shape = decision_shape(config, ep.world)
         self._warned = False
+        self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
 
-    def choice_for(self, tokens: int, mode: str = "fwd") -> str:
-        """The strategy spec for a call of ``tokens`` tokens per rank (``mode`` ``"fwd"``: no
-        backward will run; ``"fwdbwd"``: a training call)."""
-        key = (tokens, mode)
-        if key not in self.choices:
+    # -- what a key runs ------------------------------------------------------------------------
+    def _device_cache(self, device: torch.device) -> DecisionCache | None:
+        if self.options.cache and self._cache is None:
+            opts = self.options
+            self._cache = DecisionCache(machine_key(self.ep.world, device),
+                                        Path(opts.decisions_dir) if opts.decisions_dir else None,
+                                        SHIPPED_DIR if opts.shipped_decisions else None)
+        return self._cache
+
+    def _plan(self, key, device) -> dict:
+        """Group rank 0's plan for a new key: ``{"choice": Choice}`` or ``{"candidates": [...],
+        "predicted": {...}, "notes": [...]}``."""
+        bucket, mode = key
+        opts, cfg, world = self.options, self.config, self.ep.world
+        if bucket == 0:
+            return {"choice": Choice("sequential", "predicted", notes=["no tokens on any rank"])}
+        if not opts.calibrate:
             try:
-                if self.ep.world > 1:
-                    self._profile = as_profile(self._profile, self.ep.world)  # read once
-                spec, notes = choose_strategy(self.config, tokens, self.ep.world, self._profile, self.max_degree,
-                                              mode, self.train_fused)
+                spec, notes = choose_strategy(cfg, bucket, world, self._profile, opts.max_degree, mode,
+                                              opts.train_fused)
             except FileNotFoundError as err:
-                if not self._warned:
-                    warnings.warn(f"auto: {err}; running sequential (run `interlace profile` to plan)", stacklevel=2)
-                    self._warned = True
-                spec, notes = "sequential", [str(err)]
-            self.choices[key], self.notes[key] = spec, notes
-        return self.choices[key]
+                spec, notes = "sequential", [f"auto: {err}; running sequential (run `interlace profile` to plan)"]
+            return {"choice": Choice(spec, "predicted", notes=notes)}
+        cache = self._device_cache(device)
+        cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
+        if cached is not None:
+            return {"choice": cached}
+        if opts.candidates is not None:
+            predicted, notes = {s: None for s in opts.candidates}, ["candidates given by the options"]
+        else:
+            predicted, notes = predicted_candidates(cfg, bucket, world, self._profile, mode, opts.max_degree)
+        for spec in [s for s in predicted if s in FUSED_SPECS]:
+            why = self._fused_excluded(spec, mode, bucket, device)
+            if why:
+                predicted.pop(spec)
+                notes.append(f"{spec}: {why}")
+        kept, pruned = prune(predicted, opts.prune_ratio)
+        notes += pruned
+        if len(kept) == 1:
+            return {"choice": Choice(kept[0], "predicted", kept, predicted_ms=_known(predicted), notes=notes)}
+        return {"candidates": kept, "predicted": _known(predicted), "notes": notes}
 
-    def _impl(self, spec: str, tokens: int) -> Strategy:
+    def _fused_excluded(self, spec: str, mode: str, bucket: int, device) -> str | None:
+        opts = self.options
+        if mode == "fwd" and spec == "fused:train" or mode == "fwdbwd" and spec == "fused":
+            return "not this mode's fused path"
+        if mode == "fwdbwd" and not opts.train_fused:
+            return "not considered (train_fused=False)"
+        try:
+            strategy_class(spec).check_runtime(spec, torch.device(device))
+        except ValueError as err:
+            return f"cannot run here ({err})"
+        if mode == "fwdbwd" and opts.memory_cap is not None:
+            need = fused_buffer_bytes(self.config, self.ep.world, opts.capacity or bucket)
+            if need > opts.memory_cap:
+                return f"its buffers need ~{need} bytes, over memory_cap={opts.memory_cap}"
+        return None
+
+    def _key_state(self, key, device) -> _KeyState:
+        state = self._keys.get(key)
+        if state is None:
+            plan = None
+            if self.ep.rank == 0:
+                try:
+                    plan = self._plan(key, device)
+                except Exception as err:  # every rank raises it, none waits in the broadcast
+                    plan = {"error": f"{type(err).__name__}: {err}"}
+            if self.ep.world > 1:
+                box = [plan]
+                # NOTE: blocking, once per new key per process (never in the steady state).
+                group = self._agree.group
+                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+                plan = box[0]
+            if "error" in plan:
+                raise RuntimeError(f"auto: deciding {key} failed on group rank 0: {plan['error']}")
+            state = self._keys[key] = _KeyState(plan, self.options.warmup + self.options.samples)
+            if state.choice is not None:
+                self._record(key, state.choice)
+        return state
+
+    def _record(self, key, choice: Choice) -> None:
+        self.choices[key] = choice
+        bucket, mode = key
+        log.info("auto: %s %s tokens≤%d (world %d): %s", self._shape, mode, bucket, self.ep.world,
+                 choice.summary())
+        if choice.source == "predicted" and any(n.startswith("auto: ") for n in choice.notes) and not self._warned:
+            self._warned = True
+            warnings.warn(next(n for n in choice.notes if n.startswith("auto: ")), stacklevel=4)
+
+    # -- calibration ----------------------------------------------------------------------------
+    def _decide(self, key, state: _KeyState, clock: Clock) -> None:
+        """End of a key's calibration: agree on each candidate's time (ONE all-reduce), keep the
+        fastest, store it."""
+        cands, opts = state.plan["candidates"], self.options
+        local, total = [], 0.0
+        for c, spec in enumerate(cands):
+            times = []
+            for warm, marks in state.samples[c]:
+                ms = clock.elapsed_ms(marks[0], marks[1])
+                if len(marks) == 4:
+                    ms += clock.elapsed_ms(marks[2], marks[3])
+                if self.measure_override is not None:
+                    ms = self.measure_override(spec, ms)
+                if math.isfinite(ms):
+                    total += ms
+                if not warm:
+                    times.append(ms)
+            local.append(statistics.median(times) if times else math.inf)
+        vec = torch.tensor(local + [total], dtype=torch.float64)
+        if self.ep.world > 1:  # on the side channel: host values, no GPU stream involved
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self._agree.group)
+        agreed = vec.tolist()
+        times, total = agreed[:-1], agreed[-1]
+        best = min(range(len(cands)), key=lambda i: (times[i], i))
+        calls = len(state.schedule)
+        overhead = total - calls * times[best] if math.isfinite(times[best]) else 0.0
+        choice = Choice(cands[best], "measured", list(cands), {s: t for s, t in zip(cands, times)},
+                        state.plan.get("predicted", {}), calls, total, max(overhead, 0.0), state.plan.get("notes", []))
+        state.choice = choice
+        self._record(key, choice)
+        if self.ep.rank == 0 and self._cache is not None and all(math.isfinite(t) for t in times):
+            self._cache.store(self._shape, key[1], key[0], choice)
+
+    # -- strategies -----------------------------------------------------------------------------
+    def _impl(self, spec: str, agreed: int) -> Strategy:
+        """The sub-strategy ``spec``; a fused one with buffers for ``agreed`` tokens per rank
+        (the group's largest count of this call, the same number on every rank)."""
         impl = self._impls.get(spec)
-        if spec in ("fused", "fused:train") and (impl is None or impl.max_tokens < tokens):
-            # The fused buffers are sized once; a larger T than any before gets a new, larger
-            # strategy. Every rank calls with the same T (the contract above), so all rebuild
-            # together, and sizing by T needs no host sync.
-            if impl is not None and impl.buf is not None:
-                # Host sync, only when growing: the old buffers are freed below, and no peer may
-                # still be writing into them (each rank's own work, then all ranks).
-                impl.synchronize_and_check()
-                if self.ep.world > 1:
-                    dist.barrier(group=self.ep.group)
-            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=tokens)
+        if spec in FUSED_SPECS:
+            cap = self.options.capacity
+            if cap is not None and agreed > cap:
+                raise ValueError(f"auto: a rank passed {agreed} tokens, over capacity={cap} (the fused buffers' "
+                                 f"fixed size); raise capacity or leave it None to grow the buffers")
+            need = cap or max(1, agreed)
+            if need > self._fused_tokens:
+                self._fused_tokens = cap or token_bucket(need)  # every rank grows here: same agreed value
+            if impl is None or impl.max_tokens < need:
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"auto: {spec}'s buffers must grow to {self._fused_tokens} tokens per rank "
+                                       f"inside a CUDA graph capture; run the layer eagerly with the largest "
+                                       f"count first, or set the capacity option")
+                if impl is not None and impl.buf is not None:
+                    # NOTE: a device sync and a barrier, only where the buffers grow: the old ones
+                    # are freed below, and no peer may still write into them.
+                    impl.synchronize_and_check()
+                    if self.ep.world > 1:
+                        dist.barrier(group=self._agree.group)
+                impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=self._fused_tokens)
         elif impl is None:
             impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
         return impl
 
+    def choice_for(self, tokens: int, mode: str = "fwd") -> Choice | None:
+        """The decision recorded for the bucket of ``tokens`` (the group's largest count) and
+        ``mode``, or None while it is not decided."""
+        return self.choices.get((token_bucket(tokens), mode))
+
+    def begin_call(self, num_tokens: int) -> None:
+        """Post this call's token-count agreement (before the router runs, to hide its latency)."""
+        if self._agree is not None:
+            self._agree.post(num_tokens)
+
+    def _agreed_tokens(self, tokens: int) -> int:
+        agree = self._agree
+        posted = agree.posted_tokens
+        if posted is None:
+            agree.post(tokens)
+        agreed = agree.wait()
+        if posted is not None and posted != tokens:  # after the wait: every rank's sequence stays in step
+            raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
+        return agreed
+
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad)
-        spec = self.choice_for(x.shape[0], "fwdbwd" if needs_grad else "fwd")
-        return self._impl(spec, x.shape[0])(x, topk_idx, topk_weight, w_up, w_down)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
+        mode = "fwdbwd" if needs_grad else "fwd"
+        if self._agree is None:
+            key = (token_bucket(x.shape[0]), mode)
+            if key not in self.choices:
+                self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
+            return self._impl("sequential", x.shape[0])(x, topk_idx, topk_weight, w_up, w_down)
+        agreed = self._agreed_tokens(x.shape[0])
+        key = (token_bucket(agreed), mode)
+        state = self._key_state(key, x.device)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if state.choice is None and state.pos == len(state.schedule) and not capturing:
+            self._decide(key, state, Clock(x.device))
+        if state.choice is not None:
+            return self._impl(state.choice.spec, agreed)(x, topk_idx, topk_weight, w_up, w_down)
+        if capturing:  # nothing timed or recorded inside a capture (see the module doc)
+            return self._impl(state.plan["candidates"][0], agreed)(x, topk_idx, topk_weight, w_up, w_down)
+        # A calibration call: the scheduled candidate serves it, timed.
+        clock = Clock(x.device)
+        c = state.schedule[state.pos]
+        warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
+        state.pos += 1
+        marks = [clock.mark()]
+        impl = self._impl(state.plan["candidates"][c], agreed)
+        if needs_grad:
+            marks += [None, None, None]
+
+            def at(i):
+                def mark():
+                    marks[i] = clock.mark()
+                return mark
+
+            x, topk_weight, w_up, w_down = BackwardMark.apply(at(3), x, topk_weight, w_up, w_down)
+            out = impl(x, topk_idx, topk_weight, w_up, w_down)
+            marks[1] = clock.mark()
+            (out,) = BackwardMark.apply(at(2), out)
+        else:
+            out = impl(x, topk_idx, topk_weight, w_up, w_down)
+            marks.append(clock.mark())
+        state.samples[c].append((warm, marks))
+        return out
 
     def __repr__(self) -> str:
-        return f"AutoStrategy(choices={self.choices}, world={self.ep.world})"
+        return f"AutoStrategy(choices={ {k: c.spec for k, c in self.choices.items()} }, world={self.ep.world})"
+
+
+def _known(predicted: dict) -> dict:
+    return {s: ms for s, ms in predicted.items() if ms is not None}

@@ -98,6 +98,11 @@ class Strategy:
         if cls.needs_triton:
             require_triton(spec, device)
 
+    def begin_call(self, num_tokens: int) -> None:
+        """Called by the layer with this rank's token count before it routes, once per call and
+        on every rank alike (not while ``torch.compile`` traces): a strategy that must agree on
+        something with its peers starts it here, under the router's work. No-op by default."""
+
     def __call__(
         self,
         x: torch.Tensor,

@@ -224,6 +224,7 @@ class Row:
     tflops: float | None = None
     peak_gib: float | None = None
     first_call_ms: float | None = None
+    choice: str | None = None  # auto's rows: the strategy it ran for this row's bucket and mode, and why
     rel_err_vs_naive: dict = field(default_factory=dict)
     times_ms: list = field(default_factory=list)
 
@@ -379,6 +380,7 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         if err > args.tolerance:
             row.status = "WRONG"
     for row in rows:
+        row.choice = auto_choice(row.__dict__.get("strategy_object"), tokens, mode)
         row.__dict__.pop("strategy_object", None)
         if row.status != "ok" or row.median_ms is None:
             continue
@@ -401,6 +403,18 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
     return rows
 
 
+def auto_choice(strategy, tokens: int, mode: str) -> str | None:
+    """``"<spec> (<source>[, calibration <ms> over the winner])"`` of an ``auto`` strategy's decision
+    for ``tokens`` per rank (every rank passes the same count here) and ``mode``; None for any
+    other strategy or while undecided."""
+    choice_for = getattr(strategy, "choice_for", None)
+    choice = choice_for(tokens, mode) if choice_for is not None else None
+    if choice is None:
+        return None
+    extra = f", calibration {choice.overhead_ms:.1f} ms over the winner" if choice.calibration_calls else ""
+    return f"{choice.spec} ({choice.source}{extra})"
+
+
 # ----------------------------------------------------------------------------- report
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)
@@ -408,15 +422,15 @@ def fmt(v, spec):
 
 def markdown_table(rows: list[Row]) -> str:
     head = ("| config | tokens/GPU | routing | mode | strategy | median ms | × floor | × decode floor | vs naive "
-            "| TFLOP/s | peak GiB | max rel err vs naive | status |")
-    lines = [head, "|" + "---|" * 13]
+            "| TFLOP/s | peak GiB | max rel err vs naive | status | auto's choice |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         err = max(r.rel_err_vs_naive.values()) if r.rel_err_vs_naive else None
         lines.append(
             f"| {r.config} | {r.tokens} | {r.routing} | {r.mode} | {r.strategy} | {fmt(r.median_ms, '.3f')} | "
             f"{fmt(r.x_floor, '.2f')} | {fmt(r.x_decode_floor, '.2f')} | {fmt(r.speedup_vs_naive, '.2f')} | "
             f"{fmt(r.tflops, '.0f')} | "
-            f"{fmt(r.peak_gib, '.2f')} | {fmt(err, '.1e')} | {r.status} |"
+            f"{fmt(r.peak_gib, '.2f')} | {fmt(err, '.1e')} | {r.status} | {r.choice or ''} |"
         )
     return "\n".join(lines)
 
@@ -507,7 +521,8 @@ def main(argv=None) -> list[Row]:
                             print(f"  {r.config:14s} T={r.tokens:<6d} {r.routing:8s} {r.mode:6s} {r.strategy:11s} "
                                   f"{fmt(r.median_ms, '8.3f')} ms  ×floor {fmt(r.x_floor, '5.2f')}  "
                                   f"×decode {fmt(r.x_decode_floor, '5.2f')}  "
-                                  f"vs naive {fmt(r.speedup_vs_naive, '5.2f')}  {r.status}", flush=True)
+                                  f"vs naive {fmt(r.speedup_vs_naive, '5.2f')}  {r.status}"
+                                  + (f"  auto ran {r.choice}" if r.choice else ""), flush=True)
         del layer
         if env.cuda:
             torch.cuda.empty_cache()

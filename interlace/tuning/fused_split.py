@@ -6,8 +6,12 @@
     (hidden, ffn, experts, top_k, world size, device SM count)  →  per tokens-per-GPU bucket
 
 in ``interlace/tuning/fused-split-*.json`` (package data) or ``$INTERLACE_TUNING_DIR``. At run
-time the nearest tokens bucket of the matching key is used; with no matching key the strategy
-uses an untuned default, says so once (a warning) and reports ``split_source == "default"``.
+time the nearest tokens bucket of the matching key is used. A shape never tuned takes the split
+of the nearest tuned shape of the same world size and SM count (log distance over hidden, FFN,
+experts per rank and top-k: the split balances a tile's communication against its GEMM work,
+which those set), and the strategy reports where it came from (``split_source``). Only where
+nothing was tuned for this world size and SM count does it use the untuned default, saying so
+once (a warning) with ``split_source == "default"``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from interlace.env import settings
@@ -46,19 +51,50 @@ def load_entries() -> dict[str, dict[str, list[int]]]:
     return entries
 
 
-def lookup_split(config, tokens: int, world: int, sm_count: int) -> tuple[int, int] | None:
-    """Tuned (n_comm, n_comm1) for the nearest tokens bucket (log distance), or None + a warning."""
+def _shape_distance(key: str, other: str) -> float | None:
+    """Log distance between two split keys of the same world size and SM count, else None."""
+    pa, pb = _parse_key(key), _parse_key(other)
+    if pa is None or pb is None or pa[4:] != pb[4:]:
+        return None
+    (n, k, e, top), (n2, k2, e2, top2) = pa[:4], pb[:4]
+    w = pa[4]
+    return (abs(math.log(n / n2)) + abs(math.log(k / k2)) + abs(math.log((e / w) / (e2 / w)))
+            + abs(math.log(top / top2)))
+
+
+def _parse_key(key: str) -> tuple[int, ...] | None:
+    m = re.fullmatch(r"N(\d+)-K(\d+)-E(\d+)-k(\d+)-w(\d+)-sm(\d+)", key)
+    return None if m is None else tuple(int(g) for g in m.groups())
+
+
+def find_split(config, tokens: int, world: int, sm_count: int) -> tuple[tuple[int, int] | None, str]:
+    """(n_comm, n_comm1) and where it came from: ``"tuned"`` (this shape's nearest tokens bucket,
+    log distance), ``"tuned for <key>"`` (the nearest tuned shape of the same world size and SM
+    count), or (None, ``"default"``) with a warning once where nothing of this world size and
+    SM count was tuned."""
     key = split_key(config, world, sm_count)
-    buckets = load_entries().get(key)
+    entries = load_entries()
+    buckets, source = entries.get(key), "tuned"
+    if not buckets:
+        near = [(d, other) for other in entries if (d := _shape_distance(key, other)) is not None]
+        if near:
+            _, other = min(near)
+            buckets, source = entries[other], f"tuned for {other}"
     if not buckets:
         if key not in _WARNED:
             _WARNED.add(key)
-            warnings.warn(f"interlace: no tuned fused block split for {key}; using the default "
-                          f"(run `interlace tune` on this machine)", stacklevel=3)
-        return None
+            warnings.warn(f"interlace: no tuned fused block split for {key} nor for any shape at world {world} "
+                          f"with {sm_count} SMs; using the default (run `interlace tune` on this machine)",
+                          stacklevel=3)
+        return None, "default"
     best = min(buckets, key=lambda b: abs(math.log(max(int(b), 1)) - math.log(max(tokens, 1))))
     n_comm, n_comm1 = buckets[best][:2]
-    return int(n_comm), int(n_comm1)
+    return (int(n_comm), int(n_comm1)), source
+
+
+def lookup_split(config, tokens: int, world: int, sm_count: int) -> tuple[int, int] | None:
+    """:func:`find_split`'s split alone."""
+    return find_split(config, tokens, world, sm_count)[0]
 
 
 def write_entries(path: Path, new: dict[str, dict[str, list[int]]], meta: dict) -> None:

@@ -197,3 +197,12 @@ def test_shared_overlap_option_reaches_the_blocks(family):
     assert torch.equal(logits[0], logits[1])
     with torch.no_grad():
         assert rel_err(logits[0], ref(ids).logits) < TOL
+
+
+def test_default_strategy_is_auto():
+    """Issue 32: the adapter's default strategy is auto, as MoELayer's."""
+    from interlace.hf import moe_blocks
+
+    model = build("mixtral")
+    replace_moe_blocks(model)
+    assert moe_blocks(model) and all(b.strategy.name == "auto" for b in moe_blocks(model))

@@ -734,6 +734,7 @@ def test_fused_interleave_decided_per_owner(monkeypatch):
 
 def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_path, monkeypatch):
     import json
+    import warnings
 
     from interlace.config import preset
     from interlace.tuning.fused_split import load_entries, lookup_split, split_key
@@ -754,6 +755,16 @@ def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_pat
     assert lookup_split(cfg, 3000, world=2, sm_count=77) == (24, 12)
     with pytest.warns(UserWarning, match="no tuned fused block split"):
         assert lookup_split(cfg, 5000, world=2, sm_count=78) is None
+    # An untuned shape (issue 32): the split of the nearest tuned shape of the same world and SM
+    # count, and its source says which, with no warning.
+    from interlace.tuning.fused_split import find_split
+
+    odd = cfg.with_(hidden=3000, num_experts=cfg.num_experts + 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split, source = find_split(odd, 2800, world=2, sm_count=77)
+    assert split == (4, 8) and source == f"tuned for {split_key(cfg, 2, 77)}"
+    assert find_split(cfg, 2800, world=2, sm_count=77) == ((4, 8), "tuned")
 
 
 def _train_calls(recorder, order, cfg, xs, gs):

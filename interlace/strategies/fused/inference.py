@@ -169,7 +169,7 @@ class FusedStrategy(Strategy):
         self._n_comm_opt, self._n_comm1_opt, self.max_spins = opts.n_comm, opts.n_comm1, opts.max_spins
         self.buf: PeerBuffer | None = None
         self.engine: FusedEngine | None = None
-        self.split_source = "unset"  # "option", "tuned" or "default": where n_comm came from
+        self.split_source = "unset"  # "option", "tuned", "tuned for <key>" or "default": where n_comm came from
         self._recompute = SequentialStrategy(config, ep)
         self._pending_error: tuple | None = None
 
@@ -205,16 +205,15 @@ class FusedStrategy(Strategy):
         self.engine = FusedEngine(cfg, self.buf, kernel, n_programs, n_comm, n_comm1, self.max_spins, self.timeline)
 
     def _resolve_split(self, n_programs: int, tokens: int, tuned_tables: bool = True) -> tuple[int, int]:
-        from interlace.tuning.fused_split import lookup_split
+        from interlace.tuning.fused_split import find_split
 
-        tuned = None
+        tuned, source = None, "default"
         if tuned_tables and "auto" in (self._n_comm_opt, self._n_comm1_opt):  # tables exist for GPUs only
-            tuned = lookup_split(self.config, tokens, self.ep.world, n_programs)
+            tuned, source = find_split(self.config, tokens, self.ep.world, n_programs)
         default = tuned or default_split(n_programs)
         n_comm = default[0] if self._n_comm_opt == "auto" else self._n_comm_opt
         n_comm1 = default[1] if self._n_comm1_opt == "auto" else self._n_comm1_opt
-        self.split_source = "option" if "auto" not in (self._n_comm_opt, self._n_comm1_opt) else (
-            "tuned" if tuned else "default")
+        self.split_source = "option" if "auto" not in (self._n_comm_opt, self._n_comm1_opt) else source
         if not (0 < n_comm < n_programs and 0 < n_comm1 < n_programs):
             raise ValueError(f"n_comm={n_comm}, n_comm1={n_comm1} must be in [1, {n_programs - 1}] "
                              f"({n_programs} programs on this device)")

@@ -1,0 +1,340 @@
+"""``auto``'s agreement and calibration on gloo ranks: every rank runs the same strategy on every
+call (different, zero and changing token counts), ranks with different timings reach one choice,
+calibration calls return what the chosen strategy returns, decisions survive in the cache, and
+the model's prior prunes candidates."""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import reference_grads, rel_err, run_gloo
+from interlace import MoEConfig, MoELayer
+from interlace.planning.profile import shape_key
+from interlace.strategies.auto import predicted_candidates, prune
+from interlace.strategies.auto_decisions import DecisionCache, Choice, token_bucket
+
+CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+CANDS = ("sequential", "pipelined:2")
+
+
+def _set_profile_dir(tmp):
+    import os
+
+    from interlace import env
+
+    os.environ["INTERLACE_PROFILE_DIR"] = tmp
+    env.refresh()
+
+
+def _spy(layer, log):
+    """Record (call, spec) of every sub-strategy call of an auto layer."""
+    strategy = layer.strategy
+    make = strategy._impl
+
+    def impl(spec, agreed):
+        inner = make(spec, agreed)
+
+        def call(*args):
+            log.append(spec)
+            return inner(*args)
+
+        return call
+
+    strategy._impl = impl
+
+
+def _gather_lists(values):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, values)
+    return out
+
+
+def _uneven_calls(rank, world, tmp):
+    """Different and zero token counts in one call, and a changing sequence of them, with
+    injected rank-dependent timings: every rank runs the same strategy every call, outputs
+    match the fp64 reference, and the group agrees on one choice per key."""
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1})
+    # Rank r sees sequential as fast and pipelined as slow on even ranks, the reverse on odd ones:
+    # the max over ranks must still pick one for all.
+    layer.strategy.measure_override = lambda spec, ms: {0: 1.0, 1: 3.0}[(spec == "sequential") ^ (rank % 2)]
+    ran = []
+    _spy(layer, ran)
+    g = torch.Generator().manual_seed(5)
+    sequences = [[1] + [0] * (world - 1), [0] * world, [5, 0, 17, 3][:world], [40, 1, 0, 9][:world],
+                 [3] * world, [0, 33, 2, 8][:world], [64, 64, 1, 0][:world], [7, 0, 0, 0][:world],
+                 [2, 3, 4, 5][:world], [1, 0, 0, 1][:world]]
+    # Keys follow each call's agreed largest count: four passes give every bucket of the sequence
+    # (1, 0, 32, 64, 4, 64, 64, 8, 8, 1) calls enough to finish its calibration in some mode.
+    for i, counts in enumerate(sequences * 4):
+        xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        gs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        training = i % 4 == 3
+        if training:
+            x = xs[rank].clone().requires_grad_()
+            out = layer(x)
+            out.backward(gs[rank])
+            outs, dxs, *_ = reference_grads(CFG, 3, xs, gs)
+            assert rel_err(x.grad, dxs[rank]) < 2e-6 or counts[rank] == 0
+        else:
+            with torch.no_grad():
+                out = layer(xs[rank])
+            outs = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0]
+        assert out.shape == (counts[rank], CFG.hidden)
+        assert counts[rank] == 0 or rel_err(out, outs[rank]) < 2e-6, counts
+    runs = _gather_lists(ran)
+    assert all(r == runs[0] for r in runs), runs  # same strategy on every call on every rank
+    choices = _gather_lists({k: c.spec for k, c in layer.strategy.choices.items()})
+    assert all(c == choices[0] for c in choices)
+    measured = [c for c in layer.strategy.choices.values() if c.source == "measured"]
+    assert measured
+    for c in measured:  # max over ranks: both took 3.0 on some rank; a tie goes to the first listed
+        assert c.spec == "sequential" and c.times_ms == {"sequential": 3.0, "pipelined:2": 3.0}
+        assert c.calibration_calls == 2
+
+
+def test_uneven_and_zero_counts_2_ranks(tmp_path):
+    run_gloo(_uneven_calls, 2, str(tmp_path))
+
+
+def test_uneven_and_zero_counts_4_ranks(tmp_path):
+    run_gloo(_uneven_calls, 4, str(tmp_path))
+
+
+def _timings_agree(rank, world, tmp):
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 2})
+    # Rank 0 thinks sequential is fastest (1 vs 2 ms), every other rank is slower on it (5 ms):
+    # the max over ranks is sequential 5, pipelined 2: pipelined for all.
+    layer.strategy.measure_override = lambda spec, ms: (1.0 if rank == 0 else 5.0) if spec == "sequential" else 2.0
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for _ in range(6):
+            layer(torch.randn(12 + rank, CFG.hidden, generator=g))
+    (choice,) = layer.strategy.choices.values()
+    assert choice.spec == "pipelined:2" and choice.source == "measured"
+    assert choice.times_ms == {"sequential": 5.0, "pipelined:2": 2.0}
+    assert choice.calibration_ms == pytest.approx(2 * 5.0 + 2 * 2.0)
+    assert choice.overhead_ms == pytest.approx(14.0 - 4 * 2.0)
+
+
+def test_ranks_with_different_timings_reach_one_choice(tmp_path):
+    run_gloo(_timings_agree, 2, str(tmp_path))
+
+
+def _calibration_outputs_and_cache(rank, world, tmp, phase):
+    """phase 0: calibrate (each calibration call's output equals what the chosen strategy gives
+    on the same input), store. phase 1 (a new process): the cached decision runs at once."""
+    _set_profile_dir(tmp)
+    opts = {"candidates": CANDS, "warmup": 1, "samples": 1}
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options=opts)
+    fixed = {s: MoELayer(CFG, strategy=s, seed=3, device="cpu") for s in CANDS}
+    ran = []
+    _spy(layer, ran)
+    g = torch.Generator().manual_seed(9 + rank)
+    xs = [torch.randn(20, CFG.hidden, generator=g) for _ in range(5)]
+    with torch.no_grad():
+        outs = [layer(x) for x in xs]
+        for x, out, spec in zip(xs, outs, ran):  # each call's output is exactly its strategy's
+            assert torch.equal(fixed[spec](x), out), spec
+    assert ran[-1] == layer.strategy.choices[(32, "fwd")].spec
+    (key, choice), = layer.strategy.choices.items()
+    assert key == (32, "fwd")
+    if phase == 0:
+        assert choice.source == "measured" and choice.calibration_calls == 4
+        if rank == 0:
+            stored = json.loads(layer.strategy._cache.path.read_text())
+            assert stored["decisions"]
+    else:
+        assert choice.source == "cached" and choice.calibration_calls == 4  # the record kept its cost
+        assert not any(layer.strategy._keys[key].samples)  # nothing timed
+
+
+def test_calibration_outputs_and_cache_round_trip(tmp_path):
+    run_gloo(_calibration_outputs_and_cache, 2, str(tmp_path), 0)
+    run_gloo(_calibration_outputs_and_cache, 2, str(tmp_path), 1)
+
+
+def _fused_calibration(rank, world, tmp):
+    """With the fused path among the candidates (the Triton interpreter): keys follow this call's
+    agreed largest count, the fused buffers grow at agreed points only (every rank at the same
+    call), and uneven counts still run one strategy everywhere with right outputs."""
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": ("sequential", "fused"), "warmup": 0, "samples": 1,
+                                       "cache": False})
+    layer.strategy.measure_override = lambda spec, ms: 1.0 if spec == "fused" else 2.0
+    ran, sizes = [], []
+    _spy(layer, ran)
+    g = torch.Generator().manual_seed(2)
+    # bucket 4: sequential, fused (buffers for 4), then fused decided; bucket 32: sequential, fused
+    # (its buffers grow to 32 on both ranks at that call); bucket 2: sequential, fused (no growth).
+    for counts in ([3, 0], [1, 3], [4, 0], [0, 30], [17, 2], [2, 2], [2, 1]):
+        xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        outs = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0]
+        with torch.no_grad():
+            out = layer(xs[rank])
+        assert counts[rank] == 0 or rel_err(out, outs[rank]) < 2e-6, counts
+        impl = layer.strategy._impls.get("fused")
+        sizes.append(None if impl is None else impl.max_tokens)
+    assert _gather_lists(ran)[0] == ran
+    assert ran == ["sequential", "fused", "fused", "sequential", "fused", "sequential", "fused"], ran
+    assert sizes == [None, 4, 4, 4, 32, 32, 32], sizes
+    assert layer.strategy.choices[(4, "fwd")].spec == "fused"
+
+
+def test_fused_candidate_uneven_counts(tmp_path):
+    run_gloo(_fused_calibration, 2, str(tmp_path))
+
+
+def _side_channel_paths(rank, world, tmp):
+    """The agreement's paths: posted by the layer before routing, or by the strategy's own call
+    (a caller that skips begin_call); a wrong announced count raises after the agreement (ranks
+    stay in step); the side channel of a non-gloo group is one gloo group per rank tuple, shared
+    by layers (here two EP subgroups of 4 ranks, the backend faked as NCCL); a peer that never
+    comes raises within the timeout."""
+    import torch.distributed as dist
+
+    from interlace.strategies import auto_decisions
+
+    _set_profile_dir(tmp)
+    g = torch.Generator().manual_seed(11 + rank)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options={"candidates": CANDS})
+    strategy = layer.strategy
+    xs = [torch.randn(5 + r, CFG.hidden, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ref = reference_grads(CFG, 3, xs, [torch.zeros_like(t) for t in xs])[0][rank]
+    x = xs[rank]
+    with torch.no_grad():
+        idx, w, _ = layer.router(x, None, fused=True)
+        direct = strategy(x, idx, w, layer.experts.w_up, layer.experts.w_down)  # posts for itself
+        assert strategy._agree.calls == 1 and not strategy._agree.posted
+        via_layer = layer(x)  # posted by begin_call, before the router
+        assert rel_err(direct, ref) < 2e-6 and rel_err(via_layer, ref) < 2e-6
+        assert strategy._agree.calls == 2 and not strategy._agree.posted
+        strategy.begin_call(x.shape[0] + 1)
+        with pytest.raises(RuntimeError, match=f"announced {x.shape[0] + 1} tokens"):
+            strategy(x, idx, w, layer.experts.w_up, layer.experts.w_down)
+        assert strategy._agree.calls == 3 and not strategy._agree.posted
+    # Two EP subgroups {0, 1} and {2, 3}; their backend faked as NCCL: each gets one gloo side
+    # channel, shared by both layers over it.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    real = auto_decisions.group_backend
+    auto_decisions.group_backend = lambda grp: "nccl" if grp in groups else real(grp)
+    try:
+        a = MoELayer(CFG, group=mine, strategy="auto", seed=3, device="cpu", strategy_options={"candidates": CANDS})
+        b = MoELayer(CFG, group=mine, strategy="auto", seed=4, device="cpu", strategy_options={"candidates": CANDS})
+    finally:
+        auto_decisions.group_backend = real
+    assert a.strategy._agree.group is b.strategy._agree.group and a.strategy._agree.group is not mine
+    counts = [[3, 0], [9, 1]][rank // 2]
+    xs = [torch.randn(t, CFG.hidden, generator=torch.Generator().manual_seed(t)) for t in counts]
+    for lay, seed in ((a, 3), (b, 4)):
+        ref = reference_grads(CFG, seed, xs, [torch.zeros_like(t) for t in xs])[0][rank % 2]
+        for _ in range(3):
+            with torch.no_grad():
+                out = lay(xs[rank % 2])
+            assert counts[rank % 2] == 0 or rel_err(out, ref) < 2e-6
+    assert a.strategy._agree.calls == 3 and set(a.strategy.choices) <= {(4, "fwd"), (16, "fwd")}
+    # A peer that never comes: rank 0's wait raises within the timeout, naming itself.
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        lay = MoELayer(CFG, group=pair, strategy="auto", seed=3, device="cpu",
+                       strategy_options={"candidates": CANDS, "agree_timeout_s": 2.0})
+        if rank == 0:
+            with pytest.raises(RuntimeError, match="rank 0 of 2"), torch.no_grad():
+                lay(torch.randn(4, CFG.hidden, generator=g))
+
+
+def test_side_channel_paths_4_ranks(tmp_path):
+    run_gloo(_side_channel_paths, 4, str(tmp_path))
+
+
+def test_prior_prunes_far_slower_candidates():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "planning"))
+    from test_plan_auto import fused_profile
+
+    prof = fused_profile({100: 0.2})  # fused measured 5x slower than sequential
+    predicted, _ = predicted_candidates(CFG, 100, 2, prof, "fwd")
+    assert set(predicted) >= {"sequential", "fused"} and predicted["fused"] > 4 * predicted["sequential"]
+    kept, notes = prune(predicted, 1.5)
+    assert "fused" not in kept and "sequential" in kept and any("fused: predicted" in n for n in notes)
+    prof = fused_profile({100: 2.0})
+    kept, _ = prune(predicted_candidates(CFG, 100, 2, prof, "fwd")[0], 1.5)
+    assert kept[0] == "fused"  # ordered by prediction
+    kept, _ = prune({"sequential": 1.0, "fused": None}, 1.5)  # no prediction: kept, timed last
+    assert kept == ["sequential", "fused"]
+    # No profile: sequential and the mode's fused path, unpredicted.
+    predicted, notes = predicted_candidates(CFG, 100, 2, "/nonexistent.json", "fwdbwd")
+    assert predicted == {"sequential": None, "fused:train": None}
+
+
+def test_memory_cap_excludes_fused_train():
+    from interlace.parallel.comm import ExpertParallel
+    from interlace.strategies.auto import AutoStrategy, fused_buffer_bytes
+
+    ep = ExpertParallel(None, 0, 2, 4)  # a 2-rank view, only for planning (nothing is called)
+    need = fused_buffer_bytes(CFG, 2, 64)
+    for cap, excluded in ((need - 1, True), (need, False)):
+        s = AutoStrategy(CFG, ep, candidates=("sequential", "fused:train"), memory_cap=cap, cache=False)
+        plan = s._plan((64, "fwdbwd"), "cpu")
+        if excluded:
+            assert plan["choice"].spec == "sequential" and any("memory_cap" in n for n in plan["choice"].notes)
+        else:
+            assert plan["candidates"] == ["sequential", "fused:train"]
+
+
+def test_cache_interpolates_only_between_agreeing_neighbours(tmp_path):
+    cache = DecisionCache("dev", tmp_path)
+    cache.store("S", "fwd", 64, Choice("fused", "measured"))
+    cache.store("S", "fwd", 1024, Choice("fused", "measured"))
+    cache.store("S", "fwd", 4096, Choice("sequential", "measured"))
+    again = DecisionCache("dev", tmp_path)
+    assert again.lookup("S", "fwd", 64).source == "cached"
+    assert again.lookup("S", "fwd", 256).spec == "fused" and again.lookup("S", "fwd", 256).source == "interpolated"
+    assert again.lookup("S", "fwd", 2048) is None  # neighbours disagree: calibrate
+    assert again.lookup("S", "fwd", 8192) is None and again.lookup("S", "fwd", 32) is None  # outside
+    assert again.lookup("S", "fwdbwd", 64) is None
+    assert [token_bucket(t) for t in (0, 1, 2, 3, 64, 65)] == [0, 1, 2, 4, 64, 128]
+
+
+def test_options_refuse_rank_local_choices():
+    with pytest.raises(ValueError, match="fixed parameters"):
+        MoELayer(CFG, strategy="auto", device="cpu", strategy_options={"candidates": ("pipelined:auto",)})
+    with pytest.raises(ValueError, match="unknown"):
+        MoELayer(CFG, strategy="auto", device="cpu", strategy_options={"nope": 1})
+
+
+def test_default_strategy_is_auto_and_logs_its_decision(caplog):
+    layer = MoELayer(CFG, device="cpu")
+    assert layer.strategy.name == "auto"
+    with caplog.at_level(logging.INFO, logger="interlace.auto"):
+        out = layer(torch.randn(5, CFG.hidden))
+    assert out.shape == (5, CFG.hidden)
+    assert layer.strategy.choices[(8, "fwdbwd")].spec == "sequential"
+    assert any("world size 1" in r.getMessage() for r in caplog.records)
+    assert shape_key(CFG, 1) in caplog.records[0].getMessage()
+
+
+def test_shipped_decisions_lie_beneath_the_users(tmp_path):
+    """Decisions shipped for the presets are read beneath the user's cache: a bucket the user's
+    file holds wins, one only shipped is used, and stores go to the user's file alone."""
+    ship = DecisionCache("dev", tmp_path / "ship", shipped_dir=None)
+    ship.store("S", "fwd", 64, Choice("fused", "measured"))
+    ship.store("S", "fwd", 128, Choice("fused", "measured"))
+    user = DecisionCache("dev", tmp_path / "user", shipped_dir=tmp_path / "ship")
+    assert user.lookup("S", "fwd", 64).spec == "fused" and user.lookup("S", "fwd", 64).source == "cached"
+    user.store("S", "fwd", 64, Choice("sequential", "measured"))
+    again = DecisionCache("dev", tmp_path / "user", shipped_dir=tmp_path / "ship")
+    assert again.lookup("S", "fwd", 64).spec == "sequential" and again.lookup("S", "fwd", 128).spec == "fused"
+    shipped = json.loads((tmp_path / "ship" / "dev.json").read_text())["decisions"]["S/fwd"]
+    assert shipped["64"]["spec"] == "fused"  # untouched by the user's store
+    assert DecisionCache("dev", tmp_path / "user", shipped_dir=None).lookup("S", "fwd", 128) is None
