@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from interlace.config import MoEConfig
 from interlace.parallel.comm import ExpertParallel
+from interlace.parallel.host_board import HostBoard
 from interlace.planning.profile import profile_dir, shape_key
 
 DECISIONS_VERSION = 1
@@ -179,21 +180,36 @@ def side_channel(ep: ExpertParallel, timeout_s: float) -> dist.ProcessGroup:
     return group
 
 
-class TokenAgreement:
-    """The group's largest token count of the current call, agreed over a CPU side channel.
+_BOARDS: dict[tuple, HostBoard | None] = {}
 
-    :meth:`post` starts ``all_reduce(MAX)`` of this rank's (host-known) count on the gloo group
-    of :func:`side_channel`, asynchronously; :meth:`wait` waits for it on the host. Neither
-    touches a GPU stream, so the agreement never drains the GPU's queue: posting it before the
-    router runs (``Strategy.begin_call``) hides its latency under the router's launches. Every
-    rank posts once per call in the same order, so the i-th result is the same on every rank.
-    Waits are bounded by ``timeout_s`` (a peer that never posts raises instead of hanging).
+
+def host_board(ep: ExpertParallel, group, timeout_s: float) -> HostBoard | None:
+    """The shared-memory board of ``ep``'s ranks (one per rank tuple, shared by every layer), or
+    None where they are not all on one host; built with the side channel, on every rank alike."""
+    key = (id(dist.group.WORLD), tuple(dist.get_process_group_ranks(ep.group)))
+    if key not in _BOARDS:
+        _BOARDS[key] = HostBoard.create(group, timeout_s)
+    return _BOARDS[key]
+
+
+class TokenAgreement:
+    """The group's largest token count of the current call, agreed on the host.
+
+    Where every rank of the group runs on one host, over a page of shared memory
+    (:class:`~interlace.parallel.host_board.HostBoard`: a post is one store, the wait ends as soon
+    as the last rank has posted); elsewhere with ``all_reduce(MAX)`` on the gloo group of
+    :func:`side_channel`, asynchronously. Neither touches a GPU stream, so the agreement never
+    drains the GPU's queue, and posting it before the router runs (``Strategy.begin_call``)
+    hides its latency under the router's launches. Every rank posts once per call in the same
+    order, so the i-th result is the same on every rank. Waits are bounded by ``timeout_s`` (a
+    peer that never posts raises instead of hanging).
     """
 
     def __init__(self, ep: ExpertParallel, timeout_s: float = 300.0):
         self.ep = ep
         self.timeout = timedelta(seconds=timeout_s)
         self.group = side_channel(ep, timeout_s)
+        self.board = host_board(ep, self.group, timeout_s)
         self.calls = 0
         self._pending: tuple | None = None  # (value tensor, work, this rank's count) of the posted call
 
@@ -210,6 +226,9 @@ class TokenAgreement:
             # A post whose call never came (an exception between, on every rank alike): consumed
             # here so that this rank's sequence of results stays the group's.
             self.wait()
+        if self.board is not None:
+            self._pending = (None, self.board.post(int(tokens)), int(tokens))
+            return
         value = torch.tensor([int(tokens)], dtype=torch.int64)
         work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending = (value, work, int(tokens))
@@ -219,8 +238,12 @@ class TokenAgreement:
         value, work, _ = self._pending
         self._pending = None
         try:
+            if value is None:  # the shared-memory board; work is the call's sequence number
+                agreed = self.board.wait(work, self.timeout.total_seconds())
+                self.calls += 1
+                return agreed
             work.wait(self.timeout)
-        except RuntimeError as err:
+        except (RuntimeError, TimeoutError) as err:
             raise RuntimeError(f"auto: the token-count agreement failed or timed out after {self.timeout} on rank "
                                f"{self.ep.rank} of {self.ep.world} (a peer did not reach this layer call?): {err}"
                                ) from err

@@ -1,0 +1,137 @@
+"""A same-host board in shared memory: the ranks of a group agree on one small integer per call
+(its maximum) in microseconds, without a collective.
+
+``auto`` must know, before it runs a call, the largest token count any rank of the group passes
+(so that every rank runs the same strategy). A CPU collective (gloo over loopback TCP) answers in
+about a hundred microseconds, which is most of a decode-sized layer call; when every rank of the
+group runs on one host, a page of shared memory answers as soon as the last rank has posted.
+
+Layout: ``slots`` (2, W) int64, mapped by every rank from one file under ``/dev/shm`` (removed as
+soon as all ranks have mapped it, so nothing outlives the processes). Call ``s`` (1, 2, ...; the
+same sequence on every rank, as with any collective) writes ``(s << 32) | value`` into
+``slots[s % 2, rank]``: one aligned 8-byte store, so a reader sees either the old word or the new
+one, never a torn mix (also on ARM, where 8-byte aligned accesses are single-copy atomic), and no
+ordering between two stores matters. A rank's result for call ``s`` is the maximum of the row once
+every slot carries ``s``.
+
+Why two rows are enough: a rank posts call ``s + 1`` only after its read of call ``s`` finished
+(:meth:`HostBoard.post` first completes a read still pending). So when any rank has seen every
+slot at ``s + 1``, every rank is done reading row ``s % 2``, and overwriting it with ``s + 2`` is
+safe.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+_SEQ_MASK = (1 << 31) - 1
+_VALUE_MASK = (1 << 32) - 1
+
+
+def _host_identity() -> tuple[str, str]:
+    """(host name, boot id): ranks with equal identities share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+class HostBoard:
+    """The board of one group (every rank of ``group`` builds it alike; a collective of ``group``).
+
+    Use :meth:`create`, which returns None (on every rank alike) where the ranks are not all on
+    one host or shared memory cannot be mapped; the caller then agrees over the group instead.
+    """
+
+    def __init__(self, page: torch.Tensor, rank: int, world: int, timeout_s: float):
+        self.page = page  # (2W,) int64 mapped from the shared file; kept alive with the board
+        self.slots = page.numpy().reshape(2, world)  # its (2, W) view for fast element access
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.seq = 0
+        self._unread: int | None = None  # this rank's last posted call, until it is read
+        self._results: dict[int, int] = {}  # calls read early by post(), until their wait()
+
+    @classmethod
+    def create(cls, group, timeout_s: float) -> HostBoard | None:
+        """The board for the CPU (gloo) ``group``, or None where it cannot serve."""
+        usable = os.path.isdir("/dev/shm")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        identities = [None] * world
+        dist.all_gather_object(identities, (usable, _host_identity()), group=group)
+        if not all(u for u, _ in identities) or len({h for _, h in identities}) != 1:
+            return None
+        box = [f"/dev/shm/interlace-board-{uuid.uuid4().hex}" if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        path = box[0]
+        page, ok = None, True
+        try:
+            if rank == 0:
+                with open(path, "wb") as f:
+                    f.write(bytes(2 * world * 8))
+        except OSError:
+            ok = False
+        dist.barrier(group=group)
+        try:
+            page = torch.from_file(path, shared=True, size=2 * world, dtype=torch.int64)
+        except (OSError, RuntimeError):
+            ok = False
+        flags = [None] * world
+        dist.all_gather_object(flags, ok, group=group)  # every rank mapped it: now the name can go
+        if rank == 0:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if not all(flags):
+            return None
+        return cls(page, rank, world, timeout_s)
+
+    def post(self, value: int) -> int:
+        """Write this rank's ``value`` (0 ≤ value < 2³²) for the next call; returns its sequence
+        number, for :meth:`wait`."""
+        if not 0 <= value <= _VALUE_MASK:
+            raise ValueError(f"HostBoard: value {value} out of [0, 2^32)")
+        if self._unread is not None:  # keep "read s before posting s + 1" (module docstring)
+            self._results[self._unread] = self._read(self._unread)
+        self.seq = self.seq % _SEQ_MASK + 1
+        self._unread = self.seq
+        self.slots[self.seq & 1, self.rank] = (self.seq << 32) | value
+        return self.seq
+
+    def wait(self, seq: int, timeout_s: float | None = None) -> int:
+        """The group's maximum for call ``seq`` once every rank has posted it (spins, then
+        yields; raises ``TimeoutError`` after ``timeout_s``, default the board's)."""
+        if seq in self._results:
+            return self._results.pop(seq)
+        return self._read(seq, timeout_s)
+
+    def _read(self, seq: int, timeout_s: float | None = None) -> int:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if seq == self._unread:
+            self._unread = None
+        row = self.slots[seq & 1]
+        spins, deadline = 0, None
+        while True:
+            words = row.copy()
+            if ((words >> 32) == seq).all():
+                return int((words & _VALUE_MASK).max())
+            spins += 1
+            if spins >= 256:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout_s
+                elif now > deadline:
+                    missing = [r for r in range(self.world) if (int(words[r]) >> 32) != seq]
+                    raise TimeoutError(f"HostBoard: rank {self.rank} waited {timeout_s:.0f} s for call {seq} "
+                                       f"of ranks {missing} of the group (did they reach this layer call?)")
+                # yield, then back off: ranks can outnumber cores (CPU tests), and a spinning
+                # rank must not starve the one it waits for
+                time.sleep(0 if spins < 4096 else 1e-4)
