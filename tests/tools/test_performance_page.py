@@ -2,6 +2,7 @@
 the tree must be exactly what the generator writes from the shipped sources, so it cannot drift from them."""
 
 import importlib.util
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,3 +41,27 @@ def test_a_later_source_with_the_same_table_key_replaces_the_earlier_one():
     page = gen.render(gen.SOURCES + [newer])
     assert "A newer run of the same table" in page and first["title"] not in page
     assert page.count("### ") == gen.render().count("### ")
+
+
+def test_new_kinds_draw_their_scripts_rows_and_show_missing_parts_as_dashes(tmp_path, monkeypatch):
+    gen = _generator()
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+    hf = {"rows": [{"model": "m", "part": "forward", "skipped": "budget"},
+                   {"model": "m", "layers": 2, "optimizer": "sgd", "part": "train", "impl": "hf", "step_s_median": 0.3},
+                   {"model": "m", "layers": 2, "optimizer": "sgd", "part": "train", "impl": "interlace",
+                    "step_s_median": 0.1},
+                   {"model": "m", "part": "compile", "error": "boom"}]}
+    (tmp_path / "hf.json").write_text(json.dumps(hf))
+    grid = [dict(kind="grid", config=f"c{i}", tokens=128, mode="fwd", fastest="fused", fastest_ms=1.0,
+                 times_ms={"fused": 1.0, "sequential": 1.5}, auto_choice=choice, auto_ms=ms, ratio=ms,
+                 calibration_calls=9, overhead_ms=over, ok=True)
+            for i, (choice, ms, over) in enumerate([("fused", 1.02, 5.0), ("sequential", 1.6, 7.0),
+                                                     ("fused", 1.1, 30.0)])]
+    (tmp_path / "grid.jsonl").write_text("\n".join(map(json.dumps, grid + [dict(kind="preset")])) + "\n")
+    src = dict(section="x", table="t", title="T", date="d", commit="c", device="dev", command="cmd")
+    hf_lines = "\n".join(gen.hf_models_table(dict(src, file="hf.json")))
+    assert "| m | 2 | sgd | – | – | – | 300.0 | 100.0 | 3.00 | – (–) | – | – | – |" in hf_lines
+    summary = gen.auto_grid_table(dict(src, file="grid.jsonl"))[8]
+    assert summary.startswith("3 rows; auto within 5% of the fastest candidate on 1 (33%); worst auto ÷ fastest 1.600")
+    assert "ran the fastest candidate on 2 of 3" in summary and "median 100 µs per call" in summary
+    assert "overhead median 7.0 ms, max 30.0 ms" in summary
