@@ -10,7 +10,7 @@ from torch import nn
 
 from interlace.config import MoEConfig
 from interlace.kernels.router_gemm import split_mm, split_mm_op, split_mm_reference
-from interlace.kernels.router_topk import route_topk
+from interlace.kernels.router_topk import route_topk, route_topk_op
 from interlace.kernels.rows import use_triton
 
 
@@ -198,9 +198,15 @@ def route_logits(
     Returns:
         topk_idx (T, k) int64 (slot 0 the best choice), topk_weight (T, k) in logits.dtype.
     """
-    # Under torch.compile the plain torch path below is traced instead (the compiler fuses it).
     if (fused and expert_indices is None and logits.dtype == torch.float32 and use_triton(logits)
-            and fused_topk_supports(config) and not torch.compiler.is_compiling()):
+            and fused_topk_supports(config)):
+        if torch.compiler.is_compiling():
+            # The kernel's choice as an opaque op (Dynamo cannot trace its launch), so a compiled
+            # layer picks the experts an eager one picks; the weights of those experts in plain
+            # torch, differentiable as _FusedRouteTopK's backward is.
+            topk_idx, _ = route_topk_op(logits.detach(), expert_bias, config.top_k, config.router == "softmax",
+                                        config.renormalize, float(config.route_scale))
+            return topk_idx, topk_weights(router_scores(logits, config), topk_idx, config)
         return _FusedRouteTopK.apply(logits, expert_bias, config)
     if config.softmax_after_topk:
         if expert_indices is None:

@@ -87,3 +87,18 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
         SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
     )
     return idx, weight
+
+
+@torch.library.custom_op("interlace::route_topk", mutates_args=())
+def route_topk_op(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route_topk` as an opaque ``torch.library`` op, for ``torch.compile`` (Dynamo cannot
+    trace the kernel's launch): a compiled layer routes exactly as an eager one. Forward only, as
+    :func:`route_topk`; the router's autograd Function differentiates around it."""
+    return route_topk(logits, bias, top_k, softmax, renormalize, scale)
+
+
+@route_topk_op.register_fake
+def _route_topk_fake(logits, bias, top_k, softmax, renormalize, scale):
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.int64), logits.new_empty((T, top_k), dtype=torch.float32))

@@ -23,8 +23,9 @@ from interlace.strategies import custom_op
 from interlace.strategies.base import strategy_by_key
 from interlace.strategies.sequential import SequentialStrategy
 
-# fp32 throughout. Compiled and eager runs differ only where the compiled router takes the plain
-# torch top-k (eagerly it is one Triton kernel) and inductor reorders fp32 sums.
+# fp32 throughout. Compiled and eager runs pick the same experts (the router's Triton top-k is the
+# op interlace::route_topk under compile); they differ where the compiled weights come from plain
+# torch (eagerly from the kernel) and inductor reorders fp32 sums.
 TOL = 1e-5
 CFG = MoEConfig(hidden=32, ffn=16, num_experts=8, top_k=2, dtype=torch.float32)
 # A shared expert with its gate and the balance loss: their compiled code is ordinary torch.
@@ -283,3 +284,21 @@ def test_bf16_split_router_compiles():
     router_grad = [g for g, p in zip(got[1][1:], layer.parameters()) if p is layer.router.weight][0]
     router_ref = [g for g, p in zip(ref[1][1:], layer.parameters()) if p is layer.router.weight][0]
     assert rel_err(router_grad, router_ref) < 1e-2, "router gradient"
+
+
+def test_compiled_router_picks_the_eager_experts():
+    """The compiled router's choice is the Triton top-k kernel's (the op interlace::route_topk):
+    softmax and sigmoid-with-bias routers, with near-ties that a different top-k could order
+    differently."""
+    from interlace.routing import route_logits
+
+    for cfg in (CFG, CFG.with_(router="sigmoid", renormalize=True, route_scale=2.5)):
+        gen = torch.Generator().manual_seed(12)
+        logits = torch.randn(40, cfg.num_experts, generator=gen)
+        logits[::3, 1] = logits[::3, 2]  # exact ties between two experts
+        bias = torch.randn(cfg.num_experts, generator=gen) if cfg.router == "sigmoid" else None
+        eager = route_logits(logits, bias, cfg, fused=True)
+        compiled = torch.compile(lambda lg: route_logits(lg, bias, cfg, fused=True), fullgraph=True,
+                                 backend="aot_eager")(logits)
+        assert torch.equal(compiled[0], eager[0]), cfg.router
+        assert rel_err(compiled[1], eager[1]) < TOL, cfg.router
