@@ -4,6 +4,8 @@
 #                               all routing cases, bitwise repeatability, NaN rows (bf16 tolerances)
 #   2. tests/gpu/fused_check.py the fused strategy on every preset against sequential and naive, then
 #                               many calls through CUDA-graph captures, replays and evictions
+#   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile against eager (bf16
+#                               tolerance), with compiled and eager step times
 # usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
 # Exits non-zero if either check fails. Logs go to $OUT (default bench-out/gpu-check).
 set -uo pipefail
@@ -24,6 +26,9 @@ python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/gpu_check.py 2>
 (( PIPESTATUS[0] == 0 )) || status=1
 python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/fused_check.py --steps "${steps[@]}" --out "$OUT" \
   2>&1 | tee "$OUT/fused_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/compile_check.py --layers 2 --iters 5 \
+  2>&1 | tee "$OUT/compile_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
 echo "gpu checks: $([[ $status == 0 ]] && echo passed || echo FAILED)"
 exit $status
