@@ -10,7 +10,8 @@ does its calibration cost?
 128; FFN 512–32768; 8–250 experts, some not powers of two; top-k 1–8) × tokens per GPU
 (128, 3000, 8192; equal on every rank) × (fwd, fwd+bwd), router-chosen experts. Per row, on one
 layer: every candidate auto would consider (``sequential``, ``pipelined:r`` at the planner's
-degree where it is > 1, ``fused`` / ``fused:train``), each warmed up, then a *fresh* ``auto``
+degree where it is > 1, ``fused`` / ``fused:train`` with buffers for the token bucket, as auto
+sizes them), each warmed up, then a *fresh* ``auto``
 (empty decision cache in a temporary folder, no shipped decisions) is called until it has
 decided: its calibration calls are timed as a whole (wall clock, synchronized). Then every
 candidate and ``auto`` are timed round-robin (``--iters`` rounds, CUDA events, a barrier before
@@ -47,6 +48,7 @@ from interlace import MoEConfig, MoELayer
 from interlace.config import PRESETS
 from interlace.parallel import release_shared_buffers
 from interlace.strategies.auto import predicted_candidates
+from interlace.strategies.auto_decisions import token_bucket
 from interlace.tools.bench import barrier, bench_config, init_env, reduce_max, rel_err
 
 # (hidden, ffn, experts, top_k); none is a preset's shape class.
@@ -164,7 +166,10 @@ def grid_row(env, args, layer: MoELayer, shape, tokens: int, mode: str, tmp_root
     specs = candidate_specs(cfg, tokens, env.world, mode)
     strategies = {}
     for spec in specs:
-        layer.set_strategy(spec, **({"max_tokens": tokens} if spec.startswith("fused") else {}))
+        # Fused buffers as auto sizes them (the token bucket): the same kernels' specializations
+        # and work, so the steady-state comparison is like for like and Triton's compiles fall in
+        # these warm-up calls, not in auto's calibration.
+        layer.set_strategy(spec, **({"max_tokens": token_bucket(tokens)} if spec.startswith("fused") else {}))
         strategies[spec] = layer.strategy
     reference = call(strategies["sequential"]).float()
     errs = {}
