@@ -118,20 +118,24 @@ class HostBoard:
         if seq == self._unread:
             self._unread = None
         row = self.slots[seq & 1]
-        spins, deadline = 0, None
+        spins, start, deadline = 0, None, None
         while True:
             words = row.copy()
             if ((words >> 32) == seq).all():
                 return int((words & _VALUE_MASK).max())
             spins += 1
-            if spins >= 256:
+            if spins >= 64:
                 now = time.monotonic()
-                if deadline is None:
-                    deadline = now + timeout_s
+                if start is None:
+                    start, deadline = now, now + timeout_s
                 elif now > deadline:
                     missing = [r for r in range(self.world) if (int(words[r]) >> 32) != seq]
                     raise TimeoutError(f"HostBoard: rank {self.rank} waited {timeout_s:.0f} s for call {seq} "
                                        f"of ranks {missing} of the group (did they reach this layer call?)")
-                # yield, then back off: ranks can outnumber cores (CPU tests), and a spinning
-                # rank must not starve the one it waits for
-                time.sleep(0 if spins < 4096 else 1e-4)
+                # Spin briefly (ranks on their own cores post within microseconds), then yield the
+                # core, then sleep: ranks can outnumber cores (CPU tests), and a spinning rank must
+                # not starve the one it waits for.
+                if now - start < 1e-3:
+                    os.sched_yield()
+                else:
+                    time.sleep(5e-5)
