@@ -131,3 +131,33 @@ def _entry(rank, world, port, fn, args):
 def run_gloo(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any failure fails the test."""
     mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+
+
+# Tiny transformers MoE models from a config (tests/hf, tests/core/test_compile.py): hidden 32, vocab 64.
+HF_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=64, initializer_range=0.1, output_router_logits=True,
+               router_aux_loss_coef=0.02, tie_word_embeddings=False)
+# name: (model class, config class, config fields beyond _COMMON). Expert FFN 24, 8 experts, top-2.
+HF_FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                       head_dim=8)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
+              dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
+                       num_experts_per_tok=2)),
+    # Layer 0 dense (first_k_dense_replace), layer 1 MoE: 8 experts in 4 groups, 2 groups kept, top-3.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                         num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
+                         qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=2,
+                         num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                         first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
+                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
+}

@@ -11,40 +11,13 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import rel_err, run_gloo  # noqa: E402
+from helpers import HF_COMMON as _COMMON, HF_FAMILIES as FAMILIES, rel_err, run_gloo  # noqa: E402
 from interlace.hf import (  # noqa: E402
     expert_parameters, gather_hf_state_dict, moe_blocks, replace_moe_blocks, replicated_parameters,
 )
 
 TOL = 1e-5
-VOCAB, BATCH, SEQ, STEPS, LR = 64, 2, 8, 5, 0.05
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=64, initializer_range=0.1, output_router_logits=True,
-               router_aux_loss_coef=0.02, tie_word_embeddings=False)
-# name: (model class, config class, config fields beyond _COMMON). Expert FFN 24, 8 experts, top-2.
-FAMILIES = {
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
-                dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                  dict(moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                       head_dim=8)),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
-              dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                  dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=8,
-                       num_experts_per_tok=2)),
-    # Layer 0 dense (first_k_dense_replace), layer 1 MoE: 8 experts in 4 groups, 2 groups kept, top-3.
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
-                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-                         num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
-                         routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4,
-                         qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
-    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config",
-                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=2,
-                         num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-                         first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
-                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
-}
+VOCAB, BATCH, SEQ, STEPS, LR = _COMMON["vocab_size"], 2, 8, 5, 0.05
 # Blocks per model: DeepSeek-V3's first layer is dense.
 MOE_LAYERS = {"deepseek_v3": 1}
 
