@@ -57,7 +57,7 @@ class HostBoard:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.seq = 0
         self._unread: int | None = None  # this rank's last posted call, until it is read
-        self._results: dict[int, int] = {}  # calls read early by post(), until their wait()
+        self.last: tuple[int, int] | None = None  # (call, the group's maximum) of the last call read
 
     @classmethod
     def create(cls, group, timeout_s: float) -> HostBoard | None:
@@ -96,33 +96,43 @@ class HostBoard:
 
     def post(self, value: int) -> int:
         """Write this rank's ``value`` (0 ≤ value < 2³²) for the next call; returns its sequence
-        number, for :meth:`wait`."""
+        number, for :meth:`wait`. The previous call is read first if it was not (it waits only
+        where a rank has not posted that call yet): :meth:`previous` then answers at once."""
         if not 0 <= value <= _VALUE_MASK:
             raise ValueError(f"HostBoard: value {value} out of [0, 2^32)")
         if self._unread is not None:  # keep "read s before posting s + 1" (module docstring)
-            self._results[self._unread] = self._read(self._unread)
+            self._read(self._unread)
         self.seq = self.seq % _SEQ_MASK + 1
         self._unread = self.seq
         self.slots[self.seq & 1, self.rank] = (self.seq << 32) | value
         return self.seq
 
+    def previous(self, seq: int) -> int | None:
+        """The group's maximum of the call before ``seq`` (read by :meth:`post`), or None for
+        the board's first call."""
+        return self.last[1] if self.last is not None and self.last[0] % _SEQ_MASK + 1 == seq else None
+
     def wait(self, seq: int, timeout_s: float | None = None) -> int:
-        """The group's maximum for call ``seq`` once every rank has posted it (spins, then
-        yields; raises ``TimeoutError`` after ``timeout_s``, default the board's)."""
-        if seq in self._results:
-            return self._results.pop(seq)
+        """The group's maximum for call ``seq`` (the last one posted or the one before it) once
+        every rank has posted it (spins, then yields; raises ``TimeoutError`` after
+        ``timeout_s``, default the board's)."""
+        if self.last is not None and self.last[0] == seq:
+            return self.last[1]
+        if seq != self._unread:
+            raise RuntimeError(f"HostBoard: call {seq} is neither the last posted ({self._unread}) nor the last read")
         return self._read(seq, timeout_s)
 
     def _read(self, seq: int, timeout_s: float | None = None) -> int:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if seq == self._unread:
-            self._unread = None
         row = self.slots[seq & 1]
         spins, start, deadline = 0, None, None
         while True:
             words = row.copy()
             if ((words >> 32) == seq).all():
-                return int((words & _VALUE_MASK).max())
+                if seq == self._unread:
+                    self._unread = None
+                self.last = (seq, int((words & _VALUE_MASK).max()))
+                return self.last[1]
             spins += 1
             if spins >= 64:
                 now = time.monotonic()

@@ -1,19 +1,26 @@
 """``auto``: every rank runs the same strategy on every call, the one measured fastest here.
 
-**Agreement (why ranks never diverge).** Each call, every rank posts one ``all_reduce(MAX)`` of
-its host-known token count on a CPU side channel: a gloo process group over the expert-parallel
-group's ranks, created once and shared by every layer over them (the EP group itself when it is
-gloo; :class:`~interlace.strategies.auto_decisions.TokenAgreement`). The post is asynchronous and
-the wait is on the host only: it never enters a GPU stream, so it never drains the GPU's queue.
-``MoELayer.forward`` posts it before the router runs (:meth:`Strategy.begin_call`), so the
-router's launches hide its latency; a call that nobody posted for posts itself. The strategy of a
-call is then a function of values every rank holds identically, and of nothing rank-local:
+**Agreement (why ranks never diverge).** Each call, every rank posts its host-known token count
+on a counter shared by every layer over the same ranks
+(:class:`~interlace.strategies.auto_decisions.TokenAgreement`): a page of shared memory where the
+ranks share a host, else an asynchronous ``all_reduce(MAX)`` on a gloo side channel. Neither
+touches a GPU stream. ``MoELayer.forward`` posts before the router runs
+(:meth:`Strategy.begin_call`); a call that nobody posted for posts itself. Posting returns at once
+the group's largest count of the *previous* call on the counter (in a model, the previous MoE
+layer's call of the same forward pass), which every rank then holds. The strategy of a call is
+a function of values every rank holds identically, and of nothing rank-local:
 
-* the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of the group's largest
-  token count of **this** call (agreed as above; zero tokens on some or all ranks included).
-  ``mode`` is ``"fwdbwd"`` for a call that builds an autograd graph, else ``"fwd"``: ranks must
-  agree on it, as on anything else whose backward runs collectives (a training step is the same
-  program on every rank).
+* the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of a largest token count
+  of the group (zero tokens on some or all ranks included). ``mode`` is ``"fwdbwd"`` for a call
+  that builds an autograd graph, else ``"fwd"``: ranks must agree on it, as on anything else
+  whose backward runs collectives (a training step is the same program on every rank).
+* **the steady state, no wait**: where this layer has decided the previous call's key, that
+  key's strategy runs this call. A ``sequential`` or ``pipelined`` call then never waits for its peers on the host (their
+  skew is absorbed by the first collective, while the kernels already queued keep the GPU busy).
+  A fused call waits only after launching its kernels (see *Fused buffers*).
+* otherwise (the first call, a capture, or the previous key still calibrating) the call waits for
+  its own largest count and takes that key. A new bucket therefore runs the previous bucket's
+  strategy for one call (correct, perhaps slower), and its own from the next.
 * what to do for a key is decided once per process, by group rank 0, and broadcast over the
   side channel (a blocking step once per new key, never in the steady state): the cached
   decision or the candidates to calibrate. Ranks reading different cache files or profiles
@@ -30,11 +37,14 @@ are built with fixed parameters (``pipelined:r`` with its degree, no per-rank ``
 wait is bounded (``agree_timeout_s``: a peer that never reaches the call raises, naming the rank).
 
 **Fused buffers.** ``fused`` / ``fused:train`` hold buffers for a fixed number of tokens per
-rank. They are sized from the agreed count of the call that needs them: where it exceeds them,
-every rank grows them at that same call to the next power of two (a device sync and a barrier,
-only at a growth). With the ``capacity`` option they are sized to it once and never grow (memory
-planning: the user promises no rank passes more tokens; a call that breaks it raises on every
-rank alike).
+rank, sized at their first call from its agreed count (rounded up to a power of two). A later
+fused call launches at once with the buffers held, then waits on the host for its own largest
+count while the GPU works. A rank with more tokens than the buffers hold launches the call on
+as many of its tokens as they hold, so that its peers' kernels complete; every rank then sees
+the same largest count over the buffers, grows them (a device sync and a barrier) and runs the
+call again, dropping the first outputs: at most once per doubling. With the ``capacity`` option
+they are sized to it once and never grow (memory planning: the user promises no rank passes
+more tokens; a call that breaks it raises on every rank alike, after the launched kernels).
 
 **Calibration.** For a key with no decision, the candidates come from the performance model
 (:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
@@ -403,35 +413,76 @@ class AutoStrategy(Strategy):
         if self._agree is not None:
             self._agree.post(num_tokens)
 
-    def _agreed_tokens(self, tokens: int) -> int:
+    def _post(self, tokens: int) -> None:
+        """This call's post (made here where ``begin_call`` did not make it), checked against
+        the count ``begin_call`` announced."""
         agree = self._agree
         posted = agree.posted_tokens
         if posted is None:
             agree.post(tokens)
-        agreed = agree.wait()
-        if posted is not None and posted != tokens:  # after the wait: every rank's sequence stays in step
+        elif posted != tokens:
+            agree.skip()  # the counter's sequence stays every rank's; this call ends here on every rank
             raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
-        return agreed
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
         mode = "fwdbwd" if needs_grad else "fwd"
+        args = (x, topk_idx, topk_weight, w_up, w_down)
         if self._agree is None:
             key = (token_bucket(x.shape[0]), mode)
             if key not in self.choices:
                 self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
-            return self._impl("sequential", x.shape[0])(x, topk_idx, topk_weight, w_up, w_down)
-        agreed = self._agreed_tokens(x.shape[0])
+            return self._impl("sequential", x.shape[0])(*args)
+        agree = self._agree
+        self._post(x.shape[0])
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if agree.previous is not None and not capturing:
+            # The steady state: the key of the previous call on the counter (the previous layer's,
+            # in a model), which every rank holds without waiting.
+            state = self._keys.get((token_bucket(agree.previous), mode))
+            if state is not None and state.choice is not None:
+                if state.choice.spec in FUSED_SPECS:
+                    return self._fused_call(state.choice.spec, args)
+                agree.skip()
+                return self._impl(state.choice.spec, 0)(*args)
+        # First call, a capture, or the previous call's key new or still calibrating: this call's own key.
+        agreed = agree.wait()
         key = (token_bucket(agreed), mode)
         state = self._key_state(key, x.device)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
-            return self._impl(state.choice.spec, agreed)(x, topk_idx, topk_weight, w_up, w_down)
+            return self._impl(state.choice.spec, agreed)(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
-            return self._impl(state.plan["candidates"][0], agreed)(x, topk_idx, topk_weight, w_up, w_down)
-        # A calibration call: the scheduled candidate serves it, timed.
+            return self._impl(state.plan["candidates"][0], agreed)(*args)
+        return self._calibration_call(state, agreed, needs_grad, args)
+
+    def _fused_call(self, spec: str, args):
+        """A call of a decided fused key without waiting first: the fused kernels are launched
+        with the buffers held, then the host waits for this call's largest count while the GPU
+        works. Where some rank has more tokens than the buffers hold, that rank launches the
+        call on as many of its tokens as they hold (so that every peer's kernels complete), and
+        every rank, having seen the same maximum, grows the buffers and runs the call again
+        (the first outputs are dropped): only at a growth, as rare as before."""
+        x, topk_idx, topk_weight, w_up, w_down = args
+        if spec not in self._impls:  # no buffers yet: sized from this call's count (one wait per process)
+            return self._impl(spec, self._agree.wait())(*args)
+        held = self._impls[spec].max_tokens
+        impl = self._impl(spec, held)
+        if x.shape[0] <= held:
+            out = impl(*args)
+        else:
+            impl(x[:held], topk_idx[:held], topk_weight[:held], w_up, w_down)
+            out = None
+        agreed = self._agree.wait()  # after the launches: the GPU is busy while the last rank posts
+        if agreed > held:
+            out = self._impl(spec, agreed)(*args)  # every rank grows here (or raises over capacity)
+        return out
+
+    def _calibration_call(self, state: _KeyState, agreed: int, needs_grad: bool, args):
+        """The scheduled candidate serves this call, timed (forward, and backward through marks
+        on the output's and the inputs' gradients)."""
+        x, topk_idx, topk_weight, w_up, w_down = args
         clock = Clock(x.device)
         c = state.schedule[state.pos]
         warm = state.pos < len(state.plan["candidates"]) * self.options.warmup

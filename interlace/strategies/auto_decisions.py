@@ -180,38 +180,87 @@ def side_channel(ep: ExpertParallel, timeout_s: float) -> dist.ProcessGroup:
     return group
 
 
-_BOARDS: dict[tuple, HostBoard | None] = {}
+class GroupMax:
+    """The gloo side channel's answer to the same question as the board's (the group's maximum of
+    one integer per call, calls numbered alike on every rank), for ranks on several hosts: one
+    asynchronous ``all_reduce(MAX)`` per call, finished at the latest when the next call posts.
+    Same interface as :class:`~interlace.parallel.host_board.HostBoard`."""
+
+    def __init__(self, group, timeout_s: float):
+        self.group, self.timeout = group, timedelta(seconds=timeout_s)
+        self.seq = 0
+        self._pending: tuple | None = None  # (call, value tensor, work) of the last call posted
+        self.last: tuple[int, int] | None = None  # (call, maximum) of the last call finished
+
+    def post(self, value: int) -> int:
+        if self._pending is not None:
+            self._finish()
+        self.seq += 1
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        self._pending = (self.seq, tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                                           async_op=True))
+        return self.seq
+
+    def _finish(self, timeout_s: float | None = None) -> None:
+        seq, tensor, work = self._pending
+        self._pending = None
+        work.wait(self.timeout if timeout_s is None else timedelta(seconds=timeout_s))
+        self.last = (seq, int(tensor.item()))  # a CPU tensor: no device sync
+
+    def previous(self, seq: int) -> int | None:
+        return self.last[1] if self.last is not None and self.last[0] + 1 == seq else None
+
+    def wait(self, seq: int, timeout_s: float | None = None) -> int:
+        if self._pending is not None and self._pending[0] == seq:
+            self._finish(timeout_s)
+        if self.last is None or self.last[0] != seq:
+            raise RuntimeError(f"GroupMax: call {seq} is neither the last posted nor the last finished")
+        return self.last[1]
 
 
-def host_board(ep: ExpertParallel, group, timeout_s: float) -> HostBoard | None:
-    """The shared-memory board of ``ep``'s ranks (one per rank tuple, shared by every layer), or
-    None where they are not all on one host; built with the side channel, on every rank alike."""
+_COUNTERS: dict[tuple, object] = {}
+
+
+def group_counter(ep: ExpertParallel, group, timeout_s: float):
+    """The per-call maximum of ``ep``'s ranks, one object per rank tuple shared by every layer
+    over them (so a call's "previous call" is the previous layer's call, of the same forward
+    pass in a model): the shared-memory board where all ranks are on one host, else
+    :class:`GroupMax` over the gloo side channel. Built with the side channel, on every rank
+    alike."""
     key = (id(dist.group.WORLD), tuple(dist.get_process_group_ranks(ep.group)))
-    if key not in _BOARDS:
-        _BOARDS[key] = HostBoard.create(group, timeout_s)
-    return _BOARDS[key]
+    if key not in _COUNTERS:
+        _COUNTERS[key] = HostBoard.create(group, timeout_s) or GroupMax(group, timeout_s)
+    return _COUNTERS[key]
 
 
 class TokenAgreement:
-    """The group's largest token count of the current call, agreed on the host.
+    """The group's largest token count per call, agreed on the host, for one layer.
 
-    Where every rank of the group runs on one host, over a page of shared memory
-    (:class:`~interlace.parallel.host_board.HostBoard`: a post is one store, the wait ends as soon
-    as the last rank has posted); elsewhere with ``all_reduce(MAX)`` on the gloo group of
-    :func:`side_channel`, asynchronously. Neither touches a GPU stream, so the agreement never
-    drains the GPU's queue, and posting it before the router runs (``Strategy.begin_call``)
-    hides its latency under the router's launches. Every rank posts once per call in the same
-    order, so the i-th result is the same on every rank. Waits are bounded by ``timeout_s`` (a
-    peer that never posts raises instead of hanging).
+    The counter behind it (:func:`group_counter`) is shared by every layer over the same ranks:
+    the shared-memory board (:class:`~interlace.parallel.host_board.HostBoard`: a post is one
+    store) where every rank runs on one host, else an asynchronous ``all_reduce(MAX)`` on the
+    gloo group of :func:`side_channel`. Neither touches a GPU stream. Each call posts its count
+    (:meth:`post`, before the router runs: ``Strategy.begin_call``) and gets at once the
+    group's maximum of the *previous* call on the counter (:attr:`previous`, read when posting;
+    it waits only where a peer has not even started that call). The current call's maximum
+    (:meth:`wait`) waits for the last rank's post; :meth:`skip` finishes a call that does not
+    need it. Waits are bounded by ``timeout_s`` (a peer that never posts raises instead of
+    hanging).
     """
 
     def __init__(self, ep: ExpertParallel, timeout_s: float = 300.0):
         self.ep = ep
         self.timeout = timedelta(seconds=timeout_s)
         self.group = side_channel(ep, timeout_s)
-        self.board = host_board(ep, self.group, timeout_s)
+        self.counter = group_counter(ep, self.group, timeout_s)
         self.calls = 0
-        self._pending: tuple | None = None  # (value tensor, work, this rank's count) of the posted call
+        self.waits = 0  # calls that waited for their own call's maximum (tests, diagnostics)
+        self.previous: int | None = None  # the group's maximum of the call before the posted one
+        self._pending: tuple[int, int] | None = None  # (call on the counter, this rank's count)
+
+    @property
+    def board(self) -> HostBoard | None:
+        return self.counter if isinstance(self.counter, HostBoard) else None
 
     @property
     def posted(self) -> bool:
@@ -219,36 +268,35 @@ class TokenAgreement:
 
     @property
     def posted_tokens(self) -> int | None:
-        return None if self._pending is None else self._pending[2]
+        return None if self._pending is None else self._pending[1]
 
     def post(self, tokens: int) -> None:
-        if self._pending is not None:
-            # A post whose call never came (an exception between, on every rank alike): consumed
-            # here so that this rank's sequence of results stays the group's.
-            self.wait()
-        if self.board is not None:
-            self._pending = (None, self.board.post(int(tokens)), int(tokens))
-            return
-        value = torch.tensor([int(tokens)], dtype=torch.int64)
-        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (value, work, int(tokens))
+        # A post whose call never came (an exception between, on every rank alike) is simply
+        # replaced: the counter's sequence is the same on every rank either way.
+        seq = self._guard(lambda: self.counter.post(int(tokens)))
+        self.previous = self.counter.previous(seq)
+        self._pending = (seq, int(tokens))
 
     def wait(self) -> int:
-        """The group's largest count of the posted call (a host wait on the CPU collective)."""
-        value, work, _ = self._pending
+        """The group's largest count of the posted call (a host wait for the last rank's post)."""
+        seq, _ = self._pending
         self._pending = None
+        self.calls += 1
+        self.waits += 1
+        return self._guard(lambda: self.counter.wait(seq, self.timeout.total_seconds()))
+
+    def skip(self) -> None:
+        """Finish the posted call without its maximum (it is read when the next call posts)."""
+        self._pending = None
+        self.calls += 1
+
+    def _guard(self, fn):
         try:
-            if value is None:  # the shared-memory board; work is the call's sequence number
-                agreed = self.board.wait(work, self.timeout.total_seconds())
-                self.calls += 1
-                return agreed
-            work.wait(self.timeout)
+            return fn()
         except (RuntimeError, TimeoutError) as err:
             raise RuntimeError(f"auto: the token-count agreement failed or timed out after {self.timeout} on rank "
                                f"{self.ep.rank} of {self.ep.world} (a peer did not reach this layer call?): {err}"
                                ) from err
-        self.calls += 1
-        return int(value.item())  # a CPU tensor: no device sync
 
 
 class Clock:
