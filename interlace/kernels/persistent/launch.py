@@ -152,14 +152,14 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
     n_hist = layout.n_gate * e_pad
     # One int32 workspace: idx, weights (as fp32), ranks, row_of, asg_of (T·k each), hist and
     # base (n_gate·E_PAD each), offsets (E_PAD), the tile table (3·max_tiles).
-    ints = torch.empty(5 * TK + 2 * n_hist + e_pad + 3 * layout.max_tiles, dtype=torch.int32, device=x.device)
+    ints = alloc.empty((5 * TK + 2 * n_hist + e_pad + 3 * layout.max_tiles,), dtype=torch.int32, device=x.device)
     idx, wt, lrank, row_of, asg_of = (ints[i * TK:(i + 1) * TK] for i in range(5))
     wt = wt.view(torch.float32)
     rest = ints[5 * TK:]
     hist, base, offs, tiles = (rest[:n_hist], rest[n_hist:2 * n_hist], rest[2 * n_hist:2 * n_hist + e_pad],
                                rest[2 * n_hist + e_pad:])
-    h = torch.empty((TK, K), dtype=x.dtype, device=x.device)
-    y = torch.empty((TK, N), dtype=x.dtype, device=x.device)
+    h = alloc.empty((TK, K), dtype=x.dtype, device=x.device)
+    y = alloc.empty((TK, N), dtype=x.dtype, device=x.device)
     st, err, gemm0_done = state.views(x.device, layout.max_tiles)
     if c.programs is not None:
         programs = c.programs
@@ -167,7 +167,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
         programs = 3
     else:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = sms * _OCCUPANCY.get((x.device.index, block_m, e_pad, top_k, activation, x.dtype), 1)
+        programs = sms * _OCCUPANCY.get((x.device.index, block_m, e_pad, top_k, activation, x.dtype, c), 1)
     programs = max(1, min(programs, layout.total))
     constexprs = dict(
         TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
@@ -185,7 +185,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
         layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n,
         num_warps=c.num_warps, num_stages=c.num_stages, **constexprs,
     )
-    key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype)
+    key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c)
     if x.device.type == "cuda" and c.programs is None and key not in _OCCUPANCY:
         _OCCUPANCY[key] = _programs_per_sm(compiled, x.device, c.num_warps)
     if workspace is not None:
