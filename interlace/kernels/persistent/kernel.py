@@ -11,9 +11,9 @@ and their dependencies are listed in :mod:`interlace.kernels.persistent.tasks`; 
 * index task: waits for every gate task, scans the histograms into per-(block, expert) bases
   and per-expert offsets (an exclusive prefix sum), writes the row-tile table (expert, first
   row, expert end) and the expert-sorted row list both ways, then publishes the index flag;
-* GEMM0 task (tile, K-slice): the tile's ≤ BLOCK_M rows gathered from x, times the expert's
+* GEMM0 task (K-slice, tile): the tile's ≤ BLOCK_M rows gathered from x, times the expert's
   gate (and up) rows of that K-slice, activation in fp32, stored to h; counts its tile done;
-* GEMM1 task (tile, N-slice): after the tile's every K-slice, h rows times W_down's slice;
+* GEMM1 task (N-slice, tile): after the tile's every K-slice, h rows times W_down's slice;
 * combine task (token block, N-slice): after every GEMM1 task, each token's k rows summed in
   fp32 in slot order (deterministic: no atomics touch any output), scaled by the weights.
 
@@ -305,16 +305,16 @@ def persistent_moe_kernel(
                     _combine_task(comb // n_comb_n, comb % n_comb_n, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K,
                                   BLOCK_TC, BLOCK_NC)
             elif rel < n_gemm0:
-                tile = rel // n_k0
+                tile = rel % max_tiles
                 if ready & (tile < n_tiles):
-                    _gemm0_task(tile, rel % n_k0, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
+                    _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
                                 TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
                 _signal(gemm0_done_ptr + tile)
             else:
-                tile = (rel - n_gemm0) // n_n1
+                tile = (rel - n_gemm0) % max_tiles
                 if ready & (tile < n_tiles):
                     if _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0, tile, epoch):
-                        _gemm1_task(tile, (rel - n_gemm0) % n_n1, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
+                        _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
                                     K, BLOCK_M, BLOCK_N1, BLOCK_K1)
                 _signal(state_ptr + GEMM1_DONE)
         task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")

@@ -14,10 +14,15 @@ GEMM1      ``max_tiles · ceil(N / BLOCK_N1)``     the index; its row tile's GEM
 combine    ``ceil(T / BLOCK_TC) · ceil(N / BLOCK_NC)``  the index; every GEMM1 task
 =========  =====================================  ==========================================
 
-``max_tiles = E + ceil(T·k / BLOCK_M)`` bounds the row tiles of any routing (each expert's
-rows ``c_e`` take ``ceil(c_e / BLOCK_M) ≤ c_e / BLOCK_M + 1`` tiles), so the host sizes the
-launch from T alone, without reading the routing back: tasks past the real tile count exit
-at once.
+``max_tiles = floor((T·k + min(E, T·k)·(BLOCK_M − 1)) / BLOCK_M)`` bounds the row tiles of any
+routing: expert e's c_e rows take ``ceil(c_e / BLOCK_M) ≤ (c_e + BLOCK_M − 1) / BLOCK_M`` tiles,
+at most min(E, T·k) experts have rows, and the sum of those bounds is at most the above (an
+integer). So the host sizes the launch from T alone, without reading the routing back; tasks
+past the real tile count exit at once (at decode the bound is nearly tight: T = 1, k = 8 gives 8).
+
+GEMM0 and GEMM1 tasks are numbered slice-major, tile-minor (task = slice · max_tiles + tile):
+the row tiles of one expert take the same weight slice one after another, so it is read from
+HBM once and from L2 by the expert's other tiles.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ class TaskLayout:
     @classmethod
     def build(cls, T: int, N: int, K: int, E: int, top_k: int, block_t: int, block_m: int, block_k0: int,
               block_n1: int, block_tc: int, block_nc: int) -> TaskLayout:
-        return cls(n_gate=cdiv(T, block_t), max_tiles=E + cdiv(T * top_k, block_m), n_k0=cdiv(K, block_k0),
+        rows = T * top_k
+        max_tiles = (rows + min(E, rows) * (block_m - 1)) // block_m
+        return cls(n_gate=cdiv(T, block_t), max_tiles=max_tiles, n_k0=cdiv(K, block_k0),
                    n_n1=cdiv(N, block_n1), n_comb_t=cdiv(T, block_tc), n_comb_n=cdiv(N, block_nc))
 
     @property

@@ -173,3 +173,20 @@ def test_spin_limit_error_record(max_spins):
     with pytest.raises(RuntimeError, match=r"persistent MoE kernel, rank 0: task \d+ .* value 0, expected ≥ \d+"):
         state.check()
     state.check()  # cleared
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_tile_bound_holds_for_any_routing(block_m):
+    """TaskLayout.max_tiles (from T alone) bounds the real tile count: random, skewed and
+    spread routings, small and large T (the kernel would drop rows otherwise)."""
+    from interlace.kernels.persistent.tasks import TaskLayout
+
+    gen = torch.Generator().manual_seed(0)
+    for T, E, k in [(1, 8, 2), (1, 128, 8), (3, 4, 2), (33, 6, 2), (130, 64, 4), (512, 128, 8)]:
+        layout = TaskLayout.build(T, 64, 64, E, k, 16, block_m, 64, 64, 16, 64)
+        routings = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]),
+                    (torch.arange(T * k).view(T, k) % E),  # spread: as many experts as possible
+                    torch.arange(k).repeat(T, 1)]  # skewed: every token on the same k experts
+        for idx in routings:
+            tiles = reference_index(idx, E, block_m)[2]
+            assert tiles.shape[1] <= layout.max_tiles
