@@ -119,6 +119,8 @@ class PersistentStrategy(Strategy):
         if record.device.type != "cuda":
             self.state.check()  # (CPU: reading it costs nothing)
             return
+        if torch.cuda.is_current_stream_capturing():
+            return  # (inside a caller's CUDA-graph capture: synchronize_and_check after replays)
         if self._record_event is not None and not self._record_event.query():
             return  # the last copy is still on its way; the record stays set until raised
         if self._record_host is None:
@@ -128,7 +130,7 @@ class PersistentStrategy(Strategy):
         self._record_event.record()
 
     def _raise_landed_error(self) -> None:
-        if self._record_event is None or not self._record_event.query():
+        if self._record_event is None or torch.cuda.is_current_stream_capturing() or not self._record_event.query():
             return
         self._record_event = None
         message = describe_error(self._record_host.tolist())
