@@ -138,6 +138,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
     """
     if order not in TASK_ORDERS:
         raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
+    x, router_weight, w_up, w_down = (t.contiguous() for t in (x, router_weight, w_up, w_down))
     T, N = x.shape
     E, up_width, _ = w_up.shape
     K = w_down.shape[2]
