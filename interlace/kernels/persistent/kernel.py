@@ -43,10 +43,21 @@ import triton
 import triton.language as tl
 
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
-from interlace.kernels.persistent.tasks import (
-    DONE, EPOCH, GATE_DONE, GEMM1_DONE, INDEX_FLAG, N_TILES, QUEUE, WAIT_GATE, WAIT_GEMM0, WAIT_GEMM1, WAIT_INDEX,
-)
+from interlace.kernels.persistent import tasks
 from interlace.kernels.router_gemm import _piece
+
+# The state words and wait kinds of tasks.py as constexprs (a kernel may read only constexpr globals).
+EPOCH = tl.constexpr(tasks.EPOCH)
+QUEUE = tl.constexpr(tasks.QUEUE)
+DONE = tl.constexpr(tasks.DONE)
+GATE_DONE = tl.constexpr(tasks.GATE_DONE)
+GEMM1_DONE = tl.constexpr(tasks.GEMM1_DONE)
+N_TILES = tl.constexpr(tasks.N_TILES)
+INDEX_FLAG = tl.constexpr(tasks.INDEX_FLAG)
+WAIT_GATE = tl.constexpr(tasks.WAIT_GATE)
+WAIT_INDEX = tl.constexpr(tasks.WAIT_INDEX)
+WAIT_GEMM0 = tl.constexpr(tasks.WAIT_GEMM0)
+WAIT_GEMM1 = tl.constexpr(tasks.WAIT_GEMM1)
 
 
 @triton.jit
@@ -185,8 +196,8 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row
         a = a0 + tl.arange(0, BLOCK_A)
         amask = a < TK
         e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
-        g = a // (TOP_K * BLOCK_T)
-        row = (tl.load(offs_ptr + e, mask=amask, other=0) + tl.load(base_ptr + g * E_PAD + e, mask=amask, other=0)
+        block = a // (TOP_K * BLOCK_T)  # the gate task that routed it
+        row = (tl.load(offs_ptr + e, mask=amask, other=0) + tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
                + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
         tl.store(row_of_ptr + a, row, mask=amask)
         tl.store(asg_of_ptr + row, a, mask=amask)
