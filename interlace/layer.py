@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
         config: the layer's :class:`MoEConfig` (must be equal on every rank; checked here).
         group: expert-parallel process group, or None.
         strategy: a name of ``interlace.STRATEGIES`` (``"naive"``, ``"sequential"``,
-            ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"auto"``), optionally with its
+            ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"persistent"``, ``"auto"``), optionally with its
             ``":arg"`` (``"pipelined:4"`` fixes the degree). A strategy that cannot run on
             ``device`` here says what it needs (``ValueError``) before any weight is built.
             Default ``"auto"``: every rank runs the same strategy, the one measured fastest on
