@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
         config: the layer's :class:`MoEConfig` (must be equal on every rank; checked here).
         group: expert-parallel process group, or None.
         strategy: a name of ``interlace.STRATEGIES`` (``"naive"``, ``"sequential"``,
-            ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"auto"``), optionally with its
+            ``"pipelined"``, ``"fused"``, ``"tp_ep"``, ``"persistent"``, ``"auto"``), optionally with its
             ``":arg"`` (``"pipelined:4"`` fixes the degree). A strategy that cannot run on
             ``device`` here says what it needs (``ValueError``) before any weight is built.
             Default ``"auto"``: every rank runs the same strategy, the one measured fastest on
@@ -182,8 +182,11 @@ class MoELayer(nn.Module):
         # this stream routes and the strategy dispatches, computes and combines; joined below.
         shared = None if self.shared is None else shared_overlap.start(
             self.shared, x, overlap=self.config.shared_overlap)
-        topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
-        out = run_strategy(self.strategy, x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
+        if self._routes_in_strategy(x, expert_indices):  # (a strategy whose kernel routes: `persistent`)
+            out = self.strategy.forward_layer(x, self.router, self.experts.w_up, self.experts.w_down)
+        else:
+            topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
+            out = run_strategy(self.strategy, x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
         if shared is not None:
             out = out + shared.join()
         if self.config.aux_loss_coef > 0 and self.training:
@@ -191,6 +194,14 @@ class MoELayer(nn.Module):
             self.last_aux_loss = aux.detach()
             out = AddAuxiliaryLoss.apply(out, aux)
         return out.reshape(shape)
+
+    def _routes_in_strategy(self, x: torch.Tensor, expert_indices: torch.Tensor | None) -> bool:
+        """Whether the strategy routes this call inside its own kernel: only a ``routes_itself``
+        strategy, without forced indices, outside ``torch.compile``, with no balance loss to
+        compute, and where the strategy takes the call (inference: no autograd graph)."""
+        return (self.strategy.routes_itself and expert_indices is None and not torch.compiler.is_compiling()
+                and not (self.config.aux_loss_coef > 0 and self.training)
+                and self.strategy.routes_call(x, self.router, self.experts.w_up, self.experts.w_down))
 
     def extra_repr(self) -> str:
         c = self.config

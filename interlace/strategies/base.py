@@ -57,6 +57,9 @@ class Strategy:
     fused_routing: ClassVar[bool] = False
     # Whether every call runs Triton kernels (no torch fallback): checked by check_runtime's default.
     needs_triton: ClassVar[bool] = False
+    # Whether the strategy can route inside its own kernel: the layer then asks routes_call and,
+    # if it says yes, calls forward_layer with the router instead of routing first.
+    routes_itself: ClassVar[bool] = False
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
         if options:
@@ -102,6 +105,15 @@ class Strategy:
         """Called by the layer with this rank's token count before it routes, once per call and
         on every rank alike (not while ``torch.compile`` traces): a strategy that must agree on
         something with its peers starts it here, under the router's work. No-op by default."""
+
+    def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """(``routes_itself`` strategies) Whether this call goes to :meth:`forward_layer`."""
+        return False
+
+    def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """(``routes_itself`` strategies) x (T, N) → (T, N): routing by ``router``
+        (:class:`interlace.routing.Router`) and the experts, all inside the strategy."""
+        raise NotImplementedError
 
     def __call__(
         self,

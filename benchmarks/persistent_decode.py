@@ -1,0 +1,167 @@
+"""Decode-sized calls of ``persistent`` against ``sequential`` on one GPU, and the weight-read floor.
+
+For each preset of :data:`interlace.config.PRESETS`, with the experts of one rank of two (E/2
+experts in all, the preset's top-k, world size 1: no torchrun), and tokens {1, 8, 32, 128, 512}:
+
+1. check: ``persistent``'s output against ``sequential``'s on the same layer (same weights, same
+   input, both under ``torch.inference_mode``): max |Δ| ≤ 3e-2 · max |sequential| in bf16
+   (1e-4 in fp32, the smoke run);
+2. time both: ≥ 5 warm-up calls, then ≥ 20 calls each timed by CUDA events with a
+   ``torch.cuda.synchronize()`` before it; the median;
+3. the weight-read floor: bytes of the expert weights this call's routing touches (every expert
+   with at least one token: up_width·N + N·K elements each) ÷ the HBM read bandwidth measured in
+   the same run by a large read-only reduction.
+
+The table printed last: preset, tokens, experts touched, persistent ms, sequential ms, floor ms,
+persistent ÷ floor, and the check's relative error.
+
+    python3 benchmarks/persistent_decode.py                       # one GPU
+    python3 benchmarks/persistent_decode.py --presets qwen2-moe --tokens 1 128
+    TRITON_INTERPRET=1 python3 benchmarks/persistent_decode.py --smoke   # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from interlace import MoEConfig, MoELayer  # noqa: E402
+from interlace.config import PRESETS  # noqa: E402
+
+TOKENS = (1, 8, 32, 128, 512)
+
+
+def median_ms(fn, warmup: int, iters: int, cuda: bool) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def read_bandwidth(device: torch.device, gib: float, cuda: bool) -> float:
+    """Bytes per second of a read-only reduction over ``gib`` GiB (fp32 sum)."""
+    a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    ms = median_ms(lambda: a.sum(), 3, 10, cuda)
+    del a
+    return gib * 2**30 / (ms * 1e-3)
+
+
+def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: float) -> list[dict]:
+    cuda = device.type == "cuda"
+    layer = MoELayer(cfg, strategy="persistent", seed=0, device=device)
+    persistent = layer.strategy
+    layer.set_strategy("sequential")
+    sequential = layer.strategy
+    expert_bytes = (cfg.up_width * cfg.hidden + cfg.hidden * cfg.ffn) * layer.experts.w_up.element_size()
+    tol = 3e-2 if cfg.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(7)
+    for T in tokens:
+        row = {"preset": name, "tokens": T}
+        x = torch.randn(T, cfg.hidden, generator=gen, device=device, dtype=torch.float32).to(cfg.dtype)
+        with torch.inference_mode():
+            try:
+                topk_idx = layer.router(x, fused=True)[0]
+                row["touched"] = int(topk_idx.unique().numel())
+                layer.strategy = persistent
+                out_p = layer(x)
+                layer.strategy = sequential
+                out_s = layer(x)
+                err = ((out_p.float() - out_s.float()).abs().max() / out_s.float().abs().max().clamp_min(1e-30)).item()
+                row["rel_err"] = err
+                row["ok"] = err <= tol
+                layer.strategy = persistent
+                row["persistent_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters, cuda)
+                if cuda:
+                    persistent.synchronize_and_check()
+                layer.strategy = sequential
+                row["sequential_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters, cuda)
+            except Exception as exc:  # report the row and go on to the next
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        row["floor_ms"] = row.get("touched", 0) * expert_bytes / bandwidth * 1e3
+        print(f"  {name} T={T}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in row.items() if k not in ("preset", "tokens")), flush=True)
+        rows.append(row)
+    del layer, persistent, sequential
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    print(f"\nHBM read bandwidth (this run): {bandwidth / 1e12:.3f} TB/s")
+    print(f"{'preset':<15}{'tokens':>7}{'touched':>8}{'persistent ms':>15}{'sequential ms':>15}{'floor ms':>10}"
+          f"{'x floor':>9}{'check':>16}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['preset']:<15}{r['tokens']:>7}  ERROR {r['error']}")
+            continue
+        ratio = r["persistent_ms"] / r["floor_ms"] if r["floor_ms"] else float("nan")
+        check = f"{'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}"
+        print(f"{r['preset']:<15}{r['tokens']:>7}{r['touched']:>8}{r['persistent_ms']:>15.3f}{r['sequential_ms']:>15.3f}"
+              f"{r['floor_ms']:>10.3f}{ratio:>9.2f}{check:>16}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="*", default=list(PRESETS))
+    parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.smoke:
+        device = torch.device("cpu")
+        configs = {
+            "tiny-softmax": MoEConfig(hidden=64, ffn=48, num_experts=8, top_k=2, dtype=torch.float32),
+            "tiny-sigmoid": MoEConfig(hidden=64, ffn=48, num_experts=8, top_k=2, router="sigmoid", renormalize=True,
+                                      route_scale=2.5, dtype=torch.float32),
+        }
+        tokens, args.warmup, args.iters, gib = [1, 8, 32], 1, 2, 0.0625
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1 on the CPU)")
+        if args.warmup < 5 or args.iters < 20:
+            raise SystemExit("timing rules: --warmup ≥ 5 and --iters ≥ 20")
+        device = torch.device("cuda", torch.cuda.current_device())
+        unknown = [p for p in args.presets if p not in PRESETS]
+        if unknown:
+            raise SystemExit(f"unknown presets {unknown}; known: {list(PRESETS)}")
+        # One rank of two: E/2 experts, the preset's top-k.
+        configs = {p: PRESETS[p].with_(num_experts=PRESETS[p].num_experts // 2) for p in args.presets}
+        tokens, gib = args.tokens, 4.0
+    bandwidth = read_bandwidth(device, gib, device.type == "cuda")
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}, "
+          f"HBM read {bandwidth / 1e12:.3f} TB/s", flush=True)
+    rows = []
+    for name, cfg in configs.items():
+        rows += bench_preset(name, cfg, tokens, device, args, bandwidth)
+    print_table(rows, bandwidth)
+    print(f"\ntotal {time.perf_counter() - started:.1f} s")
+    failed = [r for r in rows if "error" in r or not r.get("ok")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

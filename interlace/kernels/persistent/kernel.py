@@ -1,0 +1,341 @@
+"""The whole MoE layer (world size 1) as one persistent Triton kernel: gate → index → GEMM0 +
+activation → GEMM1 → combine, as tasks taken from one device-side queue.
+
+A fixed grid of programs (no more than are co-resident) loops: take the next task number from
+a global atomic counter, run it, repeat until the numbers run out. The task kinds, their counts
+and their dependencies are listed in :mod:`interlace.kernels.persistent.tasks`; in short:
+
+* gate task g: fp32 router logits of tokens [g·BLOCK_T, (g+1)·BLOCK_T), top-k, routing weights,
+  and this block's per-expert histogram plus each assignment's rank among the block's
+  assignments of its expert (no atomics: the row order is a function of the routing alone);
+* index task: waits for every gate task, scans the histograms into per-(block, expert) bases
+  and per-expert offsets (an exclusive prefix sum), writes the row-tile table (expert, first
+  row, expert end) and the expert-sorted row list both ways, then publishes the index flag;
+* GEMM0 task (K-slice, tile): the tile's ≤ BLOCK_M rows gathered from x, times the expert's
+  gate (and up) rows of that K-slice, activation in fp32, stored to h; counts its tile done;
+* GEMM1 task (N-slice, tile): after the tile's every K-slice, h rows times W_down's slice;
+* combine task (token block, N-slice): after every GEMM1 task, each token's k rows summed in
+  fp32 in slot order (deterministic: no atomics touch any output), scaled by the weights.
+
+Why this cannot deadlock. Task numbers are handed out in increasing order by the counter, and
+every task waits only on tasks with smaller numbers (gate < index < GEMM0 < GEMM1 < combine). A
+program only takes a number once it is running, so every task that has been taken belongs to a
+program that runs. Take the smallest unfinished task: everything it waits for has a smaller
+number, so it has been taken (numbers are taken in order) and, being smaller than the smallest
+unfinished, has finished; so it does not wait and finishes. By induction every task finishes,
+whatever the number of programs and however the GPU schedules them (even one program alone:
+under ``TRITON_INTERPRET=1`` programs run one after another and the first one runs every task,
+which checks the order). Waits are still bounded (``max_spins`` polls): a timed-out wait writes
+one error record (the first; later waits give up at once) and the task skips its work, so a
+broken order or a lost program ends the launch with an error the host raises instead of a hang.
+
+Epochs. ``state[EPOCH]`` counts the calls that finished; a call's epoch is that plus one, read
+by every program at its start (the previous launch has finished: stream order). The index flag
+is set to the epoch (a waiter waits for ``flag ≥ epoch``), so it is never reset. The counters
+(queue, gate and GEMM1 completions, per-tile GEMM0 completions, finished programs) are zeroed by
+the last program to finish, inside the launch, after every other program has left its loop:
+nothing is reset by the host between calls and a CUDA graph of the launch replays correctly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
+from interlace.kernels.persistent import tasks
+from interlace.kernels.router_gemm import _piece
+
+# The state words and wait kinds of tasks.py as constexprs (a kernel may read only constexpr globals).
+EPOCH = tl.constexpr(tasks.EPOCH)
+QUEUE = tl.constexpr(tasks.QUEUE)
+DONE = tl.constexpr(tasks.DONE)
+GATE_DONE = tl.constexpr(tasks.GATE_DONE)
+GEMM1_DONE = tl.constexpr(tasks.GEMM1_DONE)
+N_TILES = tl.constexpr(tasks.N_TILES)
+INDEX_FLAG = tl.constexpr(tasks.INDEX_FLAG)
+WAIT_GATE = tl.constexpr(tasks.WAIT_GATE)
+WAIT_INDEX = tl.constexpr(tasks.WAIT_INDEX)
+WAIT_GEMM0 = tl.constexpr(tasks.WAIT_GEMM0)
+WAIT_GEMM1 = tl.constexpr(tasks.WAIT_GEMM1)
+
+
+@triton.jit
+def _wait_at_least(ptr, target, max_spins, err_ptr, task, kind, what, epoch):
+    """Acquire-poll ``*ptr`` until it is ≥ ``target``; False after ``max_spins`` polls, or at once
+    once another wait has timed out (the error record is set). The first timed-out wait writes
+    the record: [1, rank 0, kind, task, what, value, target, epoch]."""
+    value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (value < target) & (spins < max_spins):
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+        if tl.load(err_ptr, volatile=True) != 0:
+            spins = max_spins
+    ok = value >= target
+    if not ok:
+        if tl.atomic_cas(err_ptr, 0, 1) == 0:
+            tl.store(err_ptr + 1, 0)
+            tl.store(err_ptr + 2, kind)
+            tl.store(err_ptr + 3, task)
+            tl.store(err_ptr + 4, what)
+            tl.store(err_ptr + 5, value)
+            tl.store(err_ptr + 6, target)
+            tl.store(err_ptr + 7, epoch)
+    return ok
+
+
+@triton.jit
+def _signal(ptr):
+    """Count one finished task: this program's earlier stores (all threads), then a release add."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Routing of tokens [g·BLOCK_T, ...): logits x (BLOCK_T, N) @ W_r (E, N)ᵀ in fp32 (bf16 x:
+    W_r's W_PIECES bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot),
+    then the choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never
+    wins; ties to the lower expert). Writes idx/weight/rank per assignment a = t·k + j, and the
+    block's histogram hist[g, :]."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = tl.arange(0, E_PAD)
+    slots = tl.arange(0, K_PAD)
+    emask = cols < E
+    acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_G):
+        nn = n0 + tl.arange(0, BLOCK_G)
+        nmask = nn < N
+        a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + nn[None, :], mask=tmask[:, None] & nmask[None, :],
+                    other=0.0)
+        w = tl.load(rw_ptr + cols[None, :].to(tl.int64) * N + nn[:, None], mask=emask[None, :] & nmask[:, None],
+                    other=0.0).to(tl.float32)  # (BLOCK_G, E_PAD): W_rᵀ
+        if W_PIECES == 0:
+            acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
+        else:
+            ab = _piece(a, 0, 1, DOT_FP32)
+            for i in tl.static_range(W_PIECES):
+                acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
+    valid = emask[None, :]
+    if SOFTMAX:
+        logits = tl.where(valid, acc, float("-inf"))
+        row_max = tl.max(logits, axis=1)
+        p = tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0)
+        scores = p / tl.sum(p, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(acc)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=emask, other=0.0)[None, :]
+    choice = tl.where(choice != choice, float("-inf"), choice)
+    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)
+    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    sels = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(taken, float("-inf"), choice)
+        best = tl.max(cand, axis=1)
+        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
+        onehot = cols[None, :] == sel[:, None]
+        taken = taken | onehot
+        w_j = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
+        weights = tl.where(slots[None, :] == j, w_j[:, None], weights)
+        sels = tl.where(slots[None, :] == j, sel[:, None], sels)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    weights = weights * scale
+    # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
+    # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
+    chosen = (taken & (cols[None, :] < E) & tmask[:, None]).to(tl.int32)
+    before = tl.cumsum(chosen, axis=0) - chosen
+    a_base = tokens.to(tl.int64) * TOP_K
+    for j in tl.static_range(TOP_K):
+        sel = tl.sum(tl.where(slots[None, :] == j, sels, 0), axis=1)
+        rank = tl.sum(tl.where(cols[None, :] == sel[:, None], before, 0), axis=1)
+        w_j = tl.sum(tl.where(slots[None, :] == j, weights, 0.0), axis=1)
+        tl.store(idx_ptr + a_base + j, sel, mask=tmask)
+        tl.store(lrank_ptr + a_base + j, rank, mask=tmask)
+        tl.store(wt_ptr + a_base + j, w_j, mask=tmask)
+    tl.store(hist_ptr + g * E_PAD + cols, tl.sum(chosen, axis=0))
+
+
+@triton.jit
+def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr, state_ptr,
+                n_gate, max_tiles, TK, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Offsets, the row-tile table and the expert-sorted row list (see the module), then N_TILES."""
+    cols = tl.arange(0, E_PAD)
+    running = tl.zeros((E_PAD,), dtype=tl.int32)
+    for g in range(0, n_gate):
+        h = tl.load(hist_ptr + g * E_PAD + cols, cache_modifier=".cg")
+        tl.store(base_ptr + g * E_PAD + cols, running)
+        running += h
+    ends = tl.cumsum(running, axis=0)
+    starts = ends - running
+    tl.store(offs_ptr + cols, starts)
+    n_tiles_e = (running + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles_e, axis=0)
+    tile_beg = tile_end - n_tiles_e
+    n_tiles = tl.sum(n_tiles_e, axis=0)
+    for j0 in range(0, max_tiles, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
+        expert = tl.sum(tl.where(inside, cols[None, :], 0), axis=1)
+        first = tl.sum(tl.where(inside, starts[None, :] + (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
+        end = tl.sum(tl.where(inside, ends[None, :], 0), axis=1)
+        jmask = j < n_tiles
+        tl.store(tiles_ptr + j, expert, mask=jmask)
+        tl.store(tiles_ptr + max_tiles + j, first, mask=jmask)
+        tl.store(tiles_ptr + 2 * max_tiles + j, end, mask=jmask)
+    tl.debug_barrier()  # the bases and offsets above are read back below by other threads
+    for a0 in range(0, TK, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        amask = a < TK
+        e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+        block = a // (TOP_K * BLOCK_T)  # the gate task that routed it
+        row = (tl.load(offs_ptr + e, mask=amask, other=0) + tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
+               + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
+        tl.store(row_of_ptr + a, row, mask=amask)
+        tl.store(asg_of_ptr + row, a, mask=amask)
+    tl.store(state_ptr + N_TILES, n_tiles)
+
+
+@triton.jit
+def _gemm0_task(tile, ks, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
+                TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
+                BLOCK_N0: tl.constexpr):
+    """h[rows, K-slice ks] = act(x[tokens of rows] @ W_up[e][gate (and up) rows of the slice]ᵀ)."""
+    e = tl.load(tiles_ptr + tile).to(tl.int64)
+    first = tl.load(tiles_ptr + max_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * max_tiles + tile)
+    rows = first + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    token = tl.load(asg_of_ptr + rows, mask=rmask, other=0, cache_modifier=".cg") // TOP_K
+    cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
+    cmask = cols < K
+    acc_g, acc_u = gate_up_tile(x_ptr + token.to(tl.int64) * N, rmask, w_up_ptr + e * UP * N, None, 0, cols, cmask,
+                                N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
+    act = activation_epilogue(acc_g, acc_u, ACTIVATION)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _gemm1_task(tile, ns, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
+                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
+    """y[rows, N-slice ns] = h[rows] @ W_down[e][slice]ᵀ."""
+    e = tl.load(tiles_ptr + tile).to(tl.int64)
+    first = tl.load(tiles_ptr + max_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * max_tiles + tile)
+    rows = first + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    cmask = cols < N
+    acc, _ = gate_up_tile(h_ptr + rows.to(tl.int64) * K, rmask, w_down_ptr + e * N * K, None, 0, cols, cmask,
+                          K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_task(tb, ns, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr,
+                  BLOCK_NC: tl.constexpr):
+    """out[tokens, slice] = Σ_j weight[t, j] · y[row(t, j), slice], in fp32, j in order."""
+    tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
+    tmask = tokens < T
+    cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
+    cmask = cols < N
+    acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        a = tokens.to(tl.int64) * TOP_K + j
+        row = tl.load(row_of_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+        w = tl.load(wt_ptr + a, mask=tmask, other=0.0, cache_modifier=".cg")
+        y = tl.load(y_ptr + row[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
+                    other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * y.to(tl.float32)
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def persistent_moe_kernel(
+    x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E, UP, N), (E, N, K), (T, N)
+    idx_ptr, wt_ptr, lrank_ptr, row_of_ptr, asg_of_ptr,  # (T·k,) each: int32, fp32, int32 ×3
+    hist_ptr, base_ptr, offs_ptr, tiles_ptr,  # (n_gate, E_PAD) ×2, (E_PAD,), (3, max_tiles) int32
+    h_ptr, y_ptr,  # (T·k, K), (T·k, N) in x's dtype
+    state_ptr, err_ptr, gemm0_done_ptr,  # persistent: (STATE_WORDS,), (ERROR_WORDS,), (≥ max_tiles,) int32
+    T, N, K, E, UP, scale, max_spins, n_programs,
+    n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
+    BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr,
+    BLOCK_NC: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    ACTIVATION: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ORDER: tl.constexpr,
+):
+    """One MoE layer call; see the module. ORDER 1 (tests only) dequeues the combine tasks right
+    after the index, before the GEMM tasks: a broken order the waits must catch."""
+    epoch = tl.load(state_ptr + EPOCH) + 1
+    n_gemm0 = max_tiles * n_k0
+    n_gemm1 = max_tiles * n_n1
+    n_comb = n_comb_t * n_comb_n
+    first_gemm = n_gate + 1
+    total = first_gemm + n_gemm0 + n_gemm1 + n_comb
+    task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    while task < total:
+        if task < n_gate:
+            _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
+            _signal(state_ptr + GATE_DONE)
+        elif task < first_gemm:
+            if _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch):
+                _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr,
+                            state_ptr, n_gate, max_tiles, T * TOP_K, E_PAD, TOP_K, BLOCK_T, BLOCK_M, BLOCK_A,
+                            BLOCK_J)
+            tl.debug_barrier()
+            tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
+        else:
+            rel = task - first_gemm
+            if ORDER == 0:
+                is_comb = rel >= n_gemm0 + n_gemm1
+                comb = rel - n_gemm0 - n_gemm1
+            else:
+                is_comb = rel < n_comb
+                comb = rel
+                rel = rel - n_comb
+            ready = _wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, task, WAIT_INDEX, 0, epoch)
+            n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
+            if is_comb:
+                if ready:
+                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_gemm1, max_spins, err_ptr, task, WAIT_GEMM1, 0,
+                                           epoch)
+                if ready:
+                    _combine_task(comb // n_comb_n, comb % n_comb_n, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K,
+                                  BLOCK_TC, BLOCK_NC)
+            elif rel < n_gemm0:
+                tile = rel % max_tiles
+                if ready & (tile < n_tiles):
+                    _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
+                                TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
+                _signal(gemm0_done_ptr + tile)
+            else:
+                tile = (rel - n_gemm0) % max_tiles
+                if ready & (tile < n_tiles):
+                    if _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0, tile, epoch):
+                        _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
+                                    K, BLOCK_M, BLOCK_N1, BLOCK_K1)
+                _signal(state_ptr + GEMM1_DONE)
+        task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    # The last program out resets the counters for the next call and publishes its epoch.
+    if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
+        for t0 in range(0, max_tiles, BLOCK_J):
+            t = t0 + tl.arange(0, BLOCK_J)
+            tl.store(gemm0_done_ptr + t, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=t < max_tiles)
+        tl.store(state_ptr + QUEUE, 0)
+        tl.store(state_ptr + GATE_DONE, 0)
+        tl.store(state_ptr + GEMM1_DONE, 0)
+        tl.store(state_ptr + DONE, 0)
+        tl.store(state_ptr + EPOCH, epoch)

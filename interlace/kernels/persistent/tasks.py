@@ -1,0 +1,116 @@
+"""The persistent MoE kernel's task list, state layout and error records, and torch references
+of its index math (for tests).
+
+One launch runs five kinds of task, numbered so that every task depends only on tasks with
+smaller numbers (see :mod:`interlace.kernels.persistent.kernel` for why that cannot deadlock):
+
+=========  =====================================  ==========================================
+kind       count (static upper bound, from T)     waits for
+=========  =====================================  ==========================================
+gate       ``G = ceil(T / BLOCK_T)``              nothing
+index      1                                      every gate task (a counter reaches G)
+GEMM0      ``max_tiles · ceil(K / BLOCK_K0)``     the index (a flag reaches the call's epoch)
+GEMM1      ``max_tiles · ceil(N / BLOCK_N1)``     the index; its row tile's GEMM0 tasks
+combine    ``ceil(T / BLOCK_TC) · ceil(N / BLOCK_NC)``  the index; every GEMM1 task
+=========  =====================================  ==========================================
+
+``max_tiles = floor((T·k + min(E, T·k)·(BLOCK_M − 1)) / BLOCK_M)`` bounds the row tiles of any
+routing: expert e's c_e rows take ``ceil(c_e / BLOCK_M) ≤ (c_e + BLOCK_M − 1) / BLOCK_M`` tiles,
+at most min(E, T·k) experts have rows, and the sum of those bounds is at most the above (an
+integer). So the host sizes the launch from T alone, without reading the routing back; tasks
+past the real tile count exit at once (at decode the bound is nearly tight: T = 1, k = 8 gives 8).
+
+GEMM0 and GEMM1 tasks are numbered slice-major, tile-minor (task = slice · max_tiles + tile):
+the row tiles of one expert take the same weight slice one after another, so it is read from
+HBM once and from L2 by the expert's other tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from interlace.kernels.launch import cdiv
+
+# state (int32) words: the call counter, the task queue, the programs that finished, two
+# completion counters, the real number of row tiles and the index flag.
+EPOCH, QUEUE, DONE, GATE_DONE, GEMM1_DONE, N_TILES, INDEX_FLAG = range(7)
+STATE_WORDS = 8
+ERROR_WORDS = 8  # [set, rank, flag kind, task, flag index, flag value, target, epoch]
+
+# What a timed-out wait was for (the error record's flag kind).
+WAIT_GATE, WAIT_INDEX, WAIT_GEMM0, WAIT_GEMM1 = 1, 2, 3, 4
+_WAIT_NAMES = {
+    WAIT_GATE: "the gate tasks' counter (the index task waits for every gate task)",
+    WAIT_INDEX: "the index flag (expert offsets and the sorted row list)",
+    WAIT_GEMM0: "a row tile's GEMM0 counter (a GEMM1 task waits for every K-slice of its tile)",
+    WAIT_GEMM1: "the GEMM1 counter (a combine task waits for every GEMM1 task)",
+}
+
+# Task orders: "normal" is the only correct one; "combine_first" (tests only) dequeues the
+# combine tasks right after the index, before any GEMM task, which must be caught.
+TASK_ORDERS = ("normal", "combine_first")
+
+
+@dataclass(frozen=True)
+class TaskLayout:
+    """Static task counts of one call (T tokens), from its shape only (no routing).
+
+    Attributes: ``n_gate``, ``max_tiles``, ``n_k0`` (GEMM0 K-slices per tile), ``n_n1`` (GEMM1
+    N-slices per tile), ``n_comb_t`` × ``n_comb_n`` combine tasks; ``total`` of them all.
+    """
+
+    n_gate: int
+    max_tiles: int
+    n_k0: int
+    n_n1: int
+    n_comb_t: int
+    n_comb_n: int
+
+    @classmethod
+    def build(cls, T: int, N: int, K: int, E: int, top_k: int, block_t: int, block_m: int, block_k0: int,
+              block_n1: int, block_tc: int, block_nc: int) -> TaskLayout:
+        rows = T * top_k
+        max_tiles = (rows + min(E, rows) * (block_m - 1)) // block_m
+        return cls(n_gate=cdiv(T, block_t), max_tiles=max_tiles, n_k0=cdiv(K, block_k0),
+                   n_n1=cdiv(N, block_n1), n_comb_t=cdiv(T, block_tc), n_comb_n=cdiv(N, block_nc))
+
+    @property
+    def total(self) -> int:
+        return (self.n_gate + 1 + self.max_tiles * (self.n_k0 + self.n_n1)
+                + self.n_comb_t * self.n_comb_n)
+
+
+def reference_index(topk_idx: torch.Tensor, num_experts: int, block_m: int):
+    """What the index task computes, plainly.
+
+    Args:
+        topk_idx: (T, k) expert of each assignment (assignment a = t·k + j).
+    Returns:
+        row_of_assignment (T·k,) int64: the assignment's row in expert-major order (within an
+        expert, assignments in order); assignment_of_row (T·k,) its inverse; tiles (3, n_tiles)
+        int64: each row tile's expert, first row and its expert's end row.
+    """
+    flat = topk_idx.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=num_experts)
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    order = torch.argsort(flat, stable=True)  # expert-major, assignments in order within one
+    row_of = torch.empty_like(flat)
+    row_of[order] = torch.arange(flat.numel())
+    tiles = [(e, int(starts[e]) + i * block_m, int(ends[e]))
+             for e in range(num_experts) for i in range(cdiv(int(counts[e]), block_m))]
+    tiles_t = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3).t()
+    return row_of, order, tiles_t
+
+
+def describe_error(record: list[int]) -> str | None:
+    """The message of an error record (see :data:`ERROR_WORDS`), or None if no wait timed out."""
+    if not record or record[0] == 0:
+        return None
+    _, rank, kind, task, what, value, target, epoch = record[:ERROR_WORDS]
+    waited = _WAIT_NAMES.get(kind, f"flag kind {kind}")
+    return (f"persistent MoE kernel, rank {rank}: task {task} timed out waiting for {waited} "
+            f"[index {what}]: value {value}, expected ≥ {target} (call epoch {epoch}); the task order "
+            f"is broken or a program stopped (raise max_spins if the GPU is only slow)")

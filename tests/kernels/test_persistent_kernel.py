@@ -1,0 +1,234 @@
+"""The persistent MoE kernel (interlace.kernels.persistent) under TRITON_INTERPRET=1: outputs
+against the fp64 reference, the routing and index against plain torch, the task order (a
+broken order must be caught), the bounded waits' error record, epochs across calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interlace.config import MoEConfig
+from interlace.experts import init_expert_weights
+from interlace.kernels.persistent.launch import PersistentKernelConfig, PersistentState, persistent_moe
+from interlace.kernels.persistent.tasks import EPOCH, STATE_WORDS, reference_index
+from interlace.reference import reference_moe
+from interlace.routing import route
+
+CPU = torch.device("cpu")
+
+
+def make_case(T, *, router="softmax", top_k=2, experts=6, hidden=48, ffn=40, activation="swiglu", dtype=torch.float32,
+              **cfg_changes):
+    cfg = MoEConfig(hidden=hidden, ffn=ffn, num_experts=experts, top_k=top_k, router=router, activation=activation,
+                    dtype=dtype, **cfg_changes)
+    x = torch.randn(T, hidden).to(dtype)
+    router_weight = torch.randn(experts, hidden) / hidden**0.5
+    bias = torch.randn(experts) * 0.1 if router == "sigmoid" else None
+    w_up, w_down = init_expert_weights(cfg, range(experts), seed=T + 11, device=CPU)
+    return cfg, x, router_weight, bias, w_up, w_down
+
+
+def run(cfg, x, router_weight, bias, w_up, w_down, state=None, workspace=None, **kw):
+    state = PersistentState() if state is None else state
+    from interlace.kernels.persistent.launch import router_pieces
+
+    out = persistent_moe(x, router_weight, bias, w_up, w_down, state, top_k=cfg.top_k, softmax=cfg.router == "softmax",
+                         renormalize=cfg.renormalize, route_scale=cfg.route_scale, activation=cfg.activation,
+                         w_pieces=router_pieces(x.dtype, cfg.router_gemm), workspace=workspace, **kw)
+    return out, state
+
+
+def check_against_reference(cfg, x, router_weight, bias, w_up, w_down, out, rtol=1e-4):
+    ref, _ = reference_moe(x, router_weight, w_up, w_down, cfg, expert_bias=bias)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "an output row was not written (poisoned NaN left)"
+    if not out.numel():
+        return
+    err = (out.double() - ref).abs().max().item()
+    assert err <= rtol * max(1.0, ref.abs().max().item()), f"max error {err}"
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 33, 130])
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_matches_reference(T, router):
+    extra = dict(renormalize=True, route_scale=2.5) if router == "sigmoid" else {}
+    case = make_case(T, router=router, **extra)
+    ws = {}
+    out, state = run(*case, workspace=ws)
+    state.check()
+    check_against_reference(*case, out)
+    if T == 0:
+        return
+    cfg, x, router_weight, bias = case[:4]
+    # The gate's routing is the layer's (fp32 logits, same choice rule) ...
+    topk_idx, topk_weight, _ = route(x, router_weight, bias, cfg)
+    assert torch.equal(ws["idx"].view(T, cfg.top_k).long(), topk_idx)
+    torch.testing.assert_close(ws["weight"].view(T, cfg.top_k), topk_weight.float(), rtol=1e-6, atol=1e-6)
+    # ... and the index is the plain counting sort.
+    row_of, asg_of, tiles = reference_index(topk_idx, cfg.num_experts, ws["block_m"])
+    assert torch.equal(ws["row_of_assignment"].long(), row_of)
+    assert torch.equal(ws["assignment_of_row"].long(), asg_of)
+    n_tiles = tiles.shape[1]
+    assert int(ws["state"][5]) == n_tiles <= ws["layout"].max_tiles
+    assert torch.equal(ws["tiles"].view(3, ws["layout"].max_tiles)[:, :n_tiles].long(), tiles)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_single_projection_activations(activation):
+    case = make_case(7, activation=activation, top_k=3)
+    out, state = run(*case)
+    state.check()
+    check_against_reference(*case, out)
+
+
+def test_bf16_split_router_gemm():
+    """bf16 tokens: the gate splits the fp32 router weight into three bf16 pieces (router_gemm
+    "split") and chooses what the layer's router chooses, with fp32-class weights. (The expert
+    GEMMs in bf16 are checked on the GPU, benchmarks/persistent_decode.py: the interpreter's bf16
+    dot does not multiply values.)"""
+    cfg, x, router_weight, bias, w_up, w_down = make_case(33, dtype=torch.bfloat16)
+    ws = {}
+    run(cfg, x, router_weight, bias, w_up, w_down, workspace=ws)[1].check()
+    topk_idx, topk_weight, _ = route(x, router_weight, bias, cfg)
+    assert torch.equal(ws["idx"].view(33, cfg.top_k).long(), topk_idx)
+    torch.testing.assert_close(ws["weight"].view(33, cfg.top_k), topk_weight.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_expert_without_tokens():
+    """Expert 0 gets no token (its router row makes its logit the smallest for positive x)."""
+    cfg, x, router_weight, bias, w_up, w_down = make_case(33)
+    x = x.abs() + 0.1
+    router_weight[0] = -1.0
+    ws = {}
+    out, state = run(cfg, x, router_weight, bias, w_up, w_down, workspace=ws)
+    state.check()
+    assert not (ws["idx"] == 0).any()
+    check_against_reference(cfg, x, router_weight, bias, w_up, w_down, out)
+
+
+def test_all_tokens_on_one_expert():
+    """Skewed routing: a selection bias sends every token to expert 3 (top-1), 130 rows in 9 tiles."""
+    cfg, x, router_weight, bias, w_up, w_down = make_case(130, router="sigmoid", top_k=1)
+    bias = torch.zeros(cfg.num_experts)
+    bias[3] = 100.0
+    ws = {}
+    out, state = run(cfg, x, router_weight, bias, w_up, w_down, workspace=ws)
+    state.check()
+    assert (ws["idx"] == 3).all()
+    check_against_reference(cfg, x, router_weight, bias, w_up, w_down, out)
+
+
+def test_nan_token_stays_in_its_row():
+    cfg, x, router_weight, bias, w_up, w_down = make_case(7)
+    x[2, 5] = float("nan")
+    out, state = run(cfg, x, router_weight, bias, w_up, w_down)
+    state.check()
+    assert torch.isnan(out[2]).all()
+    rows = [0, 1, 3, 4, 5, 6]
+    check_against_reference(cfg, x[rows], router_weight, bias, w_up, w_down, out[rows])
+
+
+def test_bitwise_repeatable_across_calls_and_grids():
+    """Two calls on one state, and other grid sizes: the same bits (no atomics reach an output;
+    the combine sums each token's rows in slot order). The epoch counts the calls and every
+    counter is back at zero after each."""
+    case = make_case(33)
+    state = PersistentState()
+    first, _ = run(*case, state=state)
+    second, _ = run(*case, state=state)
+    assert torch.equal(first, second)
+    for programs in (1, 8):
+        other, _ = run(*case, config=PersistentKernelConfig(programs=programs))
+        assert torch.equal(first, other)
+    words = state.buffer[:STATE_WORDS].tolist()
+    assert words[EPOCH] == 2
+    assert words[1:5] == [0, 0, 0, 0]  # queue, programs done, gate and GEMM1 counters
+    assert (state.buffer[STATE_WORDS + 8:] == 0).all()  # per-tile GEMM0 counters
+    state.check()
+
+
+def test_broken_task_order_is_caught():
+    """Mutation: combine tasks dequeued before the GEMM tasks. Under the interpreter one program
+    runs the tasks in queue order, so a combine task waits for GEMM1 tasks nobody has taken: its
+    bounded wait times out, the error record names it, and its rows are not written."""
+    case = make_case(7)
+    state = PersistentState()
+    out, _ = run(*case, state=state, order="combine_first", max_spins=20)
+    with pytest.raises(RuntimeError, match=r"task \d+ timed out waiting for the GEMM1 counter"):
+        state.check()
+    assert torch.isnan(out).any()  # the poisoned rows the skipped combine tasks left
+    # The record is cleared and the counters were reset: the next call is right.
+    good, _ = run(*case, state=state)
+    state.check()
+    check_against_reference(*case, good)
+
+
+@pytest.mark.parametrize("max_spins", [0, 1])
+def test_spin_limit_error_record(max_spins):
+    """A spin limit of 0 or 1 with a broken order: a clear RuntimeError naming the task, the
+    flag, its value and the expected count, raised on the host from the record."""
+    case = make_case(1)
+    state = PersistentState()
+    run(*case, state=state, order="combine_first", max_spins=max_spins)
+    with pytest.raises(RuntimeError, match=r"persistent MoE kernel, rank 0: task \d+ .* value 0, expected ≥ \d+"):
+        state.check()
+    state.check()  # cleared
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_tile_bound_holds_for_any_routing(block_m):
+    """TaskLayout.max_tiles (from T alone) bounds the real tile count: random, skewed and
+    spread routings, small and large T (the kernel would drop rows otherwise)."""
+    from interlace.kernels.persistent.tasks import TaskLayout
+
+    gen = torch.Generator().manual_seed(0)
+    for T, E, k in [(1, 8, 2), (1, 128, 8), (3, 4, 2), (33, 6, 2), (130, 64, 4), (512, 128, 8)]:
+        layout = TaskLayout.build(T, 64, 64, E, k, 16, block_m, 64, 64, 16, 64)
+        routings = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]),
+                    (torch.arange(T * k).view(T, k) % E),  # spread: as many experts as possible
+                    torch.arange(k).repeat(T, 1)]  # skewed: every token on the same k experts
+        for idx in routings:
+            tiles = reference_index(idx, E, block_m)[2]
+            assert tiles.shape[1] <= layout.max_tiles
+
+
+_SM90_BUILD = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from interlace.kernels.persistent.kernel import persistent_moe_kernel as kernel
+
+consts = dict(TOP_K=8, K_PAD=8, E_PAD=64, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128, BLOCK_J=32, BLOCK_M=16, BLOCK_K0=64,
+              BLOCK_N0=64, BLOCK_N1=64, BLOCK_K1=64, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
+              RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0)
+names = [p.name for p in kernel.params]
+fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
+bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr", "y_ptr"}
+sig = {n: "constexpr" if n in consts else fp.get(n, "*bf16" if n in bf16 else "*i32") if n.endswith("_ptr")
+       else "fp32" if n == "scale" else "i32" for n in names}
+src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=8, num_stages=3))
+print("ok", len(compiled.asm["cubin"]))
+"""
+
+
+def test_kernel_builds_for_sm90():
+    """The interpreter accepts Python a GPU build refuses (non-constexpr globals, a loop variable
+    retyped): build the kernel for sm90 (Triton's bundled ptxas, no GPU needed) in a process
+    without the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton's bundled ptxas is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
