@@ -93,19 +93,23 @@ SOURCES = [
                 "DeepSeek trains with SGD on both sides (Adam's states do not fit with HF's blocks); Qwen3 with AdamW.",
                 "interlace's default strategy at this commit was the profile-only `auto` (the self-calibrating "
                 "`auto` landed after it)."]),
-    dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid-part2.jsonl",
+    dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
-         device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="6d4523b",
-         command="torchrun --nproc-per-node 2 benchmarks/auto_grid.py --part 2/2 --budget-s 330 --ship --out grid-out",
-         notes=["The run's budget ended after 71 of the part's 96 grid rows (part 2 of 2: 16 of the 32 shapes, of "
-                "which 12 were reached), before the preset rows; part 1 and the presets are not measured at this "
-                "commit.",
-                "The median gap above (auto's time behind the hand-timed time of the candidate it ran) is not "
-                "explained yet: a per-call cost beside the agreement."]),
+         device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
+         command="torchrun --nproc-per-node 2 benchmarks/auto_grid.py --part 1/2 --no-presets --budget-s 480 --out "
+                 "grid1; ... --part 2/2 --no-presets --budget-s 330 --out grid2; ... --part 2/2 --limit 0 --ship "
+                 "--budget-s 150 --out presets   # rows.jsonl of the three, concatenated",
+         notes=["Grid: all 32 shapes × tokens {128, 3000, 8192} × {fwd, fwd+bwd}; parts 1 and 2 in two device "
+                "calls (two leases); within a row, every candidate and auto are timed interleaved in one call.",
+                "Preset rows: `old` is `auto` with `calibrate=False` (the profile-only choice; this device key has "
+                "no shipped profile, so it ran `sequential`), `new` is a fresh self-calibrating `auto`; the "
+                "decisions of `new` are shipped in interlace/tuning/decisions/.",
+                "First-call overhead: the calibration calls' time minus as many calls at auto's steady time, "
+                "Triton compiles of a shape's first fused call included (the 0.7–2.4 s preset rows)."]),
     dict(section="auto", table="soak-h100x2", kind="soak", file="h100x2-soak.json",
          title="Soak of `MoELayer` with `auto` among the strategies, 2× H100",
-         device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="6d4523b",
-         command="torchrun --nproc-per-node 2 benchmarks/soak.py --budget-s 140 --out soak-out"),
+         device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
+         command="torchrun --nproc-per-node 2 benchmarks/soak.py --budget-s 250 --out soak-out"),
 ]
 
 SECTIONS = [
@@ -286,17 +290,28 @@ def hf_models_table(src):
 
 def auto_grid_table(src):
     with open(os.path.join(RESULTS, src["file"])) as f:
-        rows = [r for r in map(json.loads, filter(str.strip, f)) if r["kind"] == "grid"]
+        every = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in every if r["kind"] == "grid"]
+    presets = [r for r in every if r["kind"] == "preset"]
     lines = header(src)
     ratios, over = [r["ratio"] for r in rows], [r["overhead_ms"] for r in rows]
     within, fastest = sum(x <= 1.05 for x in ratios), [r for r in rows if r["auto_choice"] == r["fastest"]]
     behind = statistics.median(r["auto_ms"] - r["times_ms"][r["auto_choice"]] for r in rows)
-    lines += [f"{len(rows)} rows; auto within 5% of the fastest candidate on {within} ({within / len(rows):.0%}); "
-              f"worst auto ÷ fastest {max(ratios):.3f}; auto ran the fastest candidate on {len(fastest)} of "
-              f"{len(rows)}; auto behind the candidate it ran by a median {1e3 * behind:.0f} µs per call; "
-              f"first-call overhead median {statistics.median(over):.1f} ms, max {max(over):.1f} ms; "
-              f"wrong outputs {sum(not r['ok'] for r in rows)}.", "",
-              "| config | tokens/GPU | mode | fastest | ms | auto ran | auto ms | auto ÷ fastest | calibration calls "
+    lines += [f"{len(rows)} rows over {len({r['config'] for r in rows})} shapes; auto within 5% of the fastest "
+              f"candidate on {within} ({within / len(rows):.0%}); worst auto ÷ fastest {max(ratios):.3f}; auto ran "
+              f"the fastest candidate on {len(fastest)} of {len(rows)}; auto behind the candidate it ran by a median "
+              f"{1e3 * behind:.0f} µs per call; first-call overhead median {statistics.median(over):.1f} ms, max "
+              f"{max(over):.1f} ms; wrong outputs {sum(not r['ok'] for r in rows)}.", ""]
+    if presets:
+        pr = [r["ratio"] for r in presets]
+        lines += [f"Preset rows: {len(presets)}; new ÷ old median {statistics.median(pr):.3f}, worst {max(pr):.3f}; "
+                  f"new slower than old by more than 5% on {sum(x > 1.05 for x in pr)}.", "",
+                  "| preset | tokens/GPU | old ran | old ms | new ran | new ms | new ÷ old | first-call overhead ms |",
+                  "|" + "---|" * 8]
+        lines += [f"| {r['config']} | {r['tokens']} | {r['old_choice']} | {r['old_ms']:.3f} | {r['new_choice']} | "
+                  f"{r['new_ms']:.3f} | {r['ratio']:.3f} | {r['overhead_ms']:.1f} |" for r in presets]
+        lines.append("")
+    lines += ["| config | tokens/GPU | mode | fastest | ms | auto ran | auto ms | auto ÷ fastest | calibration calls "
               "| first-call overhead ms |", "|" + "---|" * 10]
     lines += [f"| {r['config']} | {r['tokens']} | {r['mode']} | {r['fastest']} | {r['fastest_ms']:.3f} | "
               f"{r['auto_choice']} | {r['auto_ms']:.3f} | {r['ratio']:.3f} | {r['calibration_calls']} | "

@@ -389,3 +389,28 @@ def test_shipped_decisions_lie_beneath_the_users(tmp_path):
     shipped = json.loads((tmp_path / "ship" / "dev.json").read_text())["decisions"]["S/fwd"]
     assert shipped["64"]["spec"] == "fused"  # untouched by the user's store
     assert DecisionCache("dev", tmp_path / "user", shipped_dir=None).lookup("S", "fwd", 128) is None
+
+
+def test_shipped_decision_files_are_readable_and_name_real_strategies(tmp_path):
+    """Every file shipped in interlace/tuning/decisions/ loads through the cache, under its own
+    device key, with the presets' shape keys, and names registered strategies."""
+    from interlace.config import PRESETS
+    from interlace.strategies.auto_decisions import SHIPPED_DIR, decision_shape
+    from interlace.strategies.base import strategy_class
+
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert files, "no shipped decisions"
+    for path in files:
+        data = json.loads(path.read_text())
+        key = path.stem
+        assert data["device_key"] == key
+        world = int(key.split("-w")[1].split("-")[0])
+        preset_shapes = {decision_shape(cfg, world) for cfg in PRESETS.values()}
+        cache = DecisionCache(key, tmp_path / "user", shipped_dir=SHIPPED_DIR)
+        for entry, by_bucket in data["decisions"].items():
+            shape, mode = entry.rsplit("/", 1)
+            assert shape in preset_shapes, shape
+            for bucket, record in by_bucket.items():
+                strategy_class(record["spec"])
+                choice = cache.lookup(shape, mode, int(bucket))
+                assert choice is not None and choice.spec == record["spec"] and choice.source == "cached"

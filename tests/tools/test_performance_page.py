@@ -57,11 +57,17 @@ def test_new_kinds_draw_their_scripts_rows_and_show_missing_parts_as_dashes(tmp_
                  calibration_calls=9, overhead_ms=over, ok=True)
             for i, (choice, ms, over) in enumerate([("fused", 1.02, 5.0), ("sequential", 1.6, 7.0),
                                                      ("fused", 1.1, 30.0)])]
-    (tmp_path / "grid.jsonl").write_text("\n".join(map(json.dumps, grid + [dict(kind="preset")])) + "\n")
+    presets = [dict(kind="preset", config="p", tokens=t, old_choice="sequential", old_ms=2.0, new_choice="fused",
+                    new_ms=ms, ratio=ms / 2.0, overhead_ms=3.0) for t, ms in ((4096, 1.0), (16384, 2.2))]
+    (tmp_path / "grid.jsonl").write_text("\n".join(map(json.dumps, grid + presets)) + "\n")
     src = dict(section="x", table="t", title="T", date="d", commit="c", device="dev", command="cmd")
     hf_lines = "\n".join(gen.hf_models_table(dict(src, file="hf.json")))
     assert "| m | 2 | sgd | – | – | – | 300.0 | 100.0 | 3.00 | – (–) | – | – | – |" in hf_lines
-    summary = gen.auto_grid_table(dict(src, file="grid.jsonl"))[8]
-    assert summary.startswith("3 rows; auto within 5% of the fastest candidate on 1 (33%); worst auto ÷ fastest 1.600")
+    grid_lines = gen.auto_grid_table(dict(src, file="grid.jsonl"))
+    summary = grid_lines[8]
+    assert summary.startswith("3 rows over 3 shapes; auto within 5% of the fastest candidate on 1 (33%); "
+                              "worst auto ÷ fastest 1.600")
+    assert "Preset rows: 2; new ÷ old median 0.800, worst 1.100; new slower than old by more than 5% on 1." in grid_lines
+    assert "| p | 16384 | sequential | 2.000 | fused | 2.200 | 1.100 | 3.0 |" in grid_lines
     assert "ran the fastest candidate on 2 of 3" in summary and "median 100 µs per call" in summary
     assert "overhead median 7.0 ms, max 30.0 ms" in summary
