@@ -6,8 +6,10 @@
 #                               many calls through CUDA-graph captures, replays and evictions
 #   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile against eager (bf16
 #                               tolerance), with compiled and eager step times
+#   4. tests/gpu/persistent_check.py the persistent strategy (world size 1, GPU 0) against the fp32
+#                               reference: token counts, skewed routing, NaN rows, repeatability, stress
 # usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
-# Exits non-zero if either check fails. Logs go to $OUT (default bench-out/gpu-check).
+# Exits non-zero if any check fails. Logs go to $OUT (default bench-out/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # NVLink multicast off: the fused kernels use plain peer mappings, not multicast objects; every
@@ -29,6 +31,8 @@ python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/fused_check.py 
 (( PIPESTATUS[0] == 0 )) || status=1
 python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/compile_check.py --layers 2 --iters 5 \
   2>&1 | tee "$OUT/compile_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/persistent_check.py 2>&1 | tee "$OUT/persistent_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
 echo "gpu checks: $([[ $status == 0 ]] && echo passed || echo FAILED)"
 exit $status
