@@ -24,27 +24,40 @@ from interlace.kernels.rows import _INTERPRET
 DEFAULT_SPINS = 1 << 22  # polls of one wait before it gives up (seconds on a GPU; never reached when correct)
 
 
+ROW_TILES = (16, 32, 64, 128)  # BLOCK_M choices, by the expected rows of the busiest expert
+# (block_k0, block_n0, block_n1, block_k1) per BLOCK_M: the sm90 build of each stays within 255
+# registers without spilling in its GEMM tasks (tests/kernels/test_persistent_kernel.py builds
+# them); larger M takes narrower reduction steps, keeping 64-wide output slices.
+TILES_BY_BLOCK_M = {16: (64, 64, 64, 64), 32: (64, 64, 64, 64), 64: (64, 32, 64, 32), 128: (64, 32, 64, 32)}
+
+
 @dataclass(frozen=True)
 class PersistentKernelConfig:
     """Tile sizes and launch options of the persistent kernel.
 
-    block_m: rows per expert tile (None: 16 while the average rows per expert are ≤ 32, 32 up to
-    64, else 64; small tiles so that at decode every SM streams a slice of a touched expert's
-    weights). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its reduction
-    step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K. block_t: tokens
-    per gate task; block_g: the gate's reduction step. block_tc × block_nc: a combine task.
-    programs: the grid (None: what is co-resident on the device; under the interpreter 3).
+    block_m: rows per expert tile (None: by the call's average rows per expert ``T·k/E``, the
+    smallest of :data:`ROW_TILES` that holds 1.25× that (room for an expert above the average),
+    at most 128: so each touched expert's weight slice is read by one row tile, or two, not 4–16
+    small ones). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its
+    reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
+    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task; block_g: the gate's
+    reduction step. block_tc × block_nc: a combine task. programs: the grid (None: what is
+    co-resident on the device; under the interpreter 3).
 
-    The defaults keep the sm90 build free of register spills for up to 128 experts (ptxas -v on
-    the compiled kernel): the weight tiles are loaded through per-element pointers, and 128-wide
-    tiles or 4 warps spill them.
+    The target is decode: up to ~128 rows per expert (``T·k/E ≤ ~128``). At more rows per expert
+    (prefill-like, ≥ 256) every expert takes several 128-row tiles whose weight slices are read
+    again per tile, and its pointer-loaded tiles do not reach the tensor-core rate of
+    ``fused``'s TMA tiles: ``fused`` (or ``sequential``) is the better path there.
+
+    The weight tiles are loaded through per-element pointers; 128-wide tiles or 4 warps spill
+    registers in the sm90 build.
     """
 
     block_m: int | None = None
-    block_k0: int = 64
-    block_n0: int = 64
-    block_n1: int = 64
-    block_k1: int = 64
+    block_k0: int | None = None
+    block_n0: int | None = None
+    block_n1: int | None = None
+    block_k1: int | None = None
     block_t: int = 16
     block_g: int = 32
     block_tc: int = 16
@@ -56,8 +69,16 @@ class PersistentKernelConfig:
     def rows_per_tile(self, T: int, top_k: int, num_experts: int) -> int:
         if self.block_m is not None:
             return self.block_m
-        per_expert = T * top_k / max(num_experts, 1)
-        return 16 if per_expert <= 32 else 32 if per_expert <= 64 else 64
+        busiest = 1.25 * T * top_k / max(num_experts, 1)
+        return next((b for b in ROW_TILES if busiest <= b), ROW_TILES[-1])
+
+    def tiles(self, block_m: int) -> tuple[int, int, int, int]:
+        """(block_k0, block_n0, block_n1, block_k1) for ``block_m`` rows: the fields set, else
+        :data:`TILES_BY_BLOCK_M` (the nearest entry at or above block_m)."""
+        default = TILES_BY_BLOCK_M.get(block_m) or TILES_BY_BLOCK_M[
+            next((b for b in ROW_TILES if block_m <= b), ROW_TILES[-1])]
+        return tuple(d if v is None else v
+                     for v, d in zip((self.block_k0, self.block_n0, self.block_n1, self.block_k1), default))
 
 
 class PersistentState:
@@ -150,7 +171,8 @@ class CallPlan:
         self.weight_ptrs = weight_ptrs(router_weight, expert_bias, w_up, w_down)
         self.config = c = config
         self.block_m = block_m = c.rows_per_tile(T, top_k, E)
-        self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t, block_m, c.block_k0, c.block_n1,
+        block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
+        self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t, block_m, block_k0, block_n1,
                                                 c.block_tc, c.block_nc)
         e_pad = max(16, next_power_of_2(E))
         TK = T * top_k
@@ -175,8 +197,8 @@ class CallPlan:
         self.programs = self._programs()
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
-            BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=c.block_k0,
-            BLOCK_N0=c.block_n0, BLOCK_N1=c.block_n1, BLOCK_K1=c.block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
+            BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
+            BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
             ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
             ORDER=TASK_ORDERS.index(order),
