@@ -152,8 +152,9 @@ class PersistentStrategy(Strategy):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # (a caller's capture: its own workspace, in the caller's pool, not a cached plan
             # that this strategy may drop while the caller's graph still uses it)
-            plan = self._new_plan(x, weights)
-            return self._launch(plan, x.contiguous())
+            # The error record is not copied (a pinned copy inside someone else's graph):
+            # synchronize_and_check after its replays.
+            return self._new_plan(x, weights).run(x.contiguous())
         x = x.contiguous()
         plan = self._plan(x, weights)
         recorder = self._recorder(x)
@@ -205,7 +206,9 @@ class PersistentStrategy(Strategy):
                 self._graph_seen.add(T)
                 return self._launch(plan, x)
             # NOTE: a capture synchronizes the device once (CudaGraphRecorder.capture).
-            self.state.views(x.device, plan.layout.max_tiles)  # (sized already: no growth inside the capture)
+            # (the plan matched the state's current buffer: nothing is allocated for the state
+            # inside the capture)
+            self._record_buffer()  # (a pinned allocation: not inside the capture)
             static_x = x.clone()
             rec = recorder()
             out = rec.capture(lambda: self._launch(plan, static_x), x.device)
@@ -217,13 +220,20 @@ class PersistentStrategy(Strategy):
     def _launch(self, plan: CallPlan, x: torch.Tensor) -> torch.Tensor:
         """The kernel, then (CUDA) the error record's copy to pinned memory: what a graph holds."""
         out = plan.run(x)
-        record = self.state.error_record()
-        if record is not None and record.is_cuda:
-            if self._record_host is None:
-                self._record_host = torch.zeros(record.numel(), dtype=record.dtype, pin_memory=True)
-                self._record_view = self._record_host.numpy()
-            self._record_host.copy_(record, non_blocking=True)
+        host = self._record_buffer()
+        if host is not None:
+            host.copy_(self.state.error_record(), non_blocking=True)
         return out
+
+    def _record_buffer(self) -> torch.Tensor | None:
+        """The pinned host copy of the error record (made once), or None off CUDA."""
+        record = self.state.error_record()
+        if record is None or not record.is_cuda:
+            return None
+        if self._record_host is None:
+            self._record_host = torch.zeros(record.numel(), dtype=record.dtype, pin_memory=True)
+            self._record_view = self._record_host.numpy()
+        return self._record_host
 
     def release_graphs(self) -> int:
         """Drop the captured graphs and the plans (their workspaces); returns how many graphs."""

@@ -244,3 +244,30 @@ def test_eager_variant_and_bad_graph_option():
     assert layer.strategy.cuda_graph is False
     with pytest.raises(ValueError, match="cuda_graph"):
         layer_for(strategy_options={"cuda_graph": "yes"})
+
+
+def test_landed_error_record_raises_on_the_next_call():
+    """The CUDA path's bookkeeping (a pinned copy marked by an event, read once it has landed),
+    with a stand-in event on the CPU: a copy not landed yet raises nothing; once landed, a set
+    record raises at the next call, naming the task and the flag, and is cleared."""
+    layer = layer_for()
+    strategy = layer.strategy
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    with torch.no_grad():
+        layer(torch.randn(3, 32))
+        strategy._record_host = torch.tensor([1, 0, 4, 17, 0, 3, 9, 2], dtype=torch.int32)
+        strategy._record_view = strategy._record_host.numpy()
+        strategy._record_event, strategy._record_pending = Event(), True
+        layer(torch.randn(3, 32))  # not landed: nothing raised yet
+        strategy._record_event.done = True
+        with pytest.raises(RuntimeError, match=r"task 17 timed out waiting for the GEMM1 counter .* value 3, expected ≥ 9"):
+            layer(torch.randn(3, 32))
+        assert not strategy._record_pending and strategy._record_view[0] == 0
+        x = torch.randn(3, 32)
+        assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4
