@@ -5,15 +5,21 @@ experts in all, the preset's top-k, world size 1: no torchrun), and tokens {1, 8
 
 1. check: ``persistent``'s output against ``sequential``'s on the same layer (same weights, same
    input, both under ``torch.inference_mode``): max |Δ| ≤ 3e-2 · max |sequential| in bf16
-   (1e-4 in fp32, the smoke run);
+   (1e-4 in fp32, the smoke run); and a persistent call after the timed ones (a CUDA-graph
+   replay) must give the first (eager) call's bits ("replay" in the check column);
 2. time both: ≥ 5 warm-up calls, then ≥ 20 calls each timed by CUDA events with a
-   ``torch.cuda.synchronize()`` before it; the median;
+   ``torch.cuda.synchronize()`` before it; the median. Also the host time of one call (the same
+   calls: ``time.perf_counter`` around the call, after the sync, before the end event; median):
+   where it is near the CUDA-event time the call is bound by the host, not the GPU. Persistent's
+   calls after the warm-up replay its CUDA graph of the token count (the first call runs eagerly,
+   the second captures); ``--eager`` times its eager launches instead;
 3. the weight-read floor: bytes of the expert weights this call's routing touches (every expert
    with at least one token: up_width·N + N·K elements each) ÷ the HBM read bandwidth measured in
    the same run by a large read-only reduction.
 
-The table printed last: preset, tokens, experts touched, persistent ms, sequential ms, floor ms,
-persistent ÷ floor, and the check's relative error.
+The table printed last: preset, tokens, experts touched, persistent ms and its host ms, sequential
+ms and its host ms, floor ms, persistent ÷ floor, BLOCK_M of persistent's plan, and the check's
+relative error.
 
     python3 benchmarks/persistent_decode.py                       # one GPU
     python3 benchmarks/persistent_decode.py --presets qwen2-moe --tokens 1 128
@@ -38,16 +44,20 @@ from interlace.config import PRESETS  # noqa: E402
 TOKENS = (1, 8, 32, 128, 512)
 
 
-def median_ms(fn, warmup: int, iters: int, cuda: bool) -> float:
+def median_ms(fn, warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
+    """(median device ms by CUDA events, median host ms of the call itself); on the CPU both
+    the wall time."""
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
@@ -55,20 +65,21 @@ def median_ms(fn, warmup: int, iters: int, cuda: bool) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            host.append(times[-1])
+    return statistics.median(times), statistics.median(host)
 
 
 def read_bandwidth(device: torch.device, gib: float, cuda: bool) -> float:
     """Bytes per second of a read-only reduction over ``gib`` GiB (fp32 sum)."""
     a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
-    ms = median_ms(lambda: a.sum(), 3, 10, cuda)
+    ms = median_ms(lambda: a.sum(), 3, 10, cuda)[0]
     del a
     return gib * 2**30 / (ms * 1e-3)
 
 
 def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: float) -> list[dict]:
     cuda = device.type == "cuda"
-    layer = MoELayer(cfg, strategy="persistent", seed=0, device=device)
+    layer = MoELayer(cfg, strategy="persistent:eager" if args.eager else "persistent", seed=0, device=device)
     persistent = layer.strategy
     layer.set_strategy("sequential")
     sequential = layer.strategy
@@ -91,11 +102,16 @@ def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: flo
                 row["rel_err"] = err
                 row["ok"] = err <= tol
                 layer.strategy = persistent
-                row["persistent_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters, cuda)
-                if cuda:
-                    persistent.synchronize_and_check()
+                row["persistent_ms"], row["persistent_host_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters,
+                                                                            cuda)
+                persistent.synchronize_and_check()
+                # A call after the timed ones (a graph replay unless --eager): the first call's bits.
+                row["replay_same"] = torch.equal(layer(x), out_p)
+                row["ok"] = row["ok"] and row["replay_same"]
+                row["block_m"] = persistent._plans[T].block_m if T else 0
                 layer.strategy = sequential
-                row["sequential_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters, cuda)
+                row["sequential_ms"], row["sequential_host_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters,
+                                                                            cuda)
             except Exception as exc:  # report the row and go on to the next
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         row["floor_ms"] = row.get("touched", 0) * expert_bytes / bandwidth * 1e3
@@ -110,16 +126,17 @@ def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: flo
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nHBM read bandwidth (this run): {bandwidth / 1e12:.3f} TB/s")
-    print(f"{'preset':<15}{'tokens':>7}{'touched':>8}{'persistent ms':>15}{'sequential ms':>15}{'floor ms':>10}"
-          f"{'x floor':>9}{'check':>16}")
+    print(f"{'preset':<15}{'tokens':>7}{'touched':>8}{'persistent ms':>15}{'host ms':>9}{'sequential ms':>15}"
+          f"{'host ms':>9}{'floor ms':>10}{'x floor':>9}{'BLOCK_M':>8}{'check':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['preset']:<15}{r['tokens']:>7}  ERROR {r['error']}")
             continue
         ratio = r["persistent_ms"] / r["floor_ms"] if r["floor_ms"] else float("nan")
-        check = f"{'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}"
-        print(f"{r['preset']:<15}{r['tokens']:>7}{r['touched']:>8}{r['persistent_ms']:>15.3f}{r['sequential_ms']:>15.3f}"
-              f"{r['floor_ms']:>10.3f}{ratio:>9.2f}{check:>16}")
+        check = f"{'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}{'' if r['replay_same'] else ' replay≠'}"
+        print(f"{r['preset']:<15}{r['tokens']:>7}{r['touched']:>8}{r['persistent_ms']:>15.3f}"
+              f"{r['persistent_host_ms']:>9.3f}{r['sequential_ms']:>15.3f}{r['sequential_host_ms']:>9.3f}"
+              f"{r['floor_ms']:>10.3f}{ratio:>9.2f}{r['block_m']:>8}{check:>16}")
 
 
 def main(argv=None) -> int:
@@ -128,6 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--eager", action="store_true", help="persistent without CUDA graphs (persistent:eager)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (TRITON_INTERPRET=1)")
     args = parser.parse_args(argv)
     started = time.perf_counter()

@@ -193,3 +193,40 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs):
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
         function, metadata, None, None, None, *args, *map(named.__getitem__, names))
     return compiled
+
+
+def direct_launcher(kernel, args: tuple, kwargs: dict):
+    """After a :func:`launch` of ``kernel`` with these arguments: a function
+    ``call(grid0, *args)`` that runs the compiled kernel's own launcher on a 1-D grid of
+    ``grid0`` programs on the current stream, skipping :func:`launch`'s key (``args_key`` over
+    every argument) — for a caller that launches one shape many times and itself guarantees that
+    later arguments have the same :func:`args_key` as ``args`` (same dtypes, 16-byte alignment,
+    int classes). None where :func:`launch` would not take its cached path (the interpreter,
+    another Triton, an argument it does not key) or nothing was cached. A launch hook installed
+    later (a profiler) is not seen: check :func:`hooked` before each call."""
+    if not enabled():
+        return None
+    device = torch._C._cuda_getDevice()
+    try:
+        key = (kernel, device, tuple(kwargs.items()), args_key(args))
+    except _Unkeyed:
+        return None
+    hit = _CACHE.get(key)
+    if hit is None:
+        return None
+    _, run, function, metadata, names, defaults = hit
+    named = kwargs if defaults is None else {**defaults, **kwargs}
+    tail = tuple(named[name] for name in names)
+    stream_of = torch._C._cuda_getCurrentRawStream
+
+    def call(grid0: int, *call_args):
+        run(grid0, 1, 1, stream_of(device), function, metadata, None, None, None, *call_args, *tail)
+
+    return call
+
+
+def hooked() -> bool:
+    """Whether a launch hook (a profiler's) is installed: :func:`direct_launcher`'s callers then
+    go through :func:`launch`, which calls the hooks."""
+    return _hooked()
+

@@ -22,7 +22,20 @@ Errors: a bounded wait that times out leaves an error record on the device; on C
 to the host behind the call (no sync) and raised at a later call once the copy has landed, or
 by :meth:`PersistentStrategy.synchronize_and_check`; on the CPU (interpreter) at once.
 
-Options (``strategy_options``): ``kernel`` (a
+Host cost. A call's shape (token count T) gets a
+:class:`~interlace.kernels.persistent.launch.CallPlan` (tiles, task layout, grid, workspace,
+kernel arguments; the compiled kernel's own launcher after its first launch), kept for at most
+``MAX_PLANS`` token counts (least recently used dropped). With ``cuda_graph`` (default) on CUDA,
+the second call of a T captures the launch (and the error record's copy to the host) into a CUDA
+graph and later calls replay it: the input is copied into the graph's static buffer, the
+output copied out. The kernel is capturable (epochs and counters live on the device and are
+reset by the launch itself). A graph holds the weights' addresses and the plan's buffers: it is
+captured again when a weight is a different tensor (in-place updates need nothing) or the plan
+was rebuilt. A capture synchronizes the device once. Inside a caller's own CUDA-graph capture
+the call runs eagerly with its own workspace (captured by the caller).
+
+Options (``strategy_options``): ``cuda_graph`` (bool, default True; ``"persistent:eager"`` turns
+it off), ``kernel`` (a
 :class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`), ``max_spins`` (polls
 before a wait gives up), ``task_order`` (``"normal"``; ``"combine_first"`` breaks the order on
 purpose, for tests).
@@ -30,13 +43,18 @@ purpose, for tests).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 
 from interlace.kernels.persistent.launch import (
-    DEFAULT_SPINS, PersistentKernelConfig, PersistentState, persistent_moe, router_pieces,
+    DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
+from interlace.kernels.rows import _INTERPRET
 from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
 from interlace.strategies.base import Strategy, register_strategy
+from interlace.strategies.graphs import CudaGraphRecorder
 from interlace.strategies.sequential import SequentialStrategy
 
 
@@ -58,6 +76,20 @@ def unsupported(config, world: int) -> str | None:
     return None
 
 
+MAX_PLANS = 8  # token counts that keep a call plan (workspace) and a CUDA graph (its own memory pool)
+
+
+@dataclass
+class PersistentGraph:
+    """One token count's captured call: the plan it launches (its buffers stay alive with it),
+    the recorder, the static input x (T, N) and the static output (T, N)."""
+
+    plan: CallPlan
+    recorder: object
+    x: torch.Tensor
+    out: torch.Tensor
+
+
 @register_strategy
 class PersistentStrategy(Strategy):
     name = "persistent"
@@ -66,7 +98,7 @@ class PersistentStrategy(Strategy):
     routes_itself = True
 
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int = DEFAULT_SPINS,
-                 task_order: str = "normal"):
+                 task_order: str = "normal", cuda_graph: bool = True):
         super().__init__(config, ep)
         reason = unsupported(config, ep.world)
         if reason:
@@ -77,13 +109,28 @@ class PersistentStrategy(Strategy):
             raise ValueError(f"strategy option 'max_spins' must be an int >= 0, got {max_spins!r}")
         if task_order not in TASK_ORDERS:
             raise ValueError(f"strategy option 'task_order' must be one of {TASK_ORDERS}, got {task_order!r}")
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"strategy option 'cuda_graph' must be a bool, got {cuda_graph!r}")
         self.kernel = kernel or PersistentKernelConfig()
+        self.cuda_graph = cuda_graph
+        self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
+        self._plans: OrderedDict = OrderedDict()  # T → CallPlan
+        self._graphs: dict = {}  # T → PersistentGraph (only for token counts that have a plan)
+        self._graph_seen: set = set()  # token counts whose first (eager) call has run
         self.max_spins = max_spins
         self.task_order = task_order
         self.fallback = SequentialStrategy(config, ep)
         self.state = PersistentState()
         self._record_host: torch.Tensor | None = None  # pinned copy of the error record (CUDA)
-        self._record_event = None
+        self._record_event = None  # one reusable CUDA event behind the last copy of the record
+        self._record_pending = False
+        self._record_view = None  # numpy view of the pinned copy (a cheap read)
+
+    @classmethod
+    def parse_arg(cls, arg: str) -> dict:
+        if arg in ("graph", "eager"):  # "persistent:eager": no CUDA graphs
+            return {"cuda_graph": arg == "graph"}
+        raise ValueError(f"persistent: unknown variant {arg!r} (known: 'graph', 'eager')")
 
     def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
         """Whether this call runs the kernel (routing inside) rather than ``sequential``'s path:
@@ -95,52 +142,138 @@ class PersistentStrategy(Strategy):
     def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
         """x (T, N) → (T, N) in x's dtype: routing by ``router`` (its ``weight`` (E, N) fp32 and
         ``expert_bias`` (E,) or None) and the experts ``w_up`` (E, up_width, N), ``w_down``
-        (E, N, K), in one launch."""
+        (E, N, K), in one launch (a graph replay once the token count has been seen; see the
+        module)."""
         self._raise_landed_error()
-        cfg = self.config
-        out = persistent_moe(
-            x, router.weight.detach(), router.expert_bias, w_up.detach(), w_down.detach(), self.state,
-            top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
-            route_scale=cfg.route_scale, activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
-            config=self.kernel, max_spins=self.max_spins, order=self.task_order,
-        )
-        self._fetch_error_record()
+        T = x.shape[0]
+        if T == 0:
+            return torch.empty_like(x)
+        weights = (router.weight, router.expert_bias, w_up, w_down)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # (a caller's capture: its own workspace, in the caller's pool, not a cached plan
+            # that this strategy may drop while the caller's graph still uses it)
+            # The error record is not copied (a pinned copy inside someone else's graph):
+            # synchronize_and_check after its replays.
+            return self._new_plan(x, weights).run(x.contiguous())
+        x = x.contiguous()
+        plan = self._plan(x, weights)
+        recorder = self._recorder(x)
+        if recorder is None:
+            out = self._launch(plan, x)
+        else:
+            out = self._graph_call(plan, x, recorder)
+        self._after_call(x)
         return out
+
+    # ---- plans and graphs --------------------------------------------------------------------
+    def _new_plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
+        cfg = self.config
+        router_weight, bias, w_up, w_down = (None if w is None else w.detach() for w in weights)
+        return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
+                        softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
+                        activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
+                        config=self.kernel, max_spins=self.max_spins, order=self.task_order)
+
+    def _plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
+        """Token count T's plan (built again when the weights, dtype or device changed, or the
+        state's buffer grew), the least recently used one dropped beyond ``MAX_PLANS``."""
+        T = x.shape[0]
+        plan = self._plans.get(T)
+        if plan is None or not plan.matches(x, *weights):
+            plan = self._plans[T] = self._new_plan(x, weights)
+            while len(self._plans) > MAX_PLANS:
+                old, _ = self._plans.popitem(last=False)
+                self._graphs.pop(old, None)
+        self._plans.move_to_end(T)
+        return plan
+
+    def _recorder(self, x: torch.Tensor):
+        """The graph recorder for this call, or None to run it eagerly (``cuda_graph`` off, not
+        CUDA, the interpreter). Tests set ``graph_recorder`` (an EagerRecorder)."""
+        if self.graph_recorder is not None:
+            return self.graph_recorder
+        if not self.cuda_graph or not x.is_cuda or _INTERPRET:
+            return None
+        return CudaGraphRecorder
+
+    def _graph_call(self, plan: CallPlan, x: torch.Tensor, recorder) -> torch.Tensor:
+        """Replay T's graph (captured now if it has none for this plan); the first call of a T
+        runs eagerly (it compiles the kernel and learns the grid)."""
+        T = x.shape[0]
+        entry = self._graphs.get(T)
+        if entry is None or entry.plan is not plan:
+            if T not in self._graph_seen:
+                self._graph_seen.add(T)
+                return self._launch(plan, x)
+            # NOTE: a capture synchronizes the device once (CudaGraphRecorder.capture).
+            # (the plan matched the state's current buffer: nothing is allocated for the state
+            # inside the capture)
+            self._record_buffer()  # (a pinned allocation: not inside the capture)
+            static_x = x.clone()
+            rec = recorder()
+            out = rec.capture(lambda: self._launch(plan, static_x), x.device)
+            entry = self._graphs[T] = PersistentGraph(plan, rec, static_x, out)
+        entry.x.copy_(x)
+        entry.recorder.replay()  # (after a capture too: capture records the work without running it)
+        return entry.out.clone()  # the static output is overwritten by the next replay
+
+    def _launch(self, plan: CallPlan, x: torch.Tensor) -> torch.Tensor:
+        """The kernel, then (CUDA) the error record's copy to pinned memory: what a graph holds."""
+        out = plan.run(x)
+        host = self._record_buffer()
+        if host is not None:
+            host.copy_(self.state.error_record(), non_blocking=True)
+        return out
+
+    def _record_buffer(self) -> torch.Tensor | None:
+        """The pinned host copy of the error record (made once), or None off CUDA."""
+        record = self.state.error_record()
+        if record is None or not record.is_cuda:
+            return None
+        if self._record_host is None:
+            self._record_host = torch.zeros(record.numel(), dtype=record.dtype, pin_memory=True)
+            self._record_view = self._record_host.numpy()
+        return self._record_host
+
+    def release_graphs(self) -> int:
+        """Drop the captured graphs and the plans (their workspaces); returns how many graphs."""
+        n = len(self._graphs)
+        self._graphs.clear()
+        self._plans.clear()
+        return n
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         """Routing given by the layer (training, forced indices, compiled): ``sequential``."""
         return self.fallback(x, topk_idx, topk_weight, w_up, w_down)
 
     # ---- error records ---------------------------------------------------------------------
-    def _fetch_error_record(self) -> None:
-        record = self.state.error_record()
-        if record is None:
+    def _after_call(self, x: torch.Tensor) -> None:
+        """CPU: read the record now (free). CUDA: the call copied it to pinned memory behind the
+        kernel (:meth:`_launch`); mark that copy with the event, unless an earlier mark has not
+        been looked at yet (a later call raises once the marked copy has landed)."""
+        if not x.is_cuda:
+            self.state.check()
             return
-        if record.device.type != "cuda":
-            self.state.check()  # (CPU: reading it costs nothing)
+        if self._record_pending:
             return
-        if torch.cuda.is_current_stream_capturing():
-            return  # (inside a caller's CUDA-graph capture: synchronize_and_check after replays)
-        if self._record_event is not None and not self._record_event.query():
-            return  # the last copy is still on its way; the record stays set until raised
-        if self._record_host is None:
-            self._record_host = torch.empty(record.numel(), dtype=record.dtype, pin_memory=True)
-        self._record_host.copy_(record, non_blocking=True)
-        self._record_event = torch.cuda.Event()
+        if self._record_event is None:
+            self._record_event = torch.cuda.Event()
         self._record_event.record()
+        self._record_pending = True
 
     def _raise_landed_error(self) -> None:
-        if self._record_event is None or torch.cuda.is_current_stream_capturing() or not self._record_event.query():
+        if not self._record_pending or not self._record_event.query():
             return
-        self._record_event = None
-        message = describe_error(self._record_host.tolist())
-        if message:
+        self._record_pending = False
+        if self._record_view[0] != 0:
+            message = describe_error(self._record_host.tolist())
             self.state.error_record().zero_()
+            self._record_host.zero_()
             raise RuntimeError(message)
 
     def synchronize_and_check(self) -> None:
         """Wait for the device and raise ``RuntimeError`` if a call's wait timed out."""
         if self.state.buffer is not None and self.state.buffer.is_cuda:
             torch.cuda.synchronize(self.state.buffer.device)
-        self._record_event = None
+        self._record_pending = False
         self.state.check()

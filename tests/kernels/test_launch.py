@@ -157,3 +157,39 @@ def test_cached_path_launches_with_the_jit_paths_arguments(monkeypatch):
     fast.launch(kernel, (3,), x, 64, BLOCK=16, FLAG=True, num_warps=4)
     assert launched[-1][-4:] == (x, 64, 16, True)
     fast.reset()
+
+
+def test_direct_launcher_calls_the_cached_kernel(monkeypatch):
+    """direct_launcher after a launch: the compiled kernel's launcher with the 1-D grid, the
+    current stream, the given positional arguments and the constexprs (defaults filled in), as
+    the hit path; None before any launch of that key, and on the JIT path."""
+    real = JITFunction(_probe)
+    launched = []
+
+    class Compiled:
+        function, packed_metadata = "handle", "metadata"
+
+        def run(self, *a):
+            launched.append(a)
+
+    class Kernel:
+        params = real.params
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: Compiled()
+
+    kernel = Kernel()
+    fast.reset()
+    monkeypatch.setattr(fast, "_ENABLED", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    x = torch.zeros(64)
+    assert fast.direct_launcher(kernel, (x, 32), dict(BLOCK=16, num_warps=4)) is None  # nothing cached yet
+    fast.launch(kernel, (3,), x, 32, BLOCK=16, num_warps=4)
+    call = fast.direct_launcher(kernel, (x, 32), dict(BLOCK=16, num_warps=4))
+    call(5, x, 48)
+    assert launched == [(5, 1, 1, 99, "handle", "metadata", None, None, None, x, 48, 16, False)]
+    assert fast.direct_launcher(kernel, (x, 32), dict(BLOCK=32, num_warps=4)) is None  # another key
+    monkeypatch.setattr(fast, "_ENABLED", False)
+    assert fast.direct_launcher(kernel, (x, 32), dict(BLOCK=16, num_warps=4)) is None
+    fast.reset()

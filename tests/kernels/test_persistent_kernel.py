@@ -175,7 +175,7 @@ def test_spin_limit_error_record(max_spins):
     state.check()  # cleared
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_tile_bound_holds_for_any_routing(block_m):
     """TaskLayout.max_tiles (from T alone) bounds the real tile count: random, skewed and
     spread routings, small and large T (the kernel would drop rows otherwise)."""
@@ -193,30 +193,53 @@ def test_tile_bound_holds_for_any_routing(block_m):
 
 
 _SM90_BUILD = r"""
-import sys
+import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.kernel import persistent_moe_kernel as kernel
+from interlace.kernels.persistent.launch import PersistentKernelConfig
 
-consts = dict(TOP_K=8, K_PAD=8, E_PAD=64, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128, BLOCK_J=32, BLOCK_M=16, BLOCK_K0=64,
-              BLOCK_N0=64, BLOCK_N1=64, BLOCK_K1=64, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
-              RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0)
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr", "y_ptr"}
-sig = {n: "constexpr" if n in consts else fp.get(n, "*bf16" if n in bf16 else "*i32") if n.endswith("_ptr")
-       else "fp32" if n == "scale" else "i32" for n in names}
-src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
-compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=8, num_stages=3))
-print("ok", len(compiled.asm["cubin"]))
+sig = {n: "constexpr" if p.is_constexpr else fp.get(n, "*bf16" if n in bf16 else "*i32") if n.endswith("_ptr")
+       else "fp32" if n == "scale" else "i32" for n, p in zip(names, kernel.params)}
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+config = PersistentKernelConfig()
+for spec in sys.argv[1:]:
+    block_m, e_pad, top_k = map(int, spec.split(","))
+    k0, n0, n1, k1 = config.tiles(block_m)
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
+                  BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0, BLOCK_N1=n1,
+                  BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True,
+                  ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0)
+    src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    print(spec, regs, stack, flush=True)
 """
+
+# (BLOCK_M, E_PAD, TOP_K) → the most spill stack (bytes) the sm90 build may use. The GEMM tasks of
+# every row tile fit without spilling (a small gate: E_PAD 16, top-2); a large gate (E_PAD ≥ 64,
+# top-8: its routing and index tiles) makes the whole kernel spill a little: bounded, not zero
+# (most with 128-row tiles and 128 experts: a prefill-sized call, T·8/128 ≥ 52 rows per expert).
+_SM90_CONFIGS = {(16, 16, 2): 0, (32, 16, 2): 0, (64, 16, 2): 0, (128, 16, 2): 0,
+                 (16, 64, 8): 128, (32, 64, 8): 128, (64, 64, 8): 128, (16, 128, 8): 128, (64, 128, 8): 128,
+                 (128, 128, 8): 256}
 
 
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses (non-constexpr globals, a loop variable
     retyped): build the kernel for sm90 (Triton's bundled ptxas, no GPU needed) in a process
-    without the interpreter."""
+    without the interpreter, for every row tile of :data:`ROW_TILES` with its default N/K tiles,
+    and read the cubin's registers and spill stack (cuobjdump)."""
     import os
     import subprocess
     import sys
@@ -224,11 +247,49 @@ def test_kernel_builds_for_sm90():
 
     import triton
 
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("Triton's bundled ptxas is not installed")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not ((bin_dir / "ptxas").exists() and (bin_dir / "cuobjdump").exists()):
+        pytest.skip("Triton's bundled ptxas / cuobjdump is not installed")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+    specs = [",".join(map(str, key)) for key in _SM90_CONFIGS]
+    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD, *specs], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    built = {tuple(map(int, spec.split(","))): (int(regs), int(stack))
+             for spec, regs, stack in (line.split() for line in proc.stdout.splitlines())}
+    assert set(built) == set(_SM90_CONFIGS)
+    for key, (regs, stack) in built.items():
+        assert regs <= 255 and stack <= _SM90_CONFIGS[key], f"(BLOCK_M, E_PAD, TOP_K) = {key}: {regs} registers, " \
+                                                             f"{stack} bytes of spill stack"
+
+
+def test_row_tile_choice():
+    """BLOCK_M by the busiest expert's expected rows (1.25 × T·k/E), 16 … 128, with the default
+    N/K tiles of each; explicit fields win."""
+    from interlace.kernels.persistent.launch import TILES_BY_BLOCK_M
+
+    c = PersistentKernelConfig()
+    assert [c.rows_per_tile(T, 8, 64) for T in (1, 32, 64, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64, 128, 128]
+    assert [c.rows_per_tile(T, 2, 4) for T in (8, 16, 32, 64, 128, 512)] == [16, 16, 32, 64, 128, 128]
+    assert PersistentKernelConfig(block_m=32).rows_per_tile(4096, 8, 4) == 32
+    assert c.tiles(128) == TILES_BY_BLOCK_M[128] and c.tiles(16) == TILES_BY_BLOCK_M[16]
+    assert PersistentKernelConfig(block_k1=16).tiles(64) == (*TILES_BY_BLOCK_M[64][:3], 16)
+    assert c.tiles(48) == TILES_BY_BLOCK_M[64]
+
+
+@pytest.mark.parametrize("T, block_m, forced", [(130, 64, False), (300, 128, False), (33, 128, True), (300, 64, True)])
+def test_large_row_tiles_match_reference(T, block_m, forced):
+    """64- and 128-row tiles (by the choice rule, or forced on few rows: mostly empty tiles),
+    with their narrower reduction steps, against the fp64 reference and the plain index."""
+    case = make_case(T)
+    config = PersistentKernelConfig(block_m=block_m if forced else None)
+    ws = {}
+    out, state = run(*case, workspace=ws, config=config)
+    state.check()
+    assert ws["block_m"] == block_m
+    check_against_reference(*case, out)
+    topk_idx = route(case[1], case[2], case[3], case[0])[0]
+    tiles = reference_index(topk_idx, case[0].num_experts, block_m)[2]
+    assert int(ws["state"][5]) == tiles.shape[1]

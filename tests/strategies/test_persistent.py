@@ -124,3 +124,150 @@ def test_not_an_auto_candidate():
     import inspect
 
     assert "persistent" not in inspect.getsource(auto)
+
+
+# ---- plans and CUDA graphs (EagerRecorder: the graph logic on the CPU) ---------------------------
+
+class CountingRecorder:
+    """An EagerRecorder that counts its captures (class attribute: one count per test)."""
+
+    captures: list = []
+
+    def __init__(self):
+        from interlace.strategies.graphs import EagerRecorder
+
+        self.inner = EagerRecorder()
+
+    def capture(self, fn, device):
+        CountingRecorder.captures.append(device)
+        return self.inner.capture(fn, device)
+
+    def replay(self):
+        self.inner.replay()
+
+
+def graph_layer(**options):
+    CountingRecorder.captures = []
+    layer = layer_for("sigmoid", renormalize=True, route_scale=2.5, strategy_options=options or None)
+    layer.strategy.graph_recorder = CountingRecorder
+    return layer
+
+
+def test_graph_taken_on_the_second_call_and_equals_the_eager_path():
+    layer = graph_layer()
+    eager = layer_for("sigmoid", renormalize=True, route_scale=2.5, strategy_options={"cuda_graph": False})
+    eager.load_state_dict(layer.state_dict())
+    xs = [torch.randn(7, 32) for _ in range(4)]
+    with torch.no_grad():
+        outs = [layer(x) for x in xs]
+        assert len(CountingRecorder.captures) == 1  # first call eager, second captures, then replays
+        assert set(layer.strategy._graphs) == {7}
+        for x, out in zip(xs, outs):
+            assert torch.equal(out, eager(x))  # same kernel, same grid: the same bits
+            assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+    assert all(not torch.equal(outs[0], o) for o in outs[1:])  # each output its own (not the static buffer)
+    assert epoch(layer) == 4  # one launch per call: eager, capture (the EagerRecorder runs it), two replays
+
+
+def test_graphs_of_different_token_counts_do_not_mix():
+    layer = graph_layer()
+    with torch.no_grad():
+        for T in (5, 9, 5, 9, 5, 9):
+            x = torch.randn(T, 32)
+            out = layer(x)
+            assert out.shape == (T, 32)
+            assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+    assert len(CountingRecorder.captures) == 2 and set(layer.strategy._graphs) == {5, 9}
+
+
+def test_a_new_weight_tensor_recaptures_and_in_place_updates_do_not():
+    layer = graph_layer()
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        layer(x), layer(x)
+        assert len(CountingRecorder.captures) == 1
+        layer.experts.w_up.mul_(1.5)  # in place: same address, the graph sees the new values
+        assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4
+        assert len(CountingRecorder.captures) == 1
+        layer.experts.w_down = torch.nn.Parameter(layer.experts.w_down.detach() * 0.5)  # a new tensor
+        out = layer(x)
+        assert len(CountingRecorder.captures) == 2  # captured again at once (T seen)
+        assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+        layer.router.expert_bias = layer.router.expert_bias.clone() + 0.3
+        out = layer(x)
+        assert len(CountingRecorder.captures) == 3
+        assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+
+
+def test_plans_are_reused_and_rebuilt_when_the_state_grows(monkeypatch):
+    from interlace.strategies import persistent
+
+    layer = layer_for(strategy_options={"cuda_graph": False})
+    strategy = layer.strategy
+    with torch.no_grad():
+        layer(torch.randn(3, 32))
+        plan = strategy._plans[3]
+        layer(torch.randn(3, 32))
+        assert strategy._plans[3] is plan  # reused
+        layer(torch.randn(200, 32))  # more tiles: the state's buffer grows
+        assert not plan.matches(torch.randn(3, 32), layer.router.weight, None, layer.experts.w_up,
+                                layer.experts.w_down)
+        x = torch.randn(3, 32)
+        out = layer(x)
+        assert strategy._plans[3] is not plan
+        assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+        monkeypatch.setattr(persistent, "MAX_PLANS", 2)
+        for T in (4, 5, 6):
+            layer(torch.randn(T, 32))
+        assert list(strategy._plans) == [5, 6]  # least recently used dropped
+
+
+def test_graph_dropped_with_its_plan(monkeypatch):
+    from interlace.strategies import persistent
+
+    monkeypatch.setattr(persistent, "MAX_PLANS", 1)
+    layer = graph_layer()
+    with torch.no_grad():
+        x = torch.randn(4, 32)
+        layer(x), layer(x)
+        assert set(layer.strategy._graphs) == {4}
+        layer(torch.randn(8, 32))
+        assert set(layer.strategy._graphs) == set()  # T = 4's plan (and graph) dropped
+        out = layer(x)  # T = 4 seen: a new plan, captured again
+        assert len(CountingRecorder.captures) == 2
+        assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+
+
+def test_eager_variant_and_bad_graph_option():
+    layer = MoELayer(MoEConfig(hidden=32, ffn=24, num_experts=4, top_k=2, dtype=torch.float32),
+                     strategy="persistent:eager", seed=3, device=CPU)
+    assert layer.strategy.cuda_graph is False
+    with pytest.raises(ValueError, match="cuda_graph"):
+        layer_for(strategy_options={"cuda_graph": "yes"})
+
+
+def test_landed_error_record_raises_on_the_next_call():
+    """The CUDA path's bookkeeping (a pinned copy marked by an event, read once it has landed),
+    with a stand-in event on the CPU: a copy not landed yet raises nothing; once landed, a set
+    record raises at the next call, naming the task and the flag, and is cleared."""
+    layer = layer_for()
+    strategy = layer.strategy
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    with torch.no_grad():
+        layer(torch.randn(3, 32))
+        strategy._record_host = torch.tensor([1, 0, 4, 17, 0, 3, 9, 2], dtype=torch.int32)
+        strategy._record_view = strategy._record_host.numpy()
+        strategy._record_event, strategy._record_pending = Event(), True
+        layer(torch.randn(3, 32))  # not landed: nothing raised yet
+        strategy._record_event.done = True
+        with pytest.raises(RuntimeError, match=r"task 17 timed out waiting for the GEMM1 counter .* value 3, expected ≥ 9"):
+            layer(torch.randn(3, 32))
+        assert not strategy._record_pending and strategy._record_view[0] == 0
+        x = torch.randn(3, 32)
+        assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4

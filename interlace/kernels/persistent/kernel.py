@@ -14,8 +14,13 @@ and their dependencies are listed in :mod:`interlace.kernels.persistent.tasks`; 
 * GEMM0 task (K-slice, tile): the tile's ≤ BLOCK_M rows gathered from x, times the expert's
   gate (and up) rows of that K-slice, activation in fp32, stored to h; counts its tile done;
 * GEMM1 task (N-slice, tile): after the tile's every K-slice, h rows times W_down's slice;
-* combine task (token block, N-slice): after every GEMM1 task, each token's k rows summed in
+* combine task (token block, N-slice): after every GEMM1 task of a real tile (the counter
+  reaches n_tiles · n_n1, n_tiles read after the index flag), each token's k rows summed in
   fp32 in slot order (deterministic: no atomics touch any output), scaled by the weights.
+
+Tasks past the real tile count (the launch is sized by a bound, see tasks.py) take their number,
+see the index flag and the tile count, and exit without signalling: nothing waits for them
+(the GEMM1 tasks of a tile wait for its own K-slices; the combine counts real tiles only).
 
 Why this cannot deadlock. Task numbers are handed out in increasing order by the counter, and
 every task waits only on tasks with smaller numbers (gate < index < GEMM0 < GEMM1 < combine). A
@@ -310,24 +315,24 @@ def persistent_moe_kernel(
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
             if is_comb:
                 if ready:
-                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_gemm1, max_spins, err_ptr, task, WAIT_GEMM1, 0,
-                                           epoch)
+                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, err_ptr, task,
+                                           WAIT_GEMM1, 0, epoch)
                 if ready:
                     _combine_task(comb // n_comb_n, comb % n_comb_n, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K,
                                   BLOCK_TC, BLOCK_NC)
             elif rel < n_gemm0:
                 tile = rel % max_tiles
-                if ready & (tile < n_tiles):
+                if ready & (tile < n_tiles):  # (a task past the real tiles exits: nobody waits for it)
                     _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
                                 TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
-                _signal(gemm0_done_ptr + tile)
+                    _signal(gemm0_done_ptr + tile)
             else:
                 tile = (rel - n_gemm0) % max_tiles
                 if ready & (tile < n_tiles):
                     if _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0, tile, epoch):
                         _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
                                     K, BLOCK_M, BLOCK_N1, BLOCK_K1)
-                _signal(state_ptr + GEMM1_DONE)
+                    _signal(state_ptr + GEMM1_DONE)
         task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     # The last program out resets the counters for the next call and publishes its epoch.
     if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:

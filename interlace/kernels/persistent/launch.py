@@ -15,7 +15,8 @@ import torch
 
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
-from interlace.kernels.launch import cdiv, launch, next_power_of_2
+from interlace.kernels.launch import direct_launcher, launch, next_power_of_2
+from interlace.kernels.launch import hooked as launch_hooked
 from interlace.kernels.persistent.kernel import persistent_moe_kernel
 from interlace.kernels.persistent.tasks import ERROR_WORDS, STATE_WORDS, TASK_ORDERS, TaskLayout, describe_error
 from interlace.kernels.rows import _INTERPRET
@@ -23,27 +24,40 @@ from interlace.kernels.rows import _INTERPRET
 DEFAULT_SPINS = 1 << 22  # polls of one wait before it gives up (seconds on a GPU; never reached when correct)
 
 
+ROW_TILES = (16, 32, 64, 128)  # BLOCK_M choices, by the expected rows of the busiest expert
+# (block_k0, block_n0, block_n1, block_k1) per BLOCK_M: the sm90 build of each stays within 255
+# registers without spilling in its GEMM tasks (tests/kernels/test_persistent_kernel.py builds
+# them); larger M takes narrower reduction steps, keeping 64-wide output slices.
+TILES_BY_BLOCK_M = {16: (64, 64, 64, 64), 32: (64, 64, 64, 64), 64: (64, 32, 64, 32), 128: (64, 32, 64, 32)}
+
+
 @dataclass(frozen=True)
 class PersistentKernelConfig:
     """Tile sizes and launch options of the persistent kernel.
 
-    block_m: rows per expert tile (None: 16 while the average rows per expert are ≤ 32, 32 up to
-    64, else 64; small tiles so that at decode every SM streams a slice of a touched expert's
-    weights). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its reduction
-    step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K. block_t: tokens
-    per gate task; block_g: the gate's reduction step. block_tc × block_nc: a combine task.
-    programs: the grid (None: what is co-resident on the device; under the interpreter 3).
+    block_m: rows per expert tile (None: by the call's average rows per expert ``T·k/E``, the
+    smallest of :data:`ROW_TILES` that holds 1.25× that (room for an expert above the average),
+    at most 128: so each touched expert's weight slice is read by one row tile, or two, not 4–16
+    small ones). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its
+    reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
+    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task; block_g: the gate's
+    reduction step. block_tc × block_nc: a combine task. programs: the grid (None: what is
+    co-resident on the device; under the interpreter 3).
 
-    The defaults keep the sm90 build free of register spills for up to 128 experts (ptxas -v on
-    the compiled kernel): the weight tiles are loaded through per-element pointers, and 128-wide
-    tiles or 4 warps spill them.
+    The target is decode: up to ~128 rows per expert (``T·k/E ≤ ~128``). At more rows per expert
+    (prefill-like, ≥ 256) every expert takes several 128-row tiles whose weight slices are read
+    again per tile, and its pointer-loaded tiles do not reach the tensor-core rate of
+    ``fused``'s TMA tiles: ``fused`` (or ``sequential``) is the better path there.
+
+    The weight tiles are loaded through per-element pointers; 128-wide tiles or 4 warps spill
+    registers in the sm90 build.
     """
 
     block_m: int | None = None
-    block_k0: int = 64
-    block_n0: int = 64
-    block_n1: int = 64
-    block_k1: int = 64
+    block_k0: int | None = None
+    block_n0: int | None = None
+    block_n1: int | None = None
+    block_k1: int | None = None
     block_t: int = 16
     block_g: int = 32
     block_tc: int = 16
@@ -55,8 +69,16 @@ class PersistentKernelConfig:
     def rows_per_tile(self, T: int, top_k: int, num_experts: int) -> int:
         if self.block_m is not None:
             return self.block_m
-        per_expert = T * top_k / max(num_experts, 1)
-        return 16 if per_expert <= 32 else 32 if per_expert <= 64 else 64
+        busiest = 1.25 * T * top_k / max(num_experts, 1)
+        return next((b for b in ROW_TILES if busiest <= b), ROW_TILES[-1])
+
+    def tiles(self, block_m: int) -> tuple[int, int, int, int]:
+        """(block_k0, block_n0, block_n1, block_k1) for ``block_m`` rows: the fields set, else
+        :data:`TILES_BY_BLOCK_M` (the nearest entry at or above block_m)."""
+        default = TILES_BY_BLOCK_M.get(block_m) or TILES_BY_BLOCK_M[
+            next((b for b in ROW_TILES if block_m <= b), ROW_TILES[-1])]
+        return tuple(d if v is None else v
+                     for v, d in zip((self.block_k0, self.block_n0, self.block_n1, self.block_k1), default))
 
 
 class PersistentState:
@@ -119,15 +141,136 @@ def router_pieces(x_dtype: torch.dtype, router_gemm: str) -> int:
     return 0
 
 
+class CallPlan:
+    """Everything of one call shape that is the same from call to call: the tile choice, the
+    :class:`TaskLayout`, the grid, the workspace tensors, the state's views and the kernel's
+    arguments but x and out; after its first launch, the compiled kernel's own launcher
+    (:func:`interlace.kernels.launch.direct_launcher`), so that a repeated call costs one
+    allocation (out) and one launch of host work.
+
+    A plan is valid for x of its ``T``, dtype and device with the weights it was built with
+    (:meth:`matches`) and while ``state`` keeps the buffer it was built on (the state grows it
+    for a call with more tiles). Calls of one plan share its workspace: they run in stream order
+    on one stream (as the state requires anyway).
+    """
+
+    def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
+                 w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
+                 renormalize: bool, route_scale: float, activation: str, w_pieces: int,
+                 config: PersistentKernelConfig, max_spins: int, order: str):
+        if order not in TASK_ORDERS:
+            raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
+        for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
+            if not t.is_contiguous():
+                raise ValueError(f"persistent: {name} must be contiguous")
+        T, N = x.shape
+        E, up_width, _ = w_up.shape
+        K = w_down.shape[2]
+        self.T, self.N, self.dtype, self.device = T, N, x.dtype, x.device
+        self.weights = (router_weight, expert_bias, w_up, w_down)
+        self.weight_ptrs = weight_ptrs(router_weight, expert_bias, w_up, w_down)
+        self.config = c = config
+        self.block_m = block_m = c.rows_per_tile(T, top_k, E)
+        block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
+        self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t, block_m, block_k0, block_n1,
+                                                c.block_tc, c.block_nc)
+        e_pad = max(16, next_power_of_2(E))
+        TK = T * top_k
+        n_hist = layout.n_gate * e_pad
+        # One int32 workspace: idx, weights (as fp32), ranks, row_of, asg_of (T·k each), hist and
+        # base (n_gate·E_PAD each), offsets (E_PAD), the tile table (3·max_tiles).
+        ints = alloc.empty((5 * TK + 2 * n_hist + e_pad + 3 * layout.max_tiles,), dtype=torch.int32,
+                           device=x.device)
+        idx, wt, lrank, row_of, asg_of = (ints[i * TK:(i + 1) * TK] for i in range(5))
+        wt = wt.view(torch.float32)
+        rest = ints[5 * TK:]
+        hist, base, offs, tiles = (rest[:n_hist], rest[n_hist:2 * n_hist], rest[2 * n_hist:2 * n_hist + e_pad],
+                                   rest[2 * n_hist + e_pad:])
+        h = alloc.empty((TK, K), dtype=x.dtype, device=x.device)
+        y = alloc.empty((TK, N), dtype=x.dtype, device=x.device)
+        self.state = state
+        st, err, gemm0_done = state.views(x.device, layout.max_tiles)
+        self.state_buffer = state.buffer
+        self.workspace = dict(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
+                              state=st, block_m=block_m, layout=layout)
+        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c)
+        self.programs = self._programs()
+        self.constexprs = dict(
+            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
+            BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
+            BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
+            SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
+            ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
+            ORDER=TASK_ORDERS.index(order),
+        )
+        # The arguments between x and out, and after out (the last one, the grid, set per launch).
+        self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up,
+                              w_down)
+        self._rest_args = (idx, wt, lrank, row_of, asg_of, hist, base, offs, tiles, h, y, st, err, gemm0_done,
+                           T, N, K, E, up_width, float(route_scale), int(max_spins))
+        self._layout_args = (layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t,
+                             layout.n_comb_n)
+        self._direct = None
+
+    def _programs(self) -> int:
+        c = self.config
+        if c.programs is not None:
+            programs = c.programs
+        elif _INTERPRET or self.device.type != "cuda":
+            programs = 3
+        else:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            programs = sms * _OCCUPANCY.get(self._occupancy_key, 1)
+        return max(1, min(programs, self.layout.total))
+
+    def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
+        """Whether this plan runs ``x`` with these weights (same T, dtype, device, weight
+        addresses, and the state's buffer unchanged)."""
+        return (x.shape[0] == self.T and x.dtype == self.dtype and x.device == self.device
+                and self.state.buffer is self.state_buffer
+                and weight_ptrs(router_weight, expert_bias, w_up, w_down) == self.weight_ptrs)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """out (T, N) in x's dtype for x (T, N) contiguous, with the plan's weights."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+        if self.T == 0:
+            return out
+        direct = self._direct
+        if direct is not None and x.data_ptr() % 16 == 0 and not launch_hooked():
+            direct(self.programs, x, *self._weights_args, out, *self._rest_args, self.programs, *self._layout_args)
+            return out
+        args = (x, *self._weights_args, out, *self._rest_args, self.programs, *self._layout_args)
+        kwargs = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages, **self.constexprs)
+        compiled = launch(persistent_moe_kernel, (self.programs,), *args, **kwargs)
+        if self.device.type == "cuda" and not _INTERPRET:
+            key = self._occupancy_key
+            if self.config.programs is None and key not in _OCCUPANCY:
+                _OCCUPANCY[key] = _programs_per_sm(compiled, self.device, self.config.num_warps)
+                programs = self._programs()
+                if programs != self.programs:  # (the next launch: the grid is an argument too)
+                    self.programs = programs
+                    return out
+            if x.data_ptr() % 16 == 0:
+                self._direct = direct_launcher(persistent_moe_kernel, args, kwargs)
+        return out
+
+
+def weight_ptrs(router_weight, expert_bias, w_up, w_down) -> tuple:
+    """The weights' addresses: what a plan (and a CUDA graph of it) holds."""
+    return (router_weight.data_ptr(), 0 if expert_bias is None else expert_bias.data_ptr(), w_up.data_ptr(),
+            w_down.data_ptr())
+
+
 def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
                    w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
                    renormalize: bool, route_scale: float, activation: str, w_pieces: int,
                    config: PersistentKernelConfig = PersistentKernelConfig(), max_spins: int = DEFAULT_SPINS,
                    order: str = "normal", workspace: dict | None = None) -> torch.Tensor:
-    """One MoE layer call (world size 1) in one launch; see the module.
+    """One MoE layer call (world size 1) in one launch; see the module. (A caller that repeats
+    a shape keeps a :class:`CallPlan` instead: this builds one per call.)
 
     Args:
-        x: (T, N) tokens, bf16/fp16/fp32, contiguous.
+        x: (T, N) tokens, bf16/fp16/fp32.
         router_weight: (E, N) fp32; expert_bias: (E,) fp32 selection bias, or None.
         w_up: (E, up_width, N) (SwiGLU: gate rows first); w_down: (E, N, K); x's dtype.
         state: the caller's :class:`PersistentState` (counters and epoch, kept across calls).
@@ -143,57 +286,12 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
     if order not in TASK_ORDERS:
         raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
     x, router_weight, w_up, w_down = (t.contiguous() for t in (x, router_weight, w_up, w_down))
-    T, N = x.shape
-    E, up_width, _ = w_up.shape
-    K = w_down.shape[2]
-    out = alloc.empty((T, N), dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out
-    c = config
-    block_m = c.rows_per_tile(T, top_k, E)
-    layout = TaskLayout.build(T, N, K, E, top_k, c.block_t, block_m, c.block_k0, c.block_n1, c.block_tc, c.block_nc)
-    e_pad = max(16, next_power_of_2(E))
-    TK = T * top_k
-    n_hist = layout.n_gate * e_pad
-    # One int32 workspace: idx, weights (as fp32), ranks, row_of, asg_of (T·k each), hist and
-    # base (n_gate·E_PAD each), offsets (E_PAD), the tile table (3·max_tiles).
-    ints = alloc.empty((5 * TK + 2 * n_hist + e_pad + 3 * layout.max_tiles,), dtype=torch.int32, device=x.device)
-    idx, wt, lrank, row_of, asg_of = (ints[i * TK:(i + 1) * TK] for i in range(5))
-    wt = wt.view(torch.float32)
-    rest = ints[5 * TK:]
-    hist, base, offs, tiles = (rest[:n_hist], rest[n_hist:2 * n_hist], rest[2 * n_hist:2 * n_hist + e_pad],
-                               rest[2 * n_hist + e_pad:])
-    h = alloc.empty((TK, K), dtype=x.dtype, device=x.device)
-    y = alloc.empty((TK, N), dtype=x.dtype, device=x.device)
-    st, err, gemm0_done = state.views(x.device, layout.max_tiles)
-    if c.programs is not None:
-        programs = c.programs
-    elif _INTERPRET or x.device.type != "cuda":
-        programs = 3
-    else:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = sms * _OCCUPANCY.get((x.device.index, block_m, e_pad, top_k, activation, x.dtype, c), 1)
-    programs = max(1, min(programs, layout.total))
-    constexprs = dict(
-        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
-        BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=c.block_k0,
-        BLOCK_N0=c.block_n0, BLOCK_N1=c.block_n1, BLOCK_K1=c.block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
-        SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
-        ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
-        ORDER=TASK_ORDERS.index(order),
-    )
-    compiled = launch(
-        persistent_moe_kernel, (programs,),
-        x, router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down, out,
-        idx, wt, lrank, row_of, asg_of, hist, base, offs, tiles, h, y, st, err, gemm0_done,
-        T, N, K, E, up_width, float(route_scale), int(max_spins), programs,
-        layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n,
-        num_warps=c.num_warps, num_stages=c.num_stages, **constexprs,
-    )
-    key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c)
-    if x.device.type == "cuda" and c.programs is None and key not in _OCCUPANCY:
-        _OCCUPANCY[key] = _programs_per_sm(compiled, x.device, c.num_warps)
+    if x.shape[0] == 0:
+        return alloc.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    plan = CallPlan(x, router_weight, expert_bias, w_up, w_down, state, top_k=top_k, softmax=softmax,
+                    renormalize=renormalize, route_scale=route_scale, activation=activation, w_pieces=w_pieces,
+                    config=config, max_spins=max_spins, order=order)
+    out = plan.run(x)
     if workspace is not None:
-        workspace.update(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
-                         state=st, block_m=block_m, layout=layout, programs=programs)
+        workspace.update(plan.workspace, programs=plan.programs)
     return out

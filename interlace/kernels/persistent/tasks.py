@@ -11,14 +11,15 @@ gate       ``G = ceil(T / BLOCK_T)``              nothing
 index      1                                      every gate task (a counter reaches G)
 GEMM0      ``max_tiles · ceil(K / BLOCK_K0)``     the index (a flag reaches the call's epoch)
 GEMM1      ``max_tiles · ceil(N / BLOCK_N1)``     the index; its row tile's GEMM0 tasks
-combine    ``ceil(T / BLOCK_TC) · ceil(N / BLOCK_NC)``  the index; every GEMM1 task
+combine    ``ceil(T / BLOCK_TC) · ceil(N / BLOCK_NC)``  the index; every GEMM1 task of a real tile
 =========  =====================================  ==========================================
 
 ``max_tiles = floor((T·k + min(E, T·k)·(BLOCK_M − 1)) / BLOCK_M)`` bounds the row tiles of any
 routing: expert e's c_e rows take ``ceil(c_e / BLOCK_M) ≤ (c_e + BLOCK_M − 1) / BLOCK_M`` tiles,
 at most min(E, T·k) experts have rows, and the sum of those bounds is at most the above (an
 integer). So the host sizes the launch from T alone, without reading the routing back; tasks
-past the real tile count exit at once (at decode the bound is nearly tight: T = 1, k = 8 gives 8).
+past the real tile count exit at once, without signalling anything (at decode the bound is
+nearly tight: T = 1, k = 8 gives 8).
 
 GEMM0 and GEMM1 tasks are numbered slice-major, tile-minor (task = slice · max_tiles + tile):
 the row tiles of one expert take the same weight slice one after another, so it is read from
@@ -45,7 +46,7 @@ _WAIT_NAMES = {
     WAIT_GATE: "the gate tasks' counter (the index task waits for every gate task)",
     WAIT_INDEX: "the index flag (expert offsets and the sorted row list)",
     WAIT_GEMM0: "a row tile's GEMM0 counter (a GEMM1 task waits for every K-slice of its tile)",
-    WAIT_GEMM1: "the GEMM1 counter (a combine task waits for every GEMM1 task)",
+    WAIT_GEMM1: "the GEMM1 counter (a combine task waits for every GEMM1 task of a real tile)",
 }
 
 # Task orders: "normal" is the only correct one; "combine_first" (tests only) dequeues the
