@@ -63,15 +63,26 @@ def reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
                          layer.config, expert_bias=r.expert_bias, compute_dtype=torch.float32)[0]
 
 
-def skewed_input(layer: MoELayer, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, saved router rows): x shares a direction u; router rows 0..k-1 are set to point at it."""
+def skewed_input(layer: MoELayer, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, tuple]:
+    """(x, saved router state): x shares a direction u; router rows 0..k-1 are set to point at it
+    (and, for a sigmoid router, whose scores saturate, their selection bias raised)."""
     cfg, dev = layer.config, layer.router.weight.device
     u = torch.randn(cfg.hidden, generator=gen, device=dev)
     u /= u.norm()
     x = (torch.randn(tokens, cfg.hidden, generator=gen, device=dev) + 4.0 * cfg.hidden**0.5 * u).to(cfg.dtype)
-    saved = layer.router.weight.data[:cfg.top_k].clone()
+    bias = layer.router.expert_bias
+    saved = (layer.router.weight.data[:cfg.top_k].clone(), None if bias is None else bias.clone())
     layer.router.weight.data[:cfg.top_k] = u * 0.5
+    if bias is not None:
+        bias[:cfg.top_k] += 2.0
     return x, saved
+
+
+def restore(layer: MoELayer, saved: tuple) -> None:
+    weight, bias = saved
+    layer.router.weight.data[:weight.shape[0]] = weight
+    if bias is not None:
+        layer.router.expert_bias.copy_(bias)
 
 
 def check_config(name: str, cfg: MoEConfig, device, report) -> MoELayer:
@@ -96,7 +107,7 @@ def check_config(name: str, cfg: MoEConfig, device, report) -> MoELayer:
         report(err < TOL and counts[:cfg.top_k].sum() >= 0.6 * x.shape[0] * cfg.top_k,
                f"{name} skewed: {int(counts[:cfg.top_k].sum())}/{x.shape[0] * cfg.top_k} assignments on "
                f"{cfg.top_k} experts, rel err {err:.2e}")
-        layer.router.weight.data[:cfg.top_k] = saved
+        restore(layer, saved)
         x = torch.randn(64, cfg.hidden, generator=gen, device=device).to(cfg.dtype)
         bad = x.clone()
         bad[3] = float("nan")
@@ -131,7 +142,7 @@ def stress(layer: MoELayer, calls: int, device, report) -> None:
                 worst = max(worst, rel_err(out, reference(layer, x)))
                 checked += 1
             if skew:
-                layer.router.weight.data[:cfg.top_k] = saved
+                restore(layer, saved)
     try:
         layer.strategy.synchronize_and_check()
         record = "no error record"
