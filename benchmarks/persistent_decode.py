@@ -29,6 +29,8 @@ relative error.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--eager", action="store_true", help="persistent without CUDA graphs (persistent:eager)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--out", default=None, help="write the rows and the run's facts to OUT/persistent-decode.json")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.smoke:
@@ -177,6 +180,13 @@ def main(argv=None) -> int:
         rows += bench_preset(name, cfg, tokens, device, args, bandwidth)
     print_table(rows, bandwidth)
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+                "argv": sys.argv, "hbm_read_tb_s": bandwidth / 1e12,
+                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+        with open(os.path.join(args.out, "persistent-decode.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     failed = [r for r in rows if "error" in r or not r.get("ok")]
     return 1 if failed else 0
 
