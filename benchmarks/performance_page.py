@@ -93,6 +93,18 @@ SOURCES = [
                 "DeepSeek trains with SGD on both sides (Adam's states do not fit with HF's blocks); Qwen3 with AdamW.",
                 "interlace's default strategy at this commit was the profile-only `auto` (the self-calibrating "
                 "`auto` landed after it)."]),
+    dict(section="decode", table="persistent-decode-h100", kind="persistent_decode",
+         file="h100-persistent-decode.json", device="1× NVIDIA H100 80GB HBM3", commit="79ae061",
+         title="`persistent` (world size 1) at decode sizes, one H100: against `sequential` and the weight-read floor",
+         command="python3 benchmarks/persistent_decode.py --out $OUT",
+         notes=["Each preset with E/2 experts (one rank's share of two) and the preset's top-k, on one GPU: "
+                "no communication. Floor: bytes of the expert weights this call's routing touches ÷ the HBM "
+                "read bandwidth measured in the same run.",
+                "ms: CUDA events around the layer call after a device sync (median of 20 after 5 warm-ups); "
+                "host ms: the call's time on the host after the sync. `persistent` replays a CUDA graph per "
+                "token count from a count's second call.",
+                "Every row checked against `sequential` (bf16, max-norm relative error ≤ 3e-2) and replays "
+                "bitwise equal to the eager first call."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
@@ -332,7 +344,24 @@ def soak_table(src):
     return lines
 
 
-KINDS = {"bench": bench_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
+def persistent_decode_table(src):
+    d = load(src["file"])
+    meta = d.get("meta", {})
+    lines = header(src, {"date": meta.get("date")})
+    rows = [r for r in d["rows"] if "error" not in r]
+    faster = sum(r["persistent_ms"] < r["sequential_ms"] for r in rows)
+    lines += [f"HBM read bandwidth (this run): {meta.get('hbm_read_tb_s', 0):.2f} TB/s; `persistent` faster than "
+              f"`sequential` on {faster} of {len(rows)} rows; rows in error: {len(d['rows']) - len(rows)}.", "",
+              "| preset (E/2 experts) | tokens | experts touched | persistent ms | host ms | sequential ms | host ms "
+              "| floor ms | persistent × floor | sequential ÷ persistent | BLOCK_M | rel. error |", "|" + "---|" * 12]
+    lines += [f"| {r['preset']} | {r['tokens']} | {r['touched']} | {r['persistent_ms']:.3f} | "
+              f"{r['persistent_host_ms']:.3f} | {r['sequential_ms']:.3f} | {r['sequential_host_ms']:.3f} | "
+              f"{r['floor_ms']:.3f} | {r['persistent_ms'] / r['floor_ms']:.2f} | "
+              f"{r['sequential_ms'] / r['persistent_ms']:.2f} | {r['block_m']} | {r['rel_err']:.1e} |" for r in rows]
+    return lines + [""]
+
+
+KINDS = {"bench": bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
          "hf_models": hf_models_table, "auto_grid": auto_grid_table, "soak": soak_table}
 
 
