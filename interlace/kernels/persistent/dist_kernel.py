@@ -1,0 +1,393 @@
+"""The whole MoE layer at world size W > 1 as ONE persistent Triton launch per rank: gate →
+index → dispatch (device-initiated one-sided stores into the owners' symmetric memory) →
+receive → GEMM0 + activation → GEMM1 (stored straight into the sources' symmetric memory) →
+combine, as tasks from one device-side queue per rank.
+
+Tasks, counts and the symmetric layout are in :mod:`interlace.kernels.persistent.dist_tasks`;
+the gate task is the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel`). In short:
+
+* index: per-(block, expert) bases from the gate's histograms; each assignment's slot = its
+  rank among this rank's assignments to that expert (so slots of one (source, expert) pair are
+  0 .. count−1, decided by the source alone), and the per-expert counts;
+* send (token block): each token row stored into ``recv[me][local expert][slot]`` of the
+  expert's owner, for its k experts. The last send task (a counter, acq_rel) writes this
+  rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then, release
+  at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends no row to;
+* receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch``, copies the counts
+  into a local tile table (local expert, first slot, end slot per row tile), publishes a local
+  ready flag; with no tile from s it also publishes ``done[me] = epoch`` at s at once;
+* GEMM0 (K-slice, source, tile) and GEMM1 (N-slice, source, tile): as at world 1, on the rows
+  of ``recv[s][l]``; GEMM1 stores its output rows into s's ``ret[me][l][slot]``; the last
+  GEMM1 task of source s (a counter, acq_rel) publishes ``done[me] = epoch`` at s;
+* combine (token block, N-slice): waits for ``done[d] ≥ epoch`` of every owner d its tokens
+  use (combine task 0: of every owner), then sums each token's k rows of ``ret`` in fp32 in
+  slot order (deterministic: nothing atomic touches an output).
+
+Why every wait terminates. Each rank's task numbers run kind by kind (gate < index < send <
+receive < GEMM0 < GEMM1 < combine) and are taken in increasing order from its queue by
+programs that are running. Within a rank a task waits only on smaller numbers. Across ranks a
+task waits only on a peer's task of a strictly earlier kind: receive on the peer's send tasks,
+combine on the peer's receive and GEMM1 tasks; no task waits on a peer's task of its own kind
+or a later one (sends, GEMM tasks and the index never wait on a peer). Suppose some waits
+never end, and take a blocked task X of the earliest kind over all ranks (the smallest number
+on its rank among those). Its own-rank waits are on smaller numbers, taken already; one not
+finished would be blocked, of an earlier kind or a smaller number: impossible. A peer task Y it
+waits on is of an earlier kind; if the peer has a blocked task, that task's kind is no earlier
+than X's, so its number is larger than Y's, so Y was taken, and Y unfinished would be blocked
+with a kind earlier than X's: impossible; if the peer has none, its programs keep taking
+numbers until all are taken and done. So X's waits end: a contradiction. Nothing assumes that
+programs are co-resident or start in any order (a program waits only after taking a number,
+and the numbers it waits on were taken by programs already running), only that every rank
+launches the same call. Waits are bounded (``max_spins`` polls): a timed-out wait writes the
+error record (naming this rank, the task and the peer rank) and the task skips its work.
+
+Epochs, and why no call needs a barrier. A call's epoch is the local call counter + 1; every
+rank makes the same calls, so epochs agree, and flags (``sent``, ``done``, local ready and
+index flags) hold epochs, never reset. A rank's call ends only after it has ``done[d] ≥ epoch``
+from every owner d (combine task 0), and an owner publishes that only after it has copied this
+rank's counts and (the GEMM1 tasks wait for every GEMM0 task of their tile) read its rows for
+the last time: so when this rank's next call writes ``recv``, ``counts`` and ``sent`` at an
+owner, the owner is done with the previous ones. An owner writes this rank's ``ret`` only after
+this rank's ``sent`` of that call, i.e. after this rank's previous combine. Local counters are
+zeroed by the last program to leave the launch that ends the call (CUDA-graph replays stay right).
+
+Phases (simulated ranks on the CPU, the staged transport): ``task_lo``/``task_hi`` restrict a
+launch to a range of task numbers; ``final`` marks the launch that ends the call.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from interlace.kernels.comet.flags import peer_region
+from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
+from interlace.kernels.persistent import dist_tasks as dt
+from interlace.kernels.persistent.kernel import _gate_task
+
+EPOCH = tl.constexpr(dt.EPOCH)
+QUEUE = tl.constexpr(dt.QUEUE)
+DONE = tl.constexpr(dt.DONE)
+GATE_DONE = tl.constexpr(dt.GATE_DONE)
+SEND_DONE = tl.constexpr(dt.SEND_DONE)
+INDEX_FLAG = tl.constexpr(dt.INDEX_FLAG)
+HEAD = tl.constexpr(dt.STATE_HEAD)
+WAIT_GATE = tl.constexpr(dt.WAIT_GATE)
+WAIT_INDEX = tl.constexpr(dt.WAIT_INDEX)
+WAIT_SENT = tl.constexpr(dt.WAIT_SENT)
+WAIT_READY = tl.constexpr(dt.WAIT_READY)
+WAIT_GEMM0 = tl.constexpr(dt.WAIT_GEMM0)
+WAIT_DONE = tl.constexpr(dt.WAIT_DONE)
+
+
+@triton.jit
+def _wait(ptr, target, max_spins, err_ptr, me, task, kind, peer, epoch, SCOPE: tl.constexpr):
+    """Acquire-poll ``*ptr`` (at ``SCOPE``) until ≥ ``target``; False after ``max_spins`` polls
+    or once another wait timed out. The first timed-out wait writes the error record
+    [1, me, kind, task, peer, value, target, epoch]."""
+    value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (value < target) & (spins < max_spins):
+        value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+        if tl.load(err_ptr, volatile=True) != 0:
+            spins = max_spins
+    ok = value >= target
+    if not ok:
+        if tl.atomic_cas(err_ptr, 0, 1) == 0:
+            tl.store(err_ptr + 1, me)
+            tl.store(err_ptr + 2, kind)
+            tl.store(err_ptr + 3, task)
+            tl.store(err_ptr + 4, peer)
+            tl.store(err_ptr + 5, value)
+            tl.store(err_ptr + 6, target)
+            tl.store(err_ptr + 7, epoch)
+    return ok
+
+
+@triton.jit
+def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, E_PAD: tl.constexpr,
+                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
+    """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
+    its expert: the block's base plus its rank within the block)."""
+    cols = tl.arange(0, E_PAD)
+    running = tl.zeros((E_PAD,), dtype=tl.int32)
+    for g in range(0, n_gate):
+        h = tl.load(hist_ptr + g * E_PAD + cols, cache_modifier=".cg")
+        tl.store(base_ptr + g * E_PAD + cols, running)
+        running += h
+    tl.store(counts_ptr + cols, running)
+    tl.debug_barrier()  # the bases are read back below by other threads
+    for a0 in range(0, TK, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        amask = a < TK
+        e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+        block = a // (TOP_K * BLOCK_T)
+        slot = (tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
+                + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
+        tl.store(slot_ptr + a, slot, mask=amask)
+
+
+@triton.jit
+def _send_task(sb, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+    """Tokens [sb·BLOCK_S, ...): each row into recv[me][e − owner·E_loc][slot] of owner = e // E_loc."""
+    tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    tmask = tokens < T
+    for n0 in range(0, N, BLOCK_NS):
+        cols = n0 + tl.arange(0, BLOCK_NS)
+        cmask = cols < N
+        v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
+                    other=0.0)
+        for j in tl.static_range(TOP_K):
+            a = tokens.to(tl.int64) * TOP_K + j
+            e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+            slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+            owner = e // E_loc
+            row = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
+            for d in range(0, W):
+                dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
+                m = tmask & (owner == d)
+                tl.store(dst + row[:, None] * N + cols[None, :], v, mask=m[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD: tl.constexpr):
+    """Every owner d: counts[me][:] = this rank's rows per d's local expert, then (release,
+    system scope, after every send task's rows: the caller holds the send counter's acq_rel)
+    sent[me] = epoch."""
+    lo = tl.arange(0, EL_PAD)
+    lmask = lo < E_loc
+    for d in range(0, W):
+        c = tl.load(counts_ptr + d * E_loc + lo, mask=lmask, other=0, cache_modifier=".cg")
+        tl.store(peer_region(counts_table, d, tl.int32) + me * E_loc + lo, c, mask=lmask)
+    tl.debug_barrier()
+    for d in range(0, W):
+        tl.atomic_xchg(peer_region(sent_table, d, tl.int32) + me, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def _receive_task(s, counts_table, tiles_ptr, me, E_loc, mt, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+                  EL_PAD: tl.constexpr):
+    """Source s's row tiles here: tiles[s] = (local expert, first slot, end slot) per tile, in
+    expert order; returns their number."""
+    lo = tl.arange(0, EL_PAD)
+    lmask = lo < E_loc
+    c = tl.load(peer_region(counts_table, me, tl.int32) + s * E_loc + lo, mask=lmask, other=0, volatile=True)
+    n_tiles_l = (c + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles_l, axis=0)
+    tile_beg = tile_end - n_tiles_l
+    n_tiles = tl.sum(n_tiles_l, axis=0)
+    base = tiles_ptr + s * 3 * mt
+    for j0 in range(0, mt, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
+        expert = tl.sum(tl.where(inside, lo[None, :], 0), axis=1)
+        first = tl.sum(tl.where(inside, (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
+        end = tl.sum(tl.where(inside, c[None, :], 0), axis=1)
+        jmask = j < n_tiles
+        tl.store(base + j, expert, mask=jmask)
+        tl.store(base + mt + j, first, mask=jmask)
+        tl.store(base + 2 * mt + j, end, mask=jmask)
+    return n_tiles
+
+
+@triton.jit
+def _gemm0_task(s, tile, ks, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc, max_tokens, N, K, UP,
+                ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr):
+    """h[tile rows, K-slice ks] = act(recv[s][l][slots] @ W_up[l][gate (and up) rows]ᵀ)."""
+    base = tiles_ptr + s * 3 * mt
+    lx = tl.load(base + tile).to(tl.int64)
+    first = tl.load(base + mt + tile)
+    end = tl.load(base + 2 * mt + tile)
+    slots = first + tl.arange(0, BLOCK_M)
+    rmask = slots < end
+    recv = peer_region(recv_table, me, h_ptr.dtype.element_ty)
+    rows = (s * E_loc + lx) * max_tokens + slots.to(tl.int64)
+    cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
+    cmask = cols < K
+    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx * UP * N, None, 0, cols, cmask, N, K,
+                                ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
+    act = activation_epilogue(acc_g, acc_u, ACTIVATION)
+    h_rows = (s * mt + tile).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _gemm1_task(s, tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt, E_loc, max_tokens, N, K,
+                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
+    """s's ret[me][l][slots, N-slice ns] = h[tile rows] @ W_down[l][slice]ᵀ (stores into s's memory)."""
+    base = tiles_ptr + s * 3 * mt
+    lx = tl.load(base + tile).to(tl.int64)
+    first = tl.load(base + mt + tile)
+    end = tl.load(base + 2 * mt + tile)
+    slots = first + tl.arange(0, BLOCK_M)
+    rmask = slots < end
+    h_rows = (s * mt + tile).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    cmask = cols < N
+    acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx * N * K, None, 0, cols, cmask, K, K, 3,
+                          BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+    dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
+    rows = (me * E_loc + lx) * max_tokens + slots.to(tl.int64)
+    tl.store(dst + rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, task, epoch,
+                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr):
+    """Wait for done[d] ≥ epoch of every owner d that this token block uses (combine task 0: of
+    every owner, so that the call ends after every owner is done with this rank's data)."""
+    tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
+    tmask = tokens < T
+    done = peer_region(done_table, me, tl.int32)
+    failed = 0
+    for d in range(0, W):
+        uses = 0
+        for j in tl.static_range(TOP_K):
+            e = tl.load(idx_ptr + tokens.to(tl.int64) * TOP_K + j, mask=tmask, other=0, cache_modifier=".cg")
+            uses += tl.sum(((e // E_loc == d) & tmask).to(tl.int32), axis=0)
+        if (uses > 0) | (comb == 0):
+            ok = _wait(done + d, epoch, max_spins, err_ptr, me, task, WAIT_DONE, d, epoch, "sys")
+            failed += tl.where(ok, 0, 1)
+    return failed == 0
+
+
+@triton.jit
+def _combine_task(tb, ns, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T, N,
+                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
+    """out[tokens, slice] = Σ_j weight[t, j] · ret[e // E_loc][e % E_loc][slot(t, j)] (that
+    pair flattens to e), in fp32, j in order."""
+    tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
+    tmask = tokens < T
+    cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
+    cmask = cols < N
+    ret = peer_region(ret_table, me, out_ptr.dtype.element_ty)
+    acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        a = tokens.to(tl.int64) * TOP_K + j
+        e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+        slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+        w = tl.load(wt_ptr + a, mask=tmask, other=0.0, cache_modifier=".cg")
+        row = e.to(tl.int64) * max_tokens + slot
+        y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += w[:, None] * y.to(tl.float32)
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _count_and_publish(counter_ptr, target, flag_ptr, epoch):
+    """Count one finished task (acq_rel, system scope, after this program's stores); the one
+    that reaches ``target`` publishes ``*flag_ptr = epoch`` (release, system scope)."""
+    tl.debug_barrier()
+    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys") == target - 1:
+        tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def persistent_dist_kernel(
+    x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
+    idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, tiles_ptr, h_ptr,  # local workspace
+    recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
+    state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
+    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, n_programs,
+    n_gate, n_send, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
+    BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
+    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
+    W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module."""
+    epoch = tl.load(state_ptr + EPOCH) + 1
+    ready_ptr = state_ptr + HEAD
+    n_tiles_ptr = ready_ptr + W
+    g1_cnt_ptr = n_tiles_ptr + W
+    g0_done_ptr = g1_cnt_ptr + W
+    tiles_all = W * mt
+    f_index = n_gate
+    f_send = f_index + 1
+    f_recv = f_send + n_send
+    f_g0 = f_recv + W
+    f_g1 = f_g0 + n_k0 * tiles_all
+    f_comb = f_g1 + n_n1 * tiles_all
+    task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    while task < task_hi:
+        if task < f_index:
+            _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
+            tl.debug_barrier()
+            tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
+        elif task < f_send:
+            if _wait(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, me, task, WAIT_GATE, me, epoch, "gpu"):
+                _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
+                            TOP_K, BLOCK_T, BLOCK_A)
+            tl.debug_barrier()
+            tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
+        elif task < f_recv:
+            if _wait(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, me, task, WAIT_INDEX, me, epoch, "gpu"):
+                _send_task(task - f_send, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N,
+                           TOP_K, BLOCK_S, BLOCK_NS)
+                # (a failed wait counts nothing: the owners then time out naming this rank)
+                tl.debug_barrier()
+                if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
+                    _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
+        elif task < f_g0:
+            s = task - f_recv
+            n_tiles = 0
+            sent = peer_region(sent_table, me, tl.int32)
+            if _wait(sent + s, epoch, max_spins, err_ptr, me, task, WAIT_SENT, s, epoch, "sys"):
+                n_tiles = _receive_task(s, counts_table, tiles_ptr, me, E_loc, mt, BLOCK_M, BLOCK_J, EL_PAD)
+                if n_tiles == 0:  # nothing to compute for s: s's data here is read already
+                    tl.atomic_xchg(peer_region(done_table, s, tl.int32) + me, epoch, sem="release", scope="sys")
+            tl.store(n_tiles_ptr + s, n_tiles)
+            tl.debug_barrier()
+            tl.atomic_xchg(ready_ptr + s, epoch, sem="release", scope="gpu")
+        elif task < f_comb:
+            is_g0 = task < f_g0 + n_k0 * tiles_all
+            rel = tl.where(is_g0, task - f_g0, task - f_g1)
+            within = rel % tiles_all
+            s = within // mt
+            tile = within % mt
+            ready = _wait(ready_ptr + s, epoch, max_spins, err_ptr, me, task, WAIT_READY, s, epoch, "gpu")
+            n_tiles = tl.load(n_tiles_ptr + s, volatile=True)
+            if ready & (tile < n_tiles):
+                if is_g0:
+                    _gemm0_task(s, tile, rel // tiles_all, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc,
+                                max_tokens, N, K, UP, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
+                    tl.debug_barrier()
+                    tl.atomic_add(g0_done_ptr + within, 1, sem="release", scope="gpu")
+                else:
+                    if _wait(g0_done_ptr + within, n_k0, max_spins, err_ptr, me, task, WAIT_GEMM0, s, epoch, "gpu"):
+                        _gemm1_task(s, tile, rel // tiles_all, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt,
+                                    E_loc, max_tokens, N, K, BLOCK_M, BLOCK_N1, BLOCK_K1)
+                    _count_and_publish(g1_cnt_ptr + s, n_tiles * n_n1, peer_region(done_table, s, tl.int32) + me,
+                                       epoch)
+            else:
+                # Tiles past s's real count are the rest of this (slice, source) range: skip it.
+                tl.atomic_max(state_ptr + QUEUE, task - tile + mt - task_lo, sem="relaxed", scope="gpu")
+        else:
+            comb = task - f_comb
+            tb = comb // n_comb_n
+            if _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, task, epoch, TOP_K,
+                             BLOCK_TC):
+                _combine_task(tb, comb % n_comb_n, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T,
+                              N, TOP_K, BLOCK_TC, BLOCK_NC)
+        task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    # The last program out resets the queue; after the call's last launch, also the counters,
+    # and publishes the epoch.
+    if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
+        if final != 0:
+            for t0 in range(0, tiles_all + W, BLOCK_J):
+                t = t0 + tl.arange(0, BLOCK_J)
+                tl.store(g1_cnt_ptr + t, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=t < tiles_all + W)
+            tl.store(state_ptr + GATE_DONE, 0)
+            tl.store(state_ptr + SEND_DONE, 0)
+            tl.store(state_ptr + EPOCH, epoch)
+        tl.store(state_ptr + QUEUE, 0)
+        tl.store(state_ptr + DONE, 0)

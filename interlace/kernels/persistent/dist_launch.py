@@ -1,0 +1,296 @@
+"""Launcher of the persistent MoE kernel at world size W > 1: the symmetric buffer, the rank's
+local state, per-shape call plans, and the phase order of the simulated and staged transports.
+
+:class:`DistBuffer` is one rank's symmetric allocation (regions of
+:mod:`interlace.kernels.persistent.dist_tasks`: ``recv``, ``ret``, ``counts``, ``sent``,
+``done``), the (W,) address tables of every rank's regions, and the rank's local state (epoch,
+counters, error record) that must live as long as the buffer: the epochs in the peers' flags
+are this state's call counts. Transports (as :class:`interlace.parallel.peer_buffer.PeerBuffer`):
+
+* ``"symmetric"`` — torch symmetric memory on CUDA: one launch per call, peers' regions
+  written over NVLink by the kernel itself;
+* ``"simulated"`` — W ranks in one process (:func:`simulated_world`): the tables point at the
+  other ranks' tensors; :func:`run_simulated` runs each phase of every rank before the next;
+* ``"staged"`` — any process group (gloo on CPU): peers' regions are local staging copies, and
+  :meth:`DistBuffer.exchange` moves them with ``all_to_all`` between the phases.
+
+Memory: ``recv`` and ``ret`` are each ``W · E_loc · max_tokens · N`` elements per rank (a
+slab per source and local expert, ``max_tokens`` slots: one source never sends an expert more
+rows than it has tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from interlace.kernels import alloc
+from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
+from interlace.kernels.launch import launch, next_power_of_2
+from interlace.kernels.persistent import dist_tasks as dt
+from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
+from interlace.kernels.persistent.launch import ROW_TILES, PersistentKernelConfig, _programs_per_sm
+from interlace.kernels.rows import _INTERPRET
+
+_ALIGN = 256
+_OCCUPANCY: dict = {}  # (device index, kernel key) → programs per SM
+
+
+@dataclass(frozen=True)
+class DistSpec:
+    """What every rank must agree on: world size, experts per rank, hidden size N, top-k,
+    ``max_tokens`` (per rank and call) and the token dtype."""
+
+    world: int
+    num_local: int
+    hidden: int
+    top_k: int
+    max_tokens: int
+    dtype: torch.dtype
+
+    def regions(self) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        """name → (byte offset, shape, dtype) of each region; ``_total`` the allocation's bytes."""
+        W, L, M, N = self.world, self.num_local, self.max_tokens, self.hidden
+        shapes = {"recv": ((W, L, M, N), self.dtype), "ret": ((W, L, M, N), self.dtype),
+                  "counts": ((W, L), torch.int32), "sent": ((W,), torch.int32), "done": ((W,), torch.int32)}
+        out, offset = {}, 0
+        for name, (shape, dtype) in shapes.items():
+            out[name] = (offset, shape, dtype)
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            offset += -(-n // _ALIGN) * _ALIGN
+        out["_total"] = (offset, (), torch.uint8)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.regions()["_total"][0]
+
+    @property
+    def mt_max(self) -> int:
+        """Row tiles per source at the smallest row tile (the local state's GEMM0 counters)."""
+        return dt.max_tiles_per_source(self.max_tokens, self.top_k, self.num_local, ROW_TILES[0])
+
+
+def _views(raw: torch.Tensor, spec: DistSpec) -> dict[str, torch.Tensor]:
+    views = {}
+    for name, (offset, shape, dtype) in spec.regions().items():
+        if not name.startswith("_"):
+            n = 1
+            for s in shape:
+                n *= s
+            views[name] = raw[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+    return views
+
+
+class DistBuffer:
+    """One rank's symmetric regions, address tables and local state; see the module."""
+
+    def __init__(self, spec: DistSpec, rank: int, raw: torch.Tensor, kind: str, group=None):
+        self.spec, self.rank, self.raw, self.kind, self.group = spec, rank, raw, kind, group
+        self.views = _views(raw, spec)
+        self.state = torch.zeros(dt.state_words(spec.world, spec.mt_max), dtype=torch.int32, device=raw.device)
+        self.tables: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def symmetric(spec: DistSpec, group, device: torch.device) -> DistBuffer:
+        """One symmetric allocation and one rendezvous (a collective: every rank, same order)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        raw = symm_mem.empty(spec.nbytes, dtype=torch.uint8, device=device)
+        raw.zero_()
+        handle = symm_mem.rendezvous(raw, group)
+        buf = DistBuffer(spec, dist.get_rank(group), raw, "symmetric", group)
+        buf.handle = handle
+        # NOTE: a host sync, once: no peer may store into this rank's memory before it is zeroed.
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        buf._set_tables([handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
+        return buf
+
+    @staticmethod
+    def staged(spec: DistSpec, group, device: torch.device) -> DistBuffer:
+        rank = dist.get_rank(group)
+        buf = DistBuffer(spec, rank, torch.zeros(spec.nbytes, dtype=torch.uint8, device=device), "staged", group)
+        buf.staging = [torch.zeros(spec.nbytes, dtype=torch.uint8, device=device) for _ in range(spec.world)]
+        buf.staging_views = [_views(s, spec) for s in buf.staging]
+        ptrs = [s.data_ptr() for s in buf.staging]
+        ptrs[rank] = buf.raw.data_ptr()
+        buf._set_tables(ptrs)
+        return buf
+
+    def _set_tables(self, base_ptrs: list[int]) -> None:
+        odd = [hex(p) for p in base_ptrs if p % 16]
+        if odd:
+            raise ValueError(f"symmetric buffer base addresses must be 16-byte aligned; got {odd}")
+        for name, (offset, _, _) in self.spec.regions().items():
+            if not name.startswith("_"):
+                self.tables[name] = torch.tensor([p + offset for p in base_ptrs], dtype=torch.int64,
+                                                 device=self.raw.device)
+
+    def exchange(self, names: tuple[str, ...]) -> None:
+        """Staged transport: what this rank wrote into its staging copy of peer d's region
+        ``name[me]`` lands in d's ``name[me]`` (every region's leading index is the writer)."""
+        if self.kind != "staged":
+            return
+        W, me = self.spec.world, self.rank
+        for name in names:
+            send = torch.stack([self.views[name][me] if d == me else self.staging_views[d][name][me]
+                                for d in range(W)])
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            for s in range(W):
+                if s != me:
+                    self.views[name][s].copy_(recv[s])
+
+    @property
+    def error(self) -> torch.Tensor:
+        return self.state[-dt.ERROR_WORDS:]
+
+    def error_record(self) -> torch.Tensor:
+        return self.error
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if a wait timed out (reads the record: a host sync); clear it."""
+        message = dt.describe_error(self.error.tolist())
+        if message:
+            self.error.zero_()
+            raise RuntimeError(message)
+
+
+def simulated_world(spec: DistSpec, device: torch.device | str = "cpu") -> list[DistBuffer]:
+    """W ranks' buffers in one process, each rank's tables pointing at the others' tensors."""
+    bufs = [DistBuffer(spec, r, torch.zeros(spec.nbytes, dtype=torch.uint8, device=device), "simulated")
+            for r in range(spec.world)]
+    for b in bufs:
+        b._set_tables([o.raw.data_ptr() for o in bufs])
+    return bufs
+
+
+# After which phase the staged transport moves which regions (dist_tasks.PHASES).
+EXCHANGES = (("recv", "counts", "sent"), ("ret", "done"), ())
+
+
+class DistPlan:
+    """One rank's call shape (T tokens): tiles, :class:`~dist_tasks.DistLayout`, workspace and
+    kernel arguments, over a :class:`DistBuffer`. ``run(x)`` is the whole call (one launch);
+    :meth:`launch_phase` runs one phase (simulated and staged transports)."""
+
+    def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
+                 w_up: torch.Tensor, w_down: torch.Tensor, buf: DistBuffer, *, top_k: int, softmax: bool,
+                 renormalize: bool, route_scale: float, activation: str, w_pieces: int,
+                 config: PersistentKernelConfig, max_spins: int):
+        spec = buf.spec
+        T, N = x.shape
+        if T > spec.max_tokens:
+            raise ValueError(f"persistent: {T} tokens exceed max_tokens={spec.max_tokens} (strategy option)")
+        for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
+            if not t.is_contiguous():
+                raise ValueError(f"persistent: {name} must be contiguous")
+        E = router_weight.shape[0]
+        L, up_width, _ = w_up.shape
+        K = w_down.shape[2]
+        if L != spec.num_local or E != L * spec.world or N != spec.hidden or x.dtype != spec.dtype:
+            raise ValueError(f"persistent: x {tuple(x.shape)} {x.dtype}, {E} experts, {L} local do not fit the "
+                             f"buffer's {spec}")
+        self.T, self.N, self.dtype, self.device, self.buf = T, N, x.dtype, x.device, buf
+        self.weights = (router_weight, expert_bias, w_up, w_down)
+        self.weight_ptrs = tuple(0 if w is None else w.data_ptr() for w in self.weights)
+        c = self.config = config
+        # (each rank tiles what it receives by its own T: decode ranks see similar counts)
+        block_m = max(ROW_TILES[0], c.rows_per_tile(T, top_k, E))
+        self.block_m = block_m
+        block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
+        block_s = 16
+        self.layout = layout = dt.DistLayout.build(
+            T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_s=block_s, block_m=block_m,
+            block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc, block_nc=c.block_nc)
+        e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
+        TK = max(1, T * top_k)
+        n_hist = max(1, layout.n_gate) * e_pad
+        ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * 3 * layout.mt,), dtype=torch.int32,
+                           device=x.device)
+        idx, wt, lrank, slot = (ints[i * TK:(i + 1) * TK] for i in range(4))
+        rest = ints[4 * TK:]
+        hist, base = rest[:n_hist], rest[n_hist:2 * n_hist]
+        counts, tiles = rest[2 * n_hist:2 * n_hist + e_pad], rest[2 * n_hist + e_pad:]
+        h = alloc.empty((spec.world * layout.mt * block_m, K), dtype=x.dtype, device=x.device)
+        self.workspace = dict(idx=idx, weight=wt.view(torch.float32), slot=slot, counts=counts, tiles=tiles,
+                              block_m=block_m, layout=layout)
+        self.constexprs = dict(
+            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=c.block_t,
+            BLOCK_G=c.block_g, BLOCK_S=block_s, BLOCK_NS=min(256, next_power_of_2(N)), BLOCK_A=128,
+            BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
+            BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
+            HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
+            W_PIECES=w_pieces, DOT_FP32=_INTERPRET)
+        tb = buf.tables
+        self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
+        self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, tiles, h,
+                         tb["recv"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
+                         buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
+                         int(max_spins))
+        self._layout_args = (layout.n_gate, layout.n_send, layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t,
+                             layout.n_comb_n)
+        self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
+        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c)
+
+    def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
+        return (x.shape[0] == self.T and x.dtype == self.dtype and x.device == self.device
+                and tuple(0 if w is None else w.data_ptr() for w in (router_weight, expert_bias, w_up, w_down))
+                == self.weight_ptrs)
+
+    def _programs(self, n_tasks: int) -> int:
+        if self.config.programs is not None:
+            programs = self.config.programs
+        elif _INTERPRET or self.device.type != "cuda":
+            programs = 3
+        else:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            programs = sms * _OCCUPANCY.get(self._occupancy_key, 1)
+        return max(1, min(programs, n_tasks))
+
+    def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
+        """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
+        lo_kind, hi_kind = phase if phase is not None else (dt.GATE, dt.COMBINE)
+        layout = self.layout
+        task_lo, task_hi = layout.first(lo_kind), layout.first(hi_kind + 1) if hi_kind < dt.COMBINE else layout.total
+        if task_hi <= task_lo:
+            return
+        if self.T == 0:
+            x = out = self._dummy
+        programs = self._programs(task_hi - task_lo)
+        final = int(hi_kind == dt.COMBINE)
+        args = (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi, final)
+        compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.config.num_warps,
+                          num_stages=self.config.num_stages, **self.constexprs)
+        if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:
+            _OCCUPANCY.setdefault(self._occupancy_key, _programs_per_sm(compiled, self.device,
+                                                                        self.config.num_warps))
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """out (T, N): the whole call in one launch (symmetric transport)."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+        self.launch_phase(x, out, None)
+        return out
+
+    def run_phases(self, x: torch.Tensor) -> torch.Tensor:
+        """The call as three launches with the staged exchanges between (one rank of a process group)."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+        for phase, names in zip(dt.PHASES, EXCHANGES):
+            self.launch_phase(x, out, phase)
+            self.buf.exchange(names)
+        return out
+
+
+def run_simulated(plans: list[DistPlan], xs: list[torch.Tensor], phases=dt.PHASES) -> list[torch.Tensor]:
+    """All ranks of a simulated world (one process): each phase of every rank before the next.
+    ``phases`` (tests) may reorder or drop phases to break the protocol on purpose."""
+    outs = [alloc.empty((p.T, p.N), dtype=p.dtype, device=p.device) for p in plans]
+    for phase in phases:
+        for plan, x, out in zip(plans, xs, outs):
+            plan.launch_phase(x.contiguous(), out, phase)
+    return outs

@@ -1,0 +1,127 @@
+"""Task list, state layout, symmetric regions and error records of the persistent MoE kernel
+at world size W > 1 (:mod:`interlace.kernels.persistent.dist_kernel`).
+
+One launch per rank runs seven kinds of task, in this number order on every rank:
+
+=========  ======================================  ============================================
+kind       count (static upper bound)              waits for
+=========  ======================================  ============================================
+gate       ``G = ceil(T / BLOCK_T)``               nothing
+index      1                                       this rank's gate tasks (a counter reaches G)
+send       ``max(1, ceil(T / BLOCK_S))``           this rank's index (a flag reaches the epoch)
+receive    ``W`` (one per source rank)             source s's last send task (s's dispatch flag
+                                                   in this rank's table reaches the epoch)
+GEMM0      ``n_k0 · W · MT``                       this rank's receive task of the tile's source
+GEMM1      ``n_n1 · W · MT``                       the receive task; the tile's GEMM0 tasks
+combine    ``max(1, ceil(T / BLOCK_TC)) · n_nc``   each owner's last GEMM1 task for this rank
+                                                   (or its receive task when it got no rows)
+=========  ======================================  ============================================
+
+``MT`` bounds the row tiles that one source's rows to this rank's ``E_loc`` experts make:
+a source sends at most ``R = max_tokens · min(k, E_loc)`` rows here (each token picks an expert
+at most once), and c rows of one expert take ``ceil(c / BLOCK_M)`` tiles, so
+``MT = floor((R + min(E_loc, R) · (BLOCK_M − 1)) / BLOCK_M)``. GEMM tasks are numbered
+slice-major, then source, then tile: the tiles past a source's real count are the tail of each
+(slice, source) range, and the first task that finds itself there moves the queue past the
+range at once (``atomic_max``), so the static bound costs one skip per range, not one per task.
+
+Symmetric regions of one rank (identical layout on every rank; peers write into them)::
+
+    recv    (W, E_loc, max_tokens, N)  rows sent here: [source][local expert][slot]
+    ret     (W, E_loc, max_tokens, N)  expert outputs returned here: [owner][its local expert][slot]
+    counts  (W, E_loc) int32           rows per (source, local expert), written by the source
+    sent    (W,) int32                 dispatch flags: [source] = the source's epoch, after rows
+                                       and counts
+    done    (W,) int32                 return flags: [owner] = the owner's epoch, after the rows
+                                       it returned here
+
+A slot is the assignment's rank among its source's assignments to that expert (the index task
+computes it from the gate's per-block histograms), so sources never write the same address and
+no count exchange precedes the rows. Local state (one int32 tensor per rank, never shared)::
+
+    [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, -, -]  then READY (W), N_TILES (W),
+    GEMM1_CNT (W), GEMM0_DONE (W · MT_max), then the error record (ERROR_WORDS)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from interlace.kernels.launch import cdiv
+
+GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = range(7)
+KINDS = ("gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
+# Phases of the simulated and staged transports: every rank runs a phase before any rank runs
+# the next (the producer-before-consumer order one GPU launch gets from its waits).
+PHASES = ((GATE, SEND), (RECEIVE, GEMM1), (COMBINE, COMBINE))
+
+EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG = range(6)
+STATE_HEAD = 8
+ERROR_WORDS = 8  # [set, rank, wait kind, task, peer rank, value, target, epoch]
+
+WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE = 1, 2, 3, 4, 5, 6
+_WAIT_NAMES = {
+    WAIT_GATE: "its gate tasks' counter (index task)",
+    WAIT_INDEX: "its index flag (send task)",
+    WAIT_SENT: "the dispatch flag of source rank {peer} (rows and counts sent here)",
+    WAIT_READY: "its receive task of source rank {peer} (the tile table)",
+    WAIT_GEMM0: "a row tile's GEMM0 counter (source rank {peer})",
+    WAIT_DONE: "the return flag of owner rank {peer} (expert outputs returned here)",
+}
+
+
+def state_words(world: int, mt_max: int) -> int:
+    """int32 words of one rank's local state: head, per-source words, GEMM0 counters, error record."""
+    return STATE_HEAD + 3 * world + world * mt_max + ERROR_WORDS
+
+
+def max_tiles_per_source(max_tokens: int, top_k: int, num_local: int, block_m: int) -> int:
+    """``MT``: row tiles one source's rows can make on one rank (see the module)."""
+    rows = max_tokens * min(top_k, num_local)
+    return (rows + min(num_local, rows) * (block_m - 1)) // block_m
+
+
+@dataclass(frozen=True)
+class DistLayout:
+    """Static task counts of one rank's call (T tokens here, sized by ``max_tokens`` for what
+    peers send), from shapes only. ``first[kind]`` is the kind's first task number."""
+
+    world: int
+    n_gate: int
+    n_send: int
+    mt: int
+    n_k0: int
+    n_n1: int
+    n_comb_t: int
+    n_comb_n: int
+
+    @classmethod
+    def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
+              block_s: int, block_m: int, block_k0: int, block_n1: int, block_tc: int, block_nc: int) -> DistLayout:
+        return cls(world=world, n_gate=cdiv(T, block_t), n_send=max(1, cdiv(T, block_s)),
+                   mt=max_tiles_per_source(max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
+                   n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)), n_comb_n=cdiv(N, block_nc))
+
+    def counts(self) -> tuple[int, ...]:
+        """Tasks of each kind, in kind order."""
+        tiles = self.world * self.mt
+        return (self.n_gate, 1, self.n_send, self.world, self.n_k0 * tiles, self.n_n1 * tiles,
+                self.n_comb_t * self.n_comb_n)
+
+    def first(self, kind: int) -> int:
+        return sum(self.counts()[:kind])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts())
+
+
+def describe_error(record: list[int]) -> str | None:
+    """The message of an error record (see :data:`ERROR_WORDS`), or None if no wait timed out."""
+    if not record or record[0] == 0:
+        return None
+    _, rank, kind, task, peer, value, target, epoch = record[:ERROR_WORDS]
+    waited = _WAIT_NAMES.get(kind, f"flag kind {kind}").format(peer=peer)
+    return (f"persistent MoE kernel, rank {rank}: task {task} timed out waiting for {waited}: value {value}, "
+            f"expected ≥ {target} (call epoch {epoch}); a peer did not run the same call, the task or phase "
+            f"order is broken, or a program stopped (raise max_spins if the GPU is only slow)")
