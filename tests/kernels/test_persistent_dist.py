@@ -1,0 +1,257 @@
+"""The persistent MoE kernel at world size W > 1 (interlace.kernels.persistent.dist_*) with W
+simulated ranks in one process under TRITON_INTERPRET=1: every rank's output against the fp64
+reference over all experts, the slot index against plain torch, zero-token ranks, skewed
+routing, NaN rows, bitwise repeatability, epochs across calls, and mutations of the phase
+order and of the flag protocol (each must leave an error record naming the peer rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interlace.config import MoEConfig
+from interlace.experts import init_expert_weights
+from interlace.kernels.persistent import dist_tasks as dt
+from interlace.kernels.persistent.dist_launch import DistPlan, DistSpec, run_simulated, simulated_world
+from interlace.kernels.persistent.launch import PersistentKernelConfig, router_pieces
+from interlace.reference import reference_moe
+from interlace.routing import route
+
+CPU = torch.device("cpu")
+
+
+class World:
+    """W simulated ranks: config, per-rank tokens, all experts' weights, buffers and plans."""
+
+    def __init__(self, W, Ts, *, experts=8, top_k=2, router="softmax", hidden=32, ffn=24, max_tokens=None,
+                 bias=None, max_spins=1 << 16, config=None, **cfg_changes):
+        self.cfg = MoEConfig(hidden=hidden, ffn=ffn, num_experts=experts, top_k=top_k, router=router,
+                             dtype=torch.float32, **cfg_changes)
+        self.W, self.L = W, experts // W
+        self.xs = [torch.randn(T, hidden) for T in Ts]
+        self.router_weight = torch.randn(experts, hidden) / hidden**0.5
+        self.bias = bias if bias is not None else (torch.randn(experts) * 0.1 if router == "sigmoid" else None)
+        self.w_up, self.w_down = init_expert_weights(self.cfg, range(experts), seed=sum(Ts) + 5, device=CPU)
+        spec = DistSpec(W, self.L, hidden, top_k, max_tokens or max(max(Ts), 1), torch.float32)
+        self.bufs = simulated_world(spec)
+        self.max_spins, self.config = max_spins, config or PersistentKernelConfig()
+        self.plans = self.make_plans()
+
+    def make_plans(self, xs=None):
+        cfg, L = self.cfg, self.L
+        return [DistPlan(x, self.router_weight, self.bias, self.w_up[r * L:(r + 1) * L].contiguous(),
+                         self.w_down[r * L:(r + 1) * L].contiguous(), self.bufs[r], top_k=cfg.top_k,
+                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
+                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
+                         config=self.config, max_spins=self.max_spins)
+                for r, x in enumerate(xs or self.xs)]
+
+    def run(self, phases=dt.PHASES, xs=None):
+        xs = xs or self.xs
+        plans = self.plans if xs is self.xs else self.make_plans(xs)
+        return run_simulated(plans, xs, phases)
+
+    def check_all(self):
+        for b in self.bufs:
+            b.check()
+
+    def reference(self, r, x=None):
+        x = self.xs[r] if x is None else x
+        return reference_moe(x, self.router_weight, self.w_up, self.w_down, self.cfg, expert_bias=self.bias)[0]
+
+    def assert_matches(self, outs, rtol=1e-4):
+        for r, out in enumerate(outs):
+            ref = self.reference(r)
+            assert out.shape == ref.shape and out.dtype == torch.float32
+            assert torch.isfinite(out).all(), f"rank {r}: an output row was not written (poisoned NaN left)"
+            if out.numel():
+                err = (out.double() - ref).abs().max().item()
+                assert err <= rtol * max(1.0, ref.abs().max().item()), f"rank {r}: max error {err}"
+
+
+def plain_slots(topk_idx, num_experts):
+    """Each assignment's rank among the rank's assignments to its expert (assignment order), and counts."""
+    flat = topk_idx.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    slots = torch.empty_like(flat)
+    seen = [0] * num_experts
+    for a, e in enumerate(flat.tolist()):
+        slots[a] = seen[e]
+        seen[e] += 1
+    return slots, counts
+
+
+@pytest.mark.parametrize("W, Ts, router", [
+    (2, [5, 0], "softmax"), (2, [1, 9], "sigmoid"), (4, [3, 0, 7, 1], "softmax"), (4, [0, 2, 0, 5], "sigmoid"),
+])
+def test_matches_reference(W, Ts, router):
+    extra = dict(renormalize=True, route_scale=2.5) if router == "sigmoid" else {}
+    world = World(W, Ts, router=router, top_k=3 if W == 4 else 2, **extra)
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    for r, (plan, x) in enumerate(zip(world.plans, world.xs)):
+        if not x.shape[0]:
+            continue
+        topk_idx = route(x, world.router_weight, world.bias, world.cfg)[0]
+        slots, counts = plain_slots(topk_idx, world.cfg.num_experts)
+        ws = plan.workspace
+        assert torch.equal(ws["idx"].view(-1, world.cfg.top_k).long(), topk_idx)
+        assert torch.equal(ws["slot"].long(), slots)
+        assert torch.equal(ws["counts"][:world.cfg.num_experts].long(), counts)
+        # what each owner received from this source: its counts, then its rows in slot order
+        for d, buf in enumerate(world.bufs):
+            assert torch.equal(buf.views["counts"][r].long(), counts[d * world.L:(d + 1) * world.L])
+            for lo in range(world.L):
+                tokens = (topk_idx == d * world.L + lo).nonzero()[:, 0]
+                assert torch.equal(buf.views["recv"][r, lo, :tokens.numel()], x[tokens])
+
+
+def test_all_tokens_to_one_rank():
+    """Skewed: a selection bias sends every token of every rank to two experts of rank 1;
+    rank 0 receives nothing (its receive tasks publish their return flags at once)."""
+    bias = torch.zeros(8)
+    bias[5] = bias[6] = 100.0
+    world = World(2, [9, 4], router="sigmoid", bias=bias)
+    outs = world.run()
+    world.check_all()
+    for plan in world.plans:
+        assert set(plan.workspace["idx"].tolist()) == {5, 6}
+    assert (world.bufs[0].views["counts"] == 0).all()
+    world.assert_matches(outs)
+
+
+def test_more_rows_than_one_tile():
+    """An expert with more rows than a row tile (several tiles of one (source, expert) pair)
+    and K / N wider than one slice."""
+    bias = torch.zeros(4)
+    bias[1] = 100.0
+    world = World(2, [40, 37], experts=4, top_k=1, router="sigmoid", bias=bias, hidden=80, ffn=72)
+    outs = world.run()
+    world.check_all()
+    assert world.plans[0].block_m < 40
+    world.assert_matches(outs)
+
+
+def test_nan_token_stays_in_its_row():
+    world = World(2, [7, 6])
+    world.xs[1][2, 5] = float("nan")
+    outs = world.run()
+    world.check_all()
+    assert torch.isnan(outs[1][2]).all()
+    rows = [0, 1, 3, 4, 5]
+    ref = world.reference(1, world.xs[1][rows])
+    assert (outs[1][rows].double() - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    world.assert_matches(outs[:1])
+
+
+def test_bitwise_repeatable_epochs_and_changing_token_counts():
+    """Calls on one set of buffers, nothing reset between them: the same bits again, other
+    token counts in between (plans of other shapes on the same buffers), other grids; the
+    epoch counts the calls on every rank and the local counters are back at zero."""
+    world = World(2, [6, 3], max_tokens=16)
+    first = world.run()
+    world.check_all()
+    other = [torch.randn(11, 32), torch.randn(0, 32)]
+    mid = world.run(xs=other)
+    world.check_all()
+    for r, x in enumerate(other):
+        ref = world.reference(r, x)
+        assert not x.shape[0] or (mid[r].double() - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+    again = world.run()
+    world.check_all()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    for programs in (1, 8):
+        world.config = PersistentKernelConfig(programs=programs)
+        world.plans = world.make_plans()
+        grid = world.run()
+        world.check_all()
+        assert all(torch.equal(a, b) for a, b in zip(first, grid))
+    for buf in world.bufs:
+        state = buf.state.tolist()
+        assert state[dt.EPOCH] == 5
+        assert state[dt.QUEUE] == state[dt.DONE] == state[dt.GATE_DONE] == state[dt.SEND_DONE] == 0
+        W = 2
+        assert all(v == 0 for v in state[dt.STATE_HEAD + 2 * W:-dt.ERROR_WORDS])  # GEMM1 and GEMM0 counters
+        assert buf.views["sent"].tolist() == [5, 5] and buf.views["done"].tolist() == [5, 5]
+
+
+def test_combine_before_owners_gemm_is_caught():
+    """Mutation: every rank's combine runs before any rank's receive and GEMM tasks. Rank 1's
+    first combine task waits for every owner's return flag, owner rank 0's first, which no task
+    of rank 0 has published: its bounded wait times out and the record names the owner; rows
+    are left unwritten on every rank."""
+    bias = torch.zeros(8)
+    bias[5] = 100.0
+    world = World(2, [4, 3], router="sigmoid", bias=bias, top_k=1, max_spins=20)
+    A, B, C = dt.PHASES
+    outs = world.run(phases=(A, C, B))
+    with pytest.raises(RuntimeError, match=r"rank 1: task \d+ timed out waiting for the return flag of owner "
+                                           r"rank 0 .*value 0, expected ≥ 1"):
+        world.bufs[1].check()
+    with pytest.raises(RuntimeError, match=r"rank 0: .*return flag of owner rank"):
+        world.bufs[0].check()
+    assert torch.isnan(outs[0]).all() and torch.isnan(outs[1]).all()
+
+
+def test_gemm_before_dispatch_is_caught():
+    """Mutation: the receive/GEMM phase before any rank sent: each rank's receive task for a
+    peer source times out on that source's dispatch flag, naming it."""
+    world = World(2, [4, 3], max_spins=20)
+    A, B, C = dt.PHASES
+    world.run(phases=(B, A, C))
+    with pytest.raises(RuntimeError, match=r"rank 1: task \d+ timed out waiting for the dispatch flag of source "
+                                           r"rank 0"):
+        world.bufs[1].check()
+
+
+def test_stale_flag_of_earlier_call_is_not_taken():
+    """Epochs: after a good call, rank 1 skips its sends in the next call. Rank 0's flag from
+    rank 1 still holds the first call's epoch, which must not pass for the second call's."""
+    world = World(2, [4, 3], max_spins=20)
+    world.assert_matches(world.run())
+    world.check_all()
+    A, B, C = dt.PHASES
+    x0, x1 = world.xs
+    outs = [torch.full_like(x0, float("nan")), torch.full_like(x1, float("nan"))]
+    world.plans[0].launch_phase(x0, outs[0], A)  # rank 1 does not send
+    world.plans[0].launch_phase(x0, outs[0], B)
+    with pytest.raises(RuntimeError, match=r"rank 0: .*dispatch flag of source rank 1 .*: value 1, expected ≥ 2"):
+        world.bufs[0].check()
+
+
+def test_dropped_publish_is_caught():
+    """Mutation of the protocol: rank 0's dispatch flag at rank 1 is rolled back after the
+    sends (as if the release were lost): rank 1's receive task must time out, not read rows."""
+    world = World(2, [4, 3], max_spins=20)
+    A, B, C = dt.PHASES
+    outs = [torch.empty_like(x) for x in world.xs]
+    for plan, x, out in zip(world.plans, world.xs, outs):
+        plan.launch_phase(x, out, A)
+    world.bufs[1].views["sent"][0] = 0
+    for plan, x, out in zip(world.plans, world.xs, outs):
+        plan.launch_phase(x, out, B)
+    with pytest.raises(RuntimeError, match=r"rank 1: .*dispatch flag of source rank 0 .*: value 0, expected ≥ 1"):
+        world.bufs[1].check()
+
+
+def test_too_many_tokens_raise_before_launch():
+    world = World(2, [4, 3])
+    with pytest.raises(ValueError, match=r"5 tokens exceed max_tokens=4"):
+        world.make_plans([torch.randn(5, 32), torch.randn(1, 32)])
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+def test_tiles_per_source_bound_holds(block_m):
+    """MT (from max_tokens, k, E_loc) bounds the row tiles one source's rows make on one rank,
+    for random, spread and skewed routings."""
+    gen = torch.Generator().manual_seed(0)
+    for T, E, W, k in [(1, 8, 2, 2), (5, 8, 4, 2), (33, 16, 2, 4), (130, 64, 4, 8), (512, 128, 2, 8)]:
+        L = E // W
+        mt = dt.max_tiles_per_source(T, k, L, block_m)
+        routings = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]),
+                    torch.arange(T * k).view(T, k) % E, torch.arange(k).repeat(T, 1)]
+        for idx in routings:
+            counts = torch.bincount(idx.reshape(-1), minlength=E).view(W, L)
+            tiles = (counts + block_m - 1) // block_m
+            assert int(tiles.sum(1).max()) <= mt
