@@ -1,11 +1,24 @@
-"""``persistent``: the whole MoE layer in one persistent Triton launch (issue 30, phase 1: world
-size 1).
+"""``persistent``: the whole MoE layer in one persistent Triton launch (issue 30; world size 1,
+and any world size W that divides the number of experts, forward inference).
 
 An inference call runs gate (router logits, top-k, weights) → dispatch index → GEMM0 +
 activation → GEMM1 → combine as tasks of one kernel (:mod:`interlace.kernels.persistent`): one
 launch and no host sync per call, so decode-sized calls are not bound by the host's launches.
 The router runs inside the kernel, so the layer hands this strategy the router's weights
 (:meth:`PersistentStrategy.forward_layer`) instead of routing itself first.
+
+World size W > 1 (:mod:`interlace.kernels.persistent.dist_kernel`): still one launch per rank
+and call; the dispatch and the combine are one-sided stores into the peers' symmetric memory
+(:class:`~interlace.kernels.persistent.dist_launch.DistBuffer`, sized from the ``max_tokens``
+option: a call with more tokens raises a one-line ``ValueError`` before the launch; None: the
+first call's largest token count over the ranks, agreed by an all-reduce, a host sync once).
+Every rank must make every call, zero-token calls included (they still launch: peers wait for
+their flags). Transports: torch symmetric memory on CUDA (one launch, capturable as a CUDA
+graph like world 1); on other process groups (gloo on the CPU, under the interpreter) the same
+kernel runs as three launches with ``all_to_all`` exchanges of the written regions between
+them (:meth:`~interlace.kernels.persistent.dist_launch.DistPlan.run_phases`). Buffers are
+shared by the layers of a process with the same group and shapes (one call at a time, in
+stream order: the epochs in the buffer's state count every call of every layer).
 
 What runs ``sequential``'s path instead (the layer routes, then :meth:`__call__`):
 * training calls (grad enabled and the input or a weight requires grad; the kernel has no
@@ -14,7 +27,7 @@ What runs ``sequential``'s path instead (the layer routes, then :meth:`__call__`
 * calls traced by ``torch.compile`` (the kernel is not a custom op yet).
 
 Refused in this phase, each with a one-line ``ValueError`` when the strategy is built (before any
-weight): world size > 1, a capacity factor (dropless only), group-limited routing
+weight): a world size that does not divide the experts, a capacity factor (dropless only), group-limited routing
 (``n_group``/``topk_group``), ``softmax_after_topk``, fp64 tensors or an fp64 router, fp16
 activations with ``router_gemm="input"``.
 
@@ -37,7 +50,7 @@ the call runs eagerly with its own workspace (captured by the caller).
 Options (``strategy_options``): ``cuda_graph`` (bool, default True; ``"persistent:eager"`` turns
 it off), ``kernel`` (a
 :class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`), ``max_spins`` (polls
-before a wait gives up), ``task_order`` (``"normal"``; ``"combine_first"`` breaks the order on
+before a wait gives up), ``max_tokens`` (W > 1: tokens per rank and call the buffers hold), ``task_order`` (``"normal"``; ``"combine_first"`` breaks the order on
 purpose, for tests).
 """
 
@@ -48,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from interlace.kernels.persistent.dist_launch import DistBuffer, DistPlan, DistSpec
 from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
@@ -60,8 +74,8 @@ from interlace.strategies.sequential import SequentialStrategy
 
 def unsupported(config, world: int) -> str | None:
     """Why phase 1 of the persistent kernel cannot run this layer, in one line, or None."""
-    if world > 1:
-        return "persistent: world size 1 only in this phase (issue 30)"
+    if world > 1 and config.num_experts % world:
+        return f"persistent: the world size ({world}) must divide the number of experts ({config.num_experts})"
     if config.capacity_factor is not None:
         return "persistent: dropless only in this phase (capacity_factor must be None; issue 30)"
     if config.group_limited:
@@ -98,7 +112,7 @@ class PersistentStrategy(Strategy):
     routes_itself = True
 
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int = DEFAULT_SPINS,
-                 task_order: str = "normal", cuda_graph: bool = True):
+                 task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None):
         super().__init__(config, ep)
         reason = unsupported(config, ep.world)
         if reason:
@@ -111,6 +125,12 @@ class PersistentStrategy(Strategy):
             raise ValueError(f"strategy option 'task_order' must be one of {TASK_ORDERS}, got {task_order!r}")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"strategy option 'cuda_graph' must be a bool, got {cuda_graph!r}")
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ValueError(f"strategy option 'max_tokens' must be an int >= 1 or None, got {max_tokens!r}")
+        if ep.world > 1 and task_order != "normal":
+            raise ValueError("persistent: task_order='combine_first' is a world-1 test option")
+        self.max_tokens = max_tokens
         self.kernel = kernel or PersistentKernelConfig()
         self.cuda_graph = cuda_graph
         self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
@@ -120,7 +140,8 @@ class PersistentStrategy(Strategy):
         self.max_spins = max_spins
         self.task_order = task_order
         self.fallback = SequentialStrategy(config, ep)
-        self.state = PersistentState()
+        # world 1: the kernel's counters; W > 1: the DistBuffer (its state, set up at the first call)
+        self.state = PersistentState() if ep.world == 1 else None
         self._record_host: torch.Tensor | None = None  # pinned copy of the error record (CUDA)
         self._record_event = None  # one reusable CUDA event behind the last copy of the record
         self._record_pending = False
@@ -146,7 +167,9 @@ class PersistentStrategy(Strategy):
         module)."""
         self._raise_landed_error()
         T = x.shape[0]
-        if T == 0:
+        if self.ep.world > 1 and self.state is None:
+            self.state = _dist_buffer(self, x)
+        if T == 0 and self.ep.world == 1:  # (W > 1: the call still launches: peers wait for its flags)
             return torch.empty_like(x)
         weights = (router.weight, router.expert_bias, w_up, w_down)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -169,6 +192,12 @@ class PersistentStrategy(Strategy):
     def _new_plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
         cfg = self.config
         router_weight, bias, w_up, w_down = (None if w is None else w.detach() for w in weights)
+        if self.ep.world > 1:
+            return DistPlan(x, router_weight.contiguous(), bias, w_up.contiguous(), w_down.contiguous(), self.state,
+                            top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
+                            route_scale=cfg.route_scale, activation=cfg.activation,
+                            w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
+                            max_spins=self.max_spins)
         return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
@@ -192,7 +221,7 @@ class PersistentStrategy(Strategy):
         CUDA, the interpreter). Tests set ``graph_recorder`` (an EagerRecorder)."""
         if self.graph_recorder is not None:
             return self.graph_recorder
-        if not self.cuda_graph or not x.is_cuda or _INTERPRET:
+        if not self.cuda_graph or not x.is_cuda or _INTERPRET or x.shape[0] == 0:
             return None
         return CudaGraphRecorder
 
@@ -219,7 +248,8 @@ class PersistentStrategy(Strategy):
 
     def _launch(self, plan: CallPlan, x: torch.Tensor) -> torch.Tensor:
         """The kernel, then (CUDA) the error record's copy to pinned memory: what a graph holds."""
-        out = plan.run(x)
+        staged = isinstance(plan, DistPlan) and self.state.kind == "staged"
+        out = plan.run_phases(x) if staged else plan.run(x)
         host = self._record_buffer()
         if host is not None:
             host.copy_(self.state.error_record(), non_blocking=True)
@@ -273,7 +303,34 @@ class PersistentStrategy(Strategy):
 
     def synchronize_and_check(self) -> None:
         """Wait for the device and raise ``RuntimeError`` if a call's wait timed out."""
+        if self.state is None:
+            return
         if self.state.buffer is not None and self.state.buffer.is_cuda:
             torch.cuda.synchronize(self.state.buffer.device)
         self._record_pending = False
         self.state.check()
+
+
+_DIST_BUFFERS: dict = {}  # (transport, group, device, spec) → DistBuffer shared by the process's layers
+
+
+def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:
+    """The W > 1 buffer of ``strategy``'s group and shapes (made at the first call: collectives,
+    on every rank in the same order)."""
+    import torch.distributed as dist
+
+    cfg, ep = strategy.config, strategy.ep
+    max_tokens = strategy.max_tokens
+    if max_tokens is None:
+        # NOTE: a host sync, once per strategy: the ranks agree on the buffers' size.
+        t = torch.tensor([x.shape[0]], dtype=torch.int64, device=ep.collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ep.group)
+        max_tokens = strategy.max_tokens = max(1, int(t.item()))
+    spec = DistSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, cfg.dtype)
+    kind = "symmetric" if x.is_cuda and not _INTERPRET else "staged"
+    key = (kind, id(ep.group), str(x.device), spec)
+    buf = _DIST_BUFFERS.get(key)
+    if buf is None:
+        make = DistBuffer.symmetric if kind == "symmetric" else DistBuffer.staged
+        buf = _DIST_BUFFERS[key] = make(spec, ep.group, x.device)
+    return buf

@@ -1,6 +1,6 @@
-"""The ``persistent`` strategy (world size 1) under TRITON_INTERPRET=1: inference calls route
-inside the kernel (the layer's hook), training calls and forced indices run ``sequential``'s
-path; both against the fp64 reference. Phase-1 refusals are one-line ValueErrors."""
+"""The ``persistent`` strategy under TRITON_INTERPRET=1 (world size 1, and 2 and 4 gloo ranks):
+inference calls route inside the kernel (the layer's hook), training calls and forced indices
+run ``sequential``'s path; both against the fp64 reference. Refusals are one-line ValueErrors."""
 
 from __future__ import annotations
 
@@ -114,10 +114,66 @@ def test_phase_one_refusals(changes, message):
         layer_for(**changes)
 
 
-def test_world_size_above_one_is_refused():
+def test_world_size_must_divide_the_experts():
     cfg = MoEConfig(hidden=32, ffn=24, num_experts=4, top_k=2, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"^persistent: world size 1 only in this phase \(issue 30\)$"):
-        PersistentStrategy(cfg, ExpertParallel(None, 0, 2, 2))
+    with pytest.raises(ValueError, match=r"^persistent: the world size \(3\) must divide the number of experts \(4\)$"):
+        PersistentStrategy(cfg, ExpertParallel(None, 0, 3, 1))
+    with pytest.raises(ValueError, match="world-1 test option"):
+        PersistentStrategy(cfg, ExpertParallel(None, 0, 2, 2), task_order="combine_first")
+    with pytest.raises(ValueError, match="max_tokens"):
+        PersistentStrategy(cfg, ExpertParallel(None, 0, 2, 2), max_tokens=0)
+    PersistentStrategy(cfg, ExpertParallel(None, 0, 2, 2))  # W = 2 divides E = 4
+
+
+def _gloo_persistent(rank, world):
+    """W ranks under gloo (the staged transport: three launches per call with all_to_all
+    exchanges between): uneven, zero and skewed token counts against the fp64 reference over
+    all experts, bitwise repeatability, epochs, training through sequential, max_tokens."""
+    from cases import make_inputs
+    from helpers import full_weights
+
+    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, router="sigmoid", renormalize=True,
+                    dtype=torch.float32)
+    rw, bias, wu, wd = full_weights(cfg, 3)
+    layer = MoELayer(cfg, strategy="persistent", seed=3, device=CPU, strategy_options={"max_tokens": 16})
+    assert layer.strategy.ep.world == world and torch.equal(layer.router.weight.detach(), rw)
+    calls = 0
+    for case, tokens in (("uneven", [5 + 3 * r for r in range(world)]),
+                         ("empty rank", [0 if r == 1 else 9 + r for r in range(world)]),
+                         ("all empty", [0] * world), ("one token", [1] * world), ("full", [16] * world),
+                         ("skewed", [7 + r for r in range(world)])):
+        if case == "skewed":  # every token of every rank to two experts of the last rank
+            bias = torch.zeros(cfg.num_experts)
+            bias[-2:] = 100.0
+            layer.router.expert_bias.copy_(bias)
+        xs, _ = make_inputs(cfg, tokens, seed=sum(tokens))
+        with torch.no_grad():
+            out = layer(xs[rank])
+            again = layer(xs[rank])
+        calls += 2
+        assert torch.equal(out, again), case
+        ref = reference_moe(xs[rank], rw, wu, wd, cfg, expert_bias=bias)[0]
+        assert out.shape == ref.shape and torch.isfinite(out).all(), case
+        if tokens[rank]:
+            assert (out.double() - ref).abs().max() < 1e-4, case
+    buf = layer.strategy.state
+    assert buf.kind == "staged" and int(buf.state[0]) == calls
+    # training: sequential's path (the kernel does not run), gradients flow
+    x = make_inputs(cfg, [6] * world, seed=1)[0][rank].requires_grad_()
+    out = layer(x)
+    out.sum().backward()
+    assert int(buf.state[0]) == calls and x.grad is not None
+    assert (out.detach().double() - reference_moe(x.detach(), rw, wu, wd, cfg, expert_bias=bias)[0]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match=r"^persistent: 17 tokens exceed max_tokens=16"):
+        with torch.no_grad():
+            layer(torch.randn(17, 32))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_world_sizes(world):
+    from helpers import run_gloo
+
+    run_gloo(_gloo_persistent, world)
 
 
 def test_not_an_auto_candidate():

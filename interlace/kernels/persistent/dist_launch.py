@@ -147,6 +147,11 @@ class DistBuffer:
                     self.views[name][s].copy_(recv[s])
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The local state tensor (as :class:`~interlace.kernels.persistent.launch.PersistentState`'s)."""
+        return self.state
+
+    @property
     def error(self) -> torch.Tensor:
         return self.state[-dt.ERROR_WORDS:]
 
