@@ -72,7 +72,11 @@ are its business: ``auto`` only calls it.)
 **Explain.** ``layer.strategy.choices[(bucket, mode)]`` is a
 :class:`~interlace.strategies.auto_decisions.Choice` (what, measured or predicted, candidates'
 times, the calibration's cost); each decision is logged once at INFO on ``"interlace.auto"``.
-At world size 1 there is nothing to overlap or agree on: ``sequential``.
+**World size 1.** There is nothing to overlap or agree on. Inference calls on a GPU calibrate
+``persistent`` (the whole layer in one launch, router included) against ``sequential``, each
+timed with its routing (the layer hands ``auto`` its router: :meth:`AutoStrategy.routes_call`),
+where the config is one ``persistent`` runs; the ``candidates`` option names them instead (also
+on the CPU). Training calls, and everything else, run ``sequential``.
 """
 
 from __future__ import annotations
@@ -228,6 +232,7 @@ class _KeyState:
 class AutoStrategy(Strategy):
     name = "auto"
     fused_routing = True
+    routes_itself = True  # world size 1: inference calls come with the router (see routes_call)
 
     def __init__(self, config, ep, options: AutoOptions | dict | None = None, **given):
         super().__init__(config, ep)
@@ -249,6 +254,7 @@ class AutoStrategy(Strategy):
         self._cache: DecisionCache | None = None
         self._shape = decision_shape(config, ep.world)
         self._warned = False
+        self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
 
     # -- what a key runs ------------------------------------------------------------------------
@@ -267,6 +273,13 @@ class AutoStrategy(Strategy):
         opts, cfg, world = self.options, self.config, self.ep.world
         if bucket == 0:
             return {"choice": Choice("sequential", "predicted", notes=["no tokens on any rank"])}
+        if world == 1:  # a routed inference call (routes_call): its candidates, each timed with its routing
+            cache = self._device_cache(device)
+            cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
+            if cached is not None:
+                return {"choice": cached}
+            return {"candidates": list(self._world1_candidates(torch.device(device))),
+                    "notes": ["world size 1: each candidate timed with its routing"]}
         if not opts.calibrate:
             try:
                 spec, notes = choose_strategy(cfg, bucket, world, self._profile, opts.max_degree, mode,
@@ -344,7 +357,7 @@ class AutoStrategy(Strategy):
     def _decide(self, key, state: _KeyState, clock: Clock) -> None:
         """End of a key's calibration: agree on each candidate's time (ONE all-reduce), keep the
         fastest, store it."""
-        cands, opts = state.plan["candidates"], self.options
+        cands = state.plan["candidates"]
         local, total = [], 0.0
         for c, spec in enumerate(cands):
             times = []
@@ -412,6 +425,67 @@ class AutoStrategy(Strategy):
         """Post this call's token-count agreement (before the router runs, to hide its latency)."""
         if self._agree is not None:
             self._agree.post(num_tokens)
+
+    # -- world size 1: calls routed here ---------------------------------------------------------
+    def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """World size 1, an inference call (no autograd graph) and more than one candidate that
+        routes differently (``persistent`` routes inside its kernel): the layer hands this call
+        to :meth:`forward_layer` with its router."""
+        if self._agree is not None or not self.options.calibrate:
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down)):
+            return False
+        return len(self._world1_candidates(x.device)) > 1
+
+    def _world1_candidates(self, device: torch.device) -> tuple:
+        found = self._routed_candidates.get(device.type)
+        if found is None:
+            from interlace.strategies.persistent import unsupported
+
+            if self.options.candidates is not None:
+                found = tuple(self.options.candidates)
+            elif device.type == "cuda" and unsupported(self.config, 1) is None:
+                found = ("persistent", "sequential")
+            else:
+                found = ("sequential",)
+            runnable = []
+            for spec in found:
+                try:
+                    strategy_class(spec).check_runtime(spec, device)
+                    runnable.append(spec)
+                except ValueError:
+                    pass
+            found = self._routed_candidates[device.type] = tuple(runnable)
+        return found
+
+    def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """x (T, N) → (T, N), world size 1: the key's choice, or a calibration call of the
+        scheduled candidate, each with its own routing (timed together)."""
+        key = (token_bucket(x.shape[0]), "fwd")
+        state = self._key_state(key, x.device)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if state.choice is None and state.pos == len(state.schedule) and not capturing:
+            self._decide(key, state, Clock(x.device))
+        if state.choice is not None:
+            return self._routed(state.choice.spec, x, router, w_up, w_down)
+        if capturing:
+            return self._routed(state.plan["candidates"][0], x, router, w_up, w_down)
+        clock = Clock(x.device)
+        c = state.schedule[state.pos]
+        warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
+        state.pos += 1
+        marks = [clock.mark()]
+        out = self._routed(state.plan["candidates"][c], x, router, w_up, w_down)
+        marks.append(clock.mark())
+        state.samples[c].append((warm, marks))
+        return out
+
+    def _routed(self, spec: str, x, router, w_up, w_down) -> torch.Tensor:
+        impl = self._impl(spec, x.shape[0])
+        if impl.routes_itself:
+            return impl.forward_layer(x, router, w_up, w_down)
+        topk_idx, topk_weight, _ = router(x, None, fused=impl.fused_routing)
+        return impl(x, topk_idx, topk_weight, w_up, w_down)
 
     def _post(self, tokens: int) -> None:
         """This call's post (made here where ``begin_call`` did not make it), checked against

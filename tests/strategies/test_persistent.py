@@ -10,7 +10,6 @@ import torch
 from interlace import MoEConfig, MoELayer, reference_moe
 from interlace.kernels.persistent.launch import PersistentKernelConfig
 from interlace.parallel.comm import ExpertParallel
-from interlace.strategies import auto
 from interlace.strategies.persistent import PersistentStrategy
 
 CPU = torch.device("cpu")
@@ -118,12 +117,6 @@ def test_world_size_above_one_is_refused():
     cfg = MoEConfig(hidden=32, ffn=24, num_experts=4, top_k=2, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"^persistent: world size 1 only in this phase \(issue 30\)$"):
         PersistentStrategy(cfg, ExpertParallel(None, 0, 2, 2))
-
-
-def test_not_an_auto_candidate():
-    import inspect
-
-    assert "persistent" not in inspect.getsource(auto)
 
 
 # ---- plans and CUDA graphs (EagerRecorder: the graph logic on the CPU) ---------------------------
