@@ -474,6 +474,12 @@ class AutoStrategy(Strategy):
         c = state.schedule[state.pos]
         warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
         state.pos += 1
+        if x.is_cuda:
+            # NOTE: a device sync before each calibration call (never in the steady state): each
+            # candidate is timed from an idle GPU, its host time included. Back to back, a call
+            # after one that queued its work asynchronously (persistent) would launch under that
+            # work and hide its own host time (sequential's), and win by it.
+            torch.cuda.synchronize(x.device)
         marks = [clock.mark()]
         out = self._routed(state.plan["candidates"][c], x, router, w_up, w_down)
         marks.append(clock.mark())
