@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ import torch.distributed as dist
 from interlace import MoEConfig, MoELayer
 from interlace.config import PRESETS
 from interlace.parallel import release_shared_buffers
-from interlace.strategies.auto import predicted_candidates
+from interlace.strategies.auto_prior import predicted_candidates
 from interlace.strategies.auto_decisions import token_bucket
 from interlace.tools.bench import barrier, bench_config, init_env, reduce_max, rel_err
 

@@ -94,8 +94,8 @@ SOURCES = [
                 "interlace's default strategy at this commit was the profile-only `auto` (the self-calibrating "
                 "`auto` landed after it)."]),
     dict(section="decode", table="persistent-decode-h100", kind="persistent_decode",
-         file="h100-persistent-decode.json", device="1× NVIDIA H100 80GB HBM3", commit="79ae061",
-         title="`persistent` (world size 1) at decode sizes, one H100: against `sequential` and the weight-read floor",
+         file="h100-persistent-decode.json", device="1× NVIDIA H100 80GB HBM3", commit="8f3fdfa",
+         title="`persistent` and `auto` (world size 1) at decode sizes, one H100: against `sequential` and the weight-read floor",
          command="python3 benchmarks/persistent_decode.py --out $OUT",
          notes=["Each preset with E/2 experts (one rank's share of two) and the preset's top-k, on one GPU: "
                 "no communication. Floor: bytes of the expert weights this call's routing touches ÷ the HBM "
@@ -104,7 +104,9 @@ SOURCES = [
                 "host ms: the call's time on the host after the sync. `persistent` replays a CUDA graph per "
                 "token count from a count's second call.",
                 "Every row checked against `sequential` (bf16, max-norm relative error ≤ 3e-2) and replays "
-                "bitwise equal to the eager first call."]),
+                "bitwise equal to the eager first call.",
+                "auto: a fresh `auto` (empty decision cache) called on the row's input until it has decided, "
+                "then timed as the others."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
@@ -350,14 +352,20 @@ def persistent_decode_table(src):
     lines = header(src, {"date": meta.get("date")})
     rows = [r for r in d["rows"] if "error" not in r]
     faster = sum(r["persistent_ms"] < r["sequential_ms"] for r in rows)
+    timed = [r for r in rows if r.get("auto_ms")]
+    right = sum(r["auto_choice"] == ("persistent" if r["persistent_ms"] < r["sequential_ms"] else "sequential")
+                for r in timed)
     lines += [f"HBM read bandwidth (this run): {meta.get('hbm_read_tb_s', 0):.2f} TB/s; `persistent` faster than "
-              f"`sequential` on {faster} of {len(rows)} rows; rows in error: {len(d['rows']) - len(rows)}.", "",
+              f"`sequential` on {faster} of {len(rows)} rows; `auto` ran the faster of the two on {right} of "
+              f"{len(timed)}; rows in error: {len(d['rows']) - len(rows)}.", "",
               "| preset (E/2 experts) | tokens | experts touched | persistent ms | host ms | sequential ms | host ms "
-              "| floor ms | persistent × floor | sequential ÷ persistent | BLOCK_M | rel. error |", "|" + "---|" * 12]
+              "| floor ms | persistent × floor | sequential ÷ persistent | auto ran | auto ms | BLOCK_M | rel. error |",
+              "|" + "---|" * 14]
     lines += [f"| {r['preset']} | {r['tokens']} | {r['touched']} | {r['persistent_ms']:.3f} | "
               f"{r['persistent_host_ms']:.3f} | {r['sequential_ms']:.3f} | {r['sequential_host_ms']:.3f} | "
               f"{r['floor_ms']:.3f} | {r['persistent_ms'] / r['floor_ms']:.2f} | "
-              f"{r['sequential_ms'] / r['persistent_ms']:.2f} | {r['block_m']} | {r['rel_err']:.1e} |" for r in rows]
+              f"{r['sequential_ms'] / r['persistent_ms']:.2f} | {r.get('auto_choice') or '–'} | "
+              f"{fmt(r.get('auto_ms'), '.3f')} | {r['block_m']} | {r['rel_err']:.1e} |" for r in rows]
     return lines + [""]
 
 

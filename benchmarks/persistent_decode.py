@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,9 @@ def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: flo
     persistent = layer.strategy
     layer.set_strategy("sequential")
     sequential = layer.strategy
+    # auto as a user gets it at world size 1 (a fresh decision cache, no shipped decisions).
+    layer.set_strategy("auto", decisions_dir=tempfile.mkdtemp(prefix="decode-auto-"), shipped_decisions=False)
+    auto = layer.strategy
     expert_bytes = (cfg.up_width * cfg.hidden + cfg.hidden * cfg.ffn) * layer.experts.w_up.element_size()
     tol = 3e-2 if cfg.dtype in (torch.bfloat16, torch.float16) else 1e-4
     rows = []
@@ -114,13 +118,21 @@ def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: flo
                 layer.strategy = sequential
                 row["sequential_ms"], row["sequential_host_ms"] = median_ms(lambda: layer(x), args.warmup, args.iters,
                                                                             cuda)
+                layer.strategy = auto
+                for calls in range(1, 33):  # calibration: until auto has decided this bucket
+                    layer(x)
+                    if auto.choice_for(T) is not None:
+                        break
+                choice = auto.choice_for(T)
+                row["auto_choice"], row["auto_calibration_calls"] = (choice.spec if choice else None), calls
+                row["auto_ms"], _ = median_ms(lambda: layer(x), args.warmup, args.iters, cuda)
             except Exception as exc:  # report the row and go on to the next
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         row["floor_ms"] = row.get("touched", 0) * expert_bytes / bandwidth * 1e3
         print(f"  {name} T={T}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                              for k, v in row.items() if k not in ("preset", "tokens")), flush=True)
         rows.append(row)
-    del layer, persistent, sequential
+    del layer, persistent, sequential, auto
     if cuda:
         torch.cuda.empty_cache()
     return rows
@@ -129,7 +141,7 @@ def bench_preset(name: str, cfg: MoEConfig, tokens, device, args, bandwidth: flo
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nHBM read bandwidth (this run): {bandwidth / 1e12:.3f} TB/s")
     print(f"{'preset':<15}{'tokens':>7}{'touched':>8}{'persistent ms':>15}{'host ms':>9}{'sequential ms':>15}"
-          f"{'host ms':>9}{'floor ms':>10}{'x floor':>9}{'BLOCK_M':>8}{'check':>16}")
+          f"{'host ms':>9}{'floor ms':>10}{'x floor':>9}{'BLOCK_M':>8}{'auto ms':>9}{'auto ran':>12}{'check':>16}")
     for r in rows:
         if "error" in r:
             print(f"{r['preset']:<15}{r['tokens']:>7}  ERROR {r['error']}")
@@ -138,7 +150,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
         check = f"{'ok' if r['ok'] else 'FAIL'} {r['rel_err']:.1e}{'' if r['replay_same'] else ' replay≠'}"
         print(f"{r['preset']:<15}{r['tokens']:>7}{r['touched']:>8}{r['persistent_ms']:>15.3f}"
               f"{r['persistent_host_ms']:>9.3f}{r['sequential_ms']:>15.3f}{r['sequential_host_ms']:>9.3f}"
-              f"{r['floor_ms']:>10.3f}{ratio:>9.2f}{r['block_m']:>8}{check:>16}")
+              f"{r['floor_ms']:>10.3f}{ratio:>9.2f}{r['block_m']:>8}{r.get('auto_ms', float('nan')):>9.3f}"
+              f"{str(r.get('auto_choice')):>12}{check:>16}")
 
 
 def main(argv=None) -> int:

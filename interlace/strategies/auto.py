@@ -72,7 +72,11 @@ are its business: ``auto`` only calls it.)
 **Explain.** ``layer.strategy.choices[(bucket, mode)]`` is a
 :class:`~interlace.strategies.auto_decisions.Choice` (what, measured or predicted, candidates'
 times, the calibration's cost); each decision is logged once at INFO on ``"interlace.auto"``.
-At world size 1 there is nothing to overlap or agree on: ``sequential``.
+**World size 1.** There is nothing to overlap or agree on. Inference calls on a GPU calibrate
+``persistent`` (the whole layer in one launch, router included) against ``sequential``, each
+timed with its routing (the layer hands ``auto`` its router: :meth:`AutoStrategy.routes_call`),
+where the config is one ``persistent`` runs; the ``candidates`` option names them instead (also
+on the CPU). Training calls, and everything else, run ``sequential``.
 """
 
 from __future__ import annotations
@@ -87,94 +91,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from interlace.planning.pipemoe.degree import choose_degree, fused_speedup
-from interlace.planning.profile import as_profile, machine_key, shape_key
+from interlace.planning.profile import machine_key
+from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
                                                  TokenAgreement, decision_shape, token_bucket)
 from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
 
-# Smallest measured-and-interpolated gain of fused over the best alternative that the
-# profile-only choice acts on (timings of one strategy move between machine leases).
-FUSED_MARGIN = 0.05
 FUSED_SPECS = ("fused", "fused:train")
-
-
-def choose_strategy(config, tokens: int, world: int, profile, max_degree: int = 16,
-                    mode: str = "fwd", train_fused: bool = True) -> tuple[str, list[str]]:
-    """The profile's choice, nothing timed: (strategy spec, notes) for ``tokens`` tokens per rank
-    and a ``"fwd"`` or ``"fwdbwd"`` call; raises FileNotFoundError without a profile.
-    ``fused`` / ``fused:train`` only where the profile measured it beside ``sequential`` for this
-    exact shape class and it wins by more than ``FUSED_MARGIN``."""
-    if world == 1:
-        return "sequential", ["world size 1: nothing to overlap"]
-    profile = as_profile(profile, world)
-    plan = choose_degree(config, tokens, world, profile, max_degree=max_degree, mode=mode)
-    notes = list(plan.notes) + [f"predicted ms per degree: { {r: round(ms, 3) for r, ms in plan.per_degree_ms.items()} }"]
-    spec = "sequential" if plan.degree == 1 else f"pipelined:{plan.degree}"
-    fused = "fused" if mode == "fwd" else "fused:train"
-    if mode != "fwd" and not train_fused:
-        notes.append("fused:train: not considered (train_fused=False)")
-        return spec, notes
-    shape = profile.shapes.get(shape_key(config, world))
-    speedup = None if shape is None else fused_speedup(shape, tokens * config.top_k, mode)
-    if speedup is None:
-        notes.append(f"{fused}: no measured {fused}/sequential {mode} pairs for this shape class in the profile")
-        return spec, notes
-    fused_ms = plan.per_degree_ms[1] / speedup if 1 in plan.per_degree_ms else float("inf")
-    best_ms = plan.per_degree_ms[plan.degree]
-    measured_at = sorted({int(t) for t, *_ in shape.fused_pairs(mode)})
-    notes.append(f"{fused}: {speedup:.2f}x sequential at T={tokens} (pairs measured at T={measured_at}, held flat "
-                 f"outside), predicted {fused_ms:.3f} ms against {best_ms:.3f} ms for {spec}")
-    if fused_ms < best_ms * (1 - FUSED_MARGIN):
-        return fused, notes
-    return spec, notes
-
-
-def predicted_candidates(config, tokens: int, world: int, profile, mode: str, max_degree: int = 16
-                         ) -> tuple[dict[str, float | None], list[str]]:
-    """The model's prior: candidate spec → predicted ms (None: no prediction) and notes.
-    ``sequential`` always; ``pipelined:r`` where the planner's degree r > 1; the fused path of
-    ``mode`` with a prediction only where the profile measured its pairs for this shape class.
-    Without a profile: ``sequential`` and the fused path, unpredicted."""
-    fused = "fused" if mode == "fwd" else "fused:train"
-    try:
-        prof = as_profile(profile, world)
-        plan = choose_degree(config, max(tokens, 1), world, prof, max_degree=max_degree, mode=mode)
-    except FileNotFoundError as err:
-        return {"sequential": None, fused: None}, [f"no profile ({err}): candidates unpredicted"]
-    out = {"sequential": plan.per_degree_ms.get(1)}
-    if plan.degree > 1:
-        out[f"pipelined:{plan.degree}"] = plan.per_degree_ms[plan.degree]
-    shape = prof.shapes.get(shape_key(config, world))
-    speedup = None if shape is None else fused_speedup(shape, max(tokens, 1) * config.top_k, mode)
-    out[fused] = None if speedup is None or out["sequential"] is None else out["sequential"] / speedup
-    return out, list(plan.notes)
-
-
-def prune(predicted: dict[str, float | None], ratio: float) -> tuple[list[str], list[str]]:
-    """(kept candidates fastest-predicted first, unpredicted last; notes on the dropped ones)."""
-    known = [ms for ms in predicted.values() if ms is not None]
-    best = min(known) if known else None
-    kept, notes = [], []
-    for spec, ms in predicted.items():
-        if ms is not None and best is not None and ms > ratio * best:
-            notes.append(f"{spec}: predicted {ms:.3f} ms, over {ratio}x the best {best:.3f} ms: not timed")
-        else:
-            kept.append(spec)
-    kept.sort(key=lambda s: (predicted[s] is None, predicted[s] or 0.0))
-    return kept, notes
-
-
-def fused_buffer_bytes(config, world: int, tokens: int) -> int:
-    """Bytes of the fused strategy's peer buffers for ``tokens`` tokens per rank (GPU tiles)."""
-    from interlace.parallel.peer_buffer import BufferSpec
-    from interlace.strategies.fused.options import GPU_CONFIG
-
-    spec = BufferSpec(world, config.num_experts // world, config.hidden, config.top_k, max(tokens, 1),
-                      GPU_CONFIG.block_m, GPU_CONFIG.block_n1, config.dtype)
-    return spec.regions()["_total"][0]
 
 
 @dataclass(frozen=True)
@@ -228,6 +153,7 @@ class _KeyState:
 class AutoStrategy(Strategy):
     name = "auto"
     fused_routing = True
+    routes_itself = True  # world size 1: inference calls come with the router (see routes_call)
 
     def __init__(self, config, ep, options: AutoOptions | dict | None = None, **given):
         super().__init__(config, ep)
@@ -249,6 +175,7 @@ class AutoStrategy(Strategy):
         self._cache: DecisionCache | None = None
         self._shape = decision_shape(config, ep.world)
         self._warned = False
+        self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
 
     # -- what a key runs ------------------------------------------------------------------------
@@ -267,6 +194,13 @@ class AutoStrategy(Strategy):
         opts, cfg, world = self.options, self.config, self.ep.world
         if bucket == 0:
             return {"choice": Choice("sequential", "predicted", notes=["no tokens on any rank"])}
+        if world == 1:  # a routed inference call (routes_call): its candidates, each timed with its routing
+            cache = self._device_cache(device)
+            cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
+            if cached is not None:
+                return {"choice": cached}
+            return {"candidates": list(self._world1_candidates(torch.device(device))),
+                    "notes": ["world size 1: each candidate timed with its routing"]}
         if not opts.calibrate:
             try:
                 spec, notes = choose_strategy(cfg, bucket, world, self._profile, opts.max_degree, mode,
@@ -344,7 +278,7 @@ class AutoStrategy(Strategy):
     def _decide(self, key, state: _KeyState, clock: Clock) -> None:
         """End of a key's calibration: agree on each candidate's time (ONE all-reduce), keep the
         fastest, store it."""
-        cands, opts = state.plan["candidates"], self.options
+        cands = state.plan["candidates"]
         local, total = [], 0.0
         for c, spec in enumerate(cands):
             times = []
@@ -412,6 +346,73 @@ class AutoStrategy(Strategy):
         """Post this call's token-count agreement (before the router runs, to hide its latency)."""
         if self._agree is not None:
             self._agree.post(num_tokens)
+
+    # -- world size 1: calls routed here ---------------------------------------------------------
+    def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """World size 1, an inference call (no autograd graph) and more than one candidate that
+        routes differently (``persistent`` routes inside its kernel): the layer hands this call
+        to :meth:`forward_layer` with its router."""
+        if self._agree is not None or not self.options.calibrate:
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down)):
+            return False
+        return len(self._world1_candidates(x.device)) > 1
+
+    def _world1_candidates(self, device: torch.device) -> tuple:
+        found = self._routed_candidates.get(device.type)
+        if found is None:
+            from interlace.strategies.persistent import unsupported
+
+            if self.options.candidates is not None:
+                found = tuple(self.options.candidates)
+            elif device.type == "cuda" and unsupported(self.config, 1) is None:
+                found = ("persistent", "sequential")
+            else:
+                found = ("sequential",)
+            runnable = []
+            for spec in found:
+                try:
+                    strategy_class(spec).check_runtime(spec, device)
+                    runnable.append(spec)
+                except ValueError:
+                    pass
+            found = self._routed_candidates[device.type] = tuple(runnable)
+        return found
+
+    def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """x (T, N) → (T, N), world size 1: the key's choice, or a calibration call of the
+        scheduled candidate, each with its own routing (timed together)."""
+        key = (token_bucket(x.shape[0]), "fwd")
+        state = self._key_state(key, x.device)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if state.choice is None and state.pos == len(state.schedule) and not capturing:
+            self._decide(key, state, Clock(x.device))
+        if state.choice is not None:
+            return self._routed(state.choice.spec, x, router, w_up, w_down)
+        if capturing:
+            return self._routed(state.plan["candidates"][0], x, router, w_up, w_down)
+        clock = Clock(x.device)
+        c = state.schedule[state.pos]
+        warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
+        state.pos += 1
+        if x.is_cuda:
+            # NOTE: a device sync before each calibration call (never in the steady state): each
+            # candidate is timed from an idle GPU, its host time included. Back to back, a call
+            # after one that queued its work asynchronously (persistent) would launch under that
+            # work and hide its own host time (sequential's), and win by it.
+            torch.cuda.synchronize(x.device)
+        marks = [clock.mark()]
+        out = self._routed(state.plan["candidates"][c], x, router, w_up, w_down)
+        marks.append(clock.mark())
+        state.samples[c].append((warm, marks))
+        return out
+
+    def _routed(self, spec: str, x, router, w_up, w_down) -> torch.Tensor:
+        impl = self._impl(spec, x.shape[0])
+        if impl.routes_itself:
+            return impl.forward_layer(x, router, w_up, w_down)
+        topk_idx, topk_weight, _ = router(x, None, fused=impl.fused_routing)
+        return impl(x, topk_idx, topk_weight, w_up, w_down)
 
     def _post(self, tokens: int) -> None:
         """This call's post (made here where ``begin_call`` did not make it), checked against

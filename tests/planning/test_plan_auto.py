@@ -79,7 +79,7 @@ def test_fused_speedup_interpolates_in_log_rows_and_holds_flat_outside():
 
 
 def test_auto_chooses_fused_only_for_measured_forward_gains():
-    from interlace.strategies.auto import FUSED_MARGIN, choose_strategy
+    from interlace.strategies.auto_prior import FUSED_MARGIN, choose_strategy
 
     prof = fused_profile({1000: 2.0, 8000: 1.0})
     spec, notes = choose_strategy(FUSED_CFG, 1000, 2, prof, mode="fwd")
@@ -98,7 +98,7 @@ def test_auto_chooses_fused_only_for_measured_forward_gains():
 
 
 def test_auto_chooses_fused_train_only_for_measured_training_gains():
-    from interlace.strategies.auto import FUSED_MARGIN, choose_strategy
+    from interlace.strategies.auto_prior import FUSED_MARGIN, choose_strategy
 
     prof = fused_profile({1000: 0.5}, train={1000: 1.3, 8000: 0.9})
     spec, notes = choose_strategy(FUSED_CFG, 1000, 2, prof, mode="fwdbwd")

@@ -14,7 +14,7 @@ import torch
 from helpers import reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
 from interlace.planning.profile import shape_key
-from interlace.strategies.auto import predicted_candidates, prune
+from interlace.strategies.auto_prior import predicted_candidates, prune
 from interlace.strategies.auto_decisions import DecisionCache, Choice, token_bucket
 
 CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
@@ -330,7 +330,8 @@ def test_prior_prunes_far_slower_candidates():
 
 def test_memory_cap_excludes_fused_train():
     from interlace.parallel.comm import ExpertParallel
-    from interlace.strategies.auto import AutoStrategy, fused_buffer_bytes
+    from interlace.strategies.auto import AutoStrategy
+    from interlace.strategies.auto_prior import fused_buffer_bytes
 
     ep = ExpertParallel(None, 0, 2, 4)  # a 2-rank view, only for planning (nothing is called)
     need = fused_buffer_bytes(CFG, 2, 64)

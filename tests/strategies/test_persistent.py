@@ -10,7 +10,6 @@ import torch
 from interlace import MoEConfig, MoELayer, reference_moe
 from interlace.kernels.persistent.launch import PersistentKernelConfig
 from interlace.parallel.comm import ExpertParallel
-from interlace.strategies import auto
 from interlace.strategies.persistent import PersistentStrategy
 
 CPU = torch.device("cpu")
@@ -174,12 +173,6 @@ def test_gloo_world_sizes(world):
     from helpers import run_gloo
 
     run_gloo(_gloo_persistent, world)
-
-
-def test_not_an_auto_candidate():
-    import inspect
-
-    assert "persistent" not in inspect.getsource(auto)
 
 
 # ---- plans and CUDA graphs (EagerRecorder: the graph logic on the CPU) ---------------------------
