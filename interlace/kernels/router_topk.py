@@ -25,6 +25,45 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
+def scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                     K_PAD: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     RENORMALIZE: tl.constexpr):
+    """The choice rule (module docstring) on one token block, shared with the persistent kernel's gate.
+
+    Args: logits (BLOCK_T, E_PAD) fp32, -inf past column E; bias_ptr the (E,) fp32 selection
+    bias (read with HAS_BIAS); tokens (BLOCK_T,) (rows with tokens < 0 choose nothing); cols
+    (E_PAD,) and slots (K_PAD,) the aranges.
+    Returns: weights (BLOCK_T, K_PAD) fp32 (renormalized, scaled), experts (BLOCK_T, K_PAD) int32
+    (slot 0 the best), taken (BLOCK_T, E_PAD) the chosen columns (with the padding ones).
+    """
+    if SOFTMAX:
+        row_max = tl.max(logits, axis=1)
+        p = tl.where(cols[None, :] < E, tl.exp(logits - row_max[:, None]), 0.0)
+        scores = p / tl.sum(p, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(logits)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+    choice = tl.where(choice != choice, float("-inf"), choice)  # NaN never wins
+    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)  # padding columns are never chosen
+    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    experts = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        cand = tl.where(taken, float("-inf"), choice)
+        best = tl.max(cand, axis=1)
+        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
+        onehot = cols[None, :] == sel[:, None]
+        taken = taken | onehot
+        w = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
+        weights = tl.where(slots[None, :] == j, w[:, None], weights)
+        experts = tl.where(slots[None, :] == j, sel[:, None], experts)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    return weights * scale, experts, taken
+
+
+@triton.jit
 def _route_topk_kernel(
     logits_ptr,  # (T, E) fp32
     bias_ptr,  # (E,) fp32 selection bias (sigmoid router) or dummy
@@ -42,32 +81,12 @@ def _route_topk_kernel(
     valid = cols[None, :] < E
     logits = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E + cols[None, :],
                      mask=tmask[:, None] & valid, other=float("-inf")).to(tl.float32)
-    if SOFTMAX:
-        row_max = tl.max(logits, axis=1)
-        p = tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0)
-        scores = p / tl.sum(p, axis=1)[:, None]
-    else:
-        scores = tl.sigmoid(logits)
-    choice = scores
-    if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
-    choice = tl.where(choice != choice, float("-inf"), choice)  # NaN never wins
-    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)  # padding columns are never chosen
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        cand = tl.where(taken, float("-inf"), choice)
-        best = tl.max(cand, axis=1)
-        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
-        onehot = cols[None, :] == sel[:, None]
-        taken = taken | onehot
-        w = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
-        weights = tl.where(slots[None, :] == j, w[:, None], weights)
-        tl.store(idx_ptr + tokens.to(tl.int64) * TOP_K + j, sel.to(tl.int64), mask=tmask)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
-    weights = weights * scale
-    tl.store(weight_ptr + tokens[:, None].to(tl.int64) * TOP_K + slots[None, :], weights,
-             mask=tmask[:, None] & (slots[None, :] < TOP_K))
+    weights, experts, _ = scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K, BLOCK_T, K_PAD, E_PAD,
+                                           SOFTMAX, HAS_BIAS, RENORMALIZE)
+    out = tokens[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    omask = tmask[:, None] & (slots[None, :] < TOP_K)
+    tl.store(idx_ptr + out, experts.to(tl.int64), mask=omask)
+    tl.store(weight_ptr + out, weights, mask=omask)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool,

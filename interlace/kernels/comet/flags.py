@@ -38,7 +38,7 @@ def wait_flag(flag_ptr, epoch, max_spins, error_ptr, rank, kind, peer, what, til
     ok = flag >= epoch
     if not ok:
         if tl.atomic_cas(error_ptr, 0, 1) == 0:
-            _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch)
+            record_error_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch)
     return ok
 
 
@@ -54,8 +54,9 @@ def _spin_until(ptr, target, max_spins, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def _record_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch):
-    """An error record's fields after its set word (see the module)."""
+def record_error_fields(error_ptr, rank, kind, peer, what, tile, flag, epoch):
+    """An error record's fields after its set word (see the module; the persistent kernel's
+    records use the same eight words)."""
     tl.store(error_ptr + 1, rank)
     tl.store(error_ptr + 2, kind)
     tl.store(error_ptr + 3, peer)

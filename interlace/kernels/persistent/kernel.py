@@ -47,9 +47,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from interlace.kernels.comet.flags import record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import tasks
 from interlace.kernels.router_gemm import _piece
+from interlace.kernels.router_topk import scores_and_top_k
 
 # The state words and wait kinds of tasks.py as constexprs (a kernel may read only constexpr globals).
 EPOCH = tl.constexpr(tasks.EPOCH)
@@ -80,13 +82,7 @@ def _wait_at_least(ptr, target, max_spins, err_ptr, task, kind, what, epoch):
     ok = value >= target
     if not ok:
         if tl.atomic_cas(err_ptr, 0, 1) == 0:
-            tl.store(err_ptr + 1, 0)
-            tl.store(err_ptr + 2, kind)
-            tl.store(err_ptr + 3, task)
-            tl.store(err_ptr + 4, what)
-            tl.store(err_ptr + 5, value)
-            tl.store(err_ptr + 6, target)
-            tl.store(err_ptr + 7, epoch)
+            record_error_fields(err_ptr, 0, kind, task, what, value, target, epoch)
     return ok
 
 
@@ -126,33 +122,9 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
             ab = _piece(a, 0, 1, DOT_FP32)
             for i in tl.static_range(W_PIECES):
                 acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
-    valid = emask[None, :]
-    if SOFTMAX:
-        logits = tl.where(valid, acc, float("-inf"))
-        row_max = tl.max(logits, axis=1)
-        p = tl.where(valid, tl.exp(logits - row_max[:, None]), 0.0)
-        scores = p / tl.sum(p, axis=1)[:, None]
-    else:
-        scores = tl.sigmoid(acc)
-    choice = scores
-    if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + cols, mask=emask, other=0.0)[None, :]
-    choice = tl.where(choice != choice, float("-inf"), choice)
-    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    sels = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        cand = tl.where(taken, float("-inf"), choice)
-        best = tl.max(cand, axis=1)
-        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
-        onehot = cols[None, :] == sel[:, None]
-        taken = taken | onehot
-        w_j = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
-        weights = tl.where(slots[None, :] == j, w_j[:, None], weights)
-        sels = tl.where(slots[None, :] == j, sel[:, None], sels)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
-    weights = weights * scale
+    logits = tl.where(emask[None, :], acc, float("-inf"))
+    weights, sels, taken = scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K, BLOCK_T, K_PAD,
+                                            E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE)
     # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
     # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
     chosen = (taken & (cols[None, :] < E) & tmask[:, None]).to(tl.int32)
