@@ -48,10 +48,12 @@ was rebuilt. A capture synchronizes the device once. Inside a caller's own CUDA-
 the call runs eagerly with its own workspace (captured by the caller).
 
 Options (``strategy_options``): ``cuda_graph`` (bool, default True; ``"persistent:eager"`` turns
-it off), ``kernel`` (a
-:class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`), ``max_spins`` (polls
-before a wait gives up), ``max_tokens`` (W > 1: tokens per rank and call the buffers hold), ``task_order`` (``"normal"``; ``"combine_first"`` breaks the order on
-purpose, for tests).
+it off), ``kernel`` (a :class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`),
+``max_spins`` (polls before a wait gives up; None: 2²² at world size 1, unbounded at W > 1),
+``wait_timeout_s`` (W > 1 on a GPU: seconds a wait polls before it gives up, default 100: a
+peer's first call of a shape may start late by a whole kernel compile), ``max_tokens`` (W > 1:
+tokens per rank and call the buffers hold), ``task_order`` (``"normal"``; ``"combine_first"``
+breaks the order on purpose, for tests).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-from interlace.kernels.persistent.dist_launch import DistBuffer, DistPlan, DistSpec
+from interlace.kernels.persistent import dist_tasks
+from interlace.kernels.persistent.dist_launch import DEFAULT_TIMEOUT_S, DistBuffer, DistPlan, DistSpec
 from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
@@ -111,16 +114,19 @@ class PersistentStrategy(Strategy):
     needs_triton = True
     routes_itself = True
 
-    def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int = DEFAULT_SPINS,
-                 task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None):
+    def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int | None = None,
+                 task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None,
+                 wait_timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(config, ep)
         reason = unsupported(config, ep.world)
         if reason:
             raise ValueError(reason)
         if kernel is not None and not isinstance(kernel, PersistentKernelConfig):
             raise TypeError(f"strategy option 'kernel' must be a PersistentKernelConfig, got {type(kernel).__name__}")
-        if isinstance(max_spins, bool) or not isinstance(max_spins, int) or max_spins < 0:
-            raise ValueError(f"strategy option 'max_spins' must be an int >= 0, got {max_spins!r}")
+        if max_spins is not None and (isinstance(max_spins, bool) or not isinstance(max_spins, int) or max_spins < 0):
+            raise ValueError(f"strategy option 'max_spins' must be an int >= 0 or None, got {max_spins!r}")
+        if isinstance(wait_timeout_s, bool) or not isinstance(wait_timeout_s, (int, float)) or not wait_timeout_s > 0:
+            raise ValueError(f"strategy option 'wait_timeout_s' must be a number > 0, got {wait_timeout_s!r}")
         if task_order not in TASK_ORDERS:
             raise ValueError(f"strategy option 'task_order' must be one of {TASK_ORDERS}, got {task_order!r}")
         if not isinstance(cuda_graph, bool):
@@ -137,7 +143,9 @@ class PersistentStrategy(Strategy):
         self._plans: OrderedDict = OrderedDict()  # T → CallPlan
         self._graphs: dict = {}  # T → PersistentGraph (only for token counts that have a plan)
         self._graph_seen: set = set()  # token counts whose first (eager) call has run
-        self.max_spins = max_spins
+        # (W > 1: the polls are unbounded by default and the time bound decides: see DistPlan)
+        self.max_spins = max_spins if max_spins is not None else (DEFAULT_SPINS if ep.world == 1 else 2**31 - 1)
+        self.wait_timeout_s = float(wait_timeout_s)
         self.task_order = task_order
         self.fallback = SequentialStrategy(config, ep)
         # world 1: the kernel's counters; W > 1: the DistBuffer (its state, set up at the first call)
@@ -197,7 +205,7 @@ class PersistentStrategy(Strategy):
                             top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
                             route_scale=cfg.route_scale, activation=cfg.activation,
                             w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
-                            max_spins=self.max_spins)
+                            max_spins=self.max_spins, timeout_s=self.wait_timeout_s)
         return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
@@ -296,7 +304,8 @@ class PersistentStrategy(Strategy):
             return
         self._record_pending = False
         if self._record_view[0] != 0:
-            message = describe_error(self._record_host.tolist())
+            describe = describe_error if self.ep.world == 1 else dist_tasks.describe_error
+            message = describe(self._record_host.tolist())
             self.state.error_record().zero_()
             self._record_host.zero_()
             raise RuntimeError(message)

@@ -18,7 +18,7 @@ def kind(n, p):
         return "*i64"
     if n.endswith("_ptr"):
         return fp.get(n, "*bf16" if n in bf16 else "*i32")
-    return "fp32" if n == "scale" else "i32"
+    return "fp32" if n == "scale" else "i64" if n == "timeout_ns" else "i32"
 sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
@@ -28,7 +28,7 @@ for spec in sys.argv[1:]:
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_S=16, BLOCK_NS=256,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
-                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False)
+                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True)
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

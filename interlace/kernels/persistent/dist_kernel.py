@@ -38,8 +38,9 @@ with a kind earlier than X's: impossible; if the peer has none, its programs kee
 numbers until all are taken and done. So X's waits end: a contradiction. Nothing assumes that
 programs are co-resident or start in any order (a program waits only after taking a number,
 and the numbers it waits on were taken by programs already running), only that every rank
-launches the same call. Waits are bounded (``max_spins`` polls): a timed-out wait writes the
-error record (naming this rank, the task and the peer rank) and the task skips its work.
+launches the same call. Waits are bounded (``max_spins`` polls and, on a GPU, ``timeout_ns``): a
+timed-out wait writes the error record (naming this rank, the task and the peer rank) and the
+task skips its work.
 
 Epochs, and why no call needs a barrier. A call's epoch is the local call counter + 1; every
 rank makes the same calls, so epochs agree, and flags (``sent``, ``done``, local ready and
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 from interlace.kernels.comet.flags import peer_region
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
@@ -81,15 +83,26 @@ WAIT_DONE = tl.constexpr(dt.WAIT_DONE)
 
 
 @triton.jit
-def _wait(ptr, target, max_spins, err_ptr, me, task, kind, peer, epoch, SCOPE: tl.constexpr):
-    """Acquire-poll ``*ptr`` (at ``SCOPE``) until ≥ ``target``; False after ``max_spins`` polls
-    or once another wait timed out. The first timed-out wait writes the error record
-    [1, me, kind, task, peer, value, target, epoch]."""
+def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epoch, SCOPE: tl.constexpr,
+          CLOCK: tl.constexpr):
+    """Acquire-poll ``*ptr`` (at ``SCOPE``) until ≥ ``target``; False after ``max_spins`` polls,
+    after ``timeout_ns`` of the GPU's global timer (``CLOCK``; the interpreter has no timer), or
+    once another wait timed out. The first timed-out wait writes the error record
+    [1, me, kind, task, peer, value, target, epoch].
+
+    The time bound is what matters across ranks: a peer's launch can be seconds late (its host
+    compiling a kernel specialization this rank has cached), and a poll of system-scope memory
+    takes a time no poll count can promise."""
     value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
     spins = 0
+    if CLOCK:
+        start = globaltimer()
     while (value < target) & (spins < max_spins):
         value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
         spins += 1
+        if CLOCK:
+            if globaltimer() - start > timeout_ns:
+                spins = max_spins
         if tl.load(err_ptr, volatile=True) != 0:
             spins = max_spins
     ok = value >= target
@@ -236,8 +249,8 @@ def _gemm1_task(s, tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt, E_
 
 
 @triton.jit
-def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, task, epoch,
-                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr):
+def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task, epoch,
+                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
     """Wait for done[d] ≥ epoch of every owner d that this token block uses (combine task 0: of
     every owner, so that the call ends after every owner is done with this rank's data)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
@@ -250,7 +263,7 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
             e = tl.load(idx_ptr + tokens.to(tl.int64) * TOP_K + j, mask=tmask, other=0, cache_modifier=".cg")
             uses += tl.sum(((e // E_loc == d) & tmask).to(tl.int32), axis=0)
         if (uses > 0) | (comb == 0):
-            ok = _wait(done + d, epoch, max_spins, err_ptr, me, task, WAIT_DONE, d, epoch, "sys")
+            ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_DONE, d, epoch, "sys", CLOCK)
             failed += tl.where(ok, 0, 1)
     return failed == 0
 
@@ -294,14 +307,14 @@ def persistent_dist_kernel(
     idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, tiles_ptr, h_ptr,  # local workspace
     recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
-    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, n_programs,
+    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
     n_gate, n_send, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
-    W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
+    W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, CLOCK: tl.constexpr,
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module."""
     epoch = tl.load(state_ptr + EPOCH) + 1
@@ -324,13 +337,15 @@ def persistent_dist_kernel(
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
-            if _wait(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, me, task, WAIT_GATE, me, epoch, "gpu"):
+            if _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, me, task, WAIT_GATE, me, epoch,
+                     "gpu", CLOCK):
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
                             TOP_K, BLOCK_T, BLOCK_A)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
-            if _wait(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, me, task, WAIT_INDEX, me, epoch, "gpu"):
+            if _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me, epoch,
+                     "gpu", CLOCK):
                 _send_task(task - f_send, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N,
                            TOP_K, BLOCK_S, BLOCK_NS)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
@@ -341,7 +356,7 @@ def persistent_dist_kernel(
             s = task - f_recv
             n_tiles = 0
             sent = peer_region(sent_table, me, tl.int32)
-            if _wait(sent + s, epoch, max_spins, err_ptr, me, task, WAIT_SENT, s, epoch, "sys"):
+            if _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK):
                 n_tiles = _receive_task(s, counts_table, tiles_ptr, me, E_loc, mt, BLOCK_M, BLOCK_J, EL_PAD)
                 if n_tiles == 0:  # nothing to compute for s: s's data here is read already
                     tl.atomic_xchg(peer_region(done_table, s, tl.int32) + me, epoch, sem="release", scope="sys")
@@ -354,7 +369,8 @@ def persistent_dist_kernel(
             within = rel % tiles_all
             s = within // mt
             tile = within % mt
-            ready = _wait(ready_ptr + s, epoch, max_spins, err_ptr, me, task, WAIT_READY, s, epoch, "gpu")
+            ready = _wait(ready_ptr + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, s, epoch, "gpu",
+                          CLOCK)
             n_tiles = tl.load(n_tiles_ptr + s, volatile=True)
             if ready & (tile < n_tiles):
                 if is_g0:
@@ -363,7 +379,8 @@ def persistent_dist_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + within, 1, sem="release", scope="gpu")
                 else:
-                    if _wait(g0_done_ptr + within, n_k0, max_spins, err_ptr, me, task, WAIT_GEMM0, s, epoch, "gpu"):
+                    if _wait(g0_done_ptr + within, n_k0, max_spins, timeout_ns, err_ptr, me, task, WAIT_GEMM0, s,
+                             epoch, "gpu", CLOCK):
                         _gemm1_task(s, tile, rel // tiles_all, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt,
                                     E_loc, max_tokens, N, K, BLOCK_M, BLOCK_N1, BLOCK_K1)
                     _count_and_publish(g1_cnt_ptr + s, n_tiles * n_n1, peer_region(done_table, s, tl.int32) + me,
@@ -374,8 +391,8 @@ def persistent_dist_kernel(
         else:
             comb = task - f_comb
             tb = comb // n_comb_n
-            if _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, task, epoch, TOP_K,
-                             BLOCK_TC):
+            if _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task,
+                             epoch, TOP_K, BLOCK_TC, CLOCK):
                 _combine_task(tb, comb % n_comb_n, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T,
                               N, TOP_K, BLOCK_TC, BLOCK_NC)
         task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")

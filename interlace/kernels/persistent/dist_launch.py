@@ -35,6 +35,9 @@ from interlace.kernels.persistent.launch import ROW_TILES, PersistentKernelConfi
 from interlace.kernels.rows import _INTERPRET
 
 _ALIGN = 256
+# Seconds a wait polls on a GPU before it gives up. Generous: a peer's first call of a shape can
+# start late by a whole kernel compile on its host (this rank polls meanwhile).
+DEFAULT_TIMEOUT_S = 100.0
 _OCCUPANCY: dict = {}  # (device index, kernel key) → programs per SM
 
 
@@ -187,7 +190,7 @@ class DistPlan:
     def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
                  w_up: torch.Tensor, w_down: torch.Tensor, buf: DistBuffer, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
-                 config: PersistentKernelConfig, max_spins: int):
+                 config: PersistentKernelConfig, max_spins: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         spec = buf.spec
         T, N = x.shape
         if T > spec.max_tokens:
@@ -231,13 +234,13 @@ class DistPlan:
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
-            W_PIECES=w_pieces, DOT_FP32=_INTERPRET)
+            W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, tiles, h,
                          tb["recv"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
-                         int(max_spins))
+                         int(max_spins), int(timeout_s * 1e9))
         self._layout_args = (layout.n_gate, layout.n_send, layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t,
                              layout.n_comb_n)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
