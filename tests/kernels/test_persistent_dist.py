@@ -195,14 +195,15 @@ def test_combine_before_owners_gemm_is_caught():
 
 
 def test_gemm_before_dispatch_is_caught():
-    """Mutation: the receive/GEMM phase before any rank sent: each rank's receive task for a
-    peer source times out on that source's dispatch flag, naming it."""
+    """Mutation: the receive/GEMM phase before any rank sent: each rank's first receive task
+    (its own rows: receive tasks go own source first) times out on that dispatch flag, naming it."""
     world = World(2, [4, 3], max_spins=20)
     A, B, C = dt.PHASES
     world.run(phases=(B, A, C))
-    with pytest.raises(RuntimeError, match=r"rank 1: task \d+ timed out waiting for the dispatch flag of source "
-                                           r"rank 0"):
-        world.bufs[1].check()
+    for r in (0, 1):
+        with pytest.raises(RuntimeError, match=rf"rank {r}: task \d+ timed out waiting for the dispatch flag of "
+                                               rf"source rank {r}"):
+            world.bufs[r].check()
 
 
 def test_stale_flag_of_earlier_call_is_not_taken():

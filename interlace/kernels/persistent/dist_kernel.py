@@ -353,7 +353,7 @@ def persistent_dist_kernel(
                 if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
                     _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
         elif task < f_g0:
-            s = task - f_recv
+            s = (me + task - f_recv) % W  # (this rank's own rows first: they arrive first)
             n_tiles = 0
             sent = peer_region(sent_table, me, tl.int32)
             if _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK):
@@ -364,30 +364,37 @@ def persistent_dist_kernel(
             tl.debug_barrier()
             tl.atomic_xchg(ready_ptr + s, epoch, sem="release", scope="gpu")
         elif task < f_comb:
-            is_g0 = task < f_g0 + n_k0 * tiles_all
-            rel = tl.where(is_g0, task - f_g0, task - f_g1)
-            within = rel % tiles_all
-            s = within // mt
-            tile = within % mt
+            # GEMM tasks: source range j (source (me + j) % W), then row tile, then slice.
+            is_g0 = task < f_g1
+            n_slices = tl.where(is_g0, n_k0, n_n1)
+            first = tl.where(is_g0, f_g0, f_g1)
+            rel = task - first
+            j = rel // (mt * n_slices)
+            s = (me + j) % W
+            tile = (rel // n_slices) % mt
+            piece = rel % n_slices
+            within = s * mt + tile
             ready = _wait(ready_ptr + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, s, epoch, "gpu",
                           CLOCK)
             n_tiles = tl.load(n_tiles_ptr + s, volatile=True)
             if ready & (tile < n_tiles):
                 if is_g0:
-                    _gemm0_task(s, tile, rel // tiles_all, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc,
+                    _gemm0_task(s, tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc,
                                 max_tokens, N, K, UP, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + within, 1, sem="release", scope="gpu")
                 else:
                     if _wait(g0_done_ptr + within, n_k0, max_spins, timeout_ns, err_ptr, me, task, WAIT_GEMM0, s,
                              epoch, "gpu", CLOCK):
-                        _gemm1_task(s, tile, rel // tiles_all, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt,
+                        _gemm1_task(s, tile, piece, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt,
                                     E_loc, max_tokens, N, K, BLOCK_M, BLOCK_N1, BLOCK_K1)
                     _count_and_publish(g1_cnt_ptr + s, n_tiles * n_n1, peer_region(done_table, s, tl.int32) + me,
                                        epoch)
             else:
-                # Tiles past s's real count are the rest of this (slice, source) range: skip it.
-                tl.atomic_max(state_ptr + QUEUE, task - tile + mt - task_lo, sem="relaxed", scope="gpu")
+                # Tiles past s's real count are the rest of source range j: skip it (one skip per
+                # source and kind, whatever the slices).
+                tl.atomic_max(state_ptr + QUEUE, first + (j + 1) * mt * n_slices - task_lo, sem="relaxed",
+                              scope="gpu")
         else:
             comb = task - f_comb
             tb = comb // n_comb_n

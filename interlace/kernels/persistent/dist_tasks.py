@@ -21,9 +21,12 @@ combine    ``max(1, ceil(T / BLOCK_TC)) · n_nc``   each owner's last GEMM1 task
 a source sends at most ``R = max_tokens · min(k, E_loc)`` rows here (each token picks an expert
 at most once), and c rows of one expert take ``ceil(c / BLOCK_M)`` tiles, so
 ``MT = floor((R + min(E_loc, R) · (BLOCK_M − 1)) / BLOCK_M)``. GEMM tasks are numbered
-slice-major, then source, then tile: the tiles past a source's real count are the tail of each
-(slice, source) range, and the first task that finds itself there moves the queue past the
-range at once (``atomic_max``), so the static bound costs one skip per range, not one per task.
+source-major (this rank's own rows first, then ``me + 1``, ...: receive tasks go in the same
+order), then row tile, then slice: the tiles past a source's real count are the tail of its
+range, and the first task that finds itself there moves the queue past the range at once
+(``atomic_max``). So the static bound costs one skip per source and kind, not one per task
+(nor one per slice: with ``max_tokens`` 512, a source's range is hundreds of empty tiles at
+decode, and a skip is a round trip of the queue's atomic).
 
 Symmetric regions of one rank (identical layout on every rank; peers write into them)::
 
