@@ -139,8 +139,8 @@ def measure_hbm_read_tbps(env: Env, nbytes: int = 4 << 30, iters: int = 10) -> f
     if not env.cuda:
         return None
     buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=env.device)
-    out = torch.empty((), dtype=torch.float32, device=env.device)
-    times = time_cuda(lambda: torch.sum(buf, dtype=torch.float32, out=out), warmup=3, iters=iters, env=None)
+    # (torch.sum takes ``out`` only with ``dim``; the 4-byte result's allocation is noise)
+    times = time_cuda(lambda: torch.sum(buf, dtype=torch.float32), warmup=3, iters=iters, env=None)
     del buf
     tbps = nbytes / (statistics.median(times) * 1e-3) / 1e12
     return -reduce_max(env, -tbps)
@@ -484,6 +484,12 @@ def bench_config(name: str, small: bool) -> MoEConfig:
     return cfg
 
 
+def write_json(out: str, meta: dict, rows: list[Row]) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
 def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     env = init_env()
@@ -526,10 +532,9 @@ def main(argv=None) -> list[Row]:
         del layer
         if env.cuda:
             torch.cuda.empty_cache()
+        if env.rank == 0:  # after every config: a run cut short by a time limit keeps its rows
+            write_json(args.out, meta, rows)
     if env.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
         table = markdown_table(rows)
         with open(os.path.join(args.out, "results.md"), "w") as f:
             f.write(f"{meta['date']} · {meta['device']} ×{env.world} · commit {meta['commit']} · "

@@ -171,8 +171,8 @@ def test_bitwise_repeatable_epochs_and_changing_token_counts():
         state = buf.state.tolist()
         assert state[dt.EPOCH] == 5
         assert state[dt.QUEUE] == state[dt.DONE] == state[dt.GATE_DONE] == state[dt.SEND_DONE] == 0
-        W = 2
-        assert all(v == 0 for v in state[dt.STATE_HEAD + 2 * W:-dt.ERROR_WORDS])  # GEMM1 and GEMM0 counters
+        assert state[dt.RECV_DONE] == state[dt.GEMM1_DONE] == 0 and state[dt.READY] == 5
+        assert all(v == 0 for v in state[dt.STATE_HEAD:-dt.ERROR_WORDS])  # GEMM0 counters
         assert buf.views["sent"].tolist() == [5, 5] and buf.views["done"].tolist() == [5, 5]
 
 
@@ -243,21 +243,20 @@ def test_too_many_tokens_raise_before_launch():
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-def test_tiles_per_source_bound_holds(block_m):
-    """MT (from max_tokens, k, E_loc) bounds the row tiles one source's rows make on one rank,
-    for random, spread and skewed routings."""
+def test_tiles_per_rank_bound_holds(block_m):
+    """MT (from W, max_tokens, k, E_loc) bounds the row tiles that all sources' rows make on
+    one rank (a tile: one local expert's rows from every source), for random, spread and
+    skewed routings of W ranks with max_tokens tokens each."""
     gen = torch.Generator().manual_seed(0)
     for T, E, W, k in [(1, 8, 2, 2), (5, 8, 4, 2), (33, 16, 2, 4), (130, 64, 4, 8), (512, 128, 2, 8)]:
         L = E // W
-        mt = dt.max_tiles_per_source(T, k, L, block_m)
-        routings = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]),
-                    torch.arange(T * k).view(T, k) % E, torch.arange(k).repeat(T, 1)]
+        mt = dt.max_tiles(W, T, k, L, block_m)
+        routings = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(W * T)]),
+                    torch.arange(W * T * k).view(W * T, k) % E, torch.arange(k).repeat(W * T, 1)]
         for idx in routings:
             counts = torch.bincount(idx.reshape(-1), minlength=E).view(W, L)
             tiles = (counts + block_m - 1) // block_m
             assert int(tiles.sum(1).max()) <= mt
-
-
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row

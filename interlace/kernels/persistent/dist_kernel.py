@@ -13,12 +13,15 @@ the gate task is the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel
   expert's owner, for its k experts. The last send task (a counter, acq_rel) writes this
   rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then, release
   at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends no row to;
-* receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch``, copies the counts
-  into a local tile table (local expert, first slot, end slot per row tile), publishes a local
-  ready flag; with no tile from s it also publishes ``done[me] = epoch`` at s at once;
-* GEMM0 (K-slice, source, tile) and GEMM1 (N-slice, source, tile): as at world 1, on the rows
-  of ``recv[s][l]``; GEMM1 stores its output rows into s's ``ret[me][l][slot]``; the last
-  GEMM1 task of source s (a counter, acq_rel) publishes ``done[me] = epoch`` at s;
+* receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch`` and counts itself
+  done; the last receive task builds the tile table over every source's rows (row tiles of one
+  local expert hold its rows from all sources, so each touched expert's weights are read once)
+  and publishes a local ready flag; with no row from anyone it publishes ``done[me] = epoch`` at
+  every rank at once;
+* GEMM0 (tile, K-slice) and GEMM1 (tile, N-slice): as at world 1, on rows gathered from
+  ``recv[s][l]`` of their sources; GEMM1 stores each output row into its source's
+  ``ret[me][l][slot]``; the last GEMM1 task (a counter, acq_rel) publishes ``done[me] = epoch``
+  at every rank;
 * combine (token block, N-slice): waits for ``done[d] ≥ epoch`` of every owner d its tokens
   use (combine task 0: of every owner), then sums each token's k rows of ``ret`` in fp32 in
   slot order (deterministic: nothing atomic touches an output).
@@ -73,6 +76,10 @@ DONE = tl.constexpr(dt.DONE)
 GATE_DONE = tl.constexpr(dt.GATE_DONE)
 SEND_DONE = tl.constexpr(dt.SEND_DONE)
 INDEX_FLAG = tl.constexpr(dt.INDEX_FLAG)
+RECV_DONE = tl.constexpr(dt.RECV_DONE)
+READY = tl.constexpr(dt.READY)
+N_TILES = tl.constexpr(dt.N_TILES)
+GEMM1_DONE = tl.constexpr(dt.GEMM1_DONE)
 HEAD = tl.constexpr(dt.STATE_HEAD)
 WAIT_GATE = tl.constexpr(dt.WAIT_GATE)
 WAIT_INDEX = tl.constexpr(dt.WAIT_INDEX)
@@ -180,72 +187,97 @@ def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_
 
 
 @triton.jit
-def _receive_task(s, counts_table, tiles_ptr, me, E_loc, mt, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
-                  EL_PAD: tl.constexpr):
-    """Source s's row tiles here: tiles[s] = (local expert, first slot, end slot) per tile, in
-    expert order; returns their number."""
+def _tile_table(counts_table, offs_ptr, tiles_ptr, me, W, E_loc, mt, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr,
+                EL_PAD: tl.constexpr):
+    """Row tiles over every source's rows (read after every source's dispatch flag): offs[s][l]
+    = rows of local expert l from sources before s (expert l's rows, concatenated in source
+    order, are ``offs[s][l] + slot`` for source s); tiles = (local expert, first row, end row)
+    per tile, in expert order. Returns the number of tiles."""
     lo = tl.arange(0, EL_PAD)
     lmask = lo < E_loc
-    c = tl.load(peer_region(counts_table, me, tl.int32) + s * E_loc + lo, mask=lmask, other=0, volatile=True)
-    n_tiles_l = (c + BLOCK_M - 1) // BLOCK_M
+    counts = peer_region(counts_table, me, tl.int32)
+    total = tl.zeros((EL_PAD,), dtype=tl.int32)
+    for s in range(0, W):
+        tl.store(offs_ptr + s * EL_PAD + lo, total)
+        total += tl.load(counts + s * E_loc + lo, mask=lmask, other=0, volatile=True)
+    n_tiles_l = (total + BLOCK_M - 1) // BLOCK_M
     tile_end = tl.cumsum(n_tiles_l, axis=0)
     tile_beg = tile_end - n_tiles_l
     n_tiles = tl.sum(n_tiles_l, axis=0)
-    base = tiles_ptr + s * 3 * mt
-    for j0 in range(0, mt, BLOCK_J):
+    for j0 in range(0, n_tiles, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
         expert = tl.sum(tl.where(inside, lo[None, :], 0), axis=1)
         first = tl.sum(tl.where(inside, (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
-        end = tl.sum(tl.where(inside, c[None, :], 0), axis=1)
+        end = tl.sum(tl.where(inside, total[None, :], 0), axis=1)
         jmask = j < n_tiles
-        tl.store(base + j, expert, mask=jmask)
-        tl.store(base + mt + j, first, mask=jmask)
-        tl.store(base + 2 * mt + j, end, mask=jmask)
+        tl.store(tiles_ptr + j, expert, mask=jmask)
+        tl.store(tiles_ptr + mt + j, first, mask=jmask)
+        tl.store(tiles_ptr + 2 * mt + j, end, mask=jmask)
     return n_tiles
 
 
 @triton.jit
-def _gemm0_task(s, tile, ks, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc, max_tokens, N, K, UP,
-                ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr):
-    """h[tile rows, K-slice ks] = act(recv[s][l][slots] @ W_up[l][gate (and up) rows]ᵀ)."""
-    base = tiles_ptr + s * 3 * mt
-    lx = tl.load(base + tile).to(tl.int64)
-    first = tl.load(base + mt + tile)
-    end = tl.load(base + 2 * mt + tile)
-    slots = first + tl.arange(0, BLOCK_M)
-    rmask = slots < end
+def _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile ``tile``: its local expert l, and per row its source rank, its slot in that
+    source's ``recv[s][l]``, and whether it is a row (the tile's tail past the expert's rows is not)."""
+    lx = tl.load(tiles_ptr + tile)
+    first = tl.load(tiles_ptr + mt + tile)
+    end = tl.load(tiles_ptr + 2 * mt + tile)
+    i = first + tl.arange(0, BLOCK_M)
+    src = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    base = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for s in range(1, W):  # (offs[s][l] grows with s: the last source whose first row is ≤ i)
+        off = tl.load(offs_ptr + s * EL_PAD + lx)
+        later = i >= off
+        src = tl.where(later, s, src)
+        base = tl.where(later, off, base)
+    return lx, src, i - base, i < end
+
+
+@triton.jit
+def _gemm0_task(tile, ks, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens, N, K, UP,
+                ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
+                BLOCK_N0: tl.constexpr):
+    """h[tile rows, K-slice ks] = act(rows of recv[src][l][slot] @ W_up[l][gate (and up) rows]ᵀ)."""
+    lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
     recv = peer_region(recv_table, me, h_ptr.dtype.element_ty)
-    rows = (s * E_loc + lx) * max_tokens + slots.to(tl.int64)
+    rows = (src * E_loc + lx).to(tl.int64) * max_tokens + slot
     cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
     cmask = cols < K
-    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx * UP * N, None, 0, cols, cmask, N, K,
-                                ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
+    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, None, 0, cols, cmask,
+                                N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
     act = activation_epilogue(acc_g, acc_u, ACTIVATION)
-    h_rows = (s * mt + tile).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _gemm1_task(s, tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt, E_loc, max_tokens, N, K,
-                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
-    """s's ret[me][l][slots, N-slice ns] = h[tile rows] @ W_down[l][slice]ᵀ (stores into s's memory)."""
-    base = tiles_ptr + s * 3 * mt
-    lx = tl.load(base + tile).to(tl.int64)
-    first = tl.load(base + mt + tile)
-    end = tl.load(base + 2 * mt + tile)
-    slots = first + tl.arange(0, BLOCK_M)
-    rmask = slots < end
-    h_rows = (s * mt + tile).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _gemm1_task(tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens, N, K,
+                EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
+    """Each row's source s: s's ret[me][l][slot, N-slice ns] = h[row] @ W_down[l][slice]ᵀ
+    (stored into s's memory)."""
+    lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
+    h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
-    acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx * N * K, None, 0, cols, cmask, K, K, 3,
-                          BLOCK_M, BLOCK_N1, BLOCK_K1, False)
-    dst = peer_region(ret_table, s, h_ptr.dtype.element_ty)
-    rows = (me * E_loc + lx) * max_tokens + slots.to(tl.int64)
-    tl.store(dst + rows[:, None] * N + cols[None, :], acc.to(h_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, None, 0, cols, cmask, K,
+                          K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+    y = acc.to(h_ptr.dtype.element_ty)
+    rows = (me * E_loc + lx).to(tl.int64) * max_tokens + slot
+    for d in range(0, W):
+        dst = peer_region(ret_table, d, h_ptr.dtype.element_ty)
+        m = rmask & (src == d)
+        tl.store(dst + rows[:, None] * N + cols[None, :], y, mask=m[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _publish_done(done_table, me, W, epoch):
+    """done[me] = epoch at every rank (release, system scope): this rank has read their rows and
+    counts for the last time in this call and returned every output row."""
+    for d in range(0, W):
+        tl.atomic_xchg(peer_region(done_table, d, tl.int32) + me, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -293,18 +325,9 @@ def _combine_task(tb, ns, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max
 
 
 @triton.jit
-def _count_and_publish(counter_ptr, target, flag_ptr, epoch):
-    """Count one finished task (acq_rel, system scope, after this program's stores); the one
-    that reaches ``target`` publishes ``*flag_ptr = epoch`` (release, system scope)."""
-    tl.debug_barrier()
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys") == target - 1:
-        tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
-
-
-@triton.jit
 def persistent_dist_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
-    idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, tiles_ptr, h_ptr,  # local workspace
+    idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,  # workspace
     recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
@@ -318,17 +341,13 @@ def persistent_dist_kernel(
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module."""
     epoch = tl.load(state_ptr + EPOCH) + 1
-    ready_ptr = state_ptr + HEAD
-    n_tiles_ptr = ready_ptr + W
-    g1_cnt_ptr = n_tiles_ptr + W
-    g0_done_ptr = g1_cnt_ptr + W
-    tiles_all = W * mt
+    g0_done_ptr = state_ptr + HEAD
     f_index = n_gate
     f_send = f_index + 1
     f_recv = f_send + n_send
     f_g0 = f_recv + W
-    f_g1 = f_g0 + n_k0 * tiles_all
-    f_comb = f_g1 + n_n1 * tiles_all
+    f_g1 = f_g0 + n_k0 * mt
+    f_comb = f_g1 + n_n1 * mt
     task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < task_hi:
         if task < f_index:
@@ -354,47 +373,46 @@ def persistent_dist_kernel(
                     _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
         elif task < f_g0:
             s = (me + task - f_recv) % W  # (this rank's own rows first: they arrive first)
-            n_tiles = 0
             sent = peer_region(sent_table, me, tl.int32)
-            if _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK):
-                n_tiles = _receive_task(s, counts_table, tiles_ptr, me, E_loc, mt, BLOCK_M, BLOCK_J, EL_PAD)
-                if n_tiles == 0:  # nothing to compute for s: s's data here is read already
-                    tl.atomic_xchg(peer_region(done_table, s, tl.int32) + me, epoch, sem="release", scope="sys")
-            tl.store(n_tiles_ptr + s, n_tiles)
+            # (a failed wait still counts: the table is then built from stale counts, which are
+            # bounded, and every later wait of this rank gives up at once on the error record)
+            _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK)
             tl.debug_barrier()
-            tl.atomic_xchg(ready_ptr + s, epoch, sem="release", scope="gpu")
+            if tl.atomic_add(state_ptr + RECV_DONE, 1, sem="acq_rel", scope="gpu") == W - 1:
+                n_tiles = _tile_table(counts_table, offs_ptr, tiles_ptr, me, W, E_loc, mt, BLOCK_M, BLOCK_J, EL_PAD)
+                tl.store(state_ptr + N_TILES, n_tiles)
+                if n_tiles == 0:  # no rows here at all: every source's data here is read already
+                    _publish_done(done_table, me, W, epoch)
+                tl.debug_barrier()
+                tl.atomic_xchg(state_ptr + READY, epoch, sem="release", scope="gpu")
         elif task < f_comb:
-            # GEMM tasks: source range j (source (me + j) % W), then row tile, then slice.
+            # GEMM tasks: row tile, then slice.
             is_g0 = task < f_g1
             n_slices = tl.where(is_g0, n_k0, n_n1)
             first = tl.where(is_g0, f_g0, f_g1)
             rel = task - first
-            j = rel // (mt * n_slices)
-            s = (me + j) % W
-            tile = (rel // n_slices) % mt
+            tile = rel // n_slices
             piece = rel % n_slices
-            within = s * mt + tile
-            ready = _wait(ready_ptr + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, s, epoch, "gpu",
-                          CLOCK)
-            n_tiles = tl.load(n_tiles_ptr + s, volatile=True)
+            ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, me, epoch,
+                          "gpu", CLOCK)
+            n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
             if ready & (tile < n_tiles):
                 if is_g0:
-                    _gemm0_task(s, tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, me, mt, E_loc,
-                                max_tokens, N, K, UP, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
+                    _gemm0_task(tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc,
+                                max_tokens, N, K, UP, ACTIVATION, EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0)
                     tl.debug_barrier()
-                    tl.atomic_add(g0_done_ptr + within, 1, sem="release", scope="gpu")
+                    tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
-                    if _wait(g0_done_ptr + within, n_k0, max_spins, timeout_ns, err_ptr, me, task, WAIT_GEMM0, s,
+                    if _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, me, task, WAIT_GEMM0, tile,
                              epoch, "gpu", CLOCK):
-                        _gemm1_task(s, tile, piece, h_ptr, w_down_ptr, ret_table, tiles_ptr, me, mt,
-                                    E_loc, max_tokens, N, K, BLOCK_M, BLOCK_N1, BLOCK_K1)
-                    _count_and_publish(g1_cnt_ptr + s, n_tiles * n_n1, peer_region(done_table, s, tl.int32) + me,
-                                       epoch)
+                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc,
+                                    max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1)
+                    tl.debug_barrier()  # (every thread's stores before the count: acq_rel, system scope)
+                    if tl.atomic_add(state_ptr + GEMM1_DONE, 1, sem="acq_rel", scope="sys") == n_tiles * n_n1 - 1:
+                        _publish_done(done_table, me, W, epoch)
             else:
-                # Tiles past s's real count are the rest of source range j: skip it (one skip per
-                # source and kind, whatever the slices).
-                tl.atomic_max(state_ptr + QUEUE, first + (j + 1) * mt * n_slices - task_lo, sem="relaxed",
-                              scope="gpu")
+                # Tiles past the real count are the rest of this kind's range: skip it at once.
+                tl.atomic_max(state_ptr + QUEUE, first + mt * n_slices - task_lo, sem="relaxed", scope="gpu")
         else:
             comb = task - f_comb
             tb = comb // n_comb_n
@@ -407,11 +425,13 @@ def persistent_dist_kernel(
     # and publishes the epoch.
     if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
         if final != 0:
-            for t0 in range(0, tiles_all + W, BLOCK_J):
+            for t0 in range(0, mt, BLOCK_J):
                 t = t0 + tl.arange(0, BLOCK_J)
-                tl.store(g1_cnt_ptr + t, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=t < tiles_all + W)
+                tl.store(g0_done_ptr + t, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=t < mt)
             tl.store(state_ptr + GATE_DONE, 0)
             tl.store(state_ptr + SEND_DONE, 0)
+            tl.store(state_ptr + RECV_DONE, 0)
+            tl.store(state_ptr + GEMM1_DONE, 0)
             tl.store(state_ptr + EPOCH, epoch)
         tl.store(state_ptr + QUEUE, 0)
         tl.store(state_ptr + DONE, 0)

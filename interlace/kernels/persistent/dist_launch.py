@@ -74,8 +74,8 @@ class DistSpec:
 
     @property
     def mt_max(self) -> int:
-        """Row tiles per source at the smallest row tile (the local state's GEMM0 counters)."""
-        return dt.max_tiles_per_source(self.max_tokens, self.top_k, self.num_local, ROW_TILES[0])
+        """Row tiles of one rank at the smallest row tile (the local state's GEMM0 counters)."""
+        return dt.max_tiles(self.world, self.max_tokens, self.top_k, self.num_local, ROW_TILES[0])
 
 
 def _views(raw: torch.Tensor, spec: DistSpec) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ class DistBuffer:
     def __init__(self, spec: DistSpec, rank: int, raw: torch.Tensor, kind: str, group=None):
         self.spec, self.rank, self.raw, self.kind, self.group = spec, rank, raw, kind, group
         self.views = _views(raw, spec)
-        self.state = torch.zeros(dt.state_words(spec.world, spec.mt_max), dtype=torch.int32, device=raw.device)
+        self.state = torch.zeros(dt.state_words(spec.mt_max), dtype=torch.int32, device=raw.device)
         self.tables: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -208,8 +208,9 @@ class DistPlan:
         self.weights = (router_weight, expert_bias, w_up, w_down)
         self.weight_ptrs = tuple(0 if w is None else w.data_ptr() for w in self.weights)
         c = self.config = config
-        # (each rank tiles what it receives by its own T: decode ranks see similar counts)
-        block_m = max(ROW_TILES[0], c.rows_per_tile(T, top_k, E))
+        # (a tile holds one expert's rows from all W sources; each rank expects W·T·k/E rows per
+        # expert from its own T: decode ranks see similar counts)
+        block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
         self.block_m = block_m
         block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
         block_s = 16
@@ -219,13 +220,14 @@ class DistPlan:
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
         n_hist = max(1, layout.n_gate) * e_pad
-        ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * 3 * layout.mt,), dtype=torch.int32,
+        ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * el_pad + 3 * layout.mt,), dtype=torch.int32,
                            device=x.device)
         idx, wt, lrank, slot = (ints[i * TK:(i + 1) * TK] for i in range(4))
         rest = ints[4 * TK:]
         hist, base = rest[:n_hist], rest[n_hist:2 * n_hist]
-        counts, tiles = rest[2 * n_hist:2 * n_hist + e_pad], rest[2 * n_hist + e_pad:]
-        h = alloc.empty((spec.world * layout.mt * block_m, K), dtype=x.dtype, device=x.device)
+        rest = rest[2 * n_hist:]
+        counts, offs, tiles = rest[:e_pad], rest[e_pad:e_pad + spec.world * el_pad], rest[e_pad + spec.world * el_pad:]
+        h = alloc.empty((layout.mt * block_m, K), dtype=x.dtype, device=x.device)
         self.workspace = dict(idx=idx, weight=wt.view(torch.float32), slot=slot, counts=counts, tiles=tiles,
                               block_m=block_m, layout=layout)
         self.constexprs = dict(
@@ -237,7 +239,7 @@ class DistPlan:
             W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
-        self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, tiles, h,
+        self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
                          tb["recv"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))

@@ -10,23 +10,26 @@ gate       ``G = ceil(T / BLOCK_T)``               nothing
 index      1                                       this rank's gate tasks (a counter reaches G)
 send       ``max(1, ceil(T / BLOCK_S))``           this rank's index (a flag reaches the epoch)
 receive    ``W`` (one per source rank)             source s's last send task (s's dispatch flag
-                                                   in this rank's table reaches the epoch)
-GEMM0      ``n_k0 · W · MT``                       this rank's receive task of the tile's source
-GEMM1      ``n_n1 · W · MT``                       the receive task; the tile's GEMM0 tasks
-combine    ``max(1, ceil(T / BLOCK_TC)) · n_nc``   each owner's last GEMM1 task for this rank
-                                                   (or its receive task when it got no rows)
+                                                   in this rank's table reaches the epoch); the
+                                                   last receive task also builds the tile table
+GEMM0      ``MT · n_k0``                           the tile table (a flag reaches the epoch)
+GEMM1      ``MT · n_n1``                           the tile table; the tile's GEMM0 tasks
+combine    ``max(1, ceil(T / BLOCK_TC)) · n_nc``   each owner's last GEMM1 task (or its tile
+                                                   table, when it got no rows at all)
 =========  ======================================  ============================================
 
-``MT`` bounds the row tiles that one source's rows to this rank's ``E_loc`` experts make:
-a source sends at most ``R = max_tokens · min(k, E_loc)`` rows here (each token picks an expert
-at most once), and c rows of one expert take ``ceil(c / BLOCK_M)`` tiles, so
-``MT = floor((R + min(E_loc, R) · (BLOCK_M − 1)) / BLOCK_M)``. GEMM tasks are numbered
-source-major (this rank's own rows first, then ``me + 1``, ...: receive tasks go in the same
-order), then row tile, then slice: the tiles past a source's real count are the tail of its
-range, and the first task that finds itself there moves the queue past the range at once
-(``atomic_max``). So the static bound costs one skip per source and kind, not one per task
-(nor one per slice: with ``max_tokens`` 512, a source's range is hundreds of empty tiles at
-decode, and a skip is a round trip of the queue's atomic).
+A row tile holds rows of ONE local expert from ALL sources (expert l's rows, source 0's slots
+first, then source 1's, ...): each touched expert's weights are read once per call, not once
+per source that sent it rows (at decode the layer is a stream of weights, and tiles per
+(source, expert) read them W times).
+
+``MT`` bounds the row tiles that all sources' rows to this rank's ``E_loc`` experts make:
+each source sends at most ``max_tokens · min(k, E_loc)`` rows here (a token picks an expert at
+most once), so ``R = W · max_tokens · min(k, E_loc)``, and c rows of one expert take
+``ceil(c / BLOCK_M)`` tiles, so ``MT = floor((R + min(E_loc, R) · (BLOCK_M − 1)) / BLOCK_M)``.
+GEMM tasks are numbered tile-major, then slice (the slices of one tile run side by side): the
+tiles past the real count are the tail of the kind's range, and the first task that finds
+itself there moves the queue past it at once (``atomic_max``): one skip per kind.
 
 Symmetric regions of one rank (identical layout on every rank; peers write into them)::
 
@@ -42,8 +45,8 @@ A slot is the assignment's rank among its source's assignments to that expert (t
 computes it from the gate's per-block histograms), so sources never write the same address and
 no count exchange precedes the rows. Local state (one int32 tensor per rank, never shared)::
 
-    [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, -, -]  then READY (W), N_TILES (W),
-    GEMM1_CNT (W), GEMM0_DONE (W · MT_max), then the error record (ERROR_WORDS)
+    [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE,
+     -, -, -, -, -, -]  then GEMM0_DONE (MT_max: per row tile), then the error record (ERROR_WORDS)
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ KINDS = ("gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
 # the next (the producer-before-consumer order one GPU launch gets from its waits).
 PHASES = ((GATE, SEND), (RECEIVE, GEMM1), (COMBINE, COMBINE))
 
-EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG = range(6)
-STATE_HEAD = 8
+EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE = range(10)
+STATE_HEAD = 16
 ERROR_WORDS = 8  # [set, rank, wait kind, task, peer rank, value, target, epoch]
 
 WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE = 1, 2, 3, 4, 5, 6
@@ -67,20 +70,20 @@ _WAIT_NAMES = {
     WAIT_GATE: "its gate tasks' counter (index task)",
     WAIT_INDEX: "its index flag (send task)",
     WAIT_SENT: "the dispatch flag of source rank {peer} (rows and counts sent here)",
-    WAIT_READY: "its receive task of source rank {peer} (the tile table)",
-    WAIT_GEMM0: "a row tile's GEMM0 counter (source rank {peer})",
+    WAIT_READY: "its tile table (built after every source's rows arrived)",
+    WAIT_GEMM0: "a row tile's GEMM0 counter (tile {peer})",
     WAIT_DONE: "the return flag of owner rank {peer} (expert outputs returned here)",
 }
 
 
-def state_words(world: int, mt_max: int) -> int:
-    """int32 words of one rank's local state: head, per-source words, GEMM0 counters, error record."""
-    return STATE_HEAD + 3 * world + world * mt_max + ERROR_WORDS
+def state_words(mt_max: int) -> int:
+    """int32 words of one rank's local state: head, per-tile GEMM0 counters, error record."""
+    return STATE_HEAD + mt_max + ERROR_WORDS
 
 
-def max_tiles_per_source(max_tokens: int, top_k: int, num_local: int, block_m: int) -> int:
-    """``MT``: row tiles one source's rows can make on one rank (see the module)."""
-    rows = max_tokens * min(top_k, num_local)
+def max_tiles(world: int, max_tokens: int, top_k: int, num_local: int, block_m: int) -> int:
+    """``MT``: row tiles all sources' rows can make on one rank (see the module)."""
+    rows = world * max_tokens * min(top_k, num_local)
     return (rows + min(num_local, rows) * (block_m - 1)) // block_m
 
 
@@ -102,13 +105,12 @@ class DistLayout:
     def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
               block_s: int, block_m: int, block_k0: int, block_n1: int, block_tc: int, block_nc: int) -> DistLayout:
         return cls(world=world, n_gate=cdiv(T, block_t), n_send=max(1, cdiv(T, block_s)),
-                   mt=max_tiles_per_source(max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
+                   mt=max_tiles(world, max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
                    n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)), n_comb_n=cdiv(N, block_nc))
 
     def counts(self) -> tuple[int, ...]:
         """Tasks of each kind, in kind order."""
-        tiles = self.world * self.mt
-        return (self.n_gate, 1, self.n_send, self.world, self.n_k0 * tiles, self.n_n1 * tiles,
+        return (self.n_gate, 1, self.n_send, self.world, self.n_k0 * self.mt, self.n_n1 * self.mt,
                 self.n_comb_t * self.n_comb_n)
 
     def first(self, kind: int) -> int:
