@@ -273,6 +273,11 @@ class DistPlan:
             programs = sms * _OCCUPANCY.get(self._occupancy_key, 1)
         return max(1, min(programs, n_tasks))
 
+    @property
+    def grid(self) -> int:
+        """Programs of a one-launch call (all tasks)."""
+        return self._programs(self.layout.total)
+
     def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
         """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
         lo_kind, hi_kind = phase if phase is not None else (dt.GATE, dt.COMBINE)
