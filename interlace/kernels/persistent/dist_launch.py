@@ -250,7 +250,7 @@ class DistPlan:
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
-        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c)
+        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c, timeline)
 
     def timeline_records(self) -> list[dict]:
         """The last call's task records (``timeline`` on; a host sync): see

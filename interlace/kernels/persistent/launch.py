@@ -197,7 +197,7 @@ class CallPlan:
         self.state_buffer = state.buffer
         self.workspace = dict(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
                               state=st, block_m=block_m, layout=layout)
-        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c)
+        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline)
         self.programs = self._programs()
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
