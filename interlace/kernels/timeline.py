@@ -108,6 +108,18 @@ class TimelineBuffer:
         return out
 
 
+    def task_records(self, epoch: int, kinds: tuple[str, ...]) -> list[dict]:
+        """One table of task records (the persistent kernels: ``ensure(n_tasks, 0)``, slot = task
+        number): this call's records (host sync), sorted by task, each ``kind`` (its name in
+        ``kinds``), ``pid``, ``sm``, ``task``, ``start``, ``waited``, ``end``, times relative to the
+        call's first start (ns on GPUs, ticks under the interpreter)."""
+        data = self.data[1:1 + self.cap0].cpu()
+        rows = data[data[:, 0] == epoch].tolist()
+        t0 = min((r[5] for r in rows), default=0)
+        return [{"kind": kinds[r[3]], "pid": r[1], "sm": r[2], "task": r[4], "start": r[5] - t0,
+                 "waited": r[6] - t0, "end": r[7] - t0} for r in rows]
+
+
 def layer_capacities(plan, n_blocks0: int, n_slices: int, tokens: int, block_t: int) -> tuple[int, int]:
     """Upper bounds of the work items of layer0 (send tiles + GEMM0 items) and layer1 (GEMM1
     items + combine tasks + push mode's pushes) of a call, from the plan's tile-list sizes (host

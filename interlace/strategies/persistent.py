@@ -53,7 +53,10 @@ it off), ``kernel`` (a :class:`~interlace.kernels.persistent.launch.PersistentKe
 ``wait_timeout_s`` (W > 1 on a GPU: seconds a wait polls before it gives up, default 100: a
 peer's first call of a shape may start late by a whole kernel compile), ``max_tokens`` (W > 1:
 tokens per rank and call the buffers hold), ``task_order`` (``"normal"``; ``"combine_first"``
-breaks the order on purpose, for tests).
+breaks the order on purpose, for tests), ``timeline`` (bool, default False: every task of a call
+records its program, SM, start, end of its waits and end, read by :meth:`timeline_records` and
+drawn by :mod:`interlace.tools.timeline`; calls then run eagerly, without CUDA graphs; off, the
+recording is compiled out).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
 from interlace.kernels.rows import _INTERPRET
+from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.graphs import CudaGraphRecorder
@@ -116,7 +120,7 @@ class PersistentStrategy(Strategy):
 
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int | None = None,
                  task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None,
-                 wait_timeout_s: float = DEFAULT_TIMEOUT_S):
+                 wait_timeout_s: float = DEFAULT_TIMEOUT_S, timeline: bool = False):
         super().__init__(config, ep)
         reason = unsupported(config, ep.world)
         if reason:
@@ -131,6 +135,8 @@ class PersistentStrategy(Strategy):
             raise ValueError(f"strategy option 'task_order' must be one of {TASK_ORDERS}, got {task_order!r}")
         if not isinstance(cuda_graph, bool):
             raise ValueError(f"strategy option 'cuda_graph' must be a bool, got {cuda_graph!r}")
+        if not isinstance(timeline, bool):
+            raise ValueError(f"strategy option 'timeline' must be a bool, got {timeline!r}")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                        or max_tokens < 1):
             raise ValueError(f"strategy option 'max_tokens' must be an int >= 1 or None, got {max_tokens!r}")
@@ -139,6 +145,8 @@ class PersistentStrategy(Strategy):
         self.max_tokens = max_tokens
         self.kernel = kernel or PersistentKernelConfig()
         self.cuda_graph = cuda_graph
+        self.timeline = timeline
+        self._last_plan = None  # (timeline) the plan of the last call: its records
         self.graph_recorder = None  # None: CUDA graphs where possible; tests put an EagerRecorder here
         self._plans: OrderedDict = OrderedDict()  # T → CallPlan
         self._graphs: dict = {}  # T → PersistentGraph (only for token counts that have a plan)
@@ -189,6 +197,7 @@ class PersistentStrategy(Strategy):
         x = x.contiguous()
         plan = self._plan(x, weights)
         recorder = self._recorder(x)
+        self._last_plan = plan
         if recorder is None:
             out = self._launch(plan, x)
         else:
@@ -199,17 +208,18 @@ class PersistentStrategy(Strategy):
     # ---- plans and graphs --------------------------------------------------------------------
     def _new_plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
         cfg = self.config
+        timeline = 0 if not self.timeline else CLOCK_GPU if x.is_cuda and not _INTERPRET else CLOCK_LOGICAL
         router_weight, bias, w_up, w_down = (None if w is None else w.detach() for w in weights)
         if self.ep.world > 1:
             return DistPlan(x, router_weight.contiguous(), bias, w_up.contiguous(), w_down.contiguous(), self.state,
                             top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
                             route_scale=cfg.route_scale, activation=cfg.activation,
                             w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
-                            max_spins=self.max_spins, timeout_s=self.wait_timeout_s)
+                            max_spins=self.max_spins, timeout_s=self.wait_timeout_s, timeline=timeline)
         return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
-                        config=self.kernel, max_spins=self.max_spins, order=self.task_order)
+                        config=self.kernel, max_spins=self.max_spins, order=self.task_order, timeline=timeline)
 
     def _plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
         """Token count T's plan (built again when the weights, dtype or device changed, or the
@@ -226,7 +236,9 @@ class PersistentStrategy(Strategy):
 
     def _recorder(self, x: torch.Tensor):
         """The graph recorder for this call, or None to run it eagerly (``cuda_graph`` off, not
-        CUDA, the interpreter). Tests set ``graph_recorder`` (an EagerRecorder)."""
+        CUDA, the interpreter, the timeline on). Tests set ``graph_recorder`` (an EagerRecorder)."""
+        if self.timeline:
+            return None
         if self.graph_recorder is not None:
             return self.graph_recorder
         if not self.cuda_graph or not x.is_cuda or _INTERPRET or x.shape[0] == 0:
@@ -279,6 +291,19 @@ class PersistentStrategy(Strategy):
         self._graphs.clear()
         self._plans.clear()
         return n
+
+    def timeline_records(self) -> list[dict]:
+        """With ``timeline=True``: one dict per task of this rank's last kernel call, by task
+        number: ``kind`` (a name of ``tasks.TIMELINE_KINDS``, W > 1 ``dist_tasks.TIMELINE_KINDS``;
+        "skip": a GEMM task past the real tiles), ``pid`` (program), ``sm`` (−1 under the
+        interpreter), ``task``, ``start``, ``waited`` (end of its flag waits; = start for a task
+        without one), ``end``: ns on a GPU (ticks of a logical clock under the interpreter),
+        relative to the call's first start. NOTE: a host sync (copies the records)."""
+        if not self.timeline:
+            raise RuntimeError("the timeline is off: build the strategy with timeline=True")
+        if self._last_plan is None:
+            raise RuntimeError("no call yet: the timeline holds the records of the last call")
+        return self._last_plan.timeline_records()
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         """Routing given by the layer (training, forced indices, compiled): ``sequential``."""

@@ -13,6 +13,13 @@ runs the fused layer ``--calls`` times with the timeline on (the last call is dr
 it with the timeline off and on (the recording's cost), checks that both give the same
 output, and writes ``timeline_rank{r}.png`` and ``timeline_rank{r}.json`` to ``--out``
 (default ``$OUT`` or ``bench-out``), with a summary table printed last.
+
+``--strategy persistent`` draws the one-launch persistent kernel's tasks instead (one row per
+program, SM utilization in the summary; :mod:`interlace.tools.task_timeline`), at a decode size
+(``--tokens`` default 128), with plain ``python`` at world size 1 or under torchrun::
+
+    python -m interlace.tools.timeline --strategy persistent --config qwen3-30b-a3b
+    torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -136,19 +143,28 @@ def parse_args(argv=None):
     from interlace.tools.bench import ROUTINGS
 
     p = argparse.ArgumentParser(prog="python -m interlace.tools.timeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", default="fused", choices=("fused", "persistent"))
     p.add_argument("--config", default="qwen2-moe")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: fused 16384, persistent 128)")
     p.add_argument("--routing", default="random", choices=ROUTINGS)
     p.add_argument("--calls", type=int, default=5, help="calls with the timeline on; the last one is drawn")
     p.add_argument("--iters", type=int, default=20, help="timed calls (timeline off, then on); 0 skips timing")
     p.add_argument("--n-comm", type=int, default=None, help="layer0 communication programs (default: tuned/auto)")
     p.add_argument("--n-comm1", type=int, default=None, help="layer1 combine programs (default: tuned/auto)")
+    p.add_argument("--programs", type=int, default=None, help="persistent: the kernel's grid (default: co-resident)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="shrink the config (hidden/ffn ÷ 16; CPU smoke runs)")
     p.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
     args = p.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = 128 if args.strategy == "persistent" else 16384
     if args.calls < 1 or args.tokens < 1:
         p.error("--calls and --tokens must be positive")
+    if args.strategy == "persistent" and (args.routing != "random" or args.n_comm is not None
+                                          or args.n_comm1 is not None):
+        p.error("--strategy persistent routes inside its kernel (--routing random only) and has no --n-comm/--n-comm1")
+    if args.programs is not None and (args.strategy != "persistent" or args.programs < 1):
+        p.error("--programs is a positive grid size of --strategy persistent")
     return args
 
 
@@ -157,6 +173,10 @@ def main(argv=None) -> dict:
     from interlace.layer import MoELayer
 
     args = parse_args(argv)
+    if args.strategy == "persistent":
+        from interlace.tools.task_timeline import run_persistent
+
+        return run_persistent(args)
     env = init_env()
     cfg = bench_config(args.config, args.small)
     opts = {k: v for k, v in (("n_comm", args.n_comm), ("n_comm1", args.n_comm1)) if v is not None}

@@ -1,5 +1,5 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
-interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K, registers and spill stack bytes per spec."""
+interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE], registers and spill stack bytes per spec."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
@@ -10,12 +10,12 @@ from interlace.kernels.persistent.launch import PersistentKernelConfig
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr"}
-i64 = {"recv_table", "ret_table", "counts_table", "sent_table", "done_table"}
+i64 = {"recv_table", "ret_table", "counts_table", "sent_table", "done_table", "timeline_ptr", "timeline_clock"}
 def kind(n, p):
     if p.is_constexpr:
         return "constexpr"
     if n in i64:
-        return "*i64"
+        return "*i64"  # (the timeline's records and clock too: unused with TIMELINE 0)
     if n.endswith("_ptr"):
         return fp.get(n, "*bf16" if n in bf16 else "*i32")
     return "fp32" if n == "scale" else "i64" if n == "timeout_ns" else "i32"
@@ -23,12 +23,12 @@ sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, el_pad, top_k = map(int, spec.split(","))
+    block_m, e_pad, el_pad, top_k, timeline = (list(map(int, spec.split(","))) + [0])[:5]
     k0, n0, n1, k1 = config.tiles(block_m)
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_S=16, BLOCK_NS=256,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
-                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True)
+                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline)
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -203,8 +203,9 @@ from interlace.kernels.persistent.launch import PersistentKernelConfig
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr", "y_ptr"}
-sig = {n: "constexpr" if p.is_constexpr else fp.get(n, "*bf16" if n in bf16 else "*i32") if n.endswith("_ptr")
-       else "fp32" if n == "scale" else "i32" for n, p in zip(names, kernel.params)}
+i64 = {"timeline_ptr": "*i64", "timeline_clock": "*i64"}  # (unused with TIMELINE 0)
+sig = {n: "constexpr" if p.is_constexpr else i64[n] if n in i64 else fp.get(n, "*bf16" if n in bf16 else "*i32")
+       if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:

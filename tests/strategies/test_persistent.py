@@ -320,3 +320,31 @@ def test_landed_error_record_raises_on_the_next_call():
         assert not strategy._record_pending and strategy._record_view[0] == 0
         x = torch.randn(3, 32)
         assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4
+
+
+def test_timeline_option_records_the_last_call_and_runs_eagerly():
+    """``timeline=True``: no CUDA graph (the recorder is never asked), the records of the last
+    call only (task numbers 0 .. total−1 once each at world size 1), the same bits as with the
+    timeline off; errors before a call and with the option off; a non-bool is refused."""
+    from interlace.kernels.persistent.tasks import TIMELINE_KINDS
+
+    layer = graph_layer(timeline=True)
+    off = layer_for("sigmoid", renormalize=True, route_scale=2.5)
+    off.load_state_dict(layer.state_dict())
+    with pytest.raises(RuntimeError, match="no call yet"):
+        layer.strategy.timeline_records()
+    xs = [torch.randn(9, 32), torch.randn(9, 32), torch.randn(4, 32)]
+    with torch.no_grad():
+        outs = [layer(x) for x in xs]
+        for x, out in zip(xs, outs):
+            assert torch.equal(out, off(x))
+    assert CountingRecorder.captures == [] and not layer.strategy._graphs
+    recs = layer.strategy.timeline_records()
+    layout = layer.strategy._plans[4].layout  # the last call's (T = 4), not T = 9's
+    assert [r["task"] for r in recs] == list(range(layout.total))
+    assert {r["kind"] for r in recs} <= set(TIMELINE_KINDS) and recs[0]["kind"] == "gate"
+    assert min(r["start"] for r in recs) == 0 and all(r["start"] <= r["waited"] <= r["end"] for r in recs)
+    with pytest.raises(RuntimeError, match="timeline is off"):
+        off.strategy.timeline_records()
+    with pytest.raises(ValueError, match=r"^strategy option 'timeline' must be a bool, got 'yes'$"):
+        layer_for(strategy_options={"timeline": "yes"})

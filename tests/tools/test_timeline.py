@@ -136,3 +136,54 @@ def test_peer_bandwidth_copy_kernel_copies_every_row_once(tma_store):
         copy_rows(src, torch.empty_like(src), 0)
     with pytest.raises(ValueError, match="one dtype"):
         copy_rows(src, torch.empty(37, 80, dtype=torch.float64), 2)
+
+
+# ---- the persistent kernel's task timeline (interlace.tools.task_timeline) -----------------------
+
+def test_task_summary_utilization_and_png(tmp_path):
+    """SM utilization = Σ (end − waited) of real tasks ÷ (programs × span): skips and waits are
+    idle; a program that took no task still counts in the grid."""
+    from interlace.kernels.persistent.dist_tasks import TIMELINE_KINDS
+    from interlace.tools.task_timeline import draw_tasks, summarize_tasks
+
+    def rec(kind, pid, start, waited, end, task=0):
+        return {"kind": kind, "pid": pid, "sm": pid, "task": task, "start": start, "waited": waited, "end": end}
+
+    records = [rec("gate", 0, 0, 0, 10), rec("send", 1, 2, 5, 15), rec("gemm0", 0, 10, 12, 40),
+               rec("skip", 1, 15, 16, 18), rec("gemm1", 1, 18, 30, 50), rec("combine", 0, 40, 45, 60)]
+    s = summarize_tasks(records, TIMELINE_KINDS, n_programs=3)
+    busy = 10 + 10 + 28 + 20 + 15  # the skip's 2 ticks are not work
+    assert s["busy"] == busy and s["span"] == 60 and s["programs"] == 3
+    assert s["utilization"] == pytest.approx(busy / (3 * 60))
+    assert s["wait"] == 3 + 2 + 1 + 12 + 5 and s["kinds"]["skip"] == {"tasks": 1, "busy": 2, "wait": 1}
+    assert summarize_tasks(records, TIMELINE_KINDS)["programs"] == 2  # default: the programs seen
+    assert summarize_tasks([], TIMELINE_KINDS)["utilization"] is None
+    path = tmp_path / "tasks.png"
+    draw_tasks(records, str(path), "synthetic", TIMELINE_KINDS, unit="ticks", scale=1.0, n_programs=3)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    with pytest.raises(ValueError, match="no timeline records"):
+        draw_tasks([], str(tmp_path / "empty.png"), "empty", TIMELINE_KINDS)
+
+
+def test_persistent_cli_world1(tmp_path, capsys):
+    """``python -m interlace.tools.timeline --strategy persistent`` at world size 1 (the
+    interpreter): the same output with the timeline on and off, a PNG and a JSON whose records
+    cover the call, the summary table printed last; bad flag combinations refused."""
+    import json
+
+    from interlace.tools.timeline import main, parse_args
+
+    summary = main(["--strategy", "persistent", "--config", "mixtral-8x7b", "--small", "--tokens", "2",
+                    "--calls", "2", "--iters", "0", "--out", str(tmp_path)])
+    assert summary["same_output"] is True and 0 < summary["utilization"] <= 1
+    out = capsys.readouterr().out
+    assert "SM utilization" in out and "| 0 | 3 |" in out
+    assert (tmp_path / "timeline_rank0.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((tmp_path / "timeline_rank0.json").read_text())
+    tasks = [dict(zip(data["fields"], r))["task"] for r in data["records"]]
+    assert tasks == sorted(set(tasks)) and tasks[0] == 0
+    assert parse_args(["--strategy", "persistent"]).tokens == 128 and parse_args([]).tokens == 16384
+    for bad in (["--strategy", "persistent", "--routing", "skewed"], ["--programs", "4"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

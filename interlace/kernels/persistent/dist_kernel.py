@@ -69,6 +69,7 @@ from interlace.kernels.comet.flags import peer_region
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.kernel import _gate_task
+from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
 QUEUE = tl.constexpr(dt.QUEUE)
@@ -87,6 +88,15 @@ WAIT_SENT = tl.constexpr(dt.WAIT_SENT)
 WAIT_READY = tl.constexpr(dt.WAIT_READY)
 WAIT_GEMM0 = tl.constexpr(dt.WAIT_GEMM0)
 WAIT_DONE = tl.constexpr(dt.WAIT_DONE)
+# Timeline record kinds: dt.TIMELINE_KINDS (the task kinds, then skip).
+REC_GATE = tl.constexpr(dt.GATE)
+REC_INDEX = tl.constexpr(dt.INDEX)
+REC_SEND = tl.constexpr(dt.SEND)
+REC_RECEIVE = tl.constexpr(dt.RECEIVE)
+REC_GEMM0 = tl.constexpr(dt.GEMM0)
+REC_GEMM1 = tl.constexpr(dt.GEMM1)
+REC_COMBINE = tl.constexpr(dt.COMBINE)
+REC_SKIP = tl.constexpr(dt.SKIP)
 
 
 @triton.jit
@@ -332,14 +342,21 @@ def persistent_dist_kernel(
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
     n_gate, n_send, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
+    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
     W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, CLOCK: tl.constexpr,
+    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
-    """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module."""
+    """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module.
+
+    TIMELINE (:mod:`interlace.kernels.timeline`): every task taken writes one record into slot
+    = its task number: [epoch, program, SM, kind (dt.TIMELINE_KINDS), task, start, end of its
+    waits, end]; the GEMM task that skips the rest of its source's range is kind "skip" (the
+    tasks skipped over are never taken and have no record)."""
     epoch = tl.load(state_ptr + EPOCH) + 1
     g0_done_ptr = state_ptr + HEAD
     f_index = n_gate
@@ -350,21 +367,30 @@ def persistent_dist_kernel(
     f_comb = f_g1 + n_n1 * mt
     task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < task_hi:
+        t_start = timeline_now(timeline_clock, TIMELINE)
+        t_waited = t_start
+        rec_kind = tl.full((), REC_GATE, tl.int32)
         if task < f_index:
             _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
                        TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
-            if _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, me, task, WAIT_GATE, me, epoch,
-                     "gpu", CLOCK):
+            gated = _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, me, task, WAIT_GATE, me,
+                          epoch, "gpu", CLOCK)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_INDEX, tl.int32)
+            if gated:
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
                             TOP_K, BLOCK_T, BLOCK_A)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
-            if _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me, epoch,
-                     "gpu", CLOCK):
+            indexed = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me,
+                            epoch, "gpu", CLOCK)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_SEND, tl.int32)
+            if indexed:
                 _send_task(task - f_send, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N,
                            TOP_K, BLOCK_S, BLOCK_NS)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
@@ -377,6 +403,8 @@ def persistent_dist_kernel(
             # (a failed wait still counts: the table is then built from stale counts, which are
             # bounded, and every later wait of this rank gives up at once on the error record)
             _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_RECEIVE, tl.int32)
             tl.debug_barrier()
             if tl.atomic_add(state_ptr + RECV_DONE, 1, sem="acq_rel", scope="gpu") == W - 1:
                 n_tiles = _tile_table(counts_table, offs_ptr, tiles_ptr, me, W, E_loc, mt, BLOCK_M, BLOCK_J, EL_PAD)
@@ -396,6 +424,8 @@ def persistent_dist_kernel(
             ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, me, epoch,
                           "gpu", CLOCK)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if ready & (tile < n_tiles):
                 if is_g0:
                     _gemm0_task(tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc,
@@ -403,8 +433,10 @@ def persistent_dist_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
-                    if _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, me, task, WAIT_GEMM0, tile,
-                             epoch, "gpu", CLOCK):
+                    tile_ready = _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, me, task,
+                                       WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
+                    t_waited = timeline_now(timeline_clock, TIMELINE)
+                    if tile_ready:
                         _gemm1_task(tile, piece, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc,
                                     max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1)
                     tl.debug_barrier()  # (every thread's stores before the count: acq_rel, system scope)
@@ -416,10 +448,16 @@ def persistent_dist_kernel(
         else:
             comb = task - f_comb
             tb = comb // n_comb_n
-            if _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task,
-                             epoch, TOP_K, BLOCK_TC, CLOCK):
+            returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns,
+                                     task, epoch, TOP_K, BLOCK_TC, CLOCK)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_COMBINE, tl.int32)
+            if returned:
                 _combine_task(tb, comb % n_comb_n, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T,
                               N, TOP_K, BLOCK_TC, BLOCK_NC)
+        if TIMELINE:
+            timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
+                            t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
         task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     # The last program out resets the queue; after the call's last launch, also the counters,
     # and publishes the epoch.

@@ -31,7 +31,9 @@ from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
 from interlace.kernels.launch import launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
-from interlace.kernels.persistent.launch import ROW_TILES, PersistentKernelConfig, _programs_per_sm
+from interlace.kernels.persistent.launch import (
+    ROW_TILES, PersistentKernelConfig, _programs_per_sm, timeline_args, timeline_buffer,
+)
 from interlace.kernels.rows import _INTERPRET
 
 _ALIGN = 256
@@ -190,7 +192,8 @@ class DistPlan:
     def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
                  w_up: torch.Tensor, w_down: torch.Tensor, buf: DistBuffer, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
-                 config: PersistentKernelConfig, max_spins: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 config: PersistentKernelConfig, max_spins: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 timeline: int = 0):
         spec = buf.spec
         T, N = x.shape
         if T > spec.max_tokens:
@@ -236,7 +239,8 @@ class DistPlan:
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
-            W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET)
+            W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET,
+            TIMELINE=timeline)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
@@ -245,8 +249,16 @@ class DistPlan:
                          int(max_spins), int(timeout_s * 1e9))
         self._layout_args = (layout.n_gate, layout.n_send, layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t,
                              layout.n_comb_n)
+        self.timeline = timeline_buffer(x.device, timeline, layout.total)
+        self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
-        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c)
+        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c, timeline)
+
+    def timeline_records(self) -> list[dict]:
+        """The last call's task records (``timeline`` on; a host sync): see
+        :meth:`~interlace.kernels.timeline.TimelineBuffer.task_records`, kinds
+        :data:`~dist_tasks.TIMELINE_KINDS`."""
+        return self.timeline.task_records(int(self.buf.state[dt.EPOCH]), dt.TIMELINE_KINDS)
 
     def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
         return (x.shape[0] == self.T and x.dtype == self.dtype and x.device == self.device
@@ -263,6 +275,11 @@ class DistPlan:
             programs = sms * _OCCUPANCY.get(self._occupancy_key, 1)
         return max(1, min(programs, n_tasks))
 
+    @property
+    def grid(self) -> int:
+        """Programs of a one-launch call (all tasks)."""
+        return self._programs(self.layout.total)
+
     def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
         """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
         lo_kind, hi_kind = phase if phase is not None else (dt.GATE, dt.COMBINE)
@@ -274,7 +291,8 @@ class DistPlan:
             x = out = self._dummy
         programs = self._programs(task_hi - task_lo)
         final = int(hi_kind == dt.COMBINE)
-        args = (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi, final)
+        args = (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi, final,
+                *self._timeline_args)
         compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.config.num_warps,
                           num_stages=self.config.num_stages, **self.constexprs)
         if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:

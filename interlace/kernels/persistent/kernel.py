@@ -52,6 +52,7 @@ from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import tasks
 from interlace.kernels.router_gemm import _piece
 from interlace.kernels.router_topk import scores_and_top_k
+from interlace.kernels.timeline import timeline_now, timeline_record
 
 # The state words and wait kinds of tasks.py as constexprs (a kernel may read only constexpr globals).
 EPOCH = tl.constexpr(tasks.EPOCH)
@@ -65,6 +66,13 @@ WAIT_GATE = tl.constexpr(tasks.WAIT_GATE)
 WAIT_INDEX = tl.constexpr(tasks.WAIT_INDEX)
 WAIT_GEMM0 = tl.constexpr(tasks.WAIT_GEMM0)
 WAIT_GEMM1 = tl.constexpr(tasks.WAIT_GEMM1)
+# Timeline record kinds (tasks.TIMELINE_KINDS).
+REC_GATE = tl.constexpr(tasks.TIMELINE_KINDS.index("gate"))
+REC_INDEX = tl.constexpr(tasks.TIMELINE_KINDS.index("index"))
+REC_GEMM0 = tl.constexpr(tasks.TIMELINE_KINDS.index("gemm0"))
+REC_GEMM1 = tl.constexpr(tasks.TIMELINE_KINDS.index("gemm1"))
+REC_COMBINE = tl.constexpr(tasks.TIMELINE_KINDS.index("combine"))
+REC_SKIP = tl.constexpr(tasks.TIMELINE_KINDS.index("skip"))
 
 
 @triton.jit
@@ -247,14 +255,20 @@ def persistent_moe_kernel(
     state_ptr, err_ptr, gemm0_done_ptr,  # persistent: (STATE_WORDS,), (ERROR_WORDS,), (≥ max_tiles,) int32
     T, N, K, E, UP, scale, max_spins, n_programs,
     n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n,
+    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr,
     BLOCK_NC: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     ACTIVATION: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ORDER: tl.constexpr,
+    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
 ):
     """One MoE layer call; see the module. ORDER 1 (tests only) dequeues the combine tasks right
-    after the index, before the GEMM tasks: a broken order the waits must catch."""
+    after the index, before the GEMM tasks: a broken order the waits must catch.
+
+    TIMELINE (:mod:`interlace.kernels.timeline`): every task taken writes one record into slot
+    = its task number: [epoch, program, SM, kind (tasks.TIMELINE_KINDS), task, start, end of its
+    waits, end]; a GEMM task past the real tile count is recorded as kind "skip"."""
     epoch = tl.load(state_ptr + EPOCH) + 1
     n_gemm0 = max_tiles * n_k0
     n_gemm1 = max_tiles * n_n1
@@ -263,12 +277,18 @@ def persistent_moe_kernel(
     total = first_gemm + n_gemm0 + n_gemm1 + n_comb
     task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < total:
+        t_start = timeline_now(timeline_clock, TIMELINE)
+        t_waited = t_start
+        rec_kind = tl.full((), REC_GATE, tl.int32)
         if task < n_gate:
             _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
                        TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:
-            if _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch):
+            gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_INDEX, tl.int32)
+            if gated:
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr,
                             state_ptr, n_gate, max_tiles, T * TOP_K, E_PAD, TOP_K, BLOCK_T, BLOCK_M, BLOCK_A,
                             BLOCK_J)
@@ -285,26 +305,37 @@ def persistent_moe_kernel(
                 rel = rel - n_comb
             ready = _wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, task, WAIT_INDEX, 0, epoch)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
             if is_comb:
                 if ready:
                     ready = _wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, err_ptr, task,
                                            WAIT_GEMM1, 0, epoch)
+                t_waited = timeline_now(timeline_clock, TIMELINE)
+                rec_kind = tl.full((), REC_COMBINE, tl.int32)
                 if ready:
                     _combine_task(comb // n_comb_n, comb % n_comb_n, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K,
                                   BLOCK_TC, BLOCK_NC)
             elif rel < n_gemm0:
                 tile = rel % max_tiles
+                rec_kind = tl.where(tile < n_tiles, REC_GEMM0, REC_SKIP)
                 if ready & (tile < n_tiles):  # (a task past the real tiles exits: nobody waits for it)
                     _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
                                 TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
                     _signal(gemm0_done_ptr + tile)
             else:
                 tile = (rel - n_gemm0) % max_tiles
+                rec_kind = tl.where(tile < n_tiles, REC_GEMM1, REC_SKIP)
                 if ready & (tile < n_tiles):
-                    if _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0, tile, epoch):
+                    tile_ready = _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0,
+                                                tile, epoch)
+                    t_waited = timeline_now(timeline_clock, TIMELINE)
+                    if tile_ready:
                         _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
                                     K, BLOCK_M, BLOCK_N1, BLOCK_K1)
                     _signal(state_ptr + GEMM1_DONE)
+        if TIMELINE:
+            timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
+                            t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
         task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     # The last program out resets the counters for the next call and publishes its epoch.
     if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:

@@ -18,8 +18,11 @@ from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
 from interlace.kernels.launch import direct_launcher, launch, next_power_of_2
 from interlace.kernels.launch import hooked as launch_hooked
 from interlace.kernels.persistent.kernel import persistent_moe_kernel
-from interlace.kernels.persistent.tasks import ERROR_WORDS, STATE_WORDS, TASK_ORDERS, TaskLayout, describe_error
+from interlace.kernels.persistent.tasks import (
+    EPOCH, ERROR_WORDS, STATE_WORDS, TASK_ORDERS, TIMELINE_KINDS, TaskLayout, describe_error,
+)
 from interlace.kernels.rows import _INTERPRET
+from interlace.kernels.timeline import TimelineBuffer
 
 DEFAULT_SPINS = 1 << 22  # polls of one wait before it gives up (seconds on a GPU; never reached when correct)
 
@@ -158,7 +161,7 @@ class CallPlan:
     def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
                  w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
-                 config: PersistentKernelConfig, max_spins: int, order: str):
+                 config: PersistentKernelConfig, max_spins: int, order: str, timeline: int = 0):
         if order not in TASK_ORDERS:
             raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
         for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
@@ -194,7 +197,7 @@ class CallPlan:
         self.state_buffer = state.buffer
         self.workspace = dict(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
                               state=st, block_m=block_m, layout=layout)
-        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c)
+        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline)
         self.programs = self._programs()
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
@@ -202,15 +205,16 @@ class CallPlan:
             BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
             ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
-            ORDER=TASK_ORDERS.index(order),
+            ORDER=TASK_ORDERS.index(order), TIMELINE=timeline,
         )
         # The arguments between x and out, and after out (the last one, the grid, set per launch).
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up,
                               w_down)
         self._rest_args = (idx, wt, lrank, row_of, asg_of, hist, base, offs, tiles, h, y, st, err, gemm0_done,
                            T, N, K, E, up_width, float(route_scale), int(max_spins))
+        self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._layout_args = (layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t,
-                             layout.n_comb_n)
+                             layout.n_comb_n, *timeline_args(self.timeline))
         self._direct = None
 
     def _programs(self) -> int:
@@ -223,6 +227,11 @@ class CallPlan:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             programs = sms * _OCCUPANCY.get(self._occupancy_key, 1)
         return max(1, min(programs, self.layout.total))
+
+    def timeline_records(self) -> list[dict]:
+        """The last call's task records (``timeline`` on; a host sync): see
+        :meth:`TimelineBuffer.task_records`, kinds :data:`~tasks.TIMELINE_KINDS`."""
+        return self.timeline.task_records(int(self.state_buffer[EPOCH]), TIMELINE_KINDS)
 
     def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
         """Whether this plan runs ``x`` with these weights (same T, dtype, device, weight
@@ -254,6 +263,26 @@ class CallPlan:
             if x.data_ptr() % 16 == 0:
                 self._direct = direct_launcher(persistent_moe_kernel, args, kwargs)
         return out
+
+
+def timeline_buffer(device: torch.device, mode: int, n_tasks: int) -> TimelineBuffer | None:
+    """A record table of ``n_tasks`` slots (one per task number) for timeline ``mode`` (1 GPU
+    clock, 2 logical clock; 0: None, the kernel's recording compiled out)."""
+    if mode not in (0, 1, 2):
+        raise ValueError(f"timeline mode must be 0, 1 or 2, got {mode!r}")
+    if not mode:
+        return None
+    buf = TimelineBuffer(device, mode)
+    buf.ensure(n_tasks, 0)
+    return buf
+
+
+def timeline_args(buf: TimelineBuffer | None) -> tuple:
+    """The kernels' (records, clock, cap) arguments: None, None, 0 with the timeline off."""
+    if buf is None:
+        return None, None, 0
+    records, clock, cap, _ = buf.args(0)
+    return records, clock, cap
 
 
 def weight_ptrs(router_weight, expert_bias, w_up, w_down) -> tuple:

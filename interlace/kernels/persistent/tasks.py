@@ -49,6 +49,11 @@ _WAIT_NAMES = {
     WAIT_GEMM1: "the GEMM1 counter (a combine task waits for every GEMM1 task of a real tile)",
 }
 
+# Kinds of the kernel's timeline records (``TIMELINE`` on; :mod:`interlace.kernels.timeline`), by
+# index: the five task kinds in task-number order, then "skip" (a GEMM task past the real tile count:
+# it takes its number, reads the tile count and exits).
+TIMELINE_KINDS = ("gate", "index", "gemm0", "gemm1", "combine", "skip")
+
 # Task orders: "normal" is the only correct one; "combine_first" (tests only) dequeues the
 # combine tasks right after the index, before any GEMM task, which must be caught.
 TASK_ORDERS = ("normal", "combine_first")
