@@ -12,7 +12,8 @@ routing × mode it:
    barrier before each timed call, the median of the timed calls, the slowest rank's median;
 4. reports × floor (and, forward, × decode floor), speedup over naive, TFLOP/s and peak memory,
    with the ceilings (bf16 matmul 8192³, peer copy GPU0→GPU1 and its latency, HBM read)
-   measured in the same run.
+   measured in the same run (the peer ones by rank 0 while the other ranks wait on the host:
+   interlace/tools/bench_timing.py).
 
 Floor (docs/benchmarking.md): ``max(FLOPs / matmul peak, 2 × remote bytes / peer bandwidth)`` with
 FLOPs = 2·T·k·N·3·K and remote bytes = T·k·(W−1)/W·N·2. Forward+backward: 3× the FLOPs term
@@ -41,6 +42,9 @@ from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
 from interlace.env import settings
+from interlace.tools.bench_timing import (  # noqa: F401 — re-exported: the tools import these from here
+    barrier, measure_hbm_read_tbps, measure_matmul_tflops, measure_peer_gbps, measure_peer_latency_us, reduce_max,
+    time_cpu, time_cuda)
 
 ROUTINGS = ("random", "balanced", "skewed", "local")
 ZIPF_EXPONENT = 1.2
@@ -73,108 +77,6 @@ def init_env() -> Env:
         rank, world, group = 0, 1, None
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return Env(rank, world, device, group)
-
-
-def barrier(env: Env) -> None:
-    if env.world > 1:
-        dist.barrier(device_ids=[env.device.index]) if env.cuda else dist.barrier()
-
-
-def reduce_max(env: Env, value: float) -> float:
-    if env.world == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-# ----------------------------------------------------------------------------- ceilings
-def measure_matmul_tflops(env: Env, size: int = 8192, iters: int = 10) -> float | None:
-    """bf16 matmul size³ on random data, median of ``iters`` after 3 warm-ups (TFLOP/s)."""
-    if not env.cuda:
-        return None
-    a = torch.randn(size, size, device=env.device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=env.device, dtype=torch.bfloat16)
-    times = time_cuda(lambda: a @ b, warmup=3, iters=iters, env=None)
-    a = b = None  # free 256 MiB before the layer runs
-    return 2 * size**3 / (statistics.median(times) * 1e-3) / 1e12
-
-
-def measure_peer_gbps(env: Env, nbytes: int = 1 << 30, iters: int = 10) -> float | None:
-    """Peer copy GPU0 → GPU1 (``copy_`` of a 1 GiB buffer) measured by rank 0 (GB/s)."""
-    if not env.cuda or torch.cuda.device_count() < 2:
-        return None
-    result = torch.zeros(1, dtype=torch.float64, device=env.device)
-    if env.rank == 0:
-        src = torch.randn(nbytes // 4, device="cuda:0")
-        dst = torch.empty(nbytes // 4, device="cuda:1")
-        times = time_cuda(lambda: dst.copy_(src), warmup=3, iters=iters, env=None)
-        result[0] = nbytes / (statistics.median(times) * 1e-3) / 1e9
-        del src, dst
-        torch.cuda.synchronize("cuda:1")
-    if env.world > 1:
-        dist.broadcast(result, 0)
-    return float(result.item())
-
-
-def measure_peer_latency_us(env: Env, iters: int = 50) -> float | None:
-    """One-way peer latency GPU0 → GPU1 (µs): the median time of a 4 KiB ``copy_``, measured by
-    rank 0. The decode floor counts two (dispatch and combine)."""
-    if not env.cuda or torch.cuda.device_count() < 2:
-        return None
-    result = torch.zeros(1, dtype=torch.float64, device=env.device)
-    if env.rank == 0:
-        src = torch.ones(1024, device="cuda:0")
-        dst = torch.empty(1024, device="cuda:1")
-        result[0] = statistics.median(time_cuda(lambda: dst.copy_(src), warmup=5, iters=iters, env=None)) * 1e3
-        torch.cuda.synchronize("cuda:1")
-    if env.world > 1:
-        dist.broadcast(result, 0)
-    return float(result.item())
-
-
-def measure_hbm_read_tbps(env: Env, nbytes: int = 4 << 30, iters: int = 10) -> float | None:
-    """HBM read bandwidth (TB/s): a sum over a ``nbytes`` bf16 buffer (a read with a negligible
-    write), the slowest rank's median. The decode floor's weight term divides by it."""
-    if not env.cuda:
-        return None
-    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=env.device)
-    # (torch.sum takes ``out`` only with ``dim``; the 4-byte result's allocation is noise)
-    times = time_cuda(lambda: torch.sum(buf, dtype=torch.float32), warmup=3, iters=iters, env=None)
-    del buf
-    tbps = nbytes / (statistics.median(times) * 1e-3) / 1e12
-    return -reduce_max(env, -tbps)
-
-
-# ----------------------------------------------------------------------------- timing
-def time_cuda(fn, warmup: int, iters: int, env: Env | None) -> list[float]:
-    """Milliseconds per call with CUDA events (a barrier across ranks before each timed call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if env is not None:
-            barrier(env)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def time_cpu(fn, warmup: int, iters: int, env: Env) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        barrier(env)
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -220,6 +122,7 @@ class Row:
     x_floor: float | None = None
     decode_floor_ms: float | None = None
     x_decode_floor: float | None = None
+    weight_bytes: int | None = None  # forward: touched expert weight bytes of the busiest rank (decode floor)
     speedup_vs_naive: float | None = None
     tflops: float | None = None
     peak_gib: float | None = None
@@ -388,6 +291,7 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         if row.floor_ms:
             row.x_floor = row.median_ms / row.floor_ms
         if weight_bytes is not None:
+            row.weight_bytes = weight_bytes
             row.decode_floor_ms = decode_floor_ms(row.floor_ms, weight_bytes, ceilings.get("hbm_tbps"), env.world,
                                                   ceilings.get("peer_latency_us"))
             if row.decode_floor_ms:
