@@ -30,10 +30,12 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 
 # One entry per table source. Keys: section (prefill, decode, training, hf, scaling, planner, auto), table
 # (the table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
-# bench, weak_scaling, mesh, facts, hf_models, auto_grid, soak), file or files (under benchmarks/results/;
-# auto_grid reads JSON lines), title, and where the
+# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, soak), file or
+# files (under benchmarks/results/; auto_grid reads JSON lines), title, and where the
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
-# compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table).
+# compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
+# peer_latency_us (decode_bench: the latency in µs its decode floor counts twice, None for none; default
+# the run's own).
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
 #   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
 #        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
@@ -84,6 +86,23 @@ SOURCES = [
          notes=["The bench computes × decode floor (touched expert weights ÷ HBM read bandwidth measured in the "
                 "run, two peer latencies; docs/benchmarking.md) since commit 9c8c1b7; this table predates it, so "
                 "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
+    dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
+         title="Decode, 2× H200: every strategy side by side against the decode floor",
+         device="2× NVIDIA H200", date="2026-11-26", commit="7216fe5", peer_latency_us=None,
+         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --configs qwen3-30b-a3b mixtral-8x7b dsv3-like "
+                 "--tokens 1 8 32 128 512 --strategies fused sequential persistent auto --interleave --out DIR",
+         notes=["ms: CUDA events around the whole layer call, a barrier before each timed call, the median of 20 "
+                "timed calls after 5 warm-ups, the slowest rank's median; `--interleave` times the strategies "
+                "round-robin (call i of each back to back). Every strategy's output checked against `naive` "
+                "before and after timing.",
+                "Decode floor: the largest of the prefill floor (FLOPs ÷ matmul peak, peer bytes ÷ peer bandwidth) "
+                "and the touched expert weights of the busiest rank ÷ the HBM read bandwidth measured in the run. "
+                "This run mis-measured the peer latency (rank 0 timed its copies while rank 1 waited in an NCCL "
+                "broadcast, 2312 µs), so the page leaves that term out and recomputes × decode floor from the "
+                "other terms; the run also predates the bench recording touched weight bytes per row (the line above the table "
+                "says what the page counts instead).",
+                "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: "
+                "its decision for the row's token count (predicted from the profile or measured by calibration)."]),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
@@ -129,7 +148,7 @@ SOURCES = [
 SECTIONS = [
     ("prefill", "Prefill / inference forward",
      "Random routing (softmax top-k over random router weights), bf16. Training-size token counts per GPU."),
-    ("decode", "Decode", "128 and 512 tokens per GPU, random routing, bf16."),
+    ("decode", "Decode", "1 to 512 tokens per GPU, random routing, bf16."),
     ("training", "Training (forward + backward)",
      "One training call: forward, then backward with a random output gradient; floor with 3× the FLOPs term."),
     ("hf", "Hugging Face models",
@@ -369,7 +388,93 @@ def persistent_decode_table(src):
     return lines + [""]
 
 
-KINDS = {"bench": bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
+DECODE_ORDER = ("naive", "fused", "sequential", "persistent")  # then any others as they appear, auto last
+
+
+def _weight_bytes_bound(config, tokens, world):
+    """For rows written before the bench recorded ``weight_bytes``: the expert weight bytes of
+    min(E / W, W·T·k) local experts, an upper bound on what the busiest rank touches (None for
+    a name that is no preset)."""
+    if ROOT not in sys.path:  # run as a script from anywhere
+        sys.path.insert(0, ROOT)
+    from interlace.config import PRESETS, preset  # only here: the page needs no torch otherwise
+    if config not in PRESETS:
+        return None
+    cfg = preset(config)
+    experts = min(cfg.num_experts // world, world * tokens * cfg.top_k)
+    return experts * (cfg.up_width + cfg.ffn) * cfg.hidden * cfg.dtype.itemsize
+
+
+def decode_bench_table(src):
+    """A bench ``results.json`` of forward decode rows as one line per (config, tokens, routing):
+    each strategy's ms side by side, the decode floor recomputed from the row's own terms
+    (prefill floor, ``weight_bytes`` ÷ the run's HBM read bandwidth, two peer latencies: the
+    source's ``peer_latency_us`` when it gives one, None to leave that term out, else the run's),
+    × decode floor of ``persistent`` and of the fastest strategy (``auto`` aside: it runs one of
+    the others), and what ``auto`` ran."""
+    data = load(src["file"])
+    meta = data.get("meta", {})
+    ceilings = meta.get("ceilings") or {}
+    hbm, world = ceilings.get("hbm_tbps"), meta.get("world", 1)
+    latency = src["peer_latency_us"] if "peer_latency_us" in src else ceilings.get("peer_latency_us")
+    rows = [r for r in data["rows"] if r.get("mode", "fwd") == "fwd"]
+    seen = list(dict.fromkeys(r["strategy"] for r in rows))
+    order = [s for s in DECODE_ORDER if s in seen] + [s for s in seen if s not in DECODE_ORDER and s != "auto"]
+    order += ["auto"] if "auto" in seen else []
+    routings = len({r.get("routing", "random") for r in rows}) > 1
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["config"], r["tokens"], r.get("routing", "random")), {})[r["strategy"]] = r
+    lines = header(src, meta)
+    head = ["config", "tokens/GPU"] + (["routing"] if routings else []) + [f"{s} ms" for s in order] + [
+        "decode floor ms"] + (["persistent × decode floor"] if "persistent" in order else []) + [
+        "fastest", "fastest × decode floor", "auto ran"]
+    table, bounded = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], 0
+    fastest_count = bar_large = bar_small = large = small = 0
+    for (config, tokens, routing), by in cases.items():
+        ok = {s: r["median_ms"] for s, r in by.items() if r.get("status", "ok") == "ok" and r.get("median_ms")}
+        floor = next((r["floor_ms"] for r in by.values() if r.get("floor_ms") is not None), None)
+        weights = next((r["weight_bytes"] for r in by.values() if r.get("weight_bytes") is not None), None)
+        estimated = weights is None and not meta.get("small")
+        if estimated:
+            weights = _weight_bytes_bound(config, tokens, world)
+        terms = [floor, weights / (hbm * 1e12) * 1e3 if weights is not None and hbm else None,
+                 2 * latency * 1e-3 if world > 1 and latency else None]
+        decode = max(t for t in terms if t is not None) if floor is not None and terms[1] is not None else None
+        mark = "≥" if estimated and decode else ""
+        bounded += bool(mark)
+        ratio = lambda ms: f"{mark}{ms / decode:.2f}" if ms and decode else "–"
+        contest = {s: ms for s, ms in ok.items() if s != "auto"}
+        best = min(contest, key=contest.get) if contest else None
+        cells = [config, str(tokens)] + ([routing] if routings else [])
+        cells += [fmt(ok.get(s), ".3f") if s in ok else by[s].get("status", "–") if s in by else "–" for s in order]
+        cells.append(fmt(decode, ".3f"))
+        persistent = ok.get("persistent")
+        if "persistent" in order:
+            cells.append(ratio(persistent))
+            fastest_count += best == "persistent"
+            if persistent and decode:
+                if tokens >= 128:
+                    large, bar_large = large + 1, bar_large + (persistent <= 1.5 * decode)
+                else:
+                    small, bar_small = small + 1, bar_small + (persistent <= 2 * decode or persistent - decode <= 0.030)
+        choice = (by.get("auto") or {}).get("choice") or "–"
+        cells += [best or "–", ratio(contest.get(best)), choice.split(",")[0] + (")" if "," in choice else "")]
+        table.append("| " + " | ".join(cells) + " |")
+    lines.append(f"HBM read bandwidth (this run): {fmt(hbm, '.2f')} TB/s; peer latency in the floor: "
+                 + (f"{latency:.1f} µs" if world > 1 and latency else "none") + ".")
+    if "persistent" in order:
+        lines[-1] += (f" `persistent` fastest on {fastest_count} of {len(cases)} rows; within 1.5× the decode floor "
+                      f"at ≥ 128 tokens on {bar_large} of {large}; within 2× or 30 µs of it below 128 tokens on "
+                      f"{bar_small} of {small}.")
+    if bounded:
+        lines[-1] += (f" On {bounded} rows the run recorded no touched weight bytes: their floor counts "
+                      "min(E / W, W·T·k) local experts (an upper bound), so their × decode floor (≥) is a lower bound "
+                      "and the counts above are optimistic on them.")
+    return lines + [""] + table + [""]
+
+
+KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
          "hf_models": hf_models_table, "auto_grid": auto_grid_table, "soak": soak_table}
 
 

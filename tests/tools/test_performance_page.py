@@ -71,3 +71,45 @@ def test_new_kinds_draw_their_scripts_rows_and_show_missing_parts_as_dashes(tmp_
     assert "| p | 16384 | sequential | 2.000 | fused | 2.200 | 1.100 | 3.0 |" in grid_lines
     assert "ran the fastest candidate on 2 of 3" in summary and "median 100 µs per call" in summary
     assert "overhead median 7.0 ms, max 30.0 ms" in summary
+
+
+def test_decode_bench_draws_one_line_per_case_with_every_strategy_and_the_decode_floor(tmp_path, monkeypatch):
+    gen = _generator()
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+
+    def case(tokens, floor, weight_bytes, ms, choice):
+        rows = []
+        for strategy, t in ms.items():
+            status = "WRONG" if t is None else "ok"
+            rows.append(dict(config="c", tokens=tokens, routing="random", mode="fwd", strategy=strategy, world=2,
+                             status=status, median_ms=t, floor_ms=None if t is None else floor,
+                             weight_bytes=None if t is None else weight_bytes,
+                             choice=choice if strategy == "auto" else None))
+        return rows
+
+    # 4 TB/s HBM; peer latency 5 µs (two of them: 0.010 ms)
+    rows = (case(128, 0.1, 2_000_000_000, dict(naive=2.0, fused=1.0, sequential=1.5, persistent=0.6, auto=1.02),
+                 "fused (measured, calibration 3.0 ms over the winner)")  # floor 0.5 ms: HBM term
+            + case(8, 0.01, 400_000_000, dict(naive=0.9, persistent=0.4, fused=0.3, sequential=None, auto=0.41),
+                   "persistent (predicted)")  # floor 0.1 ms: persistent 4×, fused fastest
+            + case(1, 0.001, 4_000_000, dict(naive=0.5, fused=0.05, sequential=0.08, persistent=0.035, auto=0.05),
+                   "fused (predicted)"))  # floor 0.010 ms: the two peer latencies; persistent within 30 µs
+    rows.append(dict(rows[0], mode="fwdbwd", median_ms=9.0))  # training rows are not decode rows
+    meta = dict(world=2, device="GPU", ceilings=dict(matmul_tflops=900.0, peer_gbps=400.0, hbm_tbps=4.0,
+                                                      peer_latency_us=5.0))
+    (tmp_path / "d.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    src = dict(section="decode", table="t", title="T", date="d", commit="c", file="d.json")
+    lines = gen.decode_bench_table(src)
+    assert ("| config | tokens/GPU | naive ms | fused ms | sequential ms | persistent ms | auto ms | decode floor ms "
+            "| persistent × decode floor | fastest | fastest × decode floor | auto ran |") in lines
+    assert "| c | 128 | 2.000 | 1.000 | 1.500 | 0.600 | 1.020 | 0.500 | 1.20 | persistent | 1.20 | fused (measured) |" in lines
+    assert "| c | 8 | 0.900 | 0.300 | WRONG | 0.400 | 0.410 | 0.100 | 4.00 | fused | 3.00 | persistent (predicted) |" in lines
+    assert "| c | 1 | 0.500 | 0.050 | 0.080 | 0.035 | 0.050 | 0.010 | 3.50 | persistent | 3.50 | fused (predicted) |" in lines
+    assert sum(line.startswith("| c |") for line in lines) == 3
+    summary = next(line for line in lines if line.startswith("HBM read bandwidth"))
+    assert summary == ("HBM read bandwidth (this run): 4.00 TB/s; peer latency in the floor: 5.0 µs. `persistent` "
+                       "fastest on 2 of 3 rows; within 1.5× the decode floor at ≥ 128 tokens on 1 of 1; within 2× "
+                       "or 30 µs of it below 128 tokens on 1 of 2.")
+    # A source may leave a mis-measured peer latency out: the 1-token floor is then its HBM term, 0.001 ms.
+    lines = gen.decode_bench_table(dict(src, peer_latency_us=None))
+    assert "| c | 1 | 0.500 | 0.050 | 0.080 | 0.035 | 0.050 | 0.001 | 35.00 | persistent | 35.00 | fused (predicted) |" in lines
