@@ -72,6 +72,7 @@ from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
 from interlace.kernels.rows import _INTERPRET
+from interlace.parallel.peer_buffer import on_release
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
 from interlace.strategies.base import Strategy, register_strategy
@@ -346,6 +347,16 @@ class PersistentStrategy(Strategy):
 
 
 _DIST_BUFFERS: dict = {}  # (transport, group, device, spec) → DistBuffer shared by the process's layers
+
+
+def _release_dist_buffers() -> None:
+    """:func:`interlace.parallel.release_shared_buffers` drops these too (each holds its group
+    and, on GPUs, ``W · E_loc · max_tokens · N`` elements of symmetric memory twice); a layer
+    that still holds one keeps it, and the next new layer makes a fresh one."""
+    _DIST_BUFFERS.clear()
+
+
+on_release(_release_dist_buffers)
 
 
 def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:

@@ -166,6 +166,13 @@ def _gloo_persistent(rank, world):
     with pytest.raises(ValueError, match=r"^persistent: 17 tokens exceed max_tokens=16"):
         with torch.no_grad():
             layer(torch.randn(17, 32))
+    # release_shared_buffers drops the process's W > 1 buffers; this layer keeps its own
+    from interlace.parallel import release_shared_buffers
+    from interlace.strategies.persistent import _DIST_BUFFERS
+
+    assert list(_DIST_BUFFERS.values()) == [buf]
+    release_shared_buffers()
+    assert not _DIST_BUFFERS and layer.strategy.state is buf
 
 
 @pytest.mark.parametrize("world", [2, 4])
