@@ -102,7 +102,17 @@ SOURCES = [
                 "other terms; the run also predates the bench recording touched weight bytes per row (the line above the table "
                 "says what the page counts instead).",
                 "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: "
-                "its decision for the row's token count (predicted from the profile or measured by calibration)."]),
+                "its decision for the row's token count (predicted from the profile or measured by calibration). "
+                "`auto` does not consider `persistent` at world size > 1 yet.",
+                "`persistent` here: one launch per rank and call, row tiles of one expert over every source's rows "
+                "(each touched expert's weights read once); the same commit passed tests/gpu/persistent_dist_check.py "
+                "(uneven and zero-token ranks, skew, graph replays, bitwise repeatability) on qwen3-30b-a3b and "
+                "mixtral-8x7b. phi3.5-moe, qwen2-moe and flashdmoe-cfg were not run at this commit."]),
+    dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
+         title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 tokens per GPU",
+         device="2× NVIDIA H200", date="2026-11-26", commit="7216fe5",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
+                 "qwen3-30b-a3b --tokens 128 --out $OUT"),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
@@ -391,17 +401,18 @@ def persistent_decode_table(src):
 DECODE_ORDER = ("naive", "fused", "sequential", "persistent")  # then any others as they appear, auto last
 
 
-def _weight_bytes_bound(config, tokens, world):
+def _expected_weight_bytes(config, tokens, world):
     """For rows written before the bench recorded ``weight_bytes``: the expert weight bytes of
-    min(E / W, W·T·k) local experts, an upper bound on what the busiest rank touches (None for
-    a name that is no preset)."""
+    the local experts one rank can expect to touch under uniform routing (docs/benchmarking.md):
+    E / W · (1 − (1 − 1/E)^(W·T·k)) experts (None for a name that is no preset)."""
     if ROOT not in sys.path:  # run as a script from anywhere
         sys.path.insert(0, ROOT)
     from interlace.config import PRESETS, preset  # only here: the page needs no torch otherwise
     if config not in PRESETS:
         return None
     cfg = preset(config)
-    experts = min(cfg.num_experts // world, world * tokens * cfg.top_k)
+    E = cfg.num_experts
+    experts = E // world * (1 - (1 - 1 / E) ** (world * tokens * cfg.top_k))
     return experts * (cfg.up_width + cfg.ffn) * cfg.hidden * cfg.dtype.itemsize
 
 
@@ -437,11 +448,11 @@ def decode_bench_table(src):
         weights = next((r["weight_bytes"] for r in by.values() if r.get("weight_bytes") is not None), None)
         estimated = weights is None and not meta.get("small")
         if estimated:
-            weights = _weight_bytes_bound(config, tokens, world)
+            weights = _expected_weight_bytes(config, tokens, world)
         terms = [floor, weights / (hbm * 1e12) * 1e3 if weights is not None and hbm else None,
                  2 * latency * 1e-3 if world > 1 and latency else None]
         decode = max(t for t in terms if t is not None) if floor is not None and terms[1] is not None else None
-        mark = "≥" if estimated and decode else ""
+        mark = "≈" if estimated and decode else ""
         bounded += bool(mark)
         ratio = lambda ms: f"{mark}{ms / decode:.2f}" if ms and decode else "–"
         contest = {s: ms for s, ms in ok.items() if s != "auto"}
@@ -468,9 +479,10 @@ def decode_bench_table(src):
                       f"at ≥ 128 tokens on {bar_large} of {large}; within 2× or 30 µs of it below 128 tokens on "
                       f"{bar_small} of {small}.")
     if bounded:
-        lines[-1] += (f" On {bounded} rows the run recorded no touched weight bytes: their floor counts "
-                      "min(E / W, W·T·k) local experts (an upper bound), so their × decode floor (≥) is a lower bound "
-                      "and the counts above are optimistic on them.")
+        lines[-1] += (f" On {bounded} rows the run recorded no touched weight bytes: their floor counts the local "
+                      "experts a rank can expect to touch under uniform routing, E / W · (1 − (1 − 1/E)^(W·T·k)), "
+                      "so their × decode floor (≈) is an estimate (exact where every expert is touched: 128 tokens "
+                      "and more on these presets).")
     return lines + [""] + table + [""]
 
 
