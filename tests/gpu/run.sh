@@ -8,6 +8,10 @@
 #                               tolerance), with compiled and eager step times
 #   4. tests/gpu/persistent_check.py the persistent strategy (world size 1, GPU 0) against the fp32
 #                               reference: token counts, skewed routing, NaN rows, repeatability, stress
+#   5. tests/gpu/persistent_sim_check.py the W > 1 persistent kernel with simulated ranks on GPU 0
+#                               (phases as launches: a memory fault names its launch)
+#   6. tests/gpu/persistent_dist_check.py the W > 1 persistent strategy on every GPU against a
+#                               distributed fp32 reference (uneven, empty, skewed, graph replays)
 # usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
 # Exits non-zero if any check fails. Logs go to $OUT (default bench-out/gpu-check).
 set -uo pipefail
@@ -33,6 +37,11 @@ python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/compile_check.p
   2>&1 | tee "$OUT/compile_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
 CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/persistent_check.py 2>&1 | tee "$OUT/persistent_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/persistent_sim_check.py 2>&1 | tee "$OUT/persistent_sim_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/persistent_dist_check.py \
+  2>&1 | tee "$OUT/persistent_dist_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
 echo "gpu checks: $([[ $status == 0 ]] && echo passed || echo FAILED)"
 exit $status

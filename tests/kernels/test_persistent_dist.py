@@ -283,3 +283,23 @@ def test_kernel_builds_for_sm90():
     assert set(built) == set(specs)
     for spec, (regs, stack) in built.items():
         assert regs <= 255 and stack <= 2048, f"{spec}: {regs} registers, {stack} bytes of spill stack"
+
+
+def test_single_device_check_script_passes_and_catches_a_dropped_phase(monkeypatch, capsys):
+    """tests/gpu/persistent_sim_check.py --smoke (the single-GPU debugging path of the W > 1
+    kernel) passes on the CPU, and fails when the receive/GEMM phase runs before the sends."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "persistent_sim_check.py"
+    spec = importlib.util.spec_from_file_location("persistent_sim_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke"]) == 0
+    assert "0 failed checks" in capsys.readouterr().out
+    A, B, C = dt.PHASES
+    monkeypatch.setattr(script, "run_simulated", lambda plans, xs: run_simulated(plans, xs, (B, A, C)))
+    monkeypatch.setattr(script, "DistPlan", lambda *a, **kw: DistPlan(*a, **{**kw, "max_spins": 20}))
+    assert script.main(["--smoke"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL tokens per rank" in out and "FAIL rank 0: persistent MoE kernel, rank 0" in out
