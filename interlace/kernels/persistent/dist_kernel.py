@@ -355,7 +355,7 @@ def persistent_dist_kernel(
 
     TIMELINE (:mod:`interlace.kernels.timeline`): every task taken writes one record into slot
     = its task number: [epoch, program, SM, kind (dt.TIMELINE_KINDS), task, start, end of its
-    waits, end]; the GEMM task that skips the rest of its source's range is kind "skip" (the
+    waits, end]; the GEMM task that skips the rest of its kind's range is kind "skip" (the
     tasks skipped over are never taken and have no record)."""
     epoch = tl.load(state_ptr + EPOCH) + 1
     g0_done_ptr = state_ptr + HEAD

@@ -58,8 +58,8 @@ from interlace.kernels.launch import cdiv
 GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = range(7)
 KINDS = ("gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
 # Kinds of the kernel's timeline records (``TIMELINE`` on; :mod:`interlace.kernels.timeline`), by
-# index: the task kinds above, then "skip" (the GEMM task that finds itself past its source's real
-# tiles and moves the queue past the rest of the range; the tasks jumped over have no record).
+# index: the task kinds above, then "skip" (the GEMM task that finds itself past the real row
+# tiles and moves the queue past the rest of its kind's range; the tasks jumped over have no record).
 SKIP = len(KINDS)
 TIMELINE_KINDS = KINDS + ("skip",)
 # Phases of the simulated and staged transports: every rank runs a phase before any rank runs
