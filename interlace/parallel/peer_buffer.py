@@ -79,24 +79,31 @@ class BufferSpec:
             "flags0": ((self.world, self.num_local, self.tiles_per_segment), torch.int32),
             "flags1": ((self.world, self.num_slices), torch.int32),
         }
-        out, offset = {}, 0
-        for name, (shape, dtype) in shapes.items():
-            out[name] = (offset, shape, dtype)
-            nbytes = dtype.itemsize
-            for s in shape:
-                nbytes *= s
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        out["_total"] = (offset, (), torch.uint8)
-        return out
+        return pack_regions(shapes)
 
     @property
     def nbytes(self) -> int:
         return self.regions()["_total"][0]
 
 
-def _views(raw: torch.Tensor, spec: BufferSpec) -> dict[str, torch.Tensor]:
+def pack_regions(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+    """name → (byte offset, shape, dtype) of regions laid out one after another in one
+    allocation, each at a multiple of 256 bytes; ``"_total"``: the allocation's bytes."""
+    out, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        out[name] = (offset, shape, dtype)
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    out["_total"] = (offset, (), torch.uint8)
+    return out
+
+
+def region_views(raw: torch.Tensor, regions: dict) -> dict[str, torch.Tensor]:
+    """Typed views of the :func:`pack_regions` regions of a uint8 allocation ``raw``."""
     views = {}
-    for name, (offset, shape, dtype) in spec.regions().items():
+    for name, (offset, shape, dtype) in regions.items():
         if name.startswith("_"):
             continue
         n = 1
@@ -104,6 +111,10 @@ def _views(raw: torch.Tensor, spec: BufferSpec) -> dict[str, torch.Tensor]:
             n *= s
         views[name] = raw[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
     return views
+
+
+def _views(raw: torch.Tensor, spec: BufferSpec) -> dict[str, torch.Tensor]:
+    return region_views(raw, spec.regions())
 
 
 class PeerBuffer:

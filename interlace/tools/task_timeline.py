@@ -49,6 +49,19 @@ def summarize_tasks(records: list[dict], kinds: tuple[str, ...], n_programs: int
     return out
 
 
+def save_and_gather(out: str, env, summary: dict, records: list[dict]) -> list[dict]:
+    """Write this rank's ``timeline_rank{r}.json`` (the summary, then the records as rows of
+    ``fields``) to ``out``; return every rank's summary (an all-gather at W > 1)."""
+    with open(os.path.join(out, f"timeline_rank{env.rank}.json"), "w") as f:
+        fields = list(records[0]) if records else []
+        json.dump({"summary": summary, "fields": fields, "records": [[r[k] for k in fields] for r in records]}, f)
+    summaries = [summary]
+    if env.world > 1:
+        summaries = [None] * env.world
+        dist.all_gather_object(summaries, summary)
+    return summaries
+
+
 # ----------------------------------------------------------------------------- drawing
 def draw_tasks(records: list[dict], path: str, title: str, kinds: tuple[str, ...], unit: str = "µs",
                scale: float = 1e-3, n_programs: int | None = None) -> None:
@@ -155,13 +168,7 @@ def run_persistent(args) -> dict:
                n_programs)
     summary = summarize_tasks(records, kinds, n_programs)
     summary.update(rank=env.rank, unit=unit, scale=scale, same_output=same, times_ms=times, title=title)
-    with open(os.path.join(args.out, f"timeline_rank{env.rank}.json"), "w") as f:
-        fields = list(records[0]) if records else []
-        json.dump({"summary": summary, "fields": fields, "records": [[r[k] for k in fields] for r in records]}, f)
-    summaries = [summary]
-    if env.world > 1:
-        summaries = [None] * env.world
-        dist.all_gather_object(summaries, summary)
+    summaries = save_and_gather(args.out, env, summary, records)
     if env.rank == 0:
         print(task_summary_table(summaries, kinds, args.iters))
     if dist.is_initialized():

@@ -25,7 +25,6 @@ program, SM utilization in the summary; :mod:`interlace.tools.task_timeline`), a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -214,13 +213,9 @@ def main(argv=None) -> dict:
     draw_timeline(records, png, title, unit, scale, (n_comm, n_comm1), strategy.engine.n_programs)
     summary = summarize(records)
     summary.update(rank=env.rank, unit=unit, scale=scale, same_output=same, times_ms=times, title=title)
-    with open(os.path.join(args.out, f"timeline_rank{env.rank}.json"), "w") as f:
-        fields = list(records[0]) if records else []
-        json.dump({"summary": summary, "fields": fields, "records": [[r[k] for k in fields] for r in records]}, f)
-    summaries = [summary]
-    if env.world > 1:
-        summaries = [None] * env.world
-        dist.all_gather_object(summaries, summary)
+    from interlace.tools.task_timeline import save_and_gather
+
+    summaries = save_and_gather(args.out, env, summary, records)
     if env.rank == 0:
         print(summary_table(summaries, args))
     if dist.is_initialized():

@@ -65,10 +65,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from interlace.kernels.comet.flags import peer_region
+from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.kernel import _gate_task
+from interlace.kernels.persistent.kernel import _gate_task, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
@@ -125,13 +125,7 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
     ok = value >= target
     if not ok:
         if tl.atomic_cas(err_ptr, 0, 1) == 0:
-            tl.store(err_ptr + 1, me)
-            tl.store(err_ptr + 2, kind)
-            tl.store(err_ptr + 3, task)
-            tl.store(err_ptr + 4, peer)
-            tl.store(err_ptr + 5, value)
-            tl.store(err_ptr + 6, target)
-            tl.store(err_ptr + 7, epoch)
+            record_error_fields(err_ptr, me, kind, task, peer, value, target, epoch)
     return ok
 
 
@@ -210,21 +204,8 @@ def _tile_table(counts_table, offs_ptr, tiles_ptr, me, W, E_loc, mt, BLOCK_M: tl
     for s in range(0, W):
         tl.store(offs_ptr + s * EL_PAD + lo, total)
         total += tl.load(counts + s * E_loc + lo, mask=lmask, other=0, volatile=True)
-    n_tiles_l = (total + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(n_tiles_l, axis=0)
-    tile_beg = tile_end - n_tiles_l
-    n_tiles = tl.sum(n_tiles_l, axis=0)
-    for j0 in range(0, n_tiles, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
-        expert = tl.sum(tl.where(inside, lo[None, :], 0), axis=1)
-        first = tl.sum(tl.where(inside, (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
-        end = tl.sum(tl.where(inside, total[None, :], 0), axis=1)
-        jmask = j < n_tiles
-        tl.store(tiles_ptr + j, expert, mask=jmask)
-        tl.store(tiles_ptr + mt + j, first, mask=jmask)
-        tl.store(tiles_ptr + 2 * mt + j, end, mask=jmask)
-    return n_tiles
+    # (a local expert's rows of all sources are rows 0 .. total − 1 of that expert)
+    return store_tile_table(tiles_ptr, mt, total, tl.zeros((EL_PAD,), dtype=tl.int32), lo, BLOCK_M, BLOCK_J)
 
 
 @triton.jit

@@ -35,8 +35,8 @@ from interlace.kernels.persistent.launch import (
     ROW_TILES, PersistentKernelConfig, _programs_per_sm, timeline_args, timeline_buffer,
 )
 from interlace.kernels.rows import _INTERPRET
+from interlace.parallel.peer_buffer import pack_regions, region_views
 
-_ALIGN = 256
 # Seconds a wait polls on a GPU before it gives up. Generous: a peer's first call of a shape can
 # start late by a whole kernel compile on its host (this rank polls meanwhile).
 DEFAULT_TIMEOUT_S = 100.0
@@ -60,15 +60,7 @@ class DistSpec:
         W, L, M, N = self.world, self.num_local, self.max_tokens, self.hidden
         shapes = {"recv": ((W, L, M, N), self.dtype), "ret": ((W, L, M, N), self.dtype),
                   "counts": ((W, L), torch.int32), "sent": ((W,), torch.int32), "done": ((W,), torch.int32)}
-        out, offset = {}, 0
-        for name, (shape, dtype) in shapes.items():
-            out[name] = (offset, shape, dtype)
-            n = dtype.itemsize
-            for s in shape:
-                n *= s
-            offset += -(-n // _ALIGN) * _ALIGN
-        out["_total"] = (offset, (), torch.uint8)
-        return out
+        return pack_regions(shapes)
 
     @property
     def nbytes(self) -> int:
@@ -81,14 +73,7 @@ class DistSpec:
 
 
 def _views(raw: torch.Tensor, spec: DistSpec) -> dict[str, torch.Tensor]:
-    views = {}
-    for name, (offset, shape, dtype) in spec.regions().items():
-        if not name.startswith("_"):
-            n = 1
-            for s in shape:
-                n *= s
-            views[name] = raw[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
-    return views
+    return region_views(raw, spec.regions())
 
 
 class DistBuffer:

@@ -149,6 +149,29 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
 
 
 @triton.jit
+def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The row-tile table of experts with ``rows`` rows each (vectors over the experts; expert
+    ``experts[i]``'s rows start at row ``starts[i]``), BLOCK_M rows a tile, in expert order:
+    tiles_ptr[j], [stride + j], [2·stride + j] = expert, first row, end row of tile j. Returns
+    the number of tiles (shared with the W > 1 kernel's table)."""
+    n_tiles_e = (rows + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles_e, axis=0)
+    tile_beg = tile_end - n_tiles_e
+    n_tiles = tl.sum(n_tiles_e, axis=0)
+    for j0 in range(0, n_tiles, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
+        expert = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
+        first = tl.sum(tl.where(inside, starts[None, :] + (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
+        end = tl.sum(tl.where(inside, (starts + rows)[None, :], 0), axis=1)
+        jmask = j < n_tiles
+        tl.store(tiles_ptr + j, expert, mask=jmask)
+        tl.store(tiles_ptr + stride + j, first, mask=jmask)
+        tl.store(tiles_ptr + 2 * stride + j, end, mask=jmask)
+    return n_tiles
+
+
+@triton.jit
 def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr, state_ptr,
                 n_gate, max_tiles, TK, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr):
@@ -162,20 +185,7 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row
     ends = tl.cumsum(running, axis=0)
     starts = ends - running
     tl.store(offs_ptr + cols, starts)
-    n_tiles_e = (running + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(n_tiles_e, axis=0)
-    tile_beg = tile_end - n_tiles_e
-    n_tiles = tl.sum(n_tiles_e, axis=0)
-    for j0 in range(0, max_tiles, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
-        expert = tl.sum(tl.where(inside, cols[None, :], 0), axis=1)
-        first = tl.sum(tl.where(inside, starts[None, :] + (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
-        end = tl.sum(tl.where(inside, ends[None, :], 0), axis=1)
-        jmask = j < n_tiles
-        tl.store(tiles_ptr + j, expert, mask=jmask)
-        tl.store(tiles_ptr + max_tiles + j, first, mask=jmask)
-        tl.store(tiles_ptr + 2 * max_tiles + j, end, mask=jmask)
+    n_tiles = store_tile_table(tiles_ptr, max_tiles, running, starts, cols, BLOCK_M, BLOCK_J)
     tl.debug_barrier()  # the bases and offsets above are read back below by other threads
     for a0 in range(0, TK, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)
