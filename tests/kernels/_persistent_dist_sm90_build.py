@@ -8,7 +8,7 @@ from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as k
 from interlace.kernels.persistent.launch import PersistentKernelConfig
 
 names = [p.name for p in kernel.params]
-fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
+fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "logits_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr"}
 i64 = {"recv_table", "ret_table", "counts_table", "sent_table", "done_table", "timeline_ptr", "timeline_clock"}
 def kind(n, p):
@@ -25,7 +25,7 @@ config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
     block_m, e_pad, el_pad, top_k, timeline = (list(map(int, spec.split(","))) + [0])[:5]
     k0, n0, n1, k1 = config.tiles(block_m)
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_S=16, BLOCK_NS=256,
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=16, BLOCK_G=256, BLOCK_S=16, BLOCK_NS=256,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline)

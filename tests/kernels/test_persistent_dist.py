@@ -303,3 +303,18 @@ def test_single_device_check_script_passes_and_catches_a_dropped_phase(monkeypat
     assert script.main(["--smoke"]) == 1
     out = capsys.readouterr().out
     assert "FAIL tokens per rank" in out and "FAIL rank 0: persistent MoE kernel, rank 0" in out
+
+
+@pytest.mark.parametrize("Ts", [[6], [0]])
+def test_one_launch_runs_every_task(Ts):
+    """The one-launch call (phase None, what a GPU rank runs) must cover every task kind. With one
+    rank the interpreter can run it (its programs run one after another, and every wait is on an
+    earlier task of the same rank); a launch that starts past the logits tasks times out."""
+    w = World(1, Ts, max_spins=1 << 10)
+    layout = w.plans[0].layout
+    assert layout.task_range(None) == (0, layout.total)
+    ranges = [layout.task_range(p) for p in dt.PHASES]
+    assert ranges[0][0] == 0 and ranges[-1][1] == layout.total
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+    w.assert_matches(w.run(phases=(None,)))
+    w.check_all()

@@ -127,7 +127,7 @@ def expected_dist_kinds(plan, me, W, rows_from):
     ``rows_from[s]``: rows per local expert from source s."""
     lay = plan.layout
     want = {}
-    for kind in (dt.GATE, dt.INDEX, dt.SEND, dt.RECEIVE, dt.COMBINE):
+    for kind in (dt.LOGITS, dt.GATE, dt.INDEX, dt.SEND, dt.RECEIVE, dt.COMBINE):
         for t in range(lay.first(kind), lay.first(kind) + lay.counts()[kind]):
             want[t] = dt.TIMELINE_KINDS[kind]
     n_tiles = sum(cdiv(int(c), plan.block_m) for c in sum(rows_from))
@@ -168,7 +168,9 @@ def test_dist_records_every_taken_task_once_with_the_calls_epoch():
         assert {r["task"]: r["kind"] for r in recs} == want
         assert len(recs) == len(want)  # one record per task
         check_times([r for r in recs if r["kind"] != "skip"],
-                    {"index", "send", "receive", "gemm0", "gemm1", "combine"})
+                    {"gate", "index", "send", "receive", "gemm0", "gemm1", "combine"})
+        gate = [r for r in recs if r["kind"] == "gate"]
+        assert gate and all(r["waited"] > max(q["end"] for q in recs if q["kind"] == "logits") for r in gate)
         index = next(r for r in recs if r["kind"] == "index")
         assert index["waited"] > max(r["end"] for r in recs if r["kind"] == "gate")
         assert all(r["waited"] > index["end"] for r in recs if r["kind"] == "send")

@@ -68,13 +68,15 @@ from triton.language.extra.cuda import globaltimer
 from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.kernel import _gate_task, store_tile_table
+from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
 QUEUE = tl.constexpr(dt.QUEUE)
 DONE = tl.constexpr(dt.DONE)
 GATE_DONE = tl.constexpr(dt.GATE_DONE)
+LOGITS_DONE = tl.constexpr(dt.LOGITS_DONE)
+WAIT_LOGITS = tl.constexpr(dt.WAIT_LOGITS)
 SEND_DONE = tl.constexpr(dt.SEND_DONE)
 INDEX_FLAG = tl.constexpr(dt.INDEX_FLAG)
 RECV_DONE = tl.constexpr(dt.RECV_DONE)
@@ -89,6 +91,7 @@ WAIT_READY = tl.constexpr(dt.WAIT_READY)
 WAIT_GEMM0 = tl.constexpr(dt.WAIT_GEMM0)
 WAIT_DONE = tl.constexpr(dt.WAIT_DONE)
 # Timeline record kinds: dt.TIMELINE_KINDS (the task kinds, then skip).
+REC_LOGITS = tl.constexpr(dt.LOGITS)
 REC_GATE = tl.constexpr(dt.GATE)
 REC_INDEX = tl.constexpr(dt.INDEX)
 REC_SEND = tl.constexpr(dt.SEND)
@@ -130,6 +133,37 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
 
 
 @triton.jit
+def _logits_task(g, eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """logits[tokens of block g, experts of block eb] (fp32, rows of E_PAD): the router GEMM
+    split over expert blocks, so one token block's gate is many programs' work (one program's
+    pass over the whole router weight is a latency-bound chain of N / BLOCK_G loads)."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES,
+                       DOT_FP32)
+    tl.store(logits_ptr + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
+             mask=tmask[:, None] & (cols[None, :] < E))
+
+
+@triton.jit
+def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, TOP_K: tl.constexpr,
+                 K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SOFTMAX: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Token block g's top-k from its logits rows (the world-1 gate's choice rule)."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = tl.arange(0, E_PAD)
+    emask = cols < E
+    acc = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :],
+                  mask=tmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
+    logits = tl.where(emask[None, :], acc, float("-inf"))
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
+                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
+
+
+@triton.jit
 def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, E_PAD: tl.constexpr,
                 TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
     """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
@@ -153,26 +187,27 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_
 
 
 @triton.jit
-def _send_task(sb, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
+def _send_task(sb, ns, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
                BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
-    """Tokens [sb·BLOCK_S, ...): each row into recv[me][e − owner·E_loc][slot] of owner = e // E_loc."""
+    """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each row into
+    recv[me][e − owner·E_loc][slot] of owner = e // E_loc (a task per column slice: one
+    program's stores over NVLink are latency bound, so the rows go out from many programs)."""
     tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     tmask = tokens < T
-    for n0 in range(0, N, BLOCK_NS):
-        cols = n0 + tl.arange(0, BLOCK_NS)
-        cmask = cols < N
-        v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
-                    other=0.0)
-        for j in tl.static_range(TOP_K):
-            a = tokens.to(tl.int64) * TOP_K + j
-            e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-            slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-            owner = e // E_loc
-            row = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
-            for d in range(0, W):
-                dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
-                m = tmask & (owner == d)
-                tl.store(dst + row[:, None] * N + cols[None, :], v, mask=m[:, None] & cmask[None, :])
+    cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
+    cmask = cols < N
+    v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
+                other=0.0)
+    for j in tl.static_range(TOP_K):
+        a = tokens.to(tl.int64) * TOP_K + j
+        e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+        slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
+        owner = e // E_loc
+        row = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
+        for d in range(0, W):
+            dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
+            m = tmask & (owner == d)
+            tl.store(dst + row[:, None] * N + cols[None, :], v, mask=m[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -318,14 +353,14 @@ def _combine_task(tb, ns, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max
 @triton.jit
 def persistent_dist_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
-    idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,  # workspace
+    logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
     recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
-    n_gate, n_send, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
+    n_logits, n_eb, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
@@ -340,7 +375,8 @@ def persistent_dist_kernel(
     tasks skipped over are never taken and have no record)."""
     epoch = tl.load(state_ptr + EPOCH) + 1
     g0_done_ptr = state_ptr + HEAD
-    f_index = n_gate
+    f_gate = n_logits
+    f_index = f_gate + n_gate
     f_send = f_index + 1
     f_recv = f_send + n_send
     f_g0 = f_recv + W
@@ -350,10 +386,20 @@ def persistent_dist_kernel(
     while task < task_hi:
         t_start = timeline_now(timeline_clock, TIMELINE)
         t_waited = t_start
-        rec_kind = tl.full((), REC_GATE, tl.int32)
-        if task < f_index:
-            _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
-                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
+        rec_kind = tl.full((), REC_LOGITS, tl.int32)
+        if task < f_gate:
+            _logits_task(task // n_eb, task % n_eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD, BLOCK_T, BLOCK_E,
+                         BLOCK_G, W_PIECES, DOT_FP32)
+            tl.debug_barrier()
+            tl.atomic_add(state_ptr + LOGITS_DONE, 1, sem="release", scope="gpu")
+        elif task < f_index:
+            have_logits = _wait(state_ptr + LOGITS_DONE, n_logits, max_spins, timeout_ns, err_ptr, me, task,
+                                WAIT_LOGITS, me, epoch, "gpu", CLOCK)
+            t_waited = timeline_now(timeline_clock, TIMELINE)
+            rec_kind = tl.full((), REC_GATE, tl.int32)
+            if have_logits:
+                _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
+                             TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
@@ -372,8 +418,8 @@ def persistent_dist_kernel(
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
-                _send_task(task - f_send, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N,
-                           TOP_K, BLOCK_S, BLOCK_NS)
+                _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, x_ptr, idx_ptr, slot_ptr, recv_table,
+                           me, W, E_loc, max_tokens, T, N, TOP_K, BLOCK_S, BLOCK_NS)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
                 tl.debug_barrier()
                 if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
@@ -447,6 +493,7 @@ def persistent_dist_kernel(
             for t0 in range(0, mt, BLOCK_J):
                 t = t0 + tl.arange(0, BLOCK_J)
                 tl.store(g0_done_ptr + t, tl.zeros((BLOCK_J,), dtype=tl.int32), mask=t < mt)
+            tl.store(state_ptr + LOGITS_DONE, 0)
             tl.store(state_ptr + GATE_DONE, 0)
             tl.store(state_ptr + SEND_DONE, 0)
             tl.store(state_ptr + RECV_DONE, 0)

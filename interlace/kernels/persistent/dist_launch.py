@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
-from interlace.kernels.launch import launch, next_power_of_2
+from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.launch import (
@@ -201,15 +201,20 @@ class DistPlan:
         block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
         self.block_m = block_m
         block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
-        block_s = 16
+        block_s, block_ns = 16, min(256, next_power_of_2(N))
+        # The router GEMM in (token block, expert block) tasks of BLOCK_E experts, BLOCK_GL of N
+        # per step (a (BLOCK_GL, BLOCK_E) fp32 tile of the router weight per load).
+        block_e, block_gl = 16, 256
         self.layout = layout = dt.DistLayout.build(
-            T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_s=block_s, block_m=block_m,
-            block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc, block_nc=c.block_nc)
+            T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_e=block_e, block_s=block_s,
+            block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
+            block_nc=c.block_nc, num_experts=E)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
         n_hist = max(1, layout.n_gate) * e_pad
         ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * el_pad + 3 * layout.mt,), dtype=torch.int32,
                            device=x.device)
+        logits = alloc.empty((max(1, T), e_pad), dtype=torch.float32, device=x.device)
         idx, wt, lrank, slot = (ints[i * TK:(i + 1) * TK] for i in range(4))
         rest = ints[4 * TK:]
         hist, base = rest[:n_hist], rest[n_hist:2 * n_hist]
@@ -220,7 +225,7 @@ class DistPlan:
                               block_m=block_m, layout=layout)
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=c.block_t,
-            BLOCK_G=c.block_g, BLOCK_S=block_s, BLOCK_NS=min(256, next_power_of_2(N)), BLOCK_A=128,
+            BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=128,
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
@@ -228,12 +233,12 @@ class DistPlan:
             TIMELINE=timeline)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
-        self._ws_args = (idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
+        self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
                          tb["recv"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))
-        self._layout_args = (layout.n_gate, layout.n_send, layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t,
-                             layout.n_comb_n)
+        self._layout_args = (layout.n_logits, cdiv(E, block_e), layout.n_gate, layout.n_send, cdiv(N, block_ns),
+                             layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
@@ -267,15 +272,13 @@ class DistPlan:
 
     def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
         """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
-        lo_kind, hi_kind = phase if phase is not None else (dt.GATE, dt.COMBINE)
-        layout = self.layout
-        task_lo, task_hi = layout.first(lo_kind), layout.first(hi_kind + 1) if hi_kind < dt.COMBINE else layout.total
+        task_lo, task_hi = self.layout.task_range(phase)
         if task_hi <= task_lo:
             return
         if self.T == 0:
             x = out = self._dummy
         programs = self._programs(task_hi - task_lo)
-        final = int(hi_kind == dt.COMBINE)
+        final = int(task_hi == self.layout.total)
         args = (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi, final,
                 *self._timeline_args)
         compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.config.num_warps,

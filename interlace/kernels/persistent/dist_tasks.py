@@ -6,9 +6,10 @@ One launch per rank runs seven kinds of task, in this number order on every rank
 =========  ======================================  ============================================
 kind       count (static upper bound)              waits for
 =========  ======================================  ============================================
-gate       ``G = ceil(T / BLOCK_T)``               nothing
+logits     ``G · ceil(E / BLOCK_E)``               nothing (token block × expert block)
+gate       ``G = ceil(T / BLOCK_T)``               every logits task (a counter reaches G·n_e)
 index      1                                       this rank's gate tasks (a counter reaches G)
-send       ``max(1, ceil(T / BLOCK_S))``           this rank's index (a flag reaches the epoch)
+send       ``max(1, ceil(T / BLOCK_S)) · n_ns``    this rank's index (a flag reaches the epoch)
 receive    ``W`` (one per source rank)             source s's last send task (s's dispatch flag
                                                    in this rank's table reaches the epoch); the
                                                    last receive task also builds the tile table
@@ -46,7 +47,7 @@ computes it from the gate's per-block histograms), so sources never write the sa
 no count exchange precedes the rows. Local state (one int32 tensor per rank, never shared)::
 
     [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE,
-     -, -, -, -, -, -]  then GEMM0_DONE (MT_max: per row tile), then the error record (ERROR_WORDS)
+     LOGITS_DONE, -, -, -, -, -]  then GEMM0_DONE (MT_max: per row tile), then the error record (ERROR_WORDS)
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ from dataclasses import dataclass
 
 from interlace.kernels.launch import cdiv
 
-GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = range(7)
-KINDS = ("gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
+LOGITS, GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = range(8)
+KINDS = ("logits", "gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
 # Kinds of the kernel's timeline records (``TIMELINE`` on; :mod:`interlace.kernels.timeline`), by
 # index: the task kinds above, then "skip" (the GEMM task that finds itself past the real row
 # tiles and moves the queue past the rest of its kind's range; the tasks jumped over have no record).
@@ -64,15 +65,16 @@ SKIP = len(KINDS)
 TIMELINE_KINDS = KINDS + ("skip",)
 # Phases of the simulated and staged transports: every rank runs a phase before any rank runs
 # the next (the producer-before-consumer order one GPU launch gets from its waits).
-PHASES = ((GATE, SEND), (RECEIVE, GEMM1), (COMBINE, COMBINE))
+PHASES = ((LOGITS, SEND), (RECEIVE, GEMM1), (COMBINE, COMBINE))
 
-EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE = range(10)
+EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE, LOGITS_DONE = range(11)
 STATE_HEAD = 16
 ERROR_WORDS = 8  # [set, rank, wait kind, task, peer rank, value, target, epoch]
 
-WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE = 1, 2, 3, 4, 5, 6
+WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE, WAIT_LOGITS = 1, 2, 3, 4, 5, 6, 7
 _WAIT_NAMES = {
     WAIT_GATE: "its gate tasks' counter (index task)",
+    WAIT_LOGITS: "its logits tasks' counter (gate task)",
     WAIT_INDEX: "its index flag (send task)",
     WAIT_SENT: "the dispatch flag of source rank {peer} (rows and counts sent here)",
     WAIT_READY: "its tile table (built after every source's rows arrived)",
@@ -98,6 +100,7 @@ class DistLayout:
     peers send), from shapes only. ``first[kind]`` is the kind's first task number."""
 
     world: int
+    n_logits: int
     n_gate: int
     n_send: int
     mt: int
@@ -108,14 +111,16 @@ class DistLayout:
 
     @classmethod
     def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
-              block_s: int, block_m: int, block_k0: int, block_n1: int, block_tc: int, block_nc: int) -> DistLayout:
-        return cls(world=world, n_gate=cdiv(T, block_t), n_send=max(1, cdiv(T, block_s)),
+              block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int, block_tc: int,
+              block_nc: int, num_experts: int) -> DistLayout:
+        return cls(world=world, n_logits=cdiv(T, block_t) * cdiv(num_experts, block_e), n_gate=cdiv(T, block_t),
+                   n_send=max(1, cdiv(T, block_s)) * cdiv(N, block_ns),
                    mt=max_tiles(world, max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
                    n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)), n_comb_n=cdiv(N, block_nc))
 
     def counts(self) -> tuple[int, ...]:
         """Tasks of each kind, in kind order."""
-        return (self.n_gate, 1, self.n_send, self.world, self.n_k0 * self.mt, self.n_n1 * self.mt,
+        return (self.n_logits, self.n_gate, 1, self.n_send, self.world, self.n_k0 * self.mt, self.n_n1 * self.mt,
                 self.n_comb_t * self.n_comb_n)
 
     def first(self, kind: int) -> int:
@@ -124,6 +129,14 @@ class DistLayout:
     @property
     def total(self) -> int:
         return sum(self.counts())
+
+    def task_range(self, phase: tuple[int, int] | None = None) -> tuple[int, int]:
+        """[lo, hi) task numbers of kinds ``phase`` = (first kind, last kind); None: every task
+        (the one-launch call)."""
+        if phase is None:
+            return 0, self.total
+        lo_kind, hi_kind = phase
+        return self.first(lo_kind), self.first(hi_kind + 1)
 
 
 def describe_error(record: list[int]) -> str | None:

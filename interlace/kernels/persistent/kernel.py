@@ -102,35 +102,36 @@ def _signal(ptr):
 
 
 @triton.jit
-def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Routing of tokens [g·BLOCK_T, ...): logits x (BLOCK_T, N) @ W_r (E, N)ᵀ in fp32 (bf16 x:
-    W_r's W_PIECES bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot),
-    then the choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never
-    wins; ties to the lower expert). Writes idx/weight/rank per assignment a = t·k + j, and the
-    block's histogram hist[g, :]."""
-    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tokens < T
-    cols = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    emask = cols < E
-    acc = tl.zeros((BLOCK_T, E_PAD), dtype=tl.float32)
+def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """(BLOCK_T, BLOCK_C) fp32 logits x[tokens] (·, N) @ W_r[cols] (·, N)ᵀ (bf16 x: W_r's W_PIECES
+    bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot); 0 where masked."""
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_G):
         nn = n0 + tl.arange(0, BLOCK_G)
         nmask = nn < N
         a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + nn[None, :], mask=tmask[:, None] & nmask[None, :],
                     other=0.0)
         w = tl.load(rw_ptr + cols[None, :].to(tl.int64) * N + nn[:, None], mask=emask[None, :] & nmask[:, None],
-                    other=0.0).to(tl.float32)  # (BLOCK_G, E_PAD): W_rᵀ
+                    other=0.0).to(tl.float32)  # (BLOCK_G, BLOCK_C): W_rᵀ
         if W_PIECES == 0:
             acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
         else:
             ab = _piece(a, 0, 1, DOT_FP32)
             for i in tl.static_range(W_PIECES):
                 acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
-    logits = tl.where(emask[None, :], acc, float("-inf"))
+    return acc
+
+
+@triton.jit
+def _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never wins;
+    ties to the lower expert) on a token block's logits (BLOCK_T, E_PAD) fp32 (−inf past E).
+    Writes idx/weight/rank per assignment a = t·k + j, and the block's histogram hist[g, :]."""
+    cols = tl.arange(0, E_PAD)
+    slots = tl.arange(0, K_PAD)
     weights, sels, taken = scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K, BLOCK_T, K_PAD,
                                             E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE)
     # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
@@ -169,6 +170,23 @@ def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.const
         tl.store(tiles_ptr + stride + j, first, mask=jmask)
         tl.store(tiles_ptr + 2 * stride + j, end, mask=jmask)
     return n_tiles
+
+
+@triton.jit
+def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Routing of tokens [g·BLOCK_T, ...): :func:`_gate_logits` over all E experts, then
+    :func:`_gate_choice`."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = tl.arange(0, E_PAD)
+    emask = cols < E
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES, DOT_FP32)
+    logits = tl.where(emask[None, :], acc, float("-inf"))
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
+                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
 
 
 @triton.jit
