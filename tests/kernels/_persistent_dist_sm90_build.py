@@ -1,10 +1,11 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
-interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE], registers and spill stack bytes per spec."""
+interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1]], registers and spill stack bytes per spec."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
+from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G
 from interlace.kernels.persistent.launch import PersistentKernelConfig
 
 names = [p.name for p in kernel.params]
@@ -23,9 +24,11 @@ sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, el_pad, top_k, timeline = (list(map(int, spec.split(","))) + [0])[:5]
-    k0, n0, n1, k1 = config.tiles(block_m)
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=16, BLOCK_G=256, BLOCK_S=16, BLOCK_NS=256,
+    block_m, e_pad, el_pad, top_k, timeline, n1 = (list(map(int, spec.split(","))) + [0, 0])[:6]
+    k0, n0, default_n1, k1 = config.tiles(block_m)
+    n1 = n1 or default_n1
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
+                  BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline)

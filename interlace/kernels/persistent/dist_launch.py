@@ -169,6 +169,23 @@ def simulated_world(spec: DistSpec, device: torch.device | str = "cpu") -> list[
 EXCHANGES = (("recv", "counts", "sent"), ("ret", "done"), ())
 
 
+DIST_BLOCK_G = 128  # the W > 1 router GEMM's step over N (PersistentKernelConfig.block_g None)
+WIDE_N1 = 128  # GEMM1's wider output slice, where there are enough tasks for it (wide_gemm1_slice)
+
+
+def wide_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int, block_n1: int,
+                     device: torch.device) -> int:
+    """GEMM1's N-slice: :data:`WIDE_N1` where the call's expected GEMM1 tasks at that width
+    still number at least four per SM, else ``block_n1``. A wider slice halves the tasks (and
+    the h tile's reloads) per tile; with few tiles (few local experts, each one tile: e.g. 4
+    experts of a 4096-wide layer) it would leave SMs idle. The tiles are estimated for balanced
+    routing: a rank receives about T·k rows, on at most min(E_loc, T·k) local experts."""
+    rows = T * top_k
+    tiles = max(min(num_local, rows), cdiv(rows, block_m))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return WIDE_N1 if WIDE_N1 > block_n1 and tiles * cdiv(N, WIDE_N1) >= 4 * sms else block_n1
+
+
 class DistPlan:
     """One rank's call shape (T tokens): tiles, :class:`~dist_tasks.DistLayout`, workspace and
     kernel arguments, over a :class:`DistBuffer`. ``run(x)`` is the whole call (one launch);
@@ -201,10 +218,10 @@ class DistPlan:
         block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
         self.block_m = block_m
         block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
-        block_s, block_ns = 16, min(256, next_power_of_2(N))
-        # The router GEMM in (token block, expert block) tasks of BLOCK_E experts, BLOCK_GL of N
-        # per step (a (BLOCK_GL, BLOCK_E) fp32 tile of the router weight per load).
-        block_e, block_gl = 16, 256
+        if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:
+            block_n1 = wide_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
+        block_s, block_ns, block_e = c.block_s, min(c.block_ns, next_power_of_2(N)), c.block_e
+        block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
         self.layout = layout = dt.DistLayout.build(
             T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_e=block_e, block_s=block_s,
             block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
@@ -242,7 +259,8 @@ class DistPlan:
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
-        self._occupancy_key = (x.device.index, block_m, e_pad, el_pad, top_k, activation, x.dtype, c, timeline)
+        self._occupancy_key = (x.device.index, block_m, block_n1, e_pad, el_pad, top_k, activation, x.dtype, c,
+                               timeline)
 
     def timeline_records(self) -> list[dict]:
         """The last call's task records (``timeline`` on; a host sync): see

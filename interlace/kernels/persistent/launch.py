@@ -44,7 +44,10 @@ class PersistentKernelConfig:
     small ones). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its
     reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
     None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task; block_g: the gate's
-    reduction step. block_tc × block_nc: a combine task. programs: the grid (None: what is
+    reduction step over N (None: 32 at world size 1, where one task takes all experts' logits;
+    128 at W > 1, where a logits task takes ``block_e`` experts). block_s × block_ns: tokens ×
+    columns of a W > 1 send task (block_ns at most N's power of 2). block_tc × block_nc: a
+    combine task. programs: the grid (None: what is
     co-resident on the device; under the interpreter 3).
 
     The target is decode: up to ~128 rows per expert (``T·k/E ≤ ~128``). At more rows per expert
@@ -63,7 +66,10 @@ class PersistentKernelConfig:
     block_n1: int | None = None
     block_k1: int | None = None
     block_t: int = 16
-    block_g: int = 32
+    block_g: int | None = None
+    block_e: int = 32
+    block_s: int = 16
+    block_ns: int = 256
     block_tc: int = 16
     block_nc: int = 128
     num_warps: int = 4
@@ -200,7 +206,7 @@ class CallPlan:
         self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline)
         self.programs = self._programs()
         self.constexprs = dict(
-            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g,
+            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g or 32,
             BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
             BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
