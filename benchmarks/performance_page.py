@@ -35,7 +35,8 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
 # compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
 # peer_latency_us (decode_bench: the latency in µs its decode floor counts twice, None for none; default
-# the run's own).
+# the run's own), timing (decode_bench: "back_to_back" reads the rows' back_to_back_ms, bench's
+# --back-to-back; default their median_ms, a barrier before each call).
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
 #   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
 #        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
@@ -422,8 +423,9 @@ def decode_bench_table(src):
     (prefill floor, ``weight_bytes`` ÷ the run's HBM read bandwidth, two peer latencies: the
     source's ``peer_latency_us`` when it gives one, None to leave that term out, else the run's),
     × decode floor of ``persistent`` and of the fastest strategy (``auto`` aside: it runs one of
-    the others), and what ``auto`` ran."""
+    the others), and what ``auto`` ran. ``timing="back_to_back"``: the rows' back-to-back times."""
     data = load(src["file"])
+    key = "back_to_back_ms" if src.get("timing") == "back_to_back" else "median_ms"
     meta = data.get("meta", {})
     ceilings = meta.get("ceilings") or {}
     hbm, world = ceilings.get("hbm_tbps"), meta.get("world", 1)
@@ -443,7 +445,7 @@ def decode_bench_table(src):
     table, bounded = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], 0
     fastest_count = bar_large = bar_small = large = small = 0
     for (config, tokens, routing), by in cases.items():
-        ok = {s: r["median_ms"] for s, r in by.items() if r.get("status", "ok") == "ok" and r.get("median_ms")}
+        ok = {s: r[key] for s, r in by.items() if r.get("status", "ok") == "ok" and r.get(key)}
         floor = next((r["floor_ms"] for r in by.values() if r.get("floor_ms") is not None), None)
         weights = next((r["weight_bytes"] for r in by.values() if r.get("weight_bytes") is not None), None)
         estimated = weights is None and not meta.get("small")

@@ -158,6 +158,21 @@ def time_cuda(fn, warmup: int, iters: int, env) -> list[float]:
     return times
 
 
+def time_back_to_back(fn, calls: int, env) -> float:
+    """Milliseconds per call of ``calls`` calls issued back to back (one barrier before them, CUDA
+    events around them all): the host runs ahead as in a model's forward or a captured decode
+    step, so a call's host time hides under the previous call's GPU work unless it syncs."""
+    barrier(env)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def time_cpu(fn, warmup: int, iters: int, env) -> list[float]:
     for _ in range(warmup):
         fn()

@@ -113,3 +113,9 @@ def test_decode_bench_draws_one_line_per_case_with_every_strategy_and_the_decode
     # A source may leave a mis-measured peer latency out: the 1-token floor is then its HBM term, 0.001 ms.
     lines = gen.decode_bench_table(dict(src, peer_latency_us=None))
     assert "| c | 1 | 0.500 | 0.050 | 0.080 | 0.035 | 0.050 | 0.001 | 35.00 | persistent | 35.00 | fused (predicted) |" in lines
+    # timing="back_to_back" reads the rows' back-to-back times (half the barrier-timed ones here).
+    for r in rows:
+        r["back_to_back_ms"] = None if r["median_ms"] is None else r["median_ms"] / 2
+    (tmp_path / "d.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    lines = gen.decode_bench_table(dict(src, timing="back_to_back"))
+    assert "| c | 128 | 1.000 | 0.500 | 0.750 | 0.300 | 0.510 | 0.500 | 0.60 | persistent | 0.60 | fused (measured) |" in lines
