@@ -72,11 +72,12 @@ are its business: ``auto`` only calls it.)
 **Explain.** ``layer.strategy.choices[(bucket, mode)]`` is a
 :class:`~interlace.strategies.auto_decisions.Choice` (what, measured or predicted, candidates'
 times, the calibration's cost); each decision is logged once at INFO on ``"interlace.auto"``.
-**World size 1.** There is nothing to overlap or agree on. Inference calls on a GPU calibrate
-``persistent`` (the whole layer in one launch, router included) against ``sequential``, each
-timed with its routing (the layer hands ``auto`` its router: :meth:`AutoStrategy.routes_call`),
-where the config is one ``persistent`` runs; the ``candidates`` option names them instead (also
-on the CPU). Training calls, and everything else, run ``sequential``.
+**Routed calls** (:mod:`interlace.strategies.auto_routed`). Inference calls come with the
+router where ``persistent`` (the whole layer in one launch, router included) is a candidate:
+at world size 1 against ``sequential``; at W > 1 beside the model's candidates, for buckets up
+to ``persistent_max_tokens`` tokens per rank, under key mode ``"fwd-routed"``. Each candidate
+is timed with its routing. At world size 1 there is nothing to overlap or agree on: training
+calls, and everything else, run ``sequential``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ from interlace.planning.profile import machine_key
 from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
                                                  TokenAgreement, decision_shape, token_bucket)
+from interlace.strategies.auto_routed import PERSISTENT, ROUTED, RoutedCalls
 from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
@@ -120,12 +122,18 @@ class AutoOptions:
     decisions_dir: str | None = None  # the decision cache's folder instead of <profile dir>/decisions
     shipped_decisions: bool = True  # read the decisions shipped for the presets beneath the cache
     agree_timeout_s: float = 300.0  # bound on every wait of the agreement (a peer that never comes raises)
+    # W > 1: inference calls of buckets up to this many tokens per rank also calibrate `persistent`
+    # (its buffers hold this many per rank: auto_routed.persistent_buffer_bytes); 0: never
+    persistent_max_tokens: int = 512
 
     def __post_init__(self):
         if self.capacity is not None and (not isinstance(self.capacity, int) or self.capacity < 1):
             raise ValueError(f"auto: capacity must be a positive int or None, got {self.capacity!r}")
         if self.warmup < 0 or self.samples < 1:
             raise ValueError(f"auto: warmup must be ≥ 0 and samples ≥ 1, got {self.warmup}, {self.samples}")
+        cap = self.persistent_max_tokens
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise ValueError(f"auto: persistent_max_tokens must be an int >= 0, got {cap!r}")
         if not self.agree_timeout_s > 0:
             raise ValueError(f"auto: agree_timeout_s must be > 0, got {self.agree_timeout_s}")
         if self.prune_ratio < 1:
@@ -150,10 +158,10 @@ class _KeyState:
 
 
 @register_strategy
-class AutoStrategy(Strategy):
+class AutoStrategy(RoutedCalls, Strategy):
     name = "auto"
     fused_routing = True
-    routes_itself = True  # world size 1: inference calls come with the router (see routes_call)
+    routes_itself = True  # inference calls may come with the router (auto_routed.RoutedCalls.routes_call)
 
     def __init__(self, config, ep, options: AutoOptions | dict | None = None, **given):
         super().__init__(config, ep)
@@ -176,6 +184,7 @@ class AutoStrategy(Strategy):
         self._shape = decision_shape(config, ep.world)
         self._warned = False
         self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
+        self._persistent_ok: dict[str, bool] = {}  # W > 1: device type → persistent a routed candidate
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
 
     # -- what a key runs ------------------------------------------------------------------------
@@ -210,14 +219,19 @@ class AutoStrategy(Strategy):
             return {"choice": Choice(spec, "predicted", notes=notes)}
         cache = self._device_cache(device)
         cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
-        if cached is not None:
+        if cached is not None and not (cached.spec == PERSISTENT and bucket > opts.persistent_max_tokens):
             return {"choice": cached}
+        prior_mode = "fwd" if mode == ROUTED else mode  # (a routed call is a forward call)
         if opts.candidates is not None:
             predicted, notes = {s: None for s in opts.candidates}, ["candidates given by the options"]
         else:
-            predicted, notes = predicted_candidates(cfg, bucket, world, self._profile, mode, opts.max_degree)
+            predicted, notes = predicted_candidates(cfg, bucket, world, self._profile, prior_mode, opts.max_degree)
+        if mode == ROUTED:
+            predicted = self.routed_candidates(predicted, bucket, device)
+        else:
+            predicted.pop(PERSISTENT, None)  # (it needs the router: only routed calls run it)
         for spec in [s for s in predicted if s in FUSED_SPECS]:
-            why = self._fused_excluded(spec, mode, bucket, device)
+            why = self._fused_excluded(spec, prior_mode, bucket, device)
             if why:
                 predicted.pop(spec)
                 notes.append(f"{spec}: {why}")
@@ -333,86 +347,25 @@ class AutoStrategy(Strategy):
                     if self.ep.world > 1:
                         dist.barrier(group=self._agree.group)
                 impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=self._fused_tokens)
+        elif impl is None and spec == PERSISTENT and self.ep.world > 1:
+            # (buffers for persistent_max_tokens per rank, sized once: the largest routed bucket)
+            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep,
+                                                     max_tokens=self.options.persistent_max_tokens)
         elif impl is None:
             impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
         return impl
 
     def choice_for(self, tokens: int, mode: str = "fwd") -> Choice | None:
         """The decision recorded for the bucket of ``tokens`` (the group's largest count) and
-        ``mode``, or None while it is not decided."""
-        return self.choices.get((token_bucket(tokens), mode))
+        ``mode`` (``"fwd"``: the routed calls' decision where there is one), or None while it is
+        not decided."""
+        bucket = token_bucket(tokens)
+        return (mode == "fwd" and self.choices.get((bucket, ROUTED))) or self.choices.get((bucket, mode))
 
     def begin_call(self, num_tokens: int) -> None:
         """Post this call's token-count agreement (before the router runs, to hide its latency)."""
         if self._agree is not None:
             self._agree.post(num_tokens)
-
-    # -- world size 1: calls routed here ---------------------------------------------------------
-    def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-        """World size 1, an inference call (no autograd graph) and more than one candidate that
-        routes differently (``persistent`` routes inside its kernel): the layer hands this call
-        to :meth:`forward_layer` with its router."""
-        if self._agree is not None or not self.options.calibrate:
-            return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down)):
-            return False
-        return len(self._world1_candidates(x.device)) > 1
-
-    def _world1_candidates(self, device: torch.device) -> tuple:
-        found = self._routed_candidates.get(device.type)
-        if found is None:
-            from interlace.strategies.persistent import unsupported
-
-            if self.options.candidates is not None:
-                found = tuple(self.options.candidates)
-            elif device.type == "cuda" and unsupported(self.config, 1) is None:
-                found = ("persistent", "sequential")
-            else:
-                found = ("sequential",)
-            runnable = []
-            for spec in found:
-                try:
-                    strategy_class(spec).check_runtime(spec, device)
-                    runnable.append(spec)
-                except ValueError:
-                    pass
-            found = self._routed_candidates[device.type] = tuple(runnable)
-        return found
-
-    def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        """x (T, N) → (T, N), world size 1: the key's choice, or a calibration call of the
-        scheduled candidate, each with its own routing (timed together)."""
-        key = (token_bucket(x.shape[0]), "fwd")
-        state = self._key_state(key, x.device)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if state.choice is None and state.pos == len(state.schedule) and not capturing:
-            self._decide(key, state, Clock(x.device))
-        if state.choice is not None:
-            return self._routed(state.choice.spec, x, router, w_up, w_down)
-        if capturing:
-            return self._routed(state.plan["candidates"][0], x, router, w_up, w_down)
-        clock = Clock(x.device)
-        c = state.schedule[state.pos]
-        warm = state.pos < len(state.plan["candidates"]) * self.options.warmup
-        state.pos += 1
-        if x.is_cuda:
-            # NOTE: a device sync before each calibration call (never in the steady state): each
-            # candidate is timed from an idle GPU, its host time included. Back to back, a call
-            # after one that queued its work asynchronously (persistent) would launch under that
-            # work and hide its own host time (sequential's), and win by it.
-            torch.cuda.synchronize(x.device)
-        marks = [clock.mark()]
-        out = self._routed(state.plan["candidates"][c], x, router, w_up, w_down)
-        marks.append(clock.mark())
-        state.samples[c].append((warm, marks))
-        return out
-
-    def _routed(self, spec: str, x, router, w_up, w_down) -> torch.Tensor:
-        impl = self._impl(spec, x.shape[0])
-        if impl.routes_itself:
-            return impl.forward_layer(x, router, w_up, w_down)
-        topk_idx, topk_weight, _ = router(x, None, fused=impl.fused_routing)
-        return impl(x, topk_idx, topk_weight, w_up, w_down)
 
     def _post(self, tokens: int) -> None:
         """This call's post (made here where ``begin_call`` did not make it), checked against

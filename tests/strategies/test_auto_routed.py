@@ -1,0 +1,91 @@
+"""``auto``'s routed calls at world size W > 1 (interlace.strategies.auto_routed) on gloo ranks:
+inference calls come with the router, ``persistent`` (its kernel under the interpreter, the
+staged transport) is calibrated beside the other candidates under key mode ``"fwd-routed"``,
+every rank runs the same strategy on every call, and a call over the persistent buffers runs
+again under the agreed count's key on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import reference_grads, rel_err, run_gloo
+from interlace import MoEConfig, MoELayer
+from interlace.strategies.auto import AutoOptions
+from interlace.strategies.auto_routed import ROUTED
+
+CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+TOL = 1e-4  # the kernel's fp32 dots under the interpreter against the fp64 reference
+
+
+def _spy_routed(layer, log):
+    strategy = layer.strategy
+    routed = strategy._routed
+
+    def spy(spec, agreed, *args):
+        log.append(spec)
+        return routed(spec, agreed, *args)
+
+    strategy._routed = spy
+
+
+def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
+    import os
+
+    import torch.distributed as dist
+
+    from interlace import env
+
+    os.environ["INTERLACE_PROFILE_DIR"] = tmp
+    env.refresh()
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": ("sequential", "persistent"), "warmup": 0, "samples": 1,
+                                       "cache": False, "persistent_max_tokens": 8})
+    strategy = layer.strategy
+    strategy.measure_override = lambda spec, ms: 1.0 if spec == winner else 2.0
+    ran = []
+    _spy_routed(layer, ran)
+    g = torch.Generator().manual_seed(6)
+    # 1-2: bucket 4 calibrates (sequential, then persistent); 3: decided, the winner runs;
+    # 4: the previous key (4) runs; 5: rank 1 has 12 tokens: with persistent decided, it launches
+    # 8 of them (the buffers hold 8), then every rank runs the call again under bucket 16, where
+    # persistent is no candidate (over persistent_max_tokens): sequential, predicted; 6: key 16.
+    for counts in ([3, 4], [4, 3], [4, 4], [4, 0], [2, 12], [1, 1]):
+        xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
+        with torch.no_grad():
+            assert strategy.routes_call(xs[rank], layer.router, layer.experts.w_up, layer.experts.w_down)
+            out = layer(xs[rank])
+        assert out.shape == ref.shape
+        assert counts[rank] == 0 or rel_err(out, ref) < TOL, (counts, rel_err(out, ref))
+    seen = [None] * world
+    dist.all_gather_object(seen, ran)
+    assert seen[0] == ran, seen
+    if winner == "persistent":
+        assert ran == ["sequential", "persistent", "persistent", "persistent", "persistent", "sequential",
+                       "sequential"], ran
+        assert strategy.choices[(16, ROUTED)].spec == "sequential"
+    else:
+        # (5: sequential takes any counts, nothing runs again; 6: the previous key 16 is new, so
+        # the call takes its own bucket 1 and calibrates it, sequential first)
+        assert ran == ["sequential", "persistent", "sequential", "sequential", "sequential", "sequential"], ran
+    assert strategy.choices[(4, ROUTED)].spec == winner
+    assert strategy.choice_for(4, "fwd").spec == winner  # (the bench reads routed decisions as "fwd")
+    if rank == 0:  # calls that come routed never have persistent among their candidates
+        assert "persistent" not in strategy._plan((4, "fwd"), "cpu").get("candidates", [])
+    # A training call builds an autograd graph: it comes routed (the layer routes), never persistent.
+    x = torch.randn(3, CFG.hidden, requires_grad=True)
+    assert not strategy.routes_call(x, layer.router, layer.experts.w_up, layer.experts.w_down)
+
+
+@pytest.mark.parametrize("winner", ["persistent", "sequential"])
+def test_persistent_calibrated_beside_sequential_2_ranks(tmp_path, winner):
+    run_gloo(_persistent_calibrated_and_rerun, 2, str(tmp_path), winner)
+
+
+def test_persistent_max_tokens_option_is_checked():
+    with pytest.raises(ValueError, match="persistent_max_tokens"):
+        AutoOptions(persistent_max_tokens=-1)
+    with pytest.raises(ValueError, match="persistent_max_tokens"):
+        AutoOptions(persistent_max_tokens=True)
+    assert AutoOptions(persistent_max_tokens=0).persistent_max_tokens == 0
