@@ -40,6 +40,9 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
 #   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
 #        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
+DECODE_COMMAND = ("torchrun --nproc-per-node 2 -m interlace.tools.bench --configs qwen3-30b-a3b mixtral-8x7b phi3.5-moe "
+                  "qwen2-moe flashdmoe-cfg dsv3-like --tokens 1 8 32 128 512 --strategies fused sequential persistent "
+                  "auto --interleave --back-to-back 20 --out DIR")
 SOURCES = [
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential",
@@ -88,30 +91,36 @@ SOURCES = [
                 "run, two peer latencies; docs/benchmarking.md) since commit 9c8c1b7; this table predates it, so "
                 "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
     dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
-         title="Decode, 2× H200: every strategy side by side against the decode floor",
-         device="2× NVIDIA H200", date="2026-11-26", commit="7216fe5", peer_latency_us=None,
-         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --configs qwen3-30b-a3b mixtral-8x7b dsv3-like "
-                 "--tokens 1 8 32 128 512 --strategies fused sequential persistent auto --interleave --out DIR",
-         notes=["ms: CUDA events around the whole layer call, a barrier before each timed call, the median of 20 "
-                "timed calls after 5 warm-ups, the slowest rank's median; `--interleave` times the strategies "
-                "round-robin (call i of each back to back). Every strategy's output checked against `naive` "
-                "before and after timing.",
-                "Decode floor: the largest of the prefill floor (FLOPs ÷ matmul peak, peer bytes ÷ peer bandwidth) "
-                "and the touched expert weights of the busiest rank ÷ the HBM read bandwidth measured in the run. "
-                "This run mis-measured the peer latency (rank 0 timed its copies while rank 1 waited in an NCCL "
-                "broadcast, 2312 µs), so the page leaves that term out and recomputes × decode floor from the "
-                "other terms; the run also predates the bench recording touched weight bytes per row (the line above the table "
-                "says what the page counts instead).",
-                "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: "
-                "its decision for the row's token count (predicted from the profile or measured by calibration). "
-                "`auto` does not consider `persistent` at world size > 1 yet.",
-                "`persistent` here: one launch per rank and call, row tiles of one expert over every source's rows "
-                "(each touched expert's weights read once); the same commit passed tests/gpu/persistent_dist_check.py "
-                "(uneven and zero-token ranks, skew, graph replays, bitwise repeatability) on qwen3-30b-a3b and "
-                "mixtral-8x7b. phi3.5-moe, qwen2-moe and flashdmoe-cfg were not run at this commit."]),
+         title="Decode, 2× H200: every strategy side by side against the decode floor (a barrier before each call)",
+         device="2× NVIDIA H200", date="2026-11-26", commit="8d7d3b1", command=DECODE_COMMAND,
+         notes=["ms: CUDA events around the whole layer call, a barrier before each timed call (the GPU idle when "
+                "the call starts, so its host time counts), the median of 20 timed calls after 5 warm-ups, the "
+                "slowest rank's median; `--interleave` times the strategies round-robin. Every strategy's output "
+                "checked against `naive` before and after timing.",
+                "Decode floor: the largest of the prefill floor (FLOPs ÷ matmul peak, peer bytes ÷ peer bandwidth), "
+                "the touched expert weights of the busiest rank ÷ the HBM read bandwidth, and two peer latencies, "
+                "all measured in the run.",
+                "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: its "
+                "decision for the row's token count, calibrated on the first calls of the bucket (at world size > 1 "
+                "`persistent` is a candidate of inference calls up to 512 tokens per rank).",
+                "`persistent` here: one launch per rank and call; the router GEMM as (16 tokens × 32 experts) tasks "
+                "and the send as (16 tokens × 256 columns) tasks; row tiles of one expert over every source's rows "
+                "(each touched expert's weights read once); GEMM1 slices 128 wide where there are four tasks per SM "
+                "at that width. The same commit passed tests/gpu/persistent_dist_check.py's 30 checks on "
+                "qwen3-30b-a3b and mixtral-8x7b (uneven and zero-token ranks, skew, graph replays, bitwise "
+                "repeatability, no timed-out wait)."]),
+    dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
+         title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
+         device="2× NVIDIA H200", date="2026-11-26", commit="8d7d3b1", command=DECODE_COMMAND, timing="back_to_back",
+         notes=["ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
+                "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
+                "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
+                "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2)."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 tokens per GPU",
-         device="2× NVIDIA H200", date="2026-11-26", commit="7216fe5",
+         device="2× NVIDIA H200", date="2026-11-26", commit="2119dff",
+         notes=["The kernel with the split gate and send, before the tile defaults of 1a8ede1 (32-expert logits "
+                "tasks with 128-wide steps, 128-wide GEMM1 slices)."],
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
                  "qwen3-30b-a3b --tokens 128 --out $OUT"),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
