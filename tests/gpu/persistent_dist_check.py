@@ -12,7 +12,11 @@ Per preset (default: qwen3-30b-a3b, mixtral-8x7b, dsv3-like; bf16), one layer wi
   calls), each count twice (the second call of a count replays a CUDA graph), and skewed
   routing (every token of every rank to k experts of the last rank);
 * bitwise repeatability (the same input twice, the same bits);
-* the error record (no wait timed out) at the end.
+* the error record (no wait timed out) at the end;
+* with ``--stress N``: N calls, each rank's token count drawn from 0–512 independently, every
+  third call skewed (every token pushed towards one expert drawn per call), every 10th call
+  checked against the fp32 reference, every output checked for NaN/inf on the device (one
+  host read at the end), then the error record again.
 
 Then timing: ``persistent``, ``fused`` and ``sequential`` (CUDA graphs where the strategy has
 them) at 1, 8, 32, 128, 512 tokens per GPU, the router's own routing: CUDA events, a barrier
@@ -130,6 +134,44 @@ def check_preset(name, env, report):
     return layer
 
 
+def stress(name, layer, env, calls, report, max_tokens=MAX_TOKENS):
+    """``calls`` calls of random, rank-local token counts 0–max_tokens (some skewed), every
+    10th checked (tests/kernels/test_persistent_dist.py runs it on gloo ranks, small)."""
+    cfg = layer.config
+    counts = torch.Generator().manual_seed(1000 + env.rank)  # (host draws: no sync per call)
+    gen = torch.Generator(device=env.device).manual_seed(1000 + env.rank)
+    shared = torch.Generator().manual_seed(11)  # (the same draw on every rank: which calls skew, towards whom)
+    bad = torch.zeros((), dtype=torch.int64, device=env.device)
+    worst, checked = 0.0, 0
+    with torch.inference_mode():
+        for i in range(calls):
+            tokens = int(torch.randint(0, max_tokens + 1, (1,), generator=counts))
+            if i % 17 == 5:
+                tokens = 0
+            x = torch.randn(tokens, cfg.hidden, generator=gen, device=env.device)
+            if i % 3 == 2:
+                e = int(torch.randint(0, cfg.num_experts, (1,), generator=shared))
+                w = layer.router.weight.detach()[e].float()
+                x = x + 4.0 * cfg.hidden**0.5 * w / w.norm()
+            x = x.to(cfg.dtype)
+            out = layer(x)
+            bad += (~torch.isfinite(out)).sum()
+            if i % 10 == 9:
+                err = reduce_max(env, rel_err(out, reference(layer, x, env)) if tokens else 0.0)
+                worst, checked = max(worst, err), checked + 1
+                if err >= TOL:
+                    report(False, f"{name} stress call {i}: {tokens} tokens here, rel err {err:.2e}")
+    nonfinite = int(reduce_max(env, float(bad)))  # (the one host read of the device counter)
+    report(nonfinite == 0 and worst < TOL, f"{name} stress: {calls} calls of 0-{max_tokens} tokens per rank, "
+                                           f"{checked} checked, worst rel err {worst:.2e}, non-finite outputs "
+                                           f"{nonfinite}")
+    try:
+        layer.strategy.synchronize_and_check()
+        report(True, f"{name} stress: no wait timed out")
+    except RuntimeError as exc:
+        report(False, f"{name} stress: error record: {exc}")
+
+
 def time_preset(name, layer, env, tokens_list, iters, warmup):
     cfg = layer.config
     rows = []
@@ -156,6 +198,7 @@ def main():
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--stress", type=int, default=0, help="calls of random token counts after the checks (0: none)")
     args = p.parse_args()
     env = init_env()
     if env.world < 2 or not torch.cuda.is_available():
@@ -173,6 +216,8 @@ def main():
     for name in args.presets:
         try:
             layer = check_preset(name, env, report)
+            if args.stress:
+                stress(name, layer, env, args.stress, report)
             rows += time_preset(name, layer, env, args.tokens, args.iters, args.warmup)
         except Exception as exc:  # keep going: the other presets are still worth checking
             import traceback

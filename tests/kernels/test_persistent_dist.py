@@ -320,3 +320,44 @@ def test_one_launch_runs_every_task(Ts):
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
     w.assert_matches(w.run(phases=(None,)))
     w.check_all()
+
+
+def _stress_on_gloo(rank, world, failures_path, broken):
+    """tests/gpu/persistent_dist_check.py's stress on gloo ranks (the staged transport, the kernel
+    under the interpreter), small: random rank-local counts, skewed calls, every 10th checked."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from interlace import MoELayer
+    from interlace.tools.bench import init_env
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "persistent_dist_check.py"
+    spec = importlib.util.spec_from_file_location("persistent_dist_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    env = init_env()
+    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+    layer = MoELayer(cfg, group=env.group, strategy="persistent", seed=5, device="cpu",
+                     strategy_options={"max_tokens": 12})
+    if broken:  # a wrong output on one rank must fail the check on every rank
+        forward = layer.strategy.forward_layer
+
+        def wrong(x, *args):
+            out = forward(x, *args)
+            return out * 1.1 if rank == 1 else out  # (10%: over the bf16 tolerance)
+
+        layer.strategy.forward_layer = wrong
+    failed = []
+    script.stress("tiny", layer, env, 20, lambda ok, msg: failed.append(msg) if not ok else None, max_tokens=12)
+    seen = [None] * world
+    dist.all_gather_object(seen, failed)
+    assert all(bool(f) == broken for f in seen), seen
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_dist_check_stress_runs_on_gloo(tmp_path, broken):
+    from helpers import run_gloo
+
+    run_gloo(_stress_on_gloo, 2, str(tmp_path), broken)
