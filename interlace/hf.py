@@ -33,6 +33,12 @@ path (the torch grouped-GEMM path's activation kernel, the Triton GEMM epilogues
 need the new activation and the two biases with their gradients; biases through the torch paths
 alone would leave the default strategy unable to run the model.
 
+Inference calls may route inside the strategy's kernel (``persistent``, or ``auto`` weighing
+it): the block hands the strategy a view of HF's router (:class:`KernelRouter`: its weight in
+fp32, its bias, and the dtype its logits GEMM rounds to, bf16 in a bf16 Mixtral/Qwen/OLMoE, so
+the kernel routes on the logits HF computes). Not while transformers collects the router
+logits (``output_router_logits``): the router's own forward then runs, and its hooks record them.
+
 Training with W > 1: the expert shards are not replicated; do not all-reduce their gradients
 (each rank's expert gradient already sums every rank's tokens, through the all-to-all's
 backward). All-reduce the others (:func:`replicated_parameters`) as data-parallel gradients.
@@ -219,6 +225,54 @@ def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:
     return nn.Parameter(param.detach()[lo:lo + ep.num_local].clone(), requires_grad=param.requires_grad)
 
 
+class KernelRouter:
+    """HF's router as a strategy that routes inside its kernel takes it: ``weight`` (E, N) fp32
+    (HF's weight converted once per change of it), ``expert_bias`` (E,) or None, ``logits_dtype``
+    (the dtype HF's logits GEMM rounds to; None: fp32, as DeepSeek computes them). Calling it is
+    interlace's :class:`~interlace.routing.Router` call: ``(x (T, N), expert_indices, fused)`` →
+    topk_idx (T, k) int64, topk_weight (T, k) fp32, logits (T, E) (for the other candidates)."""
+
+    def __init__(self, gate: nn.Module, family: Family, config: MoEConfig):
+        self.gate, self.family, self.config = gate, family, config
+        self._weight, self._key = None, None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self.gate.weight
+        if w.dtype == torch.float32:
+            return w
+        key = (w.data_ptr(), w._version, w.device, w.dtype)  # (in-place updates bump the version)
+        if key != self._key:
+            self._weight, self._key = w.detach().float(), key
+        return self._weight
+
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        return getattr(self.gate, "e_score_correction_bias", None)
+
+    @property
+    def logits_dtype(self) -> torch.dtype | None:
+        return None if self.family.logits is _fp32_logits else self.gate.weight.dtype
+
+    def __call__(self, x: torch.Tensor, expert_indices: torch.Tensor | None = None, fused: bool = False):
+        if expert_indices is not None:
+            raise ValueError("KernelRouter: forced expert indices go through the HF block's own path")
+        logits = self.family.logits(self.gate, x)
+        idx, weight = route_logits(logits.float(), self.expert_bias, self.config, fused=fused)
+        return idx, weight, logits
+
+
+def _collecting_outputs() -> bool:
+    """Whether transformers is collecting module outputs in this forward (``output_router_logits``
+    and the like, through forward hooks): the HF router's own forward must then run. An unknown
+    transformers counts as collecting."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return True
+    return bool(_active_collector.get())
+
+
 class InterlaceMoeBlock(nn.Module):
     """An HF sparse-MoE block on interlace: HF's router (routing with interlace), this rank's
     experts (:class:`ShardedExperts`) run by an interlace strategy, and HF's shared-expert
@@ -247,6 +301,7 @@ class InterlaceMoeBlock(nn.Module):
             elif attr == "experts":
                 child = ShardedExperts(child.gate_up_proj, child.down_proj, ep)
             setattr(self, attr, child)
+        self.kernel_router = KernelRouter(self.gate, family, config)  # (a plain attribute: no state)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -260,12 +315,22 @@ class InterlaceMoeBlock(nn.Module):
         # the routing and the strategy on this stream; joined below (same sum as HF's).
         shared = None if self.family.shared is None else shared_overlap.start(
             self._shared, hidden_states, overlap=self.config.shared_overlap)
-        _, weight, idx = self.gate(x)
-        out = run_strategy(self.strategy, x, idx, weight, self.experts.gate_up_proj,
-                           self.experts.down_proj).reshape(shape)
+        w_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        if self._routes_in_strategy(x):
+            out = self.strategy.forward_layer(x, self.kernel_router, w_up, w_down).reshape(shape)
+        else:
+            _, weight, idx = self.gate(x)
+            out = run_strategy(self.strategy, x, idx, weight, w_up, w_down).reshape(shape)
         if shared is not None:
             out = out + shared.join()
         return out
+
+    def _routes_in_strategy(self, x: torch.Tensor) -> bool:
+        """As :meth:`interlace.MoELayer._routes_in_strategy`: a ``routes_itself`` strategy that
+        takes this call (inference), outside ``torch.compile`` and while no output is collected."""
+        return (self.strategy.routes_itself and not torch.compiler.is_compiling() and not _collecting_outputs()
+                and self.strategy.routes_call(x, self.kernel_router, self.experts.gate_up_proj,
+                                              self.experts.down_proj))
 
     def _shared(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.family.shared(self, hidden_states)

@@ -98,6 +98,18 @@ def unsupported(config, world: int) -> str | None:
     return None
 
 
+def logits_rounding(router) -> int:
+    """The kernel's ROUND_LOGITS for ``router``: its optional ``logits_dtype`` attribute says in
+    which dtype its logits GEMM rounds them (a transformers model in bf16 rounds once, after
+    fp32 sums); None or fp32: 0 (kept in fp32), bf16: 1, fp16: 2."""
+    dtype = getattr(router, "logits_dtype", None)
+    if dtype is None or dtype == torch.float32:
+        return 0
+    if dtype in (torch.bfloat16, torch.float16):
+        return 1 if dtype == torch.bfloat16 else 2
+    raise ValueError(f"persistent: router logits_dtype {dtype} is not one the kernel rounds to (bf16, fp16, fp32)")
+
+
 MAX_PLANS = 8  # token counts that keep a call plan (workspace) and a CUDA graph (its own memory pool)
 
 
@@ -178,10 +190,10 @@ class PersistentStrategy(Strategy):
         return not (x.requires_grad or router.weight.requires_grad or w_up.requires_grad or w_down.requires_grad)
 
     def forward_layer(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        """x (T, N) → (T, N) in x's dtype: routing by ``router`` (its ``weight`` (E, N) fp32 and
-        ``expert_bias`` (E,) or None) and the experts ``w_up`` (E, up_width, N), ``w_down``
-        (E, N, K), in one launch (a graph replay once the token count has been seen; see the
-        module)."""
+        """x (T, N) → (T, N) in x's dtype: routing by ``router`` (its ``weight`` (E, N) fp32,
+        ``expert_bias`` (E,) or None, and optionally ``logits_dtype``: :func:`logits_rounding`)
+        and the experts ``w_up`` (E, up_width, N), ``w_down`` (E, N, K), in one launch (a graph
+        replay once the token count has been seen; see the module)."""
         self._raise_landed_error()
         T = x.shape[0]
         if self.ep.world > 1 and self.state is None:
@@ -189,14 +201,15 @@ class PersistentStrategy(Strategy):
         if T == 0 and self.ep.world == 1:  # (W > 1: the call still launches: peers wait for its flags)
             return torch.empty_like(x)
         weights = (router.weight, router.expert_bias, w_up, w_down)
+        rounding = logits_rounding(router)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # (a caller's capture: its own workspace, in the caller's pool, not a cached plan
             # that this strategy may drop while the caller's graph still uses it)
             # The error record is not copied (a pinned copy inside someone else's graph):
             # synchronize_and_check after its replays.
-            return self._new_plan(x, weights).run(x.contiguous())
+            return self._new_plan(x, weights, rounding).run(x.contiguous())
         x = x.contiguous()
-        plan = self._plan(x, weights)
+        plan = self._plan(x, weights, rounding)
         recorder = self._recorder(x)
         self._last_plan = plan
         if recorder is None:
@@ -207,7 +220,7 @@ class PersistentStrategy(Strategy):
         return out
 
     # ---- plans and graphs --------------------------------------------------------------------
-    def _new_plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
+    def _new_plan(self, x: torch.Tensor, weights: tuple, rounding: int = 0) -> CallPlan:
         cfg = self.config
         timeline = 0 if not self.timeline else CLOCK_GPU if x.is_cuda and not _INTERPRET else CLOCK_LOGICAL
         router_weight, bias, w_up, w_down = (None if w is None else w.detach() for w in weights)
@@ -216,19 +229,21 @@ class PersistentStrategy(Strategy):
                             top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
                             route_scale=cfg.route_scale, activation=cfg.activation,
                             w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
-                            max_spins=self.max_spins, timeout_s=self.wait_timeout_s, timeline=timeline)
+                            max_spins=self.max_spins, timeout_s=self.wait_timeout_s, timeline=timeline,
+                            round_logits=rounding)
         return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
-                        config=self.kernel, max_spins=self.max_spins, order=self.task_order, timeline=timeline)
+                        config=self.kernel, max_spins=self.max_spins, order=self.task_order, timeline=timeline,
+                        round_logits=rounding)
 
-    def _plan(self, x: torch.Tensor, weights: tuple) -> CallPlan:
+    def _plan(self, x: torch.Tensor, weights: tuple, rounding: int = 0) -> CallPlan:
         """Token count T's plan (built again when the weights, dtype or device changed, or the
         state's buffer grew), the least recently used one dropped beyond ``MAX_PLANS``."""
         T = x.shape[0]
         plan = self._plans.get(T)
-        if plan is None or not plan.matches(x, *weights):
-            plan = self._plans[T] = self._new_plan(x, weights)
+        if plan is None or not plan.matches(x, *weights) or plan.round_logits != rounding:
+            plan = self._plans[T] = self._new_plan(x, weights, rounding)
             while len(self._plans) > MAX_PLANS:
                 old, _ = self._plans.popitem(last=False)
                 self._graphs.pop(old, None)

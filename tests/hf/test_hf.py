@@ -179,3 +179,50 @@ def test_default_strategy_is_auto():
     model = build("mixtral")
     replace_moe_blocks(model)
     assert moe_blocks(model) and all(b.strategy.name == "auto" for b in moe_blocks(model))
+
+
+ROUTED_TOL = 1e-4  # the persistent kernel's fp32 dots (interpreter) against HF's fp32 model
+
+
+def check_routed_inference(family: str, strategy: str, options: dict, rank: int, world: int, calls: int = 3):
+    """Inference calls reach the strategy with HF's router (KernelRouter) where it routes inside
+    its kernel, and give HF's logits; while transformers collects the router logits the router's
+    own forward runs instead (HF's hooks record them)."""
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    replace_moe_blocks(model, strategy=strategy, strategy_options=options)
+    routed = []
+    for block in moe_blocks(model):
+        forward = block.strategy.forward_layer
+
+        def spy(*args, forward=forward):
+            routed.append(1)
+            return forward(*args)
+
+        block.strategy.forward_layer = spy
+    ids = token_batches(world)[rank]
+    where = f"{family} {strategy} rank {rank}/{world}"
+    with torch.no_grad():
+        for _ in range(calls):
+            got = model(ids, output_router_logits=False).logits
+            assert rel_err(got, ref(ids, output_router_logits=False).logits) < ROUTED_TOL, where
+        assert len(routed) == calls * len(moe_blocks(model)), where
+        out = model(ids, output_router_logits=True)
+        assert len(routed) == calls * len(moe_blocks(model)), where + ": routed while collecting router logits"
+        assert len(out.router_logits) == len(moe_blocks(model))
+        assert rel_err(out.logits, ref(ids).logits) < ROUTED_TOL, where
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+def test_world_one_persistent_routes_in_its_kernel(family):
+    check_routed_inference(family, "persistent", {}, 0, 1)
+
+
+def _gloo_routed(rank, world):
+    # auto weighs persistent (its kernel under the interpreter, the staged transport) against sequential
+    check_routed_inference("qwen3_moe", "auto", {"candidates": ("sequential", "persistent"), "warmup": 0,
+                                                 "samples": 1, "cache": False}, rank, world, calls=4)
+
+
+def test_gloo_two_ranks_auto_routes_hf_blocks_through_persistent():
+    run_gloo(_gloo_routed, 2)

@@ -295,3 +295,28 @@ def test_large_row_tiles_match_reference(T, block_m, forced):
     topk_idx = route(case[1], case[2], case[3], case[0])[0]
     tiles = reference_index(topk_idx, case[0].num_experts, block_m)[2]
     assert int(ws["state"][5]) == tiles.shape[1]
+
+
+@pytest.mark.parametrize("rounding, dtype", [(1, torch.bfloat16), (2, torch.float16)])
+def test_rounded_logits_choose_as_a_gemm_in_that_dtype(rounding, dtype):
+    """round_logits: the gate rounds its fp32 logit sums to bf16 / fp16 before the choice, as a
+    transformers router computes them in a bf16 / fp16 model. Experts 2 and 5 are made nearly
+    tied (5 a hair above 2 wherever 2's logit is positive): fp32 picks 5, the rounded logits
+    mostly tie and the lower expert, 2, wins."""
+    from interlace.routing import route_logits
+
+    cfg, x, router_weight, bias, w_up, w_down = make_case(40, top_k=1, experts=8, hidden=48)
+    router_weight[2] *= 4.0
+    router_weight[5] = router_weight[2] * (1 + 2.0**-14)
+    exact = (x.double() @ router_weight.double().t()).float()
+    choices = {}
+    for r, logits in ((0, exact), (rounding, exact.to(dtype).float())):
+        ws = {}
+        out, state = run(cfg, x, router_weight, bias, w_up, w_down, workspace=ws, round_logits=r)
+        state.check()
+        expected, _ = route_logits(logits, bias, cfg, fused=True)  # (fused: ties to the lower expert, as the gate)
+        assert torch.equal(ws["idx"].view(-1, 1).long(), expected), r
+        choices[r] = expected
+    # the rounding decided something: ties (or near-ties straddling a rounding step, for fp16) move
+    # tokens from 5 to 2
+    assert (choices[0] == 5).sum() > (choices[rounding] == 5).sum()

@@ -134,7 +134,8 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
 
 @triton.jit
 def _logits_task(g, eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr):
     """logits[tokens of block g, experts of block eb] (fp32, rows of E_PAD): the router GEMM
     split over expert blocks, so one token block's gate is many programs' work (one program's
     pass over the whole router weight is a latency-bound chain of N / BLOCK_G loads)."""
@@ -142,7 +143,7 @@ def _logits_task(g, eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD: tl.constexpr,
     tmask = tokens < T
     cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES,
-                       DOT_FP32)
+                       DOT_FP32, ROUND_LOGITS)
     tl.store(logits_ptr + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
              mask=tmask[:, None] & (cols[None, :] < E))
 
@@ -366,6 +367,7 @@ def persistent_dist_kernel(
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
     W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, CLOCK: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
+    ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (kernel._gate_logits)
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module.
 
@@ -389,7 +391,7 @@ def persistent_dist_kernel(
         rec_kind = tl.full((), REC_LOGITS, tl.int32)
         if task < f_gate:
             _logits_task(task // n_eb, task % n_eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD, BLOCK_T, BLOCK_E,
-                         BLOCK_G, W_PIECES, DOT_FP32)
+                         BLOCK_G, W_PIECES, DOT_FP32, ROUND_LOGITS)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + LOGITS_DONE, 1, sem="release", scope="gpu")
         elif task < f_index:

@@ -195,7 +195,7 @@ class DistPlan:
                  w_up: torch.Tensor, w_down: torch.Tensor, buf: DistBuffer, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
                  config: PersistentKernelConfig, max_spins: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 timeline: int = 0):
+                 timeline: int = 0, round_logits: int = 0):
         spec = buf.spec
         T, N = x.shape
         if T > spec.max_tokens:
@@ -247,7 +247,7 @@ class DistPlan:
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
             W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET,
-            TIMELINE=timeline)
+            TIMELINE=timeline, ROUND_LOGITS=round_logits)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
@@ -260,7 +260,8 @@ class DistPlan:
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
         self._occupancy_key = (x.device.index, block_m, block_n1, e_pad, el_pad, top_k, activation, x.dtype, c,
-                               timeline)
+                               timeline, round_logits)
+        self.round_logits = round_logits
 
     def timeline_records(self) -> list[dict]:
         """The last call's task records (``timeline`` on; a host sync): see

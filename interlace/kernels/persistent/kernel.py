@@ -103,9 +103,12 @@ def _signal(ptr):
 
 @triton.jit
 def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+                 BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr = 0):
     """(BLOCK_T, BLOCK_C) fp32 logits x[tokens] (·, N) @ W_r[cols] (·, N)ᵀ (bf16 x: W_r's W_PIECES
-    bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot); 0 where masked."""
+    bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot); 0 where masked.
+    ROUND_LOGITS 1 / 2: the fp32 sums rounded to bf16 / fp16 (a router whose logits come from a
+    GEMM in that dtype, as a transformers model in bf16 computes them: fp32 sums, rounded once)."""
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_G):
         nn = n0 + tl.arange(0, BLOCK_G)
@@ -120,6 +123,10 @@ def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T: tl.const
             ab = _piece(a, 0, 1, DOT_FP32)
             for i in tl.static_range(W_PIECES):
                 acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
+    if ROUND_LOGITS == 1:
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_LOGITS == 2:
+        acc = acc.to(tl.float16).to(tl.float32)
     return acc
 
 
@@ -176,14 +183,15 @@ def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.const
 def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr):
     """Routing of tokens [g·BLOCK_T, ...): :func:`_gate_logits` over all E experts, then
     :func:`_gate_choice`."""
     tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tokens < T
     cols = tl.arange(0, E_PAD)
     emask = cols < E
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES, DOT_FP32)
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES, DOT_FP32,
+                       ROUND_LOGITS)
     logits = tl.where(emask[None, :], acc, float("-inf"))
     _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
                  E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
@@ -290,6 +298,7 @@ def persistent_moe_kernel(
     BLOCK_NC: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     ACTIVATION: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ORDER: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
+    ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (_gate_logits)
 ):
     """One MoE layer call; see the module. ORDER 1 (tests only) dequeues the combine tasks right
     after the index, before the GEMM tasks: a broken order the waits must catch.
@@ -310,7 +319,8 @@ def persistent_moe_kernel(
         rec_kind = tl.full((), REC_GATE, tl.int32)
         if task < n_gate:
             _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
-                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32)
+                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32,
+                       ROUND_LOGITS)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:
             gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch)

@@ -167,7 +167,8 @@ class CallPlan:
     def __init__(self, x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
                  w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
-                 config: PersistentKernelConfig, max_spins: int, order: str, timeline: int = 0):
+                 config: PersistentKernelConfig, max_spins: int, order: str, timeline: int = 0,
+                 round_logits: int = 0):
         if order not in TASK_ORDERS:
             raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
         for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
@@ -203,7 +204,8 @@ class CallPlan:
         self.state_buffer = state.buffer
         self.workspace = dict(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
                               state=st, block_m=block_m, layout=layout)
-        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline)
+        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline, round_logits)
+        self.round_logits = round_logits
         self.programs = self._programs()
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g or 32,
@@ -211,7 +213,7 @@ class CallPlan:
             BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
             ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
-            ORDER=TASK_ORDERS.index(order), TIMELINE=timeline,
+            ORDER=TASK_ORDERS.index(order), TIMELINE=timeline, ROUND_LOGITS=round_logits,
         )
         # The arguments between x and out, and after out (the last one, the grid, set per launch).
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up,
@@ -301,7 +303,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
                    w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
                    renormalize: bool, route_scale: float, activation: str, w_pieces: int,
                    config: PersistentKernelConfig = PersistentKernelConfig(), max_spins: int = DEFAULT_SPINS,
-                   order: str = "normal", workspace: dict | None = None) -> torch.Tensor:
+                   order: str = "normal", workspace: dict | None = None, round_logits: int = 0) -> torch.Tensor:
     """One MoE layer call (world size 1) in one launch; see the module. (A caller that repeats
     a shape keeps a :class:`CallPlan` instead: this builds one per call.)
 
@@ -315,6 +317,8 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
         order: ``"normal"``; ``"combine_first"`` (tests) breaks the task order on purpose.
         workspace: if a dict, filled with the intermediate tensors (tests read the routing and
             the index from it).
+        round_logits: 1 / 2: the router logits rounded to bf16 / fp16 before the choice (a
+            router whose logits GEMM runs in that dtype; ``strategies.persistent.logits_rounding``).
     Returns:
         (T, N) in x's dtype. A timed-out wait leaves an error record in ``state`` (see
         :meth:`PersistentState.check`); nothing here reads it.
@@ -326,7 +330,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
         return alloc.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
     plan = CallPlan(x, router_weight, expert_bias, w_up, w_down, state, top_k=top_k, softmax=softmax,
                     renormalize=renormalize, route_scale=route_scale, activation=activation, w_pieces=w_pieces,
-                    config=config, max_spins=max_spins, order=order)
+                    config=config, max_spins=max_spins, order=order, round_logits=round_logits)
     out = plan.run(x)
     if workspace is not None:
         workspace.update(plan.workspace, programs=plan.programs)
