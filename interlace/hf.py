@@ -241,7 +241,9 @@ class KernelRouter:
         w = self.gate.weight
         if w.dtype == torch.float32:
             return w
-        key = (w.data_ptr(), w._version, w.device, w.dtype)  # (in-place updates bump the version)
+        # (in-place updates bump the version; an inference tensor has none, and outside
+        # inference mode it cannot be changed in place)
+        key = (w.data_ptr(), None if w.is_inference() else w._version, w.device, w.dtype)
         if key != self._key:
             self._weight, self._key = w.detach().float(), key
         return self._weight

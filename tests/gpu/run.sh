@@ -11,7 +11,10 @@
 #   5. tests/gpu/persistent_sim_check.py the W > 1 persistent kernel with simulated ranks on GPU 0
 #                               (phases as launches: a memory fault names its launch)
 #   6. tests/gpu/persistent_dist_check.py the W > 1 persistent strategy on every GPU against a
-#                               distributed fp32 reference (uneven, empty, skewed, graph replays)
+#                               distributed fp32 reference (uneven, empty, skewed, graph replays),
+#                               then 1000 calls of random token counts (--stress)
+#   7. tests/gpu/hf_persistent_check.py a bf16 transformers MoE block on persistent (GPU 0) against
+#                               HF's block, beside sequential
 # usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
 # Exits non-zero if any check fails. Logs go to $OUT (default bench-out/gpu-check).
 set -uo pipefail
@@ -40,8 +43,10 @@ CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/persistent_check.py 2>&1 | tee "$OUT/pe
 (( PIPESTATUS[0] == 0 )) || status=1
 CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/persistent_sim_check.py 2>&1 | tee "$OUT/persistent_sim_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
-python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/persistent_dist_check.py \
+python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/persistent_dist_check.py --stress 1000 \
   2>&1 | tee "$OUT/persistent_dist_check.log"
+(( PIPESTATUS[0] == 0 )) || status=1
+CUDA_VISIBLE_DEVICES=0 python3 tests/gpu/hf_persistent_check.py 2>&1 | tee "$OUT/hf_persistent_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
 echo "gpu checks: $([[ $status == 0 ]] && echo passed || echo FAILED)"
 exit $status

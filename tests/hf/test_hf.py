@@ -218,6 +218,25 @@ def test_world_one_persistent_routes_in_its_kernel(family):
     check_routed_inference(family, "persistent", {}, 0, 1)
 
 
+def test_kernel_router_of_a_model_made_in_inference_mode():
+    """A model copied or loaded under torch.inference_mode has inference tensors (no version
+    counter): the router view still converts its weight once and follows a new weight."""
+    from interlace.hf import KernelRouter
+
+    ref = build("qwen3_moe").to(torch.bfloat16)
+    ids = token_batches(1)[0]
+    with torch.inference_mode():
+        model = copy.deepcopy(ref)
+        replace_moe_blocks(model, strategy="persistent")
+        router: KernelRouter = moe_blocks(model)[0].kernel_router
+        assert router.gate.weight.is_inference() and router.logits_dtype == torch.bfloat16
+        first = router.weight
+        assert first.dtype == torch.float32 and router.weight is first  # converted once
+        router.gate.weight = torch.nn.Parameter(router.gate.weight * 2, requires_grad=False)
+        assert torch.equal(router.weight, first * 2)
+        model(ids[:, :2], output_router_logits=False)  # (bf16 under the interpreter: runs, values unchecked)
+
+
 def _gloo_routed(rank, world):
     # auto weighs persistent (its kernel under the interpreter, the staged transport) against sequential
     check_routed_inference("qwen3_moe", "auto", {"candidates": ("sequential", "persistent"), "warmup": 0,
@@ -226,3 +245,17 @@ def _gloo_routed(rank, world):
 
 def test_gloo_two_ranks_auto_routes_hf_blocks_through_persistent():
     run_gloo(_gloo_routed, 2)
+
+
+def test_gpu_block_check_script_runs_on_the_cpu(capsys):
+    """tests/gpu/hf_persistent_check.py --smoke: a tiny fp32 Qwen3-MoE block through sequential and
+    persistent (rounding on and off) against HF's block, on the CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "hf_persistent_check.py"
+    spec = importlib.util.spec_from_file_location("hf_persistent_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
