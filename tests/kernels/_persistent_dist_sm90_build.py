@@ -1,5 +1,5 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
-interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1]], registers and spill stack bytes per spec."""
+interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS]]], registers and spill stack bytes per spec."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
@@ -24,14 +24,15 @@ sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, el_pad, top_k, timeline, n1 = (list(map(int, spec.split(","))) + [0, 0])[:6]
+    block_m, e_pad, el_pad, top_k, timeline, n1, rounding = (list(map(int, spec.split(","))) + [0, 0, 0])[:7]
     k0, n0, default_n1, k1 = config.tiles(block_m)
     n1 = n1 or default_n1
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
-                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline)
+                  RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline,
+                  ROUND_LOGITS=rounding)
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

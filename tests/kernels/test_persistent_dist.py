@@ -260,8 +260,8 @@ def test_tiles_per_rank_bound_holds(block_m):
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
-    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1]]), and bound its registers and
-    spill stack (the 128-wide GEMM1 slice of wide_gemm1_slice included)."""
+    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS]]]), and
+    bound its registers and spill stack (the 128-wide GEMM1 slice of wide_gemm1_slice included)."""
     import os
     import subprocess
     import sys
@@ -276,8 +276,10 @@ def test_kernel_builds_for_sm90():
     script = Path(__file__).with_name("_persistent_dist_sm90_build.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    # (TIMELINE 1: %globaltimer; BLOCK_N1 128: the wide GEMM1 slice at decode and 512-token sizes)
-    specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128"]
+    # (TIMELINE 1: %globaltimer; BLOCK_N1 128: the wide GEMM1 slice at decode and 512-token sizes;
+    # ROUND_LOGITS 1: the gate's logits rounded to bf16, as for a transformers router in bf16)
+    specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128",
+             "32,128,64,8,0,128,1"]
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
