@@ -8,7 +8,9 @@ its own kernel (``persistent``) while the others route first, each timed with it
 **World size W > 1.** Inference calls calibrate ``persistent`` beside the model's candidates
 (``sequential``, ``pipelined:r``, ``fused``) for buckets up to ``persistent_max_tokens`` tokens
 per rank, under their own key mode :data:`ROUTED` (a decision of a routed call never serves a
-call that comes routed, and the reverse). The agreement is :mod:`interlace.strategies.auto`'s:
+call that comes routed, and the reverse). Larger buckets, where ``persistent`` is no candidate,
+keep the key mode ``"fwd"`` of routed calls: their decisions (and the ones shipped for the
+presets) serve both kinds of call. The agreement is :mod:`interlace.strategies.auto`'s:
 the steady state runs the previous call's key without waiting; a ``persistent`` or fused call
 launches first with the buffers it holds (persistent's hold ``persistent_max_tokens`` tokens per
 rank, sized once), then waits for the group's largest count; where some rank had more than
@@ -107,7 +109,8 @@ class RoutedCalls:
         self._post(x.shape[0])
         if agree.previous is not None and not capturing:
             # The steady state: the previous call's key, held by every rank without waiting.
-            state = self._keys.get((token_bucket(agree.previous), ROUTED))
+            bucket = token_bucket(agree.previous)
+            state = self._keys.get((bucket, self._routed_mode(bucket)))
             if state is not None and state.choice is not None:
                 spec = state.choice.spec
                 if spec != PERSISTENT and spec not in ("fused", "fused:train"):
@@ -117,8 +120,13 @@ class RoutedCalls:
                 agreed = agree.wait()  # after the launch: the GPU is busy while the last rank posts
                 if agreed <= held:
                     return out
-                return self._routed_key_call(agreed, ROUTED, args, capturing)  # every rank: same agreed
-        return self._routed_key_call(agree.wait(), ROUTED, args, capturing)
+                return self._routed_key_call(agreed, None, args, capturing)  # every rank: same agreed
+        return self._routed_key_call(agree.wait(), None, args, capturing)
+
+    def _routed_mode(self, bucket: int) -> str:
+        """W > 1: the key mode of a routed call of ``bucket``: :data:`ROUTED` where
+        ``persistent`` is a candidate, else ``"fwd"`` (the candidates of a call that comes routed)."""
+        return ROUTED if 0 < bucket <= self.options.persistent_max_tokens else "fwd"
 
     def _launch_held(self, spec: str, args) -> tuple[torch.Tensor | None, int]:
         """A persistent or fused call with the buffers held, before the wait: (output, tokens
@@ -133,11 +141,13 @@ class RoutedCalls:
         self._routed(spec, held, x[:held], router, w_up, w_down)
         return None, held
 
-    def _routed_key_call(self, agreed: int, mode: str, args, capturing: bool) -> torch.Tensor:
-        """The call under the key of ``agreed`` tokens (the group's largest count): its choice,
-        or the scheduled candidate of its calibration, timed with its routing."""
+    def _routed_key_call(self, agreed: int, mode: str | None, args, capturing: bool) -> torch.Tensor:
+        """The call under the key of ``agreed`` tokens (the group's largest count; ``mode`` None:
+        :meth:`_routed_mode`): its choice, or the scheduled candidate of its calibration, timed
+        with its routing."""
         x = args[0]
-        key = (token_bucket(agreed), mode)
+        bucket = token_bucket(agreed)
+        key = (bucket, mode or self._routed_mode(bucket))
         state = self._key_state(key, x.device)
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))

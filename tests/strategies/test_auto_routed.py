@@ -49,7 +49,8 @@ def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
     # 1-2: bucket 4 calibrates (sequential, then persistent); 3: decided, the winner runs;
     # 4: the previous key (4) runs; 5: rank 1 has 12 tokens: with persistent decided, it launches
     # 8 of them (the buffers hold 8), then every rank runs the call again under bucket 16, where
-    # persistent is no candidate (over persistent_max_tokens): sequential, predicted; 6: key 16.
+    # persistent is no candidate (over persistent_max_tokens: key mode "fwd"): sequential,
+    # predicted; 6: key 16.
     for counts in ([3, 4], [4, 3], [4, 4], [4, 0], [2, 12], [1, 1]):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
@@ -64,7 +65,8 @@ def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
     if winner == "persistent":
         assert ran == ["sequential", "persistent", "persistent", "persistent", "persistent", "sequential",
                        "sequential"], ran
-        assert strategy.choices[(16, ROUTED)].spec == "sequential"
+        # (bucket 16 is over persistent_max_tokens: the key of a call that comes routed, shared)
+        assert strategy.choices[(16, "fwd")].spec == "sequential" and (16, ROUTED) not in strategy.choices
     else:
         # (5: sequential takes any counts, nothing runs again; 6: the previous key 16 is new, so
         # the call takes its own bucket 1 and calibrates it, sequential first)
