@@ -96,12 +96,10 @@ from interlace.planning.profile import machine_key
 from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
                                                  TokenAgreement, decision_shape, token_bucket)
-from interlace.strategies.auto_routed import PERSISTENT, ROUTED, RoutedCalls
+from interlace.strategies.auto_routed import FUSED_SPECS, PERSISTENT, ROUTED, RoutedCalls
 from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
-
-FUSED_SPECS = ("fused", "fused:train")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from interlace.strategies.base import strategy_class
 
 ROUTED = "fwd-routed"  # key mode of W > 1 inference calls handed over with the router
 PERSISTENT = "persistent"
+FUSED_SPECS = ("fused", "fused:train")  # the strategies with buffers for a fixed token count per rank
 
 
 def persistent_buffer_bytes(config, world: int, max_tokens: int) -> int:
@@ -113,7 +114,7 @@ class RoutedCalls:
             state = self._keys.get((bucket, self._routed_mode(bucket)))
             if state is not None and state.choice is not None:
                 spec = state.choice.spec
-                if spec != PERSISTENT and spec not in ("fused", "fused:train"):
+                if spec != PERSISTENT and spec not in FUSED_SPECS:
                     agree.skip()
                     return self._routed(spec, 0, *args)
                 out, held = self._launch_held(spec, args)
