@@ -161,3 +161,19 @@ HF_FAMILIES = {
                          first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
                          qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
 }
+
+
+def triton_builds(kernel, args, constexprs) -> tuple:
+    """What Triton compiles a launch of ``kernel`` for: its constexprs and the specialization of
+    each non-tensor argument as its binder computes it (tensors: all 16-byte aligned here)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):  # (under the interpreter: the same function and options)
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    params = [p for p in kernel.params if not p.is_constexpr]
+    spec = tuple(native_specialize_impl(BaseBackend, a, False, not p.do_not_specialize,
+                                        not p.do_not_specialize_on_alignment)
+                 for p, a in zip(params, args, strict=True) if not isinstance(a, torch.Tensor) and a is not None)
+    return tuple(sorted(constexprs.items())), spec

@@ -133,6 +133,63 @@ def test_more_rows_than_one_tile():
     world.assert_matches(outs)
 
 
+@pytest.mark.parametrize("splits, round_logits", [(3, 0), (2, 1)])
+def test_logits_split_over_columns_routes_as_one_sum(splits, round_logits):
+    """The router GEMM's sum over N in ``logits_splits`` column parts (16-wide steps over hidden
+    80: parts of 32, 32 and 16 columns for 3), summed in order by the gate task, then rounded
+    (ROUND_LOGITS 1 rounds the whole sum, not each part): the routing is the layer's and the
+    output the reference's."""
+    from interlace.routing import route_logits
+
+    torch.manual_seed(5)
+    world = World(2, [9, 6], top_k=2, hidden=80, config=PersistentKernelConfig(logits_splits=splits, block_g=16))
+    if round_logits:
+        for plan in world.plans:
+            plan.constexprs["ROUND_LOGITS"] = round_logits
+    assert all(p.logits_splits == splits and p.layout.n_logits == p.layout.n_gate * 1 * splits for p in world.plans)
+    outs = world.run()
+    world.check_all()
+    for plan, x in zip(world.plans, world.xs):
+        logits = (x.double() @ world.router_weight.double().t()).float()
+        if round_logits:
+            logits = logits.bfloat16().float()
+        expected = route_logits(logits, world.bias, world.cfg, fused=True)[0]
+        assert torch.equal(plan.workspace["idx"].view(-1, 2).long(), expected)
+    if not round_logits:
+        world.assert_matches(outs)
+    with pytest.raises(ValueError, match="logits_splits"):
+        World(2, [1, 1], config=PersistentKernelConfig(logits_splits=0))
+
+
+def test_one_build_per_row_tile_over_token_counts(monkeypatch):
+    """A server's batch sizes vary call by call: every token count 0–64 per rank (and some up to
+    512) must reuse the build of its row tile, not compile the kernel again for each pattern of
+    "divisible by 16" and "equal to 1" among the token-count arguments (31 builds over 0–512 with
+    the defaults at qwen3-30b-a3b's shape, before they were left unspecialized). The GPU's grid
+    and logits splits are emulated (132 SMs, 2 programs each)."""
+    import interlace.kernels.persistent.dist_launch as dl
+    from helpers import triton_builds
+    from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
+
+    monkeypatch.setattr(dl, "sm_count", lambda device: 132)
+    monkeypatch.setattr(dl.DistPlan, "_programs", lambda self, n: max(1, min(264, n)))
+    W, L, N, K, k = 2, 64, 1024, 96, 8
+    buf = simulated_world(DistSpec(W, L, N, k, 512, torch.bfloat16))[0]
+    rw = torch.randn(W * L, N)
+    w_up, w_down = torch.empty(L, 2 * K, N, dtype=torch.bfloat16), torch.empty(L, N, K, dtype=torch.bfloat16)
+    builds, splits_seen = {}, set()
+    for T in [*range(0, 65), 100, 127, 128, 129, 255, 256, 300, 511, 512]:
+        x = torch.empty(T, N, dtype=torch.bfloat16)
+        plan = DistPlan(x, rw, None, w_up, w_down, buf, top_k=k, softmax=True, renormalize=True, route_scale=1.0,
+                        activation="swiglu", w_pieces=3, config=PersistentKernelConfig(), max_spins=1)
+        _, args = plan.kernel_args(x, torch.empty(T, N, dtype=torch.bfloat16), None)
+        consts, spec = triton_builds(persistent_dist_kernel, args, plan.constexprs)
+        builds.setdefault(consts, set()).add(spec)
+        splits_seen.add(plan.logits_splits)
+    assert len(splits_seen) > 1 and len(builds) > 1  # (the emulation varied what it should)
+    assert all(len(specs) == 1 for specs in builds.values()), [len(v) for v in builds.values()]
+
+
 def test_nan_token_stays_in_its_row():
     world = World(2, [7, 6])
     world.xs[1][2, 5] = float("nan")
@@ -257,6 +314,8 @@ def test_tiles_per_rank_bound_holds(block_m):
             counts = torch.bincount(idx.reshape(-1), minlength=E).view(W, L)
             tiles = (counts + block_m - 1) // block_m
             assert int(tiles.sum(1).max()) <= mt
+
+
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row

@@ -297,6 +297,29 @@ def test_large_row_tiles_match_reference(T, block_m, forced):
     assert int(ws["state"][5]) == tiles.shape[1]
 
 
+def test_one_build_per_row_tile_over_token_counts(monkeypatch):
+    """Token counts 1–64 and some up to 512 reuse their row tile's build: the arguments that
+    change with the token count are not specialized by Triton (its "divisible by 16" and "equal
+    to 1" patterns would each compile the kernel again). The GPU's grid is emulated (264 programs)."""
+    from interlace.kernels.persistent import launch as pl
+    from interlace.kernels.persistent.kernel import persistent_moe_kernel
+    from helpers import triton_builds
+
+    monkeypatch.setattr(pl.CallPlan, "_programs", lambda self: max(1, min(264, self.layout.total)))
+    E, N, K, k = 16, 256, 96, 2
+    rw = torch.randn(E, N)
+    w_up, w_down = torch.empty(E, 2 * K, N, dtype=torch.bfloat16), torch.empty(E, N, K, dtype=torch.bfloat16)
+    builds = {}
+    for T in [*range(1, 65), 100, 128, 129, 256, 300, 512]:
+        x = torch.empty(T, N, dtype=torch.bfloat16)
+        plan = pl.CallPlan(x, rw, None, w_up, w_down, PersistentState(), top_k=k, softmax=True, renormalize=True,
+                           route_scale=1.0, activation="swiglu", w_pieces=3, config=PersistentKernelConfig(),
+                           max_spins=1, order="normal")
+        consts, spec = triton_builds(persistent_moe_kernel, plan.kernel_args(x, torch.empty_like(x)), plan.constexprs)
+        builds.setdefault(consts, set()).add(spec)
+    assert len(builds) > 1 and all(len(specs) == 1 for specs in builds.values()), [len(v) for v in builds.values()]
+
+
 @pytest.mark.parametrize("rounding, dtype", [(1, torch.bfloat16), (2, torch.float16)])
 def test_rounded_logits_choose_as_a_gemm_in_that_dtype(rounding, dtype):
     """round_logits: the gate rounds its fp32 logit sums to bf16 / fp16 before the choice, as a

@@ -68,7 +68,7 @@ from triton.language.extra.cuda import globaltimer
 from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, store_tile_table
+from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
@@ -133,33 +133,42 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
 
 
 @triton.jit
-def _logits_task(g, eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr):
-    """logits[tokens of block g, experts of block eb] (fp32, rows of E_PAD): the router GEMM
-    split over expert blocks, so one token block's gate is many programs' work (one program's
-    pass over the whole router weight is a latency-bound chain of N / BLOCK_G loads)."""
+def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """logits[ks][tokens of block g, experts of block eb] (fp32, rows of E_PAD): the part over
+    columns [ks·ls_chunk, (ks+1)·ls_chunk) of the router GEMM, split over expert blocks and
+    column parts, so one token block's gate is many programs' work (one program's pass over the
+    whole router weight is a latency-bound chain of N / BLOCK_G loads). The choice task sums the
+    parts in ks order (deterministic)."""
     tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tokens < T
     cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES,
-                       DOT_FP32, ROUND_LOGITS)
-    tl.store(logits_ptr + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
+    n_lo = ks * ls_chunk
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
+                       BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
+    part = logits_ptr + ks * T * E_PAD  # (parts · T · E_PAD < 2³¹)
+    tl.store(part + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
              mask=tmask[:, None] & (cols[None, :] < E))
 
 
 @triton.jit
-def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, TOP_K: tl.constexpr,
-                 K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, SOFTMAX: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Token block g's top-k from its logits rows (the world-1 gate's choice rule)."""
+def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr):
+    """Token block g's top-k from its logits rows, the ``n_ls`` column parts summed in order
+    (then rounded: ROUND_LOGITS), by the world-1 gate's choice rule."""
     tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tokens < T
     cols = tl.arange(0, E_PAD)
     emask = cols < E
-    acc = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :],
-                  mask=tmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
-    logits = tl.where(emask[None, :], acc, float("-inf"))
+    offs = tokens[:, None].to(tl.int64) * E_PAD + cols[None, :]
+    acc = tl.load(logits_ptr + offs, mask=tmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
+    for ks in range(1, n_ls):
+        acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=tmask[:, None] & emask[None, :],
+                       other=0.0, cache_modifier=".cg")
+    logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
     _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
                  E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
 
@@ -351,14 +360,21 @@ def _combine_task(tb, ns, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max
              mask=tmask[:, None] & cmask[None, :])
 
 
-@triton.jit
+# The arguments that change with the call's token count: not specialized (Triton would compile
+# the kernel again for each pattern of "divisible by 16" and "equal to 1" among them: 31 builds of
+# this kernel over 0–512 tokens per rank, each seconds of host time, where 4 row tiles need 4).
+BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "n_send", "n_comb_t", "task_lo",
+                  "task_hi")
+
+
+@triton.jit(do_not_specialize=BY_TOKEN_COUNT)
 def persistent_dist_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
     logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
     recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
-    n_logits, n_eb, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
+    n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
@@ -390,8 +406,8 @@ def persistent_dist_kernel(
         t_waited = t_start
         rec_kind = tl.full((), REC_LOGITS, tl.int32)
         if task < f_gate:
-            _logits_task(task // n_eb, task % n_eb, x_ptr, rw_ptr, logits_ptr, T, N, E, E_PAD, BLOCK_T, BLOCK_E,
-                         BLOCK_G, W_PIECES, DOT_FP32, ROUND_LOGITS)
+            _logits_task(task // (n_eb * n_ls), (task // n_ls) % n_eb, task % n_ls, x_ptr, rw_ptr, logits_ptr, T,
+                         N, E, ls_chunk, E_PAD, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + LOGITS_DONE, 1, sem="release", scope="gpu")
         elif task < f_index:
@@ -401,7 +417,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
                 _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
-                             TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
+                             n_ls, TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:

@@ -186,6 +186,31 @@ def wide_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int, b
     return WIDE_N1 if WIDE_N1 > block_n1 and tiles * cdiv(N, WIDE_N1) >= 4 * sms else block_n1
 
 
+MAX_LOGITS_SPLITS = 8
+
+
+def sm_count(device: torch.device) -> int | None:
+    """SMs of a CUDA device; None off the GPU (the interpreter included)."""
+    if device.type != "cuda" or _INTERPRET:
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def logits_splits(n_blocks: int, N: int, block_g: int, sms: int | None) -> int:
+    """Parts of the router GEMM's sum over N (logits tasks per (token block, expert block)): the
+    most, a power of 2 up to :data:`MAX_LOGITS_SPLITS`, with each part at least two ``block_g``
+    steps and the logits tasks no more than two per SM. The gate heads the chain every expert
+    tile waits for, and a logits task is a latency-bound chain of N / block_g loads: at decode
+    sizes few token blocks would leave most SMs idle while a few walk the whole of N. The parts
+    are summed in order by the gate task (deterministic). 1 off the GPU (``sms`` None)."""
+    if not sms:
+        return 1
+    splits = 1
+    while 2 * splits <= MAX_LOGITS_SPLITS and n_blocks * 2 * splits <= 2 * sms and cdiv(N, 2 * splits) >= 2 * block_g:
+        splits *= 2
+    return splits
+
+
 class DistPlan:
     """One rank's call shape (T tokens): tiles, :class:`~dist_tasks.DistLayout`, workspace and
     kernel arguments, over a :class:`DistBuffer`. ``run(x)`` is the whole call (one launch);
@@ -222,16 +247,23 @@ class DistPlan:
             block_n1 = wide_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
         block_s, block_ns, block_e = c.block_s, min(c.block_ns, next_power_of_2(N)), c.block_e
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
+        n_eb = cdiv(E, block_e)
+        if c.logits_splits is not None and (isinstance(c.logits_splits, bool) or not isinstance(c.logits_splits, int)
+                                            or c.logits_splits < 1):
+            raise ValueError(f"persistent: kernel logits_splits must be an int >= 1 or None, got {c.logits_splits!r}")
+        n_ls = c.logits_splits or logits_splits(cdiv(T, c.block_t) * n_eb, N, block_gl, sm_count(x.device))
+        ls_chunk = cdiv(cdiv(N, n_ls), block_gl) * block_gl
+        self.logits_splits = n_ls
         self.layout = layout = dt.DistLayout.build(
             T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_e=block_e, block_s=block_s,
             block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
-            block_nc=c.block_nc, num_experts=E)
+            block_nc=c.block_nc, num_experts=E, logits_splits=n_ls)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
         n_hist = max(1, layout.n_gate) * e_pad
         ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * el_pad + 3 * layout.mt,), dtype=torch.int32,
                            device=x.device)
-        logits = alloc.empty((max(1, T), e_pad), dtype=torch.float32, device=x.device)
+        logits = alloc.empty((n_ls * max(1, T), e_pad), dtype=torch.float32, device=x.device)
         idx, wt, lrank, slot = (ints[i * TK:(i + 1) * TK] for i in range(4))
         rest = ints[4 * TK:]
         hist, base = rest[:n_hist], rest[n_hist:2 * n_hist]
@@ -254,7 +286,7 @@ class DistPlan:
                          tb["recv"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))
-        self._layout_args = (layout.n_logits, cdiv(E, block_e), layout.n_gate, layout.n_send, cdiv(N, block_ns),
+        self._layout_args = (layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),
                              layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
@@ -289,17 +321,25 @@ class DistPlan:
         """Programs of a one-launch call (all tasks)."""
         return self._programs(self.layout.total)
 
-    def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
-        """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
+    def kernel_args(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None):
+        """(programs, the kernel's positional arguments) of the launch of kinds ``phase``; None
+        where the phase has no task."""
         task_lo, task_hi = self.layout.task_range(phase)
         if task_hi <= task_lo:
-            return
+            return None
         if self.T == 0:
             x = out = self._dummy
         programs = self._programs(task_hi - task_lo)
         final = int(task_hi == self.layout.total)
-        args = (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi, final,
-                *self._timeline_args)
+        return programs, (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi,
+                          final, *self._timeline_args)
+
+    def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
+        """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
+        launch_args = self.kernel_args(x, out, phase)
+        if launch_args is None:
+            return
+        programs, args = launch_args
         compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.config.num_warps,
                           num_stages=self.config.num_stages, **self.constexprs)
         if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:

@@ -102,17 +102,18 @@ def _signal(ptr):
 
 
 @triton.jit
-def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                 BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr = 0):
+def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, n_lo, n_hi, BLOCK_T: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr):
     """(BLOCK_T, BLOCK_C) fp32 logits x[tokens] (·, N) @ W_r[cols] (·, N)ᵀ (bf16 x: W_r's W_PIECES
     bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot); 0 where masked.
     ROUND_LOGITS 1 / 2: the fp32 sums rounded to bf16 / fp16 (a router whose logits come from a
-    GEMM in that dtype, as a transformers model in bf16 computes them: fp32 sums, rounded once)."""
+    GEMM in that dtype, as a transformers model in bf16 computes them: fp32 sums, rounded once).
+    ``n_lo``, ``n_hi``: the part of the sum over columns [n_lo, n_hi) (0, N: all of it)."""
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_G):
+    for n0 in range(n_lo, n_hi, BLOCK_G):
         nn = n0 + tl.arange(0, BLOCK_G)
-        nmask = nn < N
+        nmask = nn < n_hi
         a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + nn[None, :], mask=tmask[:, None] & nmask[None, :],
                     other=0.0)
         w = tl.load(rw_ptr + cols[None, :].to(tl.int64) * N + nn[:, None], mask=emask[None, :] & nmask[:, None],
@@ -123,6 +124,12 @@ def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T: tl.const
             ab = _piece(a, 0, 1, DOT_FP32)
             for i in tl.static_range(W_PIECES):
                 acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
+    return round_logits(acc, ROUND_LOGITS)
+
+
+@triton.jit
+def round_logits(acc, ROUND_LOGITS: tl.constexpr):
+    """fp32 logit sums rounded to bf16 (1) or fp16 (2), as values in fp32; 0: unchanged."""
     if ROUND_LOGITS == 1:
         acc = acc.to(tl.bfloat16).to(tl.float32)
     elif ROUND_LOGITS == 2:
@@ -190,8 +197,8 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
     tmask = tokens < T
     cols = tl.arange(0, E_PAD)
     emask = cols < E
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES, DOT_FP32,
-                       ROUND_LOGITS)
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, 0, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES,
+                       DOT_FP32, ROUND_LOGITS)
     logits = tl.where(emask[None, :], acc, float("-inf"))
     _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
                  E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
@@ -282,7 +289,12 @@ def _combine_task(tb, ns, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K: tl.co
              mask=tmask[:, None] & cmask[None, :])
 
 
-@triton.jit
+# The arguments that change with the call's token count: not specialized (one build per row
+# tile, not one per pattern of "divisible by 16" and "equal to 1" among them).
+BY_TOKEN_COUNT = ("T", "n_programs", "n_gate", "max_tiles", "n_comb_t")
+
+
+@triton.jit(do_not_specialize=BY_TOKEN_COUNT)
 def persistent_moe_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E, UP, N), (E, N, K), (T, N)
     idx_ptr, wt_ptr, lrank_ptr, row_of_ptr, asg_of_ptr,  # (T·k,) each: int32, fp32, int32 ×3

@@ -45,7 +45,9 @@ class PersistentKernelConfig:
     reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
     None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task; block_g: the gate's
     reduction step over N (None: 32 at world size 1, where one task takes all experts' logits;
-    128 at W > 1, where a logits task takes ``block_e`` experts). block_s × block_ns: tokens ×
+    128 at W > 1, where a logits task takes ``block_e`` experts). logits_splits: at W > 1, the
+    parts of the router GEMM's sum over N, each a logits task (None: by the call's token blocks,
+    :func:`~interlace.kernels.persistent.dist_launch.logits_splits`). block_s × block_ns: tokens ×
     columns of a W > 1 send task (block_ns at most N's power of 2). block_tc × block_nc: a
     combine task. programs: the grid (None: what is
     co-resident on the device; under the interpreter 3).
@@ -68,6 +70,7 @@ class PersistentKernelConfig:
     block_t: int = 16
     block_g: int | None = None
     block_e: int = 32
+    logits_splits: int | None = None
     block_s: int = 16
     block_ns: int = 256
     block_tc: int = 16
@@ -248,6 +251,10 @@ class CallPlan:
                 and self.state.buffer is self.state_buffer
                 and weight_ptrs(router_weight, expert_bias, w_up, w_down) == self.weight_ptrs)
 
+    def kernel_args(self, x: torch.Tensor, out: torch.Tensor) -> tuple:
+        """The kernel's positional arguments for x and out (the grid: ``self.programs``)."""
+        return (x, *self._weights_args, out, *self._rest_args, self.programs, *self._layout_args)
+
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """out (T, N) in x's dtype for x (T, N) contiguous, with the plan's weights."""
         out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
@@ -255,9 +262,9 @@ class CallPlan:
             return out
         direct = self._direct
         if direct is not None and x.data_ptr() % 16 == 0 and not launch_hooked():
-            direct(self.programs, x, *self._weights_args, out, *self._rest_args, self.programs, *self._layout_args)
+            direct(self.programs, *self.kernel_args(x, out))
             return out
-        args = (x, *self._weights_args, out, *self._rest_args, self.programs, *self._layout_args)
+        args = self.kernel_args(x, out)
         kwargs = dict(num_warps=self.config.num_warps, num_stages=self.config.num_stages, **self.constexprs)
         compiled = launch(persistent_moe_kernel, (self.programs,), *args, **kwargs)
         if self.device.type == "cuda" and not _INTERPRET:
