@@ -6,7 +6,8 @@
 Runs the routing cases of the CPU tests (random, balanced, all tokens to one expert, a rank
 that receives nothing, an empty rank, an empty batch) on several configs, forward and
 backward, checks outputs and every gradient, that two runs are bitwise identical
-(deterministic combine), and that a NaN token stays in its own row. Exits non-zero on any
+(deterministic combine), and that a NaN token stays in its own row; the inference-only
+``persistent`` strategy forward, on the cases its router can make (:func:`check_persistent`). Exits non-zero on any
 failure; prints one line per check and a summary last. ``GPU_CHECK_CONFIGS``,
 ``GPU_CHECK_CASES`` and ``GPU_CHECK_STRATEGIES`` (space-separated names) narrow it to a subset,
 e.g. to repeat one failing check under ``CUDA_LAUNCH_BLOCKING=1``.
@@ -36,6 +37,9 @@ CONFIGS = {
     # hidden ≥ 4096: fused's layer0 gathers its local rows first and joins gate and up (gather0 / joint0 auto)
     "swiglu-h4096": MoEConfig(hidden=4096, ffn=384, num_experts=8, top_k=2),
 }
+
+
+ALL_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train")  # (+ persistent)
 
 
 def _only(name: str, default):
@@ -102,6 +106,87 @@ def check_shared_overlap(dev, rank, world, strategies, report):
                f"output bitwise equal to the non-overlapped one")
 
 
+# persistent routes itself (forced choices would run sequential's path): its cases are those the
+# router makes; "one_expert" and "zero_recv_rank" are made by steering the router (steer_router).
+PERSISTENT_CASES = ("random", "one_expert", "zero_recv_rank", "uneven_and_empty_rank", "empty_batch")
+
+
+def steer_router(layer, case, world, xs, dev):
+    """Make the router choose as ``case`` forces: every token gets a large component along a
+    shared unit direction u; "one_expert": the rows of experts 0..k−1 point along u (all traffic
+    to them, the first rank's); "zero_recv_rank": the last rank's experts' rows point against u
+    (it receives nothing). The same u on every rank. Returns the steered tokens."""
+    cfg = layer.config
+    u = torch.randn(cfg.hidden, device=dev, generator=torch.Generator(device=dev).manual_seed(7))
+    u /= u.norm()
+    w = layer.router.weight.data
+    if case == "one_expert":
+        for j in range(cfg.top_k):
+            w[j] = u * (1.0 - 0.1 * j)
+    else:
+        w[cfg.num_experts - cfg.num_experts // world:] = -u
+    return [(x.float() + 4.0 * cfg.hidden**0.5 * u).to(cfg.dtype) for x in xs]
+
+
+def check_persistent(dev, rank, world, configs, cases, report, base=256, seed=3):
+    """The persistent strategy (inference; one launch per call and rank) on the routing cases of
+    :data:`PERSISTENT_CASES` against the fp32 reference (the layer's own routing, steered where
+    the case forces choices), three calls per case bitwise identical (eager, CUDA-graph capture,
+    replay on a GPU), then a NaN token that must stay in its own row. Configs the kernel does not
+    take (capacity factor) are skipped, said so. Every rank makes every call (zero tokens too)."""
+    from interlace.routing import route
+    from interlace.strategies.persistent import unsupported
+
+    for name, cfg in configs.items():
+        why = unsupported(cfg, world)
+        if why:
+            if rank == 0:
+                print(f"SKIP {name} persistent: {why}", flush=True)
+            continue
+        wu, wd = (w.float() for w in init_expert_weights(cfg, range(cfg.num_experts), seed, dev))
+        for case in [c for c in cases if c in PERSISTENT_CASES]:
+            tokens = case_tokens(case, world, base=base)
+            gen = torch.Generator(device=dev).manual_seed(11)
+            xs = [torch.randn(T, cfg.hidden, device=dev, generator=gen).to(cfg.dtype) for T in tokens]
+            layer = MoELayer(cfg, strategy="persistent", seed=seed, device=dev,
+                             strategy_options={"max_tokens": max(1, max(tokens))})
+            if case in ("one_expert", "zero_recv_rank"):
+                xs = steer_router(layer, case, world, xs, dev)
+            rw, bias = layer.router.weight.detach().float(), layer.router.expert_bias
+            x = xs[rank]
+            with torch.inference_mode():
+                outs = [layer(x).clone() for _ in range(3)]
+            if hasattr(layer.strategy, "synchronize_and_check"):
+                layer.strategy.synchronize_and_check()
+            ref, _ = reference_moe(x.float(), rw, wu, wd, cfg, expert_bias=bias, compute_dtype=torch.float32)
+            routed = route(x.float(), rw, bias, cfg)[0] if tokens[rank] else torch.empty(0, cfg.top_k, device=dev)
+            first_last = cfg.num_experts - cfg.num_experts // world
+            steered = {"one_expert": bool((routed < cfg.top_k).all()),
+                       "zero_recv_rank": not bool((routed >= first_last).any())}.get(case, True)
+            err = rel(outs[0], ref) if tokens[rank] else 0.0
+            where = f"{name:12s} {case:22s} persistent rank {rank}"
+            report(err < TOL and steered and outs[0].shape == x.shape,
+                   f"{where} rel err out {err:.1e}" + ("" if steered else ", the router did not steer as the case asks"))
+            report(all(torch.equal(outs[0], o) for o in outs[1:]), f"{where} bitwise identical across 3 calls")
+            del layer
+    cfg = next((c for n, c in configs.items() if not unsupported(c, world)), None)
+    if cfg is None:
+        return
+    layer = MoELayer(cfg, strategy="persistent", seed=0, device=dev, strategy_options={"max_tokens": base})
+    x = torch.randn(base, cfg.hidden, device=dev, generator=torch.Generator(device=dev).manual_seed(5 + rank))
+    x = x.to(cfg.dtype)
+    row = base // 2
+    bad = x.clone()
+    bad[row, 3] = float("nan")
+    with torch.inference_mode():
+        clean, out = layer(x).clone(), layer(bad).clone()
+    others = torch.ones(base, dtype=torch.bool, device=dev)
+    others[row] = False
+    err = rel(out[others], clean[others])
+    report(bool(torch.isnan(out[row]).all()) and err < TOL and torch.equal(out[others], clean[others]),
+           f"nan-row persistent rank {rank}: NaN only in its own row; other rows bitwise equal (rel change {err:.1e})")
+
+
 def main():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -119,8 +204,7 @@ def main():
 
     configs = _only("GPU_CHECK_CONFIGS", CONFIGS)
     cases = _only("GPU_CHECK_CASES", CASES)
-    strategies = _only("GPU_CHECK_STRATEGIES",
-                       ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train"))
+    strategies = [s for s in _only("GPU_CHECK_STRATEGIES", ALL_STRATEGIES + ("persistent",)) if s != "persistent"]
     for name in configs:
         cfg = CONFIGS[name]
         if cfg.num_experts % world:
@@ -178,6 +262,9 @@ def main():
                 if strategy != "naive":
                     same = all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run) if a is not None)
                     report(same, f"{where} bitwise identical across {len(runs)} runs")
+
+    if "persistent" in _only("GPU_CHECK_STRATEGIES", ("persistent",) + ALL_STRATEGIES):
+        check_persistent(dev, rank, world, {n: CONFIGS[n] for n in configs}, cases, report)
 
     # Shared experts (Qwen2-MoE's gated one) with the side-stream overlap on and off: against the
     # fp32 reference, and the overlapped output bitwise the plain one (the same sum).

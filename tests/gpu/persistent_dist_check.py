@@ -143,8 +143,11 @@ def stress(name, layer, env, calls, report, max_tokens=MAX_TOKENS):
     shared = torch.Generator().manual_seed(11)  # (the same draw on every rank: which calls skew, towards whom)
     bad = torch.zeros((), dtype=torch.int64, device=env.device)
     worst, checked = 0.0, 0
+    start = time.time()
     with torch.inference_mode():
         for i in range(calls):
+            if i and i % 100 == 0 and env.rank == 0:
+                print(f"  {name} stress: {i} calls, {checked} checked, {time.time() - start:.0f} s", flush=True)
             tokens = int(torch.randint(0, max_tokens + 1, (1,), generator=counts))
             if i % 17 == 5:
                 tokens = 0
@@ -199,6 +202,7 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--stress", type=int, default=0, help="calls of random token counts after the checks (0: none)")
+    p.add_argument("--stress-only", action="store_true", help="the stress alone: no checks, no timing")
     args = p.parse_args()
     env = init_env()
     if env.world < 2 or not torch.cuda.is_available():
@@ -215,10 +219,15 @@ def main():
     rows = []
     for name in args.presets:
         try:
-            layer = check_preset(name, env, report)
+            if args.stress_only:
+                layer = MoELayer(preset(name), group=env.group, strategy="persistent", seed=5, device=env.device,
+                                 strategy_options={"max_tokens": MAX_TOKENS})
+            else:
+                layer = check_preset(name, env, report)
             if args.stress:
                 stress(name, layer, env, args.stress, report)
-            rows += time_preset(name, layer, env, args.tokens, args.iters, args.warmup)
+            if not args.stress_only:
+                rows += time_preset(name, layer, env, args.tokens, args.iters, args.warmup)
         except Exception as exc:  # keep going: the other presets are still worth checking
             import traceback
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, on every GPU of this machine (W = the GPUs visible, at least 2):
 #   1. tests/gpu/gpu_check.py   every strategy against an fp32 reference, forward and every gradient,
-#                               all routing cases, bitwise repeatability, NaN rows (bf16 tolerances)
+#                               all routing cases, bitwise repeatability, NaN rows (bf16 tolerances);
+#                               persistent forward on the routing cases its router can make
 #   2. tests/gpu/fused_check.py the fused strategy on every preset against sequential and naive, then
 #                               many calls through CUDA-graph captures, replays and evictions
 #   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile against eager (bf16

@@ -355,3 +355,46 @@ def test_timeline_option_records_the_last_call_and_runs_eagerly():
         off.strategy.timeline_records()
     with pytest.raises(ValueError, match=r"^strategy option 'timeline' must be a bool, got 'yes'$"):
         layer_for(strategy_options={"timeline": "yes"})
+
+
+def _gpu_check_persistent_on_gloo(rank, world, broken):
+    """tests/gpu/gpu_check.py's persistent checks on gloo ranks (the staged transport, the kernel
+    under the interpreter), on small configs: every case must pass, and an output off by 10% on
+    one rank must fail there."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    gpu_dir = Path(__file__).resolve().parents[1] / "gpu"
+    sys.path.insert(0, str(gpu_dir.parent))  # (gpu_check imports the shared routing cases)
+    spec = importlib.util.spec_from_file_location("gpu_check", gpu_dir / "gpu_check.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if broken and rank == 1:
+        forward = PersistentStrategy.forward_layer
+        PersistentStrategy.forward_layer = lambda self, *args: forward(self, *args) * 1.1
+    configs = {"softmax": MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32),
+               "sigmoid": MoEConfig(hidden=32, ffn=16, num_experts=8, top_k=3, router="sigmoid", renormalize=True,
+                                    route_scale=2.5, dtype=torch.float32),
+               "capacity": MoEConfig(hidden=32, ffn=16, num_experts=8, top_k=2, capacity_factor=1.0,
+                                     dtype=torch.float32)}
+    results = []
+    script.check_persistent(torch.device("cpu"), rank, world, configs, script.CASES,
+                            lambda ok, msg: results.append((ok, msg)), base=6)
+    seen = [None] * world
+    dist.all_gather_object(seen, results)
+    for r, res in enumerate(seen):
+        cases = {msg.split()[1] for _, msg in res if "rel err" in msg}
+        assert cases == set(script.PERSISTENT_CASES), cases  # (the capacity config skipped, said so)
+        assert len(res) == 2 * 2 * len(script.PERSISTENT_CASES) + 1
+        failed = [msg for ok, msg in res if not ok]
+        assert bool(failed) == (broken and r == 1), failed
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gpu_check_persistent_runs_on_gloo(broken):
+    from helpers import run_gloo
+
+    run_gloo(_gpu_check_persistent_on_gloo, 2, broken)
