@@ -193,3 +193,16 @@ def test_direct_launcher_calls_the_cached_kernel(monkeypatch):
     monkeypatch.setattr(fast, "_ENABLED", False)
     assert fast.direct_launcher(kernel, (x, 32), dict(BLOCK=16, num_warps=4)) is None
     fast.reset()
+
+
+def test_token_counts_share_a_build_of_the_fused_combine():
+    """Layer1 of the fused strategy takes the call's token count T (masks only): every T must
+    reuse one build, not one per pattern of "divisible by 16" and "equal to 1"."""
+    from helpers import triton_builds
+    from interlace.kernels.comet.layer1 import _gemm1_combine_kernel
+
+    kernel = _gemm1_combine_kernel if isinstance(_gemm1_combine_kernel, JITFunction) else \
+        JITFunction(_gemm1_combine_kernel.fn, **_gemm1_combine_kernel.kwargs)
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    builds = {triton_builds(kernel, [T if n == "T" else 7 for n in names], {}) for T in (1, 5, 16, 17, 32, 33, 512)}
+    assert len(builds) == 1

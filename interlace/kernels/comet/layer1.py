@@ -44,7 +44,9 @@ def _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, 
         publish_flag(flags + me * n_slices + sl, epoch)
 
 
-@triton.jit
+# T (the call's token count) only bounds the combine's tokens: not specialized, so every T reuses
+# one build instead of one per pattern of "divisible by 16" and "equal to 1".
+@triton.jit(do_not_specialize=("T",))
 def _gemm1_combine_kernel(
     h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
     ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
