@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from interlace.config import MoEConfig
 from interlace.experts import init_expert_weights
 from interlace.kernels.persistent import dist_tasks as dt
+from interlace.kernels.persistent.dist_kernel import _expert_slice_order
 from interlace.kernels.persistent.dist_launch import DistPlan, DistSpec, run_simulated, simulated_world
 from interlace.kernels.persistent.launch import PersistentKernelConfig, router_pieces
 from interlace.reference import reference_moe
@@ -422,3 +425,36 @@ def test_dist_check_stress_runs_on_gloo(tmp_path, broken):
     from helpers import run_gloo
 
     run_gloo(_stress_on_gloo, 2, str(tmp_path), broken)
+
+
+@triton.jit
+def _slice_order_probe(tiles_ptr, out_ptr, mt, n_slices, BLOCK_M: tl.constexpr):
+    rel = tl.program_id(0)
+    tile, piece = _expert_slice_order(rel, rel // n_slices, n_slices, tiles_ptr, mt, BLOCK_M)
+    tl.store(out_ptr + 2 * rel, tile)
+    tl.store(out_ptr + 2 * rel + 1, piece)
+
+
+def test_gemm_tasks_take_each_slice_over_an_experts_tiles_together():
+    """GEMM task numbers → (tile, slice): expert by expert, and within an expert slice by slice
+    over its tiles (consecutive numbers: the same weight slice, read once from HBM for all the
+    expert's tiles), a bijection onto every (real tile, slice)."""
+    block_m, n_slices, rows = 16, 3, [40, 0, 3, 17]  # experts of 3, 0, 1 and 2 tiles
+    tiles = []
+    for e, r in enumerate(rows):
+        tiles += [(e, first, r) for first in range(0, r, block_m)]
+    mt = len(tiles) + 2  # (the table is sized by a bound)
+    table = torch.zeros(3 * mt, dtype=torch.int32)
+    for j, (e, first, end) in enumerate(tiles):
+        table[j], table[mt + j], table[2 * mt + j] = e, first, end
+    n = len(tiles) * n_slices
+    out = torch.full((2 * n,), -1, dtype=torch.int32)
+    _slice_order_probe[(n,)](table, out, mt, n_slices, BLOCK_M=block_m)
+    got = [tuple(p) for p in out.view(n, 2).tolist()]
+    want, b = [], 0
+    for r in rows:
+        n_e = -(-r // block_m)
+        want += [(b + i, s) for s in range(n_slices) for i in range(n_e)]
+        b += n_e
+    assert got == want
+    assert sorted(got) == [(t, s) for t in range(len(tiles)) for s in range(n_slices)]

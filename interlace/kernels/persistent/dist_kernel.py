@@ -19,9 +19,10 @@ the gate task is the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel
   and publishes a local ready flag; with no row from anyone it publishes ``done[me] = epoch`` at
   every rank at once;
 * GEMM0 (tile, K-slice) and GEMM1 (tile, N-slice): as at world 1, on rows gathered from
-  ``recv[s][l]`` of their sources; GEMM1 stores each output row into its source's
-  ``ret[me][l][slot]``; the last GEMM1 task (a counter, acq_rel) publishes ``done[me] = epoch``
-  at every rank;
+  ``recv[s][l]`` of their sources, numbered expert by expert and, within one expert, slice by
+  slice over its tiles (so each weight slice is read once for all of them); GEMM1 stores each
+  output row into its source's ``ret[me][l][slot]``; the last GEMM1 task (a counter, acq_rel)
+  publishes ``done[me] = epoch`` at every rank;
 * combine (token block, N-slice): waits for ``done[d] ≥ epoch`` of every owner d its tokens
   use (combine task 0: of every owner), then sums each token's k rows of ``ret`` in fp32 in
   slot order (deterministic: nothing atomic touches an output).
@@ -309,6 +310,21 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me,
 
 
 @triton.jit
+def _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M: tl.constexpr):
+    """(tile, slice) of GEMM task ``rel`` of its kind, numbered expert by expert (the table's
+    tiles are in expert order) and, within an expert, slice by slice over its tiles: the tiles
+    of one expert take each weight slice at the same time, so it is read from HBM once for all
+    of them (numbered tile by tile, each tile read it again, a whole round of tasks later). The
+    numbers of expert l are those of its tiles taken tile-major, so which tiles exist (and the
+    skip past them) is unchanged. ``tile``: rel // n_slices, a real tile."""
+    within = tl.load(tiles_ptr + mt + tile) // BLOCK_M  # (first rows count from 0 per expert)
+    n_l = (tl.load(tiles_ptr + 2 * mt + tile) + BLOCK_M - 1) // BLOCK_M
+    first_tile = tile - within
+    r = rel - first_tile * n_slices
+    return first_tile + r % n_l, r // n_l
+
+
+@triton.jit
 def _publish_done(done_table, me, W, epoch):
     """done[me] = epoch at every rank (release, system scope): this rank has read their rows and
     counts for the last time in this call and returned every output row."""
@@ -459,7 +475,7 @@ def persistent_dist_kernel(
                 tl.debug_barrier()
                 tl.atomic_xchg(state_ptr + READY, epoch, sem="release", scope="gpu")
         elif task < f_comb:
-            # GEMM tasks: row tile, then slice.
+            # GEMM tasks: expert, then slice, then the expert's row tile (_expert_slice_order).
             is_g0 = task < f_g1
             n_slices = tl.where(is_g0, n_k0, n_n1)
             first = tl.where(is_g0, f_g0, f_g1)
@@ -469,6 +485,8 @@ def persistent_dist_kernel(
             ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, me, epoch,
                           "gpu", CLOCK)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
+            if ready & (tile < n_tiles):
+                tile, piece = _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if ready & (tile < n_tiles):
