@@ -254,6 +254,22 @@ def test_combine_before_owners_gemm_is_caught():
     assert torch.isnan(outs[0]).all() and torch.isnan(outs[1]).all()
 
 
+def test_combine_waits_for_its_own_routing():
+    """Mutation: the combine runs first, with the routing workspace still stale (expert indices
+    that name no owner: a grid with more programs than tasks takes the combine tasks while the
+    gate runs). Every combine task must wait for its own rank's index flag before it reads the
+    routing: the record names that wait, and no output row is written from stale slots."""
+    world = World(2, [40, 24], max_spins=20)
+    for plan in world.plans:
+        plan.workspace["idx"].fill_(-world.L)  # (-L // L: owner -1, no rank; its rows would read recv)
+        plan.workspace["slot"].zero_()
+    outs = world.run(phases=(dt.PHASES[2],))
+    for r in range(2):
+        with pytest.raises(RuntimeError, match=rf"rank {r}: task \d+ timed out waiting for its index flag"):
+            world.bufs[r].check()
+        assert torch.isnan(outs[r]).all()
+
+
 def test_gemm_before_dispatch_is_caught():
     """Mutation: the receive/GEMM phase before any rank sent: each rank's first receive task
     (its own rows: receive tasks go own source first) times out on that dispatch flag, naming it."""

@@ -23,9 +23,10 @@ the gate task is the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel
   slice over its tiles (so each weight slice is read once for all of them); GEMM1 stores each
   output row into its source's ``ret[me][l][slot]``; the last GEMM1 task (a counter, acq_rel)
   publishes ``done[me] = epoch`` at every rank;
-* combine (token block, N-slice): waits for ``done[d] ≥ epoch`` of every owner d its tokens
-  use (combine task 0: of every owner), then sums each token's k rows of ``ret`` in fp32 in
-  slot order (deterministic: nothing atomic touches an output).
+* combine (token block, N-slice): waits for this rank's index flag, then for ``done[d] ≥
+  epoch`` of every owner d its tokens use (combine task 0: of every owner), then sums each
+  token's k rows of ``ret`` in fp32 in slot order (deterministic: nothing atomic touches an
+  output).
 
 Why every wait terminates. Each rank's task numbers run kind by kind (gate < index < send <
 receive < GEMM0 < GEMM1 < combine) and are taken in increasing order from its queue by
@@ -511,8 +512,15 @@ def persistent_dist_kernel(
         else:
             comb = task - f_comb
             tb = comb // n_comb_n
-            returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns,
-                                     task, epoch, TOP_K, BLOCK_TC, CLOCK)
+            # This rank's routing first (the owners to wait for are read from it): a combine task
+            # can be taken while the gate still runs (a grid with more programs than tasks takes
+            # every number at once), and one that read a stale expert index naming no owner
+            # would wait for nobody and read its rows at stale slots.
+            returned = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me,
+                             epoch, "gpu", CLOCK)
+            if returned:
+                returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins,
+                                         timeout_ns, task, epoch, TOP_K, BLOCK_TC, CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_COMBINE, tl.int32)
             if returned:

@@ -76,7 +76,7 @@ WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE, WAIT_LOGITS
 _WAIT_NAMES = {
     WAIT_GATE: "its gate tasks' counter (index task)",
     WAIT_LOGITS: "its logits tasks' counter (gate task)",
-    WAIT_INDEX: "its index flag (send task)",
+    WAIT_INDEX: "its index flag (send or combine task)",
     WAIT_SENT: "the dispatch flag of source rank {peer} (rows and counts sent here)",
     WAIT_READY: "its tile table (built after every source's rows arrived)",
     WAIT_GEMM0: "a row tile's GEMM0 counter (tile {peer})",
