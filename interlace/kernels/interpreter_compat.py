@@ -1,4 +1,4 @@
-"""Make Triton's CPU interpreter (``TRITON_INTERPRET=1``) work with NumPy ≥ 2.4.
+"""Make Triton's CPU interpreter (``TRITON_INTERPRET=1``) work with NumPy ≥ 2.4 and bf16 dots.
 
 The interpreter holds every scalar kernel argument as a one-element NumPy array (shape
 ``(1,)``) and turns it into a Python int with ``int(array)`` when a kernel uses it as a loop
@@ -11,6 +11,12 @@ torch pins the Triton it ships with, so we cannot simply require a newer one.
 :func:`patch_interpreter` installs the same one-line fix on the installed interpreter, and
 only when that interpreter is in use and shows the bug: kernels, launch arguments and the GPU
 path are untouched.
+
+It fixes one more: the interpreter holds bf16 values as their uint16 bit patterns (NumPy has no
+bf16), and its ``tl.dot`` multiplies those patterns as integers, so every bf16 GEMM of a kernel
+under the interpreter came out ~1e10 (fp16, fp32 and fp8 operands are converted and right).
+The fix widens bf16 operands to fp32 first (exact: a bf16 value is the high half of an fp32)
+before the interpreter's own dot, again only where the installed interpreter shows the bug.
 """
 
 from __future__ import annotations
@@ -58,11 +64,47 @@ def _has_scalar_index_bug(interpreter) -> bool:
             return True
 
 
-def patch_interpreter() -> bool:
-    """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, if it needs it.
+def _bf16_as_fp32(interpreter, handle):
+    """A bf16 operand (uint16 bit patterns) as the fp32 handle of the same values; else itself."""
+    import numpy as np
+    import triton.language as tl
 
-    Does nothing unless Triton runs in interpreter mode (``triton.knobs.runtime.interpret``)
-    and the installed interpreter has the bug. Idempotent. Returns whether the fix is in place.
+    if getattr(handle.dtype, "scalar", handle.dtype) != tl.bfloat16:
+        return handle
+    bits = np.asarray(handle.data).astype(np.uint32) << np.uint32(16)
+    return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+
+def _has_bf16_dot_bug(interpreter) -> bool:
+    """Whether this interpreter's dot of bf16 1.0 by bf16 1.0 (bit pattern 0x3F80) is not 1."""
+    import numpy as np
+    import triton.language as tl
+
+    try:
+        one = interpreter.TensorHandle(np.full((1, 1), 0x3F80, dtype=np.uint16), tl.bfloat16)
+        acc = interpreter.TensorHandle(np.zeros((1, 1), dtype=np.float32), tl.float32)
+        out = interpreter.InterpreterBuilder.create_dot(None, one, one, acc, None, None)
+        return float(np.asarray(out.data).reshape(-1)[0]) != 1.0
+    except Exception:  # a layout we do not know: leave the interpreter alone
+        return False
+
+
+def _fix_bf16_dot(interpreter) -> None:
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, _bf16_as_fp32(interpreter, a), _bf16_as_fp32(interpreter, b), d, input_precision,
+                        max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+def patch_interpreter() -> bool:
+    """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, and its bf16 ``tl.dot``,
+    each only if the installed interpreter needs it.
+
+    Does nothing unless Triton runs in interpreter mode (``triton.knobs.runtime.interpret``).
+    Idempotent. Returns whether a fix is in place.
     """
     global _patched
     if _patched:
@@ -75,14 +117,16 @@ def patch_interpreter() -> bool:
         from triton.runtime import interpreter
     except Exception:  # no Triton, or one without the interpreter we know
         return False
-    if not _has_scalar_index_bug(interpreter):
-        return False
-    original = interpreter._patch_lang_tensor
+    if _has_bf16_dot_bug(interpreter):
+        _fix_bf16_dot(interpreter)
+        _patched = True
+    if _has_scalar_index_bug(interpreter):
+        original = interpreter._patch_lang_tensor
 
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", _index)
+        def patch_lang_tensor(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", _index)
 
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    _patched = True
-    return True
+        interpreter._patch_lang_tensor = patch_lang_tensor
+        _patched = True
+    return _patched

@@ -1,5 +1,6 @@
 """What a newcomer on a CPU-only machine runs: ``interlace demo``, every strategy by name, and
-Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4)."""
+Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4)
+and with bf16 operands (its dot multiplied their bit patterns)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,44 @@ def test_interpreter_runtime_loop_bound_under_any_numpy():
         _strided_sum_kernel[(1,)](x, out, x.numel(), BLOCK=8)
     assert out.item() == x.sum().item()
     assert triton_compat.patch_interpreter()  # in place, and idempotent
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    a = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * N + n[None, :])
+    tl.store(out_ptr + m[:, None] * N + n[None, :], tl.dot(a, b, tl.zeros((M, N), dtype=tl.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interpreter_dot_of_bf16_operands(dtype):
+    """The interpreter holds bf16 as uint16 bit patterns and its dot multiplied the patterns as
+    integers (~1e10 where 1 is right): every bf16 GEMM under the interpreter was wrong. Products
+    of bf16 or fp16 values are exact in fp32, so the dot must match an fp64 matmul closely."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 32, generator=gen).to(dtype), torch.randn(32, 16, generator=gen).to(dtype)
+    out = torch.full((16, 16), float("nan"))
+    _dot_kernel[(1,)](a, b, out, M=16, N=16, K=32)
+    ref = a.double() @ b.double()
+    assert (out.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_persistent_bf16_layer_on_the_interpreter():
+    """The persistent kernel's GEMMs in bf16 under the interpreter (the CPU demo's path with a
+    bf16 model) against sequential's, within bf16 rounding."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    from interlace import MoEConfig, MoELayer
+
+    cfg = MoEConfig(hidden=64, ffn=48, num_experts=4, top_k=2, dtype=torch.bfloat16)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = MoELayer(cfg, strategy="persistent", seed=3)(x).float()
+        ref = MoELayer(cfg, strategy="sequential", seed=3)(x).float()
+    assert (out - ref).abs().max().item() <= 3e-2 * ref.abs().max().item()
 
 
 def test_cpu_demo_runs(capsys, monkeypatch):
