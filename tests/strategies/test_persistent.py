@@ -359,8 +359,8 @@ def test_timeline_option_records_the_last_call_and_runs_eagerly():
 
 def _gpu_check_persistent_on_gloo(rank, world, broken):
     """tests/gpu/gpu_check.py's persistent checks on gloo ranks (the staged transport, the kernel
-    under the interpreter), on small configs: every case must pass, and an output off by 10% on
-    one rank must fail there."""
+    under the interpreter), on small configs (fp32, and bf16 with GELU and top-1): every case
+    must pass, and an output off by 10% on one rank must fail there."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -379,7 +379,9 @@ def _gpu_check_persistent_on_gloo(rank, world, broken):
                "sigmoid": MoEConfig(hidden=32, ffn=16, num_experts=8, top_k=3, router="sigmoid", renormalize=True,
                                     route_scale=2.5, dtype=torch.float32),
                "capacity": MoEConfig(hidden=32, ffn=16, num_experts=8, top_k=2, capacity_factor=1.0,
-                                     dtype=torch.float32)}
+                                     dtype=torch.float32),
+               # bf16 as on a GPU: the router's bf16 pieces and the bf16 rows through the staged exchange
+               "bf16-top1": MoEConfig(hidden=32, ffn=48, num_experts=4, top_k=1, activation="gelu")}
     results = []
     script.check_persistent(torch.device("cpu"), rank, world, configs, script.CASES,
                             lambda ok, msg: results.append((ok, msg)), base=6)
@@ -388,7 +390,7 @@ def _gpu_check_persistent_on_gloo(rank, world, broken):
     for r, res in enumerate(seen):
         cases = {msg.split()[1] for _, msg in res if "rel err" in msg}
         assert cases == set(script.PERSISTENT_CASES), cases  # (the capacity config skipped, said so)
-        assert len(res) == 2 * 2 * len(script.PERSISTENT_CASES) + 1
+        assert len(res) == 3 * 2 * len(script.PERSISTENT_CASES) + 1
         failed = [msg for ok, msg in res if not ok]
         assert bool(failed) == (broken and r == 1), failed
 
