@@ -60,7 +60,7 @@ class PersistentKernelConfig:
     The weight tiles are loaded through per-element pointers. With 4 warps (the default) the sm90
     build uses 255 registers and spills a few hundred bytes per thread; 8 warps spill little or
     nothing but leave one program per SM, and measured 15–20% slower at decode sizes on an H100
-    (25–60% at W = 2 on H200s). A decode call is a weight stream bound by the bytes each SM has
+    (20–60% at W = 2 on H200s). A decode call is a weight stream bound by the bytes each SM has
     in flight, so the loads run ``num_stages`` = 6 deep: 86 KB of shared memory a program, still
     two programs per SM (from 3 stages: 3–23% faster at W = 2 and 7–16% at W = 1 on H200s, most
     at the 128-row tiles of 512 tokens per GPU; 8 stages would leave one program per SM).
