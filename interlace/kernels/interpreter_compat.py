@@ -64,17 +64,6 @@ def _has_scalar_index_bug(interpreter) -> bool:
             return True
 
 
-def _bf16_as_fp32(interpreter, handle):
-    """A bf16 operand (uint16 bit patterns) as the fp32 handle of the same values; else itself."""
-    import numpy as np
-    import triton.language as tl
-
-    if getattr(handle.dtype, "scalar", handle.dtype) != tl.bfloat16:
-        return handle
-    bits = np.asarray(handle.data).astype(np.uint32) << np.uint32(16)
-    return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-
 def _has_bf16_dot_bug(interpreter) -> bool:
     """Whether this interpreter's dot of bf16 1.0 by bf16 1.0 (bit pattern 0x3F80) is not 1."""
     import numpy as np
@@ -90,11 +79,20 @@ def _has_bf16_dot_bug(interpreter) -> bool:
 
 
 def _fix_bf16_dot(interpreter) -> None:
+    """Wrap the interpreter's dot: bf16 operands (uint16 bit patterns) widened to the fp32 values."""
+    import numpy as np
+    import triton.language as tl
+
     original = interpreter.InterpreterBuilder.create_dot
 
+    def as_fp32(handle):
+        if getattr(handle.dtype, "scalar", handle.dtype) != tl.bfloat16:
+            return handle
+        bits = np.asarray(handle.data).astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, _bf16_as_fp32(interpreter, a), _bf16_as_fp32(interpreter, b), d, input_precision,
-                        max_num_imprecise_acc)
+        return original(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
 

@@ -486,11 +486,12 @@ def persistent_dist_kernel(
             ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, me, epoch,
                           "gpu", CLOCK)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
-            if ready & (tile < n_tiles):
+            real = ready & (tile < n_tiles)
+            if real:
                 tile, piece = _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
-            if ready & (tile < n_tiles):
+            if real:
                 if is_g0:
                     _gemm0_task(tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc,
                                 max_tokens, N, K, UP, ACTIVATION, EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0)
