@@ -1,12 +1,13 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
-interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS]]], registers and spill stack bytes per spec."""
+interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS[,WIDE]]]], registers and spill
+stack bytes per spec (WIDE 1: the wide tiles, launch.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
 from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G
-from interlace.kernels.persistent.launch import PersistentKernelConfig
+from interlace.kernels.persistent.launch import WIDE_STAGES, WIDE_TILES, WIDE_WARPS, PersistentKernelConfig
 
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "logits_ptr": "*fp32"}
@@ -24,18 +25,19 @@ sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, el_pad, top_k, timeline, n1, rounding = (list(map(int, spec.split(","))) + [0, 0, 0])[:7]
-    k0, n0, default_n1, k1 = config.tiles(block_m)
+    block_m, e_pad, el_pad, top_k, timeline, n1, rounding, wide = (list(map(int, spec.split(","))) + [0] * 4)[:8]
+    k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
+    warps, stages = (WIDE_WARPS, WIDE_STAGES) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline,
-                  ROUND_LOGITS=rounding)
+                  ROUND_LOGITS=rounding, W_TMA=bool(wide), JOINT=bool(wide))
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
-                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+                              options=dict(num_warps=warps, num_stages=stages))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:

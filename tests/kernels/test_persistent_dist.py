@@ -136,6 +136,48 @@ def test_more_rows_than_one_tile():
     world.assert_matches(outs)
 
 
+@pytest.mark.parametrize("W, Ts, kw", [
+    (2, [5, 0], {}), (4, [3, 0, 7, 1], dict(top_k=3, router="sigmoid", renormalize=True)),
+    (2, [9, 4], dict(activation="gelu")),
+    (2, [41, 37], dict(experts=4, top_k=1, hidden=136, ffn=136, router="sigmoid")),
+])
+def test_wide_tiles_match_reference(W, Ts, kw):
+    """Wide tiles (PersistentKernelConfig.wide: weight boxes through TMA descriptors; SwiGLU's
+    gate and up rows in one 3-D load and one dot, GELU's through a 2-D descriptor) against the
+    fp64 reference: zero-token ranks, 4 ranks, and (last case: a selection bias sends 78 rows to
+    one expert, hidden and ffn wider than one slice) two 64-row tiles of one expert whose block
+    rows run past the expert's slice into the next expert's weights."""
+    bias = None
+    if kw.get("experts") == 4:
+        bias = torch.zeros(4)
+        bias[1] = 100.0
+    world = World(W, Ts, config=PersistentKernelConfig(wide=True), bias=bias, **kw)
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    for plan in world.plans:
+        assert plan.wide and plan.num_warps == 8
+        assert plan.constexprs["W_TMA"] and plan.constexprs["JOINT"] == (world.cfg.activation == "swiglu")
+    if bias is not None:
+        assert world.plans[0].block_m == 64 and world.plans[0].layout.n_k0 == 2
+
+
+def test_wide_tiles_rule():
+    """Which calls take wide tiles, and their shapes (the measured rule of PersistentKernelConfig)."""
+    c = PersistentKernelConfig()
+    w = torch.randn(2, 16, 8)
+    assert not c.wide_tiles(1000.0, w, w)  # (CPU weights: no TMA device)
+    assert PersistentKernelConfig(wide=True).wide_tiles(1.0, w, w)  # forced: wherever the rows allow TMA
+    assert not PersistentKernelConfig(wide=True).wide_tiles(1.0, torch.randn(2, 16, 7), w)  # 28-byte rows
+    assert not PersistentKernelConfig(wide=False).wide_tiles(1000.0, w, w)
+    assert c.wide_tiles_for(32, 128, 132) == (64, 128, 64, 128, 64)  # phi3.5-moe, 128 tokens per GPU
+    assert c.wide_tiles_for(64, 64, 132) == (128, 128, 64, 128, 64)  # mixtral-8x7b, 128
+    assert c.wide_tiles_for(256, 128, 132)[3] == 256  # mixtral-8x7b, 512: the rows
+    assert c.wide_tiles_for(64, 512, 132)[3] == 256  # qwen3-30b-a3b, 512: the tasks
+    assert c.wide_tiles_for(64, 512, None)[3] == 128  # (no SM count: the rows alone)
+    assert PersistentKernelConfig(block_m=32, block_n1=64).wide_tiles_for(256, 0, 132) == (32, 128, 64, 64, 64)
+
+
 @pytest.mark.parametrize("splits, round_logits", [(3, 0), (2, 1)])
 def test_logits_split_over_columns_routes_as_one_sum(splits, round_logits):
     """The router GEMM's sum over N in ``logits_splits`` column parts (16-wide steps over hidden
@@ -338,8 +380,9 @@ def test_tiles_per_rank_bound_holds(block_m):
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
-    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS]]]), and
-    bound its registers and spill stack (the 128-wide GEMM1 slice of wide_gemm1_slice included)."""
+    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE]]]]),
+    and bound its registers and spill stack (the 128-wide GEMM1 slice of wide_gemm1_slice and the
+    wide tiles' 64- and 128-row builds included)."""
     import os
     import subprocess
     import sys
@@ -357,7 +400,7 @@ def test_kernel_builds_for_sm90():
     # (TIMELINE 1: %globaltimer; BLOCK_N1 128: the wide GEMM1 slice at decode and 512-token sizes;
     # ROUND_LOGITS 1: the gate's logits rounded to bf16, as for a transformers router in bf16)
     specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128",
-             "32,128,64,8,0,128,1"]
+             "32,128,64,8,0,128,1", "128,16,16,2,0,256,0,1", "64,256,128,8,0,128,1,1"]
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -68,7 +68,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from interlace.kernels.comet.flags import peer_region, record_error_fields
-from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
+from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
@@ -274,17 +274,39 @@ def _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
-def _gemm0_task(tile, ks, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens, N, K, UP,
-                ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
-                BLOCK_N0: tl.constexpr):
+def _weight_descriptors(w_up_ptr, w_down_ptr, E_loc, UP, N, K, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
+                        BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr, JOINT: tl.constexpr):
+    """Wide tiles (W_TMA): the expert weights as TMA descriptors, made once per program. W_up
+    (E_loc, UP, N): with JOINT (SwiGLU) as E_loc·2 planes of (K, N) whose one load brings a
+    tile's gate and up rows (:func:`joint_gate_up_desc`), else as E_loc·UP rows of N; W_down
+    (E_loc, N, K) as E_loc·N rows of K. Block rows past an expert's slice feed only output
+    columns the stores mask. Else the pointers (the tiles then load through them)."""
+    w_up_desc = w_up_ptr
+    w_down_desc = w_down_ptr
+    if W_TMA:
+        if JOINT:
+            w_up_desc = joint_gate_up_desc(w_up_ptr, E_loc, N, K, BLOCK_K0, BLOCK_N0)
+        else:
+            w_up_desc = tl.make_tensor_descriptor(w_up_ptr, shape=[E_loc * UP, N], strides=[N, 1],
+                                                  block_shape=[BLOCK_K0, BLOCK_N0])
+        w_down_desc = tl.make_tensor_descriptor(w_down_ptr, shape=[E_loc * N, K], strides=[K, 1],
+                                                block_shape=[BLOCK_N1, BLOCK_K1])
+    return w_up_desc, w_down_desc
+
+
+@triton.jit
+def _gemm0_task(tile, ks, recv_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens,
+                N, K, UP, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr, W_TMA: tl.constexpr, JOINT: tl.constexpr):
     """h[tile rows, K-slice ks] = act(rows of recv[src][l][slot] @ W_up[l][gate (and up) rows]ᵀ)."""
     lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
     recv = peer_region(recv_table, me, h_ptr.dtype.element_ty)
     rows = (src * E_loc + lx).to(tl.int64) * max_tokens + slot
     cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
     cmask = cols < K
-    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, None, 0, cols, cmask,
-                                N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
+    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, w_up_desc,
+                                lx * UP + ks * BLOCK_K0, cols, cmask, N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0,
+                                W_TMA, JOINT=JOINT, w_expert=lx, col0=ks * BLOCK_K0)
     act = activation_epilogue(acc_g, acc_u, ACTIVATION)
     h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
@@ -292,16 +314,17 @@ def _gemm0_task(tile, ks, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, 
 
 
 @triton.jit
-def _gemm1_task(tile, ns, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens, N, K,
-                EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
+def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc,
+                max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
+                BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr):
     """Each row's source s: s's ret[me][l][slot, N-slice ns] = h[row] @ W_down[l][slice]ᵀ
     (stored into s's memory)."""
     lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
     h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
-    acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, None, 0, cols, cmask, K,
-                          K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+    acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, w_down_desc,
+                          lx * N + ns * BLOCK_N1, cols, cmask, K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
     y = acc.to(h_ptr.dtype.element_ty)
     rows = (me * E_loc + lx).to(tl.int64) * max_tokens + slot
     for d in range(0, W):
@@ -401,6 +424,8 @@ def persistent_dist_kernel(
     W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, CLOCK: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (kernel._gate_logits)
+    W_TMA: tl.constexpr = False,  # wide tiles: expert weights through TMA descriptors (_weight_descriptors)
+    JOINT: tl.constexpr = False,  # wide SwiGLU tiles: gate and up rows in one load and one dot
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module.
 
@@ -409,6 +434,8 @@ def persistent_dist_kernel(
     waits, end]; the GEMM task that skips the rest of its kind's range is kind "skip" (the
     tasks skipped over are never taken and have no record)."""
     epoch = tl.load(state_ptr + EPOCH) + 1
+    w_up_desc, w_down_desc = _weight_descriptors(w_up_ptr, w_down_ptr, E_loc, UP, N, K, BLOCK_K0, BLOCK_N0, BLOCK_N1,
+                                                 BLOCK_K1, W_TMA, JOINT)
     g0_done_ptr = state_ptr + HEAD
     f_gate = n_logits
     f_index = f_gate + n_gate
@@ -493,8 +520,9 @@ def persistent_dist_kernel(
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if real:
                 if is_g0:
-                    _gemm0_task(tile, piece, recv_table, w_up_ptr, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc,
-                                max_tokens, N, K, UP, ACTIVATION, EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0)
+                    _gemm0_task(tile, piece, recv_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W,
+                                E_loc, max_tokens, N, K, UP, ACTIVATION, EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0, W_TMA,
+                                JOINT)
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
@@ -502,8 +530,8 @@ def persistent_dist_kernel(
                                        WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
-                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc,
-                                    max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1)
+                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, w_down_desc, ret_table, tiles_ptr, offs_ptr, me,
+                                    mt, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
                     tl.debug_barrier()  # (every thread's stores before the count: acq_rel, system scope)
                     if tl.atomic_add(state_ptr + GEMM1_DONE, 1, sem="acq_rel", scope="sys") == n_tiles * n_n1 - 1:
                         _publish_done(done_table, me, W, epoch)

@@ -32,7 +32,7 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.launch import (
-    ROW_TILES, PersistentKernelConfig, _programs_per_sm, timeline_args, timeline_buffer,
+    ROW_TILES, WIDE_STAGES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, timeline_args, timeline_buffer,
 )
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.peer_buffer import pack_regions, region_views
@@ -241,10 +241,18 @@ class DistPlan:
         # (a tile holds one expert's rows from all W sources; each rank expects W·T·k/E rows per
         # expert from its own T: decode ranks see similar counts)
         block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
+        rows_per_expert = spec.world * T * top_k / E
+        self.wide = c.wide_tiles(rows_per_expert, w_up, w_down)
+        self.num_warps, self.num_stages = (WIDE_WARPS, WIDE_STAGES) if self.wide else (c.num_warps, c.num_stages)
+        if self.wide:
+            tiles = max(min(L, T * top_k), cdiv(T * top_k, 128))  # (as wide_gemm1_slice estimates them)
+            block_m, block_k0, block_n0, block_n1, block_k1 = c.wide_tiles_for(
+                rows_per_expert, tiles * cdiv(N, 256), sm_count(x.device))
+        else:
+            block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
+            if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:
+                block_n1 = wide_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
         self.block_m = block_m
-        block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
-        if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:
-            block_n1 = wide_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
         block_s, block_ns, block_e = c.block_s, min(c.block_ns, next_power_of_2(N)), c.block_e
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
         n_eb = cdiv(E, block_e)
@@ -279,7 +287,7 @@ class DistPlan:
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
             W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET,
-            TIMELINE=timeline, ROUND_LOGITS=round_logits)
+            TIMELINE=timeline, ROUND_LOGITS=round_logits, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu")
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
@@ -292,7 +300,7 @@ class DistPlan:
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
         self._occupancy_key = (x.device.index, block_m, block_n1, e_pad, el_pad, top_k, activation, x.dtype, c,
-                               timeline, round_logits)
+                               timeline, round_logits, self.wide)
         self.round_logits = round_logits
 
     def timeline_records(self) -> list[dict]:
@@ -340,11 +348,10 @@ class DistPlan:
         if launch_args is None:
             return
         programs, args = launch_args
-        compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.config.num_warps,
-                          num_stages=self.config.num_stages, **self.constexprs)
+        compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.num_warps,
+                          num_stages=self.num_stages, **self.constexprs)
         if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:
-            _OCCUPANCY.setdefault(self._occupancy_key, _programs_per_sm(compiled, self.device,
-                                                                        self.config.num_warps))
+            _OCCUPANCY.setdefault(self._occupancy_key, _programs_per_sm(compiled, self.device, self.num_warps))
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """out (T, N): the whole call in one launch (symmetric transport)."""

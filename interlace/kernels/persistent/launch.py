@@ -22,6 +22,7 @@ from interlace.kernels.persistent.tasks import (
     EPOCH, ERROR_WORDS, STATE_WORDS, TASK_ORDERS, TIMELINE_KINDS, TaskLayout, describe_error,
 )
 from interlace.kernels.rows import _INTERPRET
+from interlace.kernels.tma import ensure_allocator, use_tma
 from interlace.kernels.timeline import TimelineBuffer
 
 DEFAULT_SPINS = 1 << 22  # polls of one wait before it gives up (seconds on a GPU; never reached when correct)
@@ -32,6 +33,14 @@ ROW_TILES = (16, 32, 64, 128)  # BLOCK_M choices, by the expected rows of the bu
 # keeping 64-wide output slices (tests/kernels/test_persistent_kernel.py builds each for sm90 and
 # bounds its registers and spills).
 TILES_BY_BLOCK_M = {16: (64, 64, 64, 64), 32: (64, 64, 64, 64), 64: (64, 32, 64, 32), 128: (64, 32, 64, 32)}
+# Wide tiles (W > 1, PersistentKernelConfig.wide): 8 warps, one program per SM, the expert
+# weights through TMA descriptors; (block_k0, block_n0, block_n1, block_k1): a SwiGLU GEMM0 task
+# is one BLOCK_M × 256 dot (gate and up rows in one load), GEMM1 slices 128 wide (256 where the
+# call has the rows or the tasks for it: wide_tiles_for).
+WIDE_TILES = (128, 64, 128, 64)
+WIDE_WARPS = 8
+WIDE_STAGES = 4  # 3 buffers of 48 KB (measured 3-7% faster than 3 stages at 64-256 rows per expert)
+WIDE_MIN_ROWS = 32  # the call's average rows per local expert from which `wide` None takes wide tiles
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,24 @@ class PersistentKernelConfig:
     :func:`~interlace.kernels.persistent.dist_launch.logits_splits`). block_s × block_ns: tokens ×
     columns of a W > 1 send task (block_ns at most N's power of 2). block_tc × block_nc: a
     combine task. programs: the grid (None: what is
-    co-resident on the device; under the interpreter 3).
+    co-resident on the device; under the interpreter 3). wide (W > 1): the GEMM tasks on wide
+    tiles (:data:`WIDE_TILES`, 8 warps, weights through TMA): None where the device has TMA, the
+    weights' rows allow it and the call averages at least :data:`WIDE_MIN_ROWS` rows per local
+    expert; True wherever the weights allow TMA (the interpreter included); False never. With wide
+    tiles, ``num_warps`` and ``num_stages`` are :data:`WIDE_WARPS` and :data:`WIDE_STAGES`.
+
+    Why two tile families. Narrow (4 warps, two programs per SM, 16–128-row tiles 64 columns
+    wide): at a few rows per expert the call is a stream of weights, and small tiles keep every SM
+    streaming. From about 32 rows per expert the narrow tiles' operand traffic binds instead: an
+    ncu profile (one H200, the world-1 kernel at one rank's share of qwen3-30b-a3b and
+    mixtral-8x7b at 512 tokens per GPU) showed DRAM at 30–40% of its peak, tensor pipes at
+    23–47%, L2 at 57–81% (each 64-column task re-reads its 128 rows of A) and 0.2–0.3 eligible
+    warps per scheduler. Wide tiles (a 128 × 256 SwiGLU dot, 64-wide reduction steps, TMA weight
+    boxes) measured on 2×H200, back to back: mixtral-8x7b 1.35 → 1.00 ms at 512 tokens per GPU
+    and 0.61 → 0.45 at 128; phi3.5-moe 0.72 → 0.59 at 512, 0.50 → 0.39 at 128; dsv3-like 4.51 →
+    3.39 at 512; 3–10% on qwen2-moe, qwen3-30b-a3b and flashdmoe-cfg at 512; and 4–16% slower
+    than narrow at 8–16 rows per expert (qwen3-30b-a3b 32 and 128, qwen2-moe 128,
+    flashdmoe-cfg 128, dsv3-like 128).
 
     The target is decode: up to ~128 rows per expert (``T·k/E ≤ ~128``). At more rows per expert
     (prefill-like, ≥ 256) every expert takes several 128-row tiles whose weight slices are read
@@ -82,12 +108,37 @@ class PersistentKernelConfig:
     num_warps: int = 4
     num_stages: int = 6
     programs: int | None = None
+    wide: bool | None = None
 
     def rows_per_tile(self, T: int, top_k: int, num_experts: int) -> int:
         if self.block_m is not None:
             return self.block_m
         busiest = 1.25 * T * top_k / max(num_experts, 1)
         return next((b for b in ROW_TILES if busiest <= b), ROW_TILES[-1])
+
+    def wide_tiles(self, rows_per_expert: float, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """Whether a W > 1 call takes wide tiles (``wide``; see the class); installs Triton's
+        allocator for the kernel's descriptors when it does."""
+        if self.wide is False or (self.wide is None and rows_per_expert < WIDE_MIN_ROWS):
+            return False
+        wide = use_tma(w_up, w_down, force=True if self.wide else None)
+        if wide:
+            ensure_allocator()
+        return wide
+
+    def wide_tiles_for(self, rows_per_expert: float, gemm1_tasks_256: int, sms: int | None
+                       ) -> tuple[int, int, int, int, int]:
+        """(block_m, block_k0, block_n0, block_n1, block_k1) of wide tiles, the fields set or by
+        the call: 64-row tiles below 64 rows per expert (else 128), and 256-wide GEMM1 slices
+        from 128 rows per expert or where the call's GEMM1 tasks at that width
+        (``gemm1_tasks_256``) still number two per SM (else 128: few experts of one tile each
+        would leave SMs idle in GEMM1; e.g. mixtral-8x7b at 128 tokens per GPU, 64 tasks)."""
+        block_m = self.block_m or (64 if rows_per_expert < 64 else 128)
+        k0, n0, n1, k1 = WIDE_TILES
+        if rows_per_expert >= 128 or (sms and gemm1_tasks_256 >= 2 * sms):
+            n1 = 256
+        return (block_m, *(d if v is None else v for v, d in zip((self.block_k0, self.block_n0, self.block_n1,
+                                                                   self.block_k1), (k0, n0, n1, k1))))
 
     def tiles(self, block_m: int) -> tuple[int, int, int, int]:
         """(block_k0, block_n0, block_n1, block_k1) for ``block_m`` rows: the fields set, else
