@@ -162,6 +162,21 @@ def test_wide_tiles_match_reference(W, Ts, kw):
         assert world.plans[0].block_m == 64 and world.plans[0].layout.n_k0 == 2
 
 
+def test_combine_tasks_of_several_slices_and_index_over_several_chunks():
+    """A combine task over several column slices (combine_slices 2 of 5: tasks of 2, 2 and 1),
+    and an index whose gate blocks span two chunks of its running sum (260 tokens: 17 blocks of
+    16, G_CHUNK 16 at E_PAD 16): outputs against the reference, slots against plain torch."""
+    world = World(2, [260, 7], hidden=80, config=PersistentKernelConfig(combine_slices=2, block_nc=16))
+    assert world.plans[0].layout.n_comb_n == 3 and world.plans[0].constexprs["G_CHUNK"] == 16
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    x = world.xs[0]
+    topk_idx = route(x, world.router_weight, world.bias, world.cfg)[0]
+    slots, _ = plain_slots(topk_idx, world.cfg.num_experts)
+    assert torch.equal(world.plans[0].workspace["slot"].long(), slots)
+
+
 def test_wide_tiles_rule():
     """Which calls take wide tiles, and their shapes (the measured rule of PersistentKernelConfig)."""
     c = PersistentKernelConfig()

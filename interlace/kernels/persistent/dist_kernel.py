@@ -70,7 +70,10 @@ from triton.language.extra.cuda import globaltimer
 from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits, store_tile_table
+from interlace.kernels.persistent.dist_front import (
+    _choice_task, _index_task, _logits_task, _publish_sent, _send_task, assignment_column,
+)
+from interlace.kernels.persistent.kernel import store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
@@ -132,109 +135,6 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
         if tl.atomic_cas(err_ptr, 0, 1) == 0:
             record_error_fields(err_ptr, me, kind, task, peer, value, target, epoch)
     return ok
-
-
-@triton.jit
-def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """logits[ks][tokens of block g, experts of block eb] (fp32, rows of E_PAD): the part over
-    columns [ks·ls_chunk, (ks+1)·ls_chunk) of the router GEMM, split over expert blocks and
-    column parts, so one token block's gate is many programs' work (one program's pass over the
-    whole router weight is a latency-bound chain of N / BLOCK_G loads). The choice task sums the
-    parts in ks order (deterministic)."""
-    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tokens < T
-    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    n_lo = ks * ls_chunk
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
-                       BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
-    part = logits_ptr + ks * T * E_PAD  # (parts · T · E_PAD < 2³¹)
-    tl.store(part + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
-             mask=tmask[:, None] & (cols[None, :] < E))
-
-
-@triton.jit
-def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls,
-                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr):
-    """Token block g's top-k from its logits rows, the ``n_ls`` column parts summed in order
-    (then rounded: ROUND_LOGITS), by the world-1 gate's choice rule."""
-    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = tokens < T
-    cols = tl.arange(0, E_PAD)
-    emask = cols < E
-    offs = tokens[:, None].to(tl.int64) * E_PAD + cols[None, :]
-    acc = tl.load(logits_ptr + offs, mask=tmask[:, None] & emask[None, :], other=0.0, cache_modifier=".cg")
-    for ks in range(1, n_ls):
-        acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=tmask[:, None] & emask[None, :],
-                       other=0.0, cache_modifier=".cg")
-    logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
-                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
-
-
-@triton.jit
-def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, E_PAD: tl.constexpr,
-                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
-    """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
-    its expert: the block's base plus its rank within the block)."""
-    cols = tl.arange(0, E_PAD)
-    running = tl.zeros((E_PAD,), dtype=tl.int32)
-    for g in range(0, n_gate):
-        h = tl.load(hist_ptr + g * E_PAD + cols, cache_modifier=".cg")
-        tl.store(base_ptr + g * E_PAD + cols, running)
-        running += h
-    tl.store(counts_ptr + cols, running)
-    tl.debug_barrier()  # the bases are read back below by other threads
-    for a0 in range(0, TK, BLOCK_A):
-        a = a0 + tl.arange(0, BLOCK_A)
-        amask = a < TK
-        e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
-        block = a // (TOP_K * BLOCK_T)
-        slot = (tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
-                + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
-        tl.store(slot_ptr + a, slot, mask=amask)
-
-
-@triton.jit
-def _send_task(sb, ns, x_ptr, idx_ptr, slot_ptr, recv_table, me, W, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
-    """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each row into
-    recv[me][e − owner·E_loc][slot] of owner = e // E_loc (a task per column slice: one
-    program's stores over NVLink are latency bound, so the rows go out from many programs)."""
-    tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    tmask = tokens < T
-    cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
-    cmask = cols < N
-    v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
-                other=0.0)
-    for j in tl.static_range(TOP_K):
-        a = tokens.to(tl.int64) * TOP_K + j
-        e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-        slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-        owner = e // E_loc
-        row = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
-        for d in range(0, W):
-            dst = peer_region(recv_table, d, x_ptr.dtype.element_ty)
-            m = tmask & (owner == d)
-            tl.store(dst + row[:, None] * N + cols[None, :], v, mask=m[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD: tl.constexpr):
-    """Every owner d: counts[me][:] = this rank's rows per d's local expert, then (release,
-    system scope, after every send task's rows: the caller holds the send counter's acq_rel)
-    sent[me] = epoch."""
-    lo = tl.arange(0, EL_PAD)
-    lmask = lo < E_loc
-    for d in range(0, W):
-        c = tl.load(counts_ptr + d * E_loc + lo, mask=lmask, other=0, cache_modifier=".cg")
-        tl.store(peer_region(counts_table, d, tl.int32) + me * E_loc + lo, c, mask=lmask)
-    tl.debug_barrier()
-    for d in range(0, W):
-        tl.atomic_xchg(peer_region(sent_table, d, tl.int32) + me, epoch, sem="release", scope="sys")
 
 
 @triton.jit
@@ -358,18 +258,18 @@ def _publish_done(done_table, me, W, epoch):
 
 @triton.jit
 def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task, epoch,
-                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
     """Wait for done[d] ≥ epoch of every owner d that this token block uses (combine task 0: of
     every owner, so that the call ends after every owner is done with this rank's data)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
-    tmask = tokens < T
+    js = tl.arange(0, K_PAD)
+    amask = (tokens < T)[:, None] & (js[None, :] < TOP_K)
+    owner = tl.load(idx_ptr + tokens[:, None].to(tl.int64) * TOP_K + js[None, :], mask=amask, other=0,
+                    cache_modifier=".cg") // E_loc
     done = peer_region(done_table, me, tl.int32)
     failed = 0
     for d in range(0, W):
-        uses = 0
-        for j in tl.static_range(TOP_K):
-            e = tl.load(idx_ptr + tokens.to(tl.int64) * TOP_K + j, mask=tmask, other=0, cache_modifier=".cg")
-            uses += tl.sum(((e // E_loc == d) & tmask).to(tl.int32), axis=0)
+        uses = tl.sum(tl.sum(((owner == d) & amask).to(tl.int32), axis=1), axis=0)
         if (uses > 0) | (comb == 0):
             ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_DONE, d, epoch, "sys", CLOCK)
             failed += tl.where(ok, 0, 1)
@@ -377,34 +277,39 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
 
 
 @triton.jit
-def _combine_task(tb, ns, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T, N,
-                  TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
+def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T, N,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
     """out[tokens, slice] = Σ_j weight[t, j] · ret[e // E_loc][e % E_loc][slot(t, j)] (that
-    pair flattens to e), in fp32, j in order."""
+    pair flattens to e), in fp32, j in order, for the ``n_cs`` column slices nt·n_cs, ... of this
+    task (the routing of the block loaded once for all of them: one task per SM or so, each
+    waiting on the owners once)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
     tmask = tokens < T
-    cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
-    cmask = cols < N
+    js = tl.arange(0, K_PAD)
+    a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
+    amask = tmask[:, None] & (js[None, :] < TOP_K)
+    rows = (tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg").to(tl.int64) * max_tokens
+            + tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
+    weights = tl.load(wt_ptr + a, mask=amask, other=0.0, cache_modifier=".cg")
     ret = peer_region(ret_table, me, out_ptr.dtype.element_ty)
-    acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        a = tokens.to(tl.int64) * TOP_K + j
-        e = tl.load(idx_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-        slot = tl.load(slot_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-        w = tl.load(wt_ptr + a, mask=tmask, other=0.0, cache_modifier=".cg")
-        row = e.to(tl.int64) * max_tokens + slot
-        y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
-                    cache_modifier=".cg")
-        acc += w[:, None] * y.to(tl.float32)
-    tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tmask[:, None] & cmask[None, :])
+    for ns in range(nt * n_cs, tl.minimum(nt * n_cs + n_cs, tl.cdiv(N, BLOCK_NC))):
+        cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
+        cmask = cols < N
+        acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = assignment_column(rows, js, j)
+            y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
+                        cache_modifier=".cg")
+            acc += assignment_column(weights, js, j)[:, None] * y.to(tl.float32)
+        tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tmask[:, None] & cmask[None, :])
 
 
 # The arguments that change with the call's token count: not specialized (Triton would compile
 # the kernel again for each pattern of "divisible by 16" and "equal to 1" among them: 31 builds of
 # this kernel over 0–512 tokens per rank, each seconds of host time, where 4 row tiles need 4).
-BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "n_send", "n_comb_t", "task_lo",
-                  "task_hi")
+BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "n_send", "n_comb_t", "n_comb_n",
+                  "comb_slices", "task_lo", "task_hi")
 
 
 @triton.jit(do_not_specialize=BY_TOKEN_COUNT)
@@ -414,10 +319,12 @@ def persistent_dist_kernel(
     recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
-    n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, task_lo, task_hi, final,
+    n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices, task_lo,
+    task_hi, final,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
+    G_CHUNK: tl.constexpr, LS_MAX: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
@@ -461,7 +368,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
                 _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
-                             n_ls, TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS)
+                             n_ls, TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS, LS_MAX)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
@@ -471,7 +378,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
-                            TOP_K, BLOCK_T, BLOCK_A)
+                            TOP_K, BLOCK_T, BLOCK_A, G_CHUNK)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
@@ -481,7 +388,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
                 _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, x_ptr, idx_ptr, slot_ptr, recv_table,
-                           me, W, E_loc, max_tokens, T, N, TOP_K, BLOCK_S, BLOCK_NS)
+                           me, E_loc, max_tokens, T, N, TOP_K, K_PAD, BLOCK_S, BLOCK_NS)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
                 tl.debug_barrier()
                 if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
@@ -549,12 +456,12 @@ def persistent_dist_kernel(
                              epoch, "gpu", CLOCK)
             if returned:
                 returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins,
-                                         timeout_ns, task, epoch, TOP_K, BLOCK_TC, CLOCK)
+                                         timeout_ns, task, epoch, TOP_K, K_PAD, BLOCK_TC, CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_COMBINE, tl.int32)
             if returned:
-                _combine_task(tb, comb % n_comb_n, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T,
-                              N, TOP_K, BLOCK_TC, BLOCK_NC)
+                _combine_task(tb, comb % n_comb_n, comb_slices, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me,
+                              max_tokens, T, N, TOP_K, K_PAD, BLOCK_TC, BLOCK_NC)
         if TIMELINE:
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)

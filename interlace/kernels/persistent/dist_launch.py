@@ -262,10 +262,13 @@ class DistPlan:
         n_ls = c.logits_splits or logits_splits(cdiv(T, c.block_t) * n_eb, N, block_gl, sm_count(x.device))
         ls_chunk = cdiv(cdiv(N, n_ls), block_gl) * block_gl
         self.logits_splits = n_ls
+        n_slices_c, sms = cdiv(N, c.block_nc), sm_count(x.device)
+        comb_slices = c.combine_slices or (max(1, cdiv(cdiv(T, c.block_tc) * n_slices_c, sms)) if sms else 1)
+        self.comb_slices = comb_slices = min(comb_slices, n_slices_c)
         self.layout = layout = dt.DistLayout.build(
             T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_e=block_e, block_s=block_s,
             block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
-            block_nc=c.block_nc, num_experts=E, logits_splits=n_ls)
+            block_nc=c.block_nc, num_experts=E, logits_splits=n_ls, comb_slices=comb_slices)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
         n_hist = max(1, layout.n_gate) * e_pad
@@ -282,7 +285,8 @@ class DistPlan:
                               block_m=block_m, layout=layout)
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=c.block_t,
-            BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=128,
+            BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=512,
+            G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=max(MAX_LOGITS_SPLITS, c.logits_splits or 1),
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
@@ -295,7 +299,7 @@ class DistPlan:
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))
         self._layout_args = (layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),
-                             layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n)
+                             layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n, comb_slices)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None

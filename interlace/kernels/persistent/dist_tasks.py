@@ -113,12 +113,15 @@ class DistLayout:
     @classmethod
     def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
               block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int, block_tc: int,
-              block_nc: int, num_experts: int, logits_splits: int = 1) -> DistLayout:
+              block_nc: int, num_experts: int, logits_splits: int = 1, comb_slices: int = 1) -> DistLayout:
+        """``comb_slices``: BLOCK_NC column slices per combine task (``n_comb_n`` tasks per token
+        block)."""
         return cls(world=world, n_logits=cdiv(T, block_t) * cdiv(num_experts, block_e) * logits_splits,
                    n_gate=cdiv(T, block_t),
                    n_send=max(1, cdiv(T, block_s)) * cdiv(N, block_ns),
                    mt=max_tiles(world, max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
-                   n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)), n_comb_n=cdiv(N, block_nc))
+                   n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)),
+                   n_comb_n=cdiv(cdiv(N, block_nc), comb_slices))
 
     def counts(self) -> tuple[int, ...]:
         """Tasks of each kind, in kind order."""

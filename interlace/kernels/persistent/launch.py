@@ -58,7 +58,9 @@ class PersistentKernelConfig:
     parts of the router GEMM's sum over N, each a logits task (None: by the call's token blocks,
     :func:`~interlace.kernels.persistent.dist_launch.logits_splits`). block_s × block_ns: tokens ×
     columns of a W > 1 send task (block_ns at most N's power of 2). block_tc × block_nc: a
-    combine task. programs: the grid (None: what is
+    combine task; combine_slices (W > 1): block_nc column slices per combine task (None: as many as
+    leave about one combine task per SM, each waiting on the owners once; 1 off the GPU). programs:
+    the grid (None: what is
     co-resident on the device; under the interpreter 3). wide (W > 1): the GEMM tasks on wide
     tiles (:data:`WIDE_TILES`, 8 warps, weights through TMA): None where the device has TMA, the
     weights' rows allow it and the call averages at least :data:`WIDE_MIN_ROWS` rows per local
@@ -105,6 +107,7 @@ class PersistentKernelConfig:
     block_ns: int = 256
     block_tc: int = 16
     block_nc: int = 128
+    combine_slices: int | None = None
     num_warps: int = 4
     num_stages: int = 6
     programs: int | None = None

@@ -1,0 +1,136 @@
+"""The front of a W > 1 persistent call (tasks of :mod:`interlace.kernels.persistent.dist_kernel`):
+the router's logits and top-k, the index (each assignment's slot at its expert's owner), and the
+dispatch (each token row stored into its owners' symmetric memory, then the counts and the
+``sent`` flag). Each task is a short chain that every GEMM tile waits for, so its loads are
+issued together, before the stores or sums that use them: one program's dependent loads cost a
+memory round trip each (about 1–2 µs on a busy H200), and the front runs before any weight is read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from interlace.kernels.comet.flags import peer_region
+from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits
+
+
+@triton.jit
+def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """logits[ks][tokens of block g, experts of block eb] (fp32, rows of E_PAD): the part over
+    columns [ks·ls_chunk, (ks+1)·ls_chunk) of the router GEMM, split over expert blocks and
+    column parts, so one token block's gate is many programs' work (one program's pass over the
+    whole router weight is a latency-bound chain of N / BLOCK_G loads). The choice task sums the
+    parts in ks order (deterministic)."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    n_lo = ks * ls_chunk
+    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
+                       BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
+    part = logits_ptr + ks * T * E_PAD  # (parts · T · E_PAD < 2³¹)
+    tl.store(part + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
+             mask=tmask[:, None] & (cols[None, :] < E))
+
+
+@triton.jit
+def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls,
+                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr):
+    """Token block g's top-k from its logits rows, the ``n_ls`` (≤ LS_MAX) column parts summed in
+    order (then rounded: ROUND_LOGITS), by the world-1 gate's choice rule. The parts' loads are
+    unrolled and masked (a part past ``n_ls`` adds 0.0), so they are issued together."""
+    tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = tokens < T
+    cols = tl.arange(0, E_PAD)
+    emask = cols < E
+    offs = tokens[:, None].to(tl.int64) * E_PAD + cols[None, :]
+    m = tmask[:, None] & emask[None, :]
+    acc = tl.load(logits_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+    for ks in tl.static_range(1, LS_MAX):
+        acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=m & (ks < n_ls), other=0.0, cache_modifier=".cg")
+    logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
+                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
+
+
+@triton.jit
+def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, E_PAD: tl.constexpr,
+                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, G_CHUNK: tl.constexpr):
+    """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
+    its expert: the block's base plus its rank within the block). The bases are a running sum
+    of the gate blocks' histograms, G_CHUNK blocks a step (one load and a scan, not a load per
+    block)."""
+    cols = tl.arange(0, E_PAD)
+    gs = tl.arange(0, G_CHUNK)
+    running = tl.zeros((E_PAD,), dtype=tl.int32)
+    for g0 in range(0, n_gate, G_CHUNK):
+        gmask = (g0 + gs < n_gate)[:, None]
+        offs = (g0 + gs)[:, None] * E_PAD + cols[None, :]
+        h = tl.load(hist_ptr + offs, mask=gmask, other=0, cache_modifier=".cg")
+        tl.store(base_ptr + offs, running[None, :] + tl.cumsum(h, axis=0) - h, mask=gmask)
+        running += tl.sum(h, axis=0)
+    tl.store(counts_ptr + cols, running)
+    tl.debug_barrier()  # the bases are read back below by other threads
+    for a0 in range(0, TK, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)
+        amask = a < TK
+        e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+        block = a // (TOP_K * BLOCK_T)
+        slot = (tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
+                + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
+        tl.store(slot_ptr + a, slot, mask=amask)
+
+
+@triton.jit
+def assignment_column(block, js, j: tl.constexpr):
+    """Column j of a (rows, K_PAD) block of per-assignment values, as a (rows,) vector (in
+    registers: the block was loaded once for all j)."""
+    return tl.sum(tl.where(js[None, :] == j, block, 0), axis=1)
+
+
+@triton.jit
+def _send_task(sb, ns, x_ptr, idx_ptr, slot_ptr, recv_table, me, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
+               K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+    """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each row into
+    recv[me][e − owner·E_loc][slot] of owner = e // E_loc (a task per column slice: one
+    program's stores over NVLink are latency bound, so the rows go out from many programs).
+    The experts, slots and owners' addresses of all k assignments are loaded first, then the k
+    stores go out back to back, each row to its own owner."""
+    tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
+    tmask = tokens < T
+    cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
+    cmask = cols < N
+    js = tl.arange(0, K_PAD)
+    a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
+    amask = tmask[:, None] & (js[None, :] < TOP_K)
+    e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+    owner = e // E_loc
+    rows = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + tl.load(slot_ptr + a, mask=amask, other=0,
+                                                                                  cache_modifier=".cg")
+    regions = tl.load(recv_table + owner, mask=amask, other=0)  # each assignment's owner's recv region
+    v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
+                other=0.0)
+    for j in tl.static_range(TOP_K):
+        # (16-byte aligned regions, as peer_region says: the row stores go out as 16-byte vectors)
+        dst = tl.multiple_of(assignment_column(regions, js, j).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+        row = assignment_column(rows, js, j)
+        tl.store(dst[:, None] + row[:, None] * N + cols[None, :], v, mask=tmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD: tl.constexpr):
+    """Every owner d: counts[me][:] = this rank's rows per d's local expert, then (release,
+    system scope, after every send task's rows: the caller holds the send counter's acq_rel)
+    sent[me] = epoch."""
+    lo = tl.arange(0, EL_PAD)
+    lmask = lo < E_loc
+    for d in range(0, W):
+        c = tl.load(counts_ptr + d * E_loc + lo, mask=lmask, other=0, cache_modifier=".cg")
+        tl.store(peer_region(counts_table, d, tl.int32) + me * E_loc + lo, c, mask=lmask)
+    tl.debug_barrier()
+    for d in range(0, W):
+        tl.atomic_xchg(peer_region(sent_table, d, tl.int32) + me, epoch, sem="release", scope="sys")
