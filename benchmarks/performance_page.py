@@ -130,17 +130,20 @@ SOURCES = [
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
          device="2× NVIDIA H200", date="2026-11-27", commit="e0941dd", command=DECODE_COMMAND, timing="back_to_back",
-         notes=["ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
+         notes=["Since this run, dc8cb67 (the front's loads issued together, combine tasks of several column "
+                "slices), timed in a later lease on the rows it aimed at (`--configs qwen3-30b-a3b qwen2-moe --tokens "
+                "128 512 --strategies fused sequential persistent`): `persistent` back to back 0.256 / 0.338 ms on "
+                "qwen3-30b-a3b at 128 / 512 tokens per GPU (1.76× / 2.31× its decode floor) and 0.218 / 0.275 on "
+                "qwen2-moe (1.63× / 2.06×); `fused` in that lease within 1% of its times in this table.",
+                "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
                 "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
                 "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
                 "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2)."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
-         title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 tokens per GPU",
-         device="2× NVIDIA H200", date="2026-11-26", commit="2119dff",
-         notes=["The kernel with the split gate and send, before the tile defaults of 1a8ede1 (32-expert logits "
-                "tasks with 128-wide steps, 128-wide GEMM1 slices)."],
+         title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
+         device="2× NVIDIA H200", date="2026-11-27", commit="dc8cb67",
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
-                 "qwen3-30b-a3b --tokens 128 --out $OUT"),
+                 "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512"),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
