@@ -396,7 +396,7 @@ def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
     tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE]]]]),
-    and bound its registers and spill stack (the 128-wide GEMM1 slice of wide_gemm1_slice and the
+    and bound its registers and spill stack (the 128-wide GEMM1 slice of narrow_gemm1_slice and the
     wide tiles' 64- and 128-row builds included)."""
     import os
     import subprocess

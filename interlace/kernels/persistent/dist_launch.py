@@ -170,20 +170,26 @@ EXCHANGES = (("recv", "counts", "sent"), ("ret", "done"), ())
 
 
 DIST_BLOCK_G = 128  # the W > 1 router GEMM's step over N (PersistentKernelConfig.block_g None)
-WIDE_N1 = 128  # GEMM1's wider output slice, where there are enough tasks for it (wide_gemm1_slice)
+# Narrow tiles: GEMM1's wider output slice, where there are enough tasks for it (narrow_gemm1_slice).
+NARROW_N1_WIDER = 128
 
 
-def wide_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int, block_n1: int,
-                     device: torch.device) -> int:
-    """GEMM1's N-slice: :data:`WIDE_N1` where the call's expected GEMM1 tasks at that width
-    still number at least four per SM, else ``block_n1``. A wider slice halves the tasks (and
-    the h tile's reloads) per tile; with few tiles (few local experts, each one tile: e.g. 4
-    experts of a 4096-wide layer) it would leave SMs idle. The tiles are estimated for balanced
-    routing: a rank receives about T·k rows, on at most min(E_loc, T·k) local experts."""
+def expected_tiles(T: int, top_k: int, num_local: int, block_m: int) -> int:
+    """Row tiles of a call under balanced routing: a rank receives about T·k rows, on at most
+    min(E_loc, T·k) local experts."""
     rows = T * top_k
-    tiles = max(min(num_local, rows), cdiv(rows, block_m))
+    return max(min(num_local, rows), cdiv(rows, block_m))
+
+
+def narrow_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int, block_n1: int,
+                     device: torch.device) -> int:
+    """GEMM1's N-slice of narrow tiles: :data:`NARROW_N1_WIDER` where the call's expected GEMM1 tasks at
+    that width still number at least four per SM, else ``block_n1``. A wider slice halves the
+    tasks (and the h tile's reloads) per tile; with few tiles (few local experts, each one tile:
+    e.g. 4 experts of a 4096-wide layer) it would leave SMs idle."""
+    tiles = expected_tiles(T, top_k, num_local, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return WIDE_N1 if WIDE_N1 > block_n1 and tiles * cdiv(N, WIDE_N1) >= 4 * sms else block_n1
+    return NARROW_N1_WIDER if NARROW_N1_WIDER > block_n1 and tiles * cdiv(N, NARROW_N1_WIDER) >= 4 * sms else block_n1
 
 
 MAX_LOGITS_SPLITS = 8
@@ -245,13 +251,12 @@ class DistPlan:
         self.wide = c.wide_tiles(rows_per_expert, w_up, w_down)
         self.num_warps, self.num_stages = (WIDE_WARPS, WIDE_STAGES) if self.wide else (c.num_warps, c.num_stages)
         if self.wide:
-            tiles = max(min(L, T * top_k), cdiv(T * top_k, 128))  # (as wide_gemm1_slice estimates them)
             block_m, block_k0, block_n0, block_n1, block_k1 = c.wide_tiles_for(
-                rows_per_expert, tiles * cdiv(N, 256), sm_count(x.device))
+                rows_per_expert, expected_tiles(T, top_k, L, 128) * cdiv(N, 256), sm_count(x.device))
         else:
             block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
             if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:
-                block_n1 = wide_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
+                block_n1 = narrow_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
         self.block_m = block_m
         block_s, block_ns, block_e = c.block_s, min(c.block_ns, next_power_of_2(N)), c.block_e
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
