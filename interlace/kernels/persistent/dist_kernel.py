@@ -4,7 +4,10 @@ receive → GEMM0 + activation → GEMM1 (stored straight into the sources' symm
 combine, as tasks from one device-side queue per rank.
 
 Tasks, counts and the symmetric layout are in :mod:`interlace.kernels.persistent.dist_tasks`;
-the gate task is the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel`). In short:
+the front's tasks (logits, top-k, index, send) in :mod:`interlace.kernels.persistent.dist_front`,
+their choice rule the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel`). The GEMM
+tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
+:class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`). In short:
 
 * index: per-(block, expert) bases from the gate's histograms; each assignment's slot = its
   rank among this rank's assignments to that expert (so slots of one (source, expert) pair are

@@ -182,14 +182,15 @@ def expected_tiles(T: int, top_k: int, num_local: int, block_m: int) -> int:
 
 
 def narrow_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int, block_n1: int,
-                     device: torch.device) -> int:
-    """GEMM1's N-slice of narrow tiles: :data:`NARROW_N1_WIDER` where the call's expected GEMM1 tasks at
-    that width still number at least four per SM, else ``block_n1``. A wider slice halves the
-    tasks (and the h tile's reloads) per tile; with few tiles (few local experts, each one tile:
-    e.g. 4 experts of a 4096-wide layer) it would leave SMs idle."""
+                       device: torch.device) -> int:
+    """GEMM1's N-slice of narrow tiles: :data:`NARROW_N1_WIDER` where the call's expected GEMM1
+    tasks at that width still number at least four per SM, else ``block_n1``. A wider slice
+    halves the tasks (and the h tile's reloads) per tile; with few tiles (few local experts, each
+    one tile: e.g. 4 experts of a 4096-wide layer) it would leave SMs idle."""
     tiles = expected_tiles(T, top_k, num_local, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return NARROW_N1_WIDER if NARROW_N1_WIDER > block_n1 and tiles * cdiv(N, NARROW_N1_WIDER) >= 4 * sms else block_n1
+    wider = NARROW_N1_WIDER > block_n1 and tiles * cdiv(N, NARROW_N1_WIDER) >= 4 * sms
+    return NARROW_N1_WIDER if wider else block_n1
 
 
 MAX_LOGITS_SPLITS = 8

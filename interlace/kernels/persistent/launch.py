@@ -60,8 +60,8 @@ class PersistentKernelConfig:
     columns of a W > 1 send task (block_ns at most N's power of 2). block_tc × block_nc: a
     combine task; combine_slices (W > 1): block_nc column slices per combine task (None: as many as
     leave about one combine task per SM, each waiting on the owners once; 1 off the GPU). programs:
-    the grid (None: what is
-    co-resident on the device; under the interpreter 3). wide (W > 1): the GEMM tasks on wide
+    the grid (None: what is co-resident on the device; under the interpreter 3). num_warps,
+    num_stages: of the narrow tiles. wide (W > 1): the GEMM tasks on wide
     tiles (:data:`WIDE_TILES`, 8 warps, weights through TMA): None where the device has TMA, the
     weights' rows allow it and the call averages at least :data:`WIDE_MIN_ROWS` rows per local
     expert; True wherever the weights allow TMA (the interpreter included); False never. With wide
@@ -80,14 +80,12 @@ class PersistentKernelConfig:
     than narrow at 8–16 rows per expert (qwen3-30b-a3b 32 and 128, qwen2-moe 128,
     flashdmoe-cfg 128, dsv3-like 128).
 
-    The target is decode: up to ~128 rows per expert (``T·k/E ≤ ~128``). At more rows per expert
-    (prefill-like, ≥ 256) every expert takes several 128-row tiles whose weight slices are read
-    again per tile, and its pointer-loaded tiles do not reach the tensor-core rate of
-    ``fused``'s TMA tiles: ``fused`` (or ``sequential``) is the better path there.
+    The target is decode: up to a few hundred rows per expert. At thousands (prefill) ``fused``
+    is the better path, and ``auto`` keeps it there.
 
-    The weight tiles are loaded through per-element pointers. With 4 warps (the default) the sm90
-    build uses 255 registers and spills a few hundred bytes per thread; 8 warps spill little or
-    nothing but leave one program per SM, and measured 15–20% slower at decode sizes on an H100
+    The narrow tiles (the world-1 kernel's only tiles) load the weights through per-element
+    pointers. With 4 warps the sm90 build uses 255 registers and spills a little; 8 warps on the
+    same tiles leave one program per SM and measured 15–20% slower at decode sizes on an H100
     (20–60% at W = 2 on H200s). A decode call is a weight stream bound by the bytes each SM has
     in flight, so the loads run ``num_stages`` = 6 deep: 86 KB of shared memory a program, still
     two programs per SM (from 3 stages: 3–23% faster at W = 2 and 7–16% at W = 1 on H200s, most
