@@ -175,6 +175,9 @@ def test_combine_tasks_of_several_slices_and_index_over_several_chunks():
     topk_idx = route(x, world.router_weight, world.bias, world.cfg)[0]
     slots, _ = plain_slots(topk_idx, world.cfg.num_experts)
     assert torch.equal(world.plans[0].workspace["slot"].long(), slots)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="combine_slices"):
+            World(2, [1, 1], config=PersistentKernelConfig(combine_slices=bad))
 
 
 def test_wide_tiles_rule():

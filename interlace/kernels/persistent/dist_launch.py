@@ -262,9 +262,10 @@ class DistPlan:
         block_s, block_ns, block_e = c.block_s, min(c.block_ns, next_power_of_2(N)), c.block_e
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
         n_eb = cdiv(E, block_e)
-        if c.logits_splits is not None and (isinstance(c.logits_splits, bool) or not isinstance(c.logits_splits, int)
-                                            or c.logits_splits < 1):
-            raise ValueError(f"persistent: kernel logits_splits must be an int >= 1 or None, got {c.logits_splits!r}")
+        for name in ("logits_splits", "combine_slices"):
+            v = getattr(c, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"persistent: kernel {name} must be an int >= 1 or None, got {v!r}")
         n_ls = c.logits_splits or logits_splits(cdiv(T, c.block_t) * n_eb, N, block_gl, sm_count(x.device))
         ls_chunk = cdiv(cdiv(N, n_ls), block_gl) * block_gl
         self.logits_splits = n_ls
