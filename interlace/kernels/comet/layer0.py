@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, grouped_work, joint_gate_up_desc, kmajor_tile
+from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile, grouped_work, kmajor_tile
 from interlace.kernels.comet.flags import (WAIT_LAYER0, claim, fence_proxy_async, finish_queue, launch_roles,
                                  peer_region, publish_flag, wait_flag)
 from interlace.kernels.tma import tma_rows_ok
@@ -141,11 +141,8 @@ def _dispatch_gemm0_kernel(
             if B_KMAJOR:
                 w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * N, K], strides=[K, 1],
                                                    block_shape=[BLOCK_K, BLOCK_N])
-            elif JOINT:  # gate and up rows as one 3-D block, one double-width dot
-                w_desc = joint_gate_up_desc(w_ptr, num_local, N, K, BLOCK_N, BLOCK_K)
-            else:
-                w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_local * up_width, N], strides=[N, 1],
-                                                   block_shape=[BLOCK_N, BLOCK_K])
+            else:  # (JOINT: gate and up rows as one 3-D block, one double-width dot)
+                w_desc = gate_up_desc(w_ptr, num_local, up_width, N, K, BLOCK_N, BLOCK_K, JOINT)
         a_desc = recv_ptr
         if A_TMA:
             # Hopper has no TMA gather, so only remote tiles (contiguous rows of recv) use it; a block

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from interlace.kernels.expert_gemm.configs import check_config, num_programs
 from interlace.kernels.expert_gemm.schedule import TileSchedule, flat_items, flat_next, flat_start, tile_work
-from interlace.kernels.expert_gemm.tile import (ACTIVATION_ID, activation_epilogue, gate_up_tile, joint_gate_up_desc,
+from interlace.kernels.expert_gemm.tile import (ACTIVATION_ID, activation_epilogue, gate_up_desc, gate_up_tile,
                                                 store_tile, window_map)
 from interlace.kernels.launch import cdiv, launch
 from interlace.kernels.tma import tma_rows_ok
@@ -57,12 +57,7 @@ def gemm0_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     w_desc = w_ptr  # the pointer path ignores it
     if USE_TMA:
-        if JOINT:
-            w_desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
-        else:
-            # Block rows past an expert's K gate (or up) rows belong to masked output columns.
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
-                                               block_shape=[BLOCK_N, BLOCK_K])
+        w_desc = gate_up_desc(w_ptr, E, up_width, N, K, BLOCK_N, BLOCK_K, JOINT)
     a_desc = x_ptr
     if A_TMA:
         # Contiguous rows (no gather): a block past the tile's end reads the next expert's
@@ -121,11 +116,7 @@ def gemm0_flat_kernel(
     my_items = flat_items(num_tiles, n_blocks, pid, num_programs)
     up_width = 2 * K if ACTIVATION == 0 else K
     a_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_K])
-    if JOINT:
-        w_desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
+    w_desc = gate_up_desc(w_ptr, E, up_width, N, K, BLOCK_N, BLOCK_K, JOINT)
     out_win = window_map(out_ptr, num_rows, K, BLOCK_M, BLOCK_N)
     ki, work, e, row0, nb, row_end = flat_start(pid, num_programs, k_steps)
     W: tl.constexpr = 2 * BLOCK_N if JOINT else BLOCK_N

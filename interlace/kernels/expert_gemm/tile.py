@@ -89,6 +89,19 @@ def joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
+def gate_up_desc(w_ptr, E, up_width, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, JOINT: tl.constexpr):
+    """The up-projection weights (E, up_width, N) as a TMA descriptor for :func:`gate_up_tile`:
+    JOINT, :func:`joint_gate_up_desc`; else E·up_width rows of N in (BLOCK_N × BLOCK_K) blocks
+    (block rows past an expert's K gate or up rows feed only output columns the caller masks)."""
+    if JOINT:  # (a constexpr branch: one return, of the descriptor the branch makes)
+        desc = joint_gate_up_desc(w_ptr, E, N, K, BLOCK_N, BLOCK_K)
+    else:
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[E * up_width, N], strides=[N, 1],
+                                         block_shape=[BLOCK_N, BLOCK_K])
+    return desc
+
+
+@triton.jit
 def kmajor_tile(a_rows, rmask, w_base, w_desc, w_row, col0, cols, cmask, RED, COLS,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
     """A[rows] (·, RED) @ W (RED, COLS) for one (BLOCK_M × BLOCK_N) tile; W row-major at ``w_base``.

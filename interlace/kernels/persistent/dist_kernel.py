@@ -71,7 +71,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from interlace.kernels.comet.flags import peer_region, record_error_fields
-from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile, joint_gate_up_desc
+from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
     _choice_task, _index_task, _logits_task, _publish_sent, _send_task, assignment_column,
@@ -187,11 +187,7 @@ def _weight_descriptors(w_up_ptr, w_down_ptr, E_loc, UP, N, K, BLOCK_K0: tl.cons
     w_up_desc = w_up_ptr
     w_down_desc = w_down_ptr
     if W_TMA:
-        if JOINT:
-            w_up_desc = joint_gate_up_desc(w_up_ptr, E_loc, N, K, BLOCK_K0, BLOCK_N0)
-        else:
-            w_up_desc = tl.make_tensor_descriptor(w_up_ptr, shape=[E_loc * UP, N], strides=[N, 1],
-                                                  block_shape=[BLOCK_K0, BLOCK_N0])
+        w_up_desc = gate_up_desc(w_up_ptr, E_loc, UP, N, K, BLOCK_K0, BLOCK_N0, JOINT)
         w_down_desc = tl.make_tensor_descriptor(w_down_ptr, shape=[E_loc * N, K], strides=[K, 1],
                                                 block_shape=[BLOCK_N1, BLOCK_K1])
     return w_up_desc, w_down_desc
