@@ -35,10 +35,10 @@ FUSED_SPECS = ("fused", "fused:train")  # the strategies with buffers for a fixe
 
 
 def persistent_buffer_bytes(config, world: int, max_tokens: int) -> int:
-    """Bytes of the W > 1 persistent buffers (receive and return slabs of
-    W · E_loc · max_tokens rows of N elements each) on one rank."""
-    rows = world * (config.num_experts // world) * max_tokens
-    return 2 * rows * config.hidden * config.dtype.itemsize
+    """Bytes of the W > 1 persistent buffer on one rank (its regions: ``DistSpec.regions``)."""
+    from interlace.kernels.persistent.dist_launch import DistSpec
+
+    return DistSpec(world, config.num_experts // world, config.hidden, config.top_k, max_tokens, config.dtype).nbytes
 
 
 class RoutedCalls:

@@ -366,7 +366,7 @@ _DIST_BUFFERS: dict = {}  # (transport, group, device, spec) → DistBuffer shar
 
 def _release_dist_buffers() -> None:
     """:func:`interlace.parallel.release_shared_buffers` drops these too (each holds its group
-    and, on GPUs, ``W · E_loc · max_tokens · N`` elements of symmetric memory twice); a layer
+    and, on GPUs, its symmetric memory: ``DistSpec.regions``); a layer
     that still holds one keeps it, and the next new layer makes a fresh one."""
     _DIST_BUFFERS.clear()
 

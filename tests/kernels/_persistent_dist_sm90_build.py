@@ -12,7 +12,7 @@ from interlace.kernels.persistent.launch import WIDE_STAGES, WIDE_TILES, WIDE_WA
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "logits_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr"}
-i64 = {"recv_table", "ret_table", "counts_table", "sent_table", "done_table", "timeline_ptr", "timeline_clock"}
+i64 = {"recv_table", "amap_table", "ret_table", "counts_table", "sent_table", "done_table", "timeline_ptr", "timeline_clock"}
 def kind(n, p):
     if p.is_constexpr:
         return "constexpr"

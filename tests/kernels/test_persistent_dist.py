@@ -93,6 +93,14 @@ def test_matches_reference(W, Ts, router):
     outs = world.run()
     world.check_all()
     world.assert_matches(outs)
+    assert_dispatch(world)
+
+
+def assert_dispatch(world):
+    """Each rank's routing and slots against plain torch, and what each owner received from it:
+    its counts, each assignment of the owner's experts at its slot of the map (slot order), and
+    the row of each token that chose one of them (a peer's copy only: an owner reads its own
+    tokens from its input; rows of tokens that chose none stay as the zeroed buffer was)."""
     for r, (plan, x) in enumerate(zip(world.plans, world.xs)):
         if not x.shape[0]:
             continue
@@ -102,12 +110,28 @@ def test_matches_reference(W, Ts, router):
         assert torch.equal(ws["idx"].view(-1, world.cfg.top_k).long(), topk_idx)
         assert torch.equal(ws["slot"].long(), slots)
         assert torch.equal(ws["counts"][:world.cfg.num_experts].long(), counts)
-        # what each owner received from this source: its counts, then its rows in slot order
+        owner_of = topk_idx // world.L
         for d, buf in enumerate(world.bufs):
             assert torch.equal(buf.views["counts"][r].long(), counts[d * world.L:(d + 1) * world.L])
             for lo in range(world.L):
-                tokens = (topk_idx == d * world.L + lo).nonzero()[:, 0]
-                assert torch.equal(buf.views["recv"][r, lo, :tokens.numel()], x[tokens])
+                assignments = (topk_idx.reshape(-1) == d * world.L + lo).nonzero()[:, 0]
+                assert torch.equal(buf.views["amap"][r, lo, :assignments.numel()].long(), assignments)
+            sent = (owner_of == d).any(dim=1) if d != r else torch.zeros(x.shape[0], dtype=torch.bool)
+            assert torch.equal(buf.views["recv"][r, :x.shape[0]][sent], x[sent])
+            assert buf.views["recv"][r, :x.shape[0]][~sent].eq(0).all()
+
+
+def test_send_over_column_slices_once_per_owner():
+    """Send tasks over three column slices (block_ns 32 of hidden 80): each slice's task stores
+    its columns of a token row once per peer owner (top-3 of 8 experts on 2 ranks: most tokens
+    choose two experts of one rank) and the map entries of the assignments j ≡ its slice
+    (mod 3), so each entry is written by exactly one task."""
+    world = World(2, [11, 6], top_k=3, hidden=80, config=PersistentKernelConfig(block_ns=32))
+    assert world.plans[0].constexprs["BLOCK_NS"] == 32 and world.plans[0].layout.n_send == 3
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    assert_dispatch(world)
 
 
 def test_all_tokens_to_one_rank():

@@ -1,7 +1,7 @@
 """The front of a W > 1 persistent call (tasks of :mod:`interlace.kernels.persistent.dist_kernel`):
 the router's logits and top-k, the index (each assignment's slot at its expert's owner), and the
-dispatch (each token row stored into its owners' symmetric memory, then the counts and the
-``sent`` flag). Each task is a short chain that every GEMM tile waits for, so its loads are
+dispatch (each token row stored once into each peer owner's symmetric memory, each assignment's
+map entry, then the counts and the ``sent`` flag). Each task is a short chain that every GEMM tile waits for, so its loads are
 issued together, before the stores or sums that use them: one program's dependent loads cost a
 memory round trip each (about 1–2 µs on a busy H200), and the front runs before any weight is read.
 """
@@ -93,13 +93,14 @@ def assignment_column(block, js, j: tl.constexpr):
 
 
 @triton.jit
-def _send_task(sb, ns, x_ptr, idx_ptr, slot_ptr, recv_table, me, E_loc, max_tokens, T, N, TOP_K: tl.constexpr,
-               K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
-    """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each row into
-    recv[me][e − owner·E_loc][slot] of owner = e // E_loc (a task per column slice: one
-    program's stores over NVLink are latency bound, so the rows go out from many programs).
-    The experts, slots and owners' addresses of all k assignments are loaded first, then the k
-    stores go out back to back, each row to its own owner."""
+def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+    """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each token row into recv[me][t]
+    of every peer owner it chose an expert of, once per owner (a task per column slice: one
+    program's stores over NVLink are latency bound, so the rows go out from many programs);
+    and the map entries amap[me][e − owner·E_loc][slot] = t·k + j of the assignments j with
+    j mod n_ns = ns (spread over the column tasks). The experts and slots of all k assignments
+    are loaded as one block first."""
     tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     tmask = tokens < T
     cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
@@ -108,17 +109,20 @@ def _send_task(sb, ns, x_ptr, idx_ptr, slot_ptr, recv_table, me, E_loc, max_toke
     a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
     amask = tmask[:, None] & (js[None, :] < TOP_K)
     e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+    slot = tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg")
     owner = e // E_loc
-    rows = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + tl.load(slot_ptr + a, mask=amask, other=0,
-                                                                                  cache_modifier=".cg")
-    regions = tl.load(recv_table + owner, mask=amask, other=0)  # each assignment's owner's recv region
     v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
                 other=0.0)
-    for j in tl.static_range(TOP_K):
-        # (16-byte aligned regions, as peer_region says: the row stores go out as 16-byte vectors)
-        dst = tl.multiple_of(assignment_column(regions, js, j).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
-        row = assignment_column(rows, js, j)
-        tl.store(dst[:, None] + row[:, None] * N + cols[None, :], v, mask=tmask[:, None] & cmask[None, :])
+    rows = (me * max_tokens + tokens).to(tl.int64) * N
+    for d in range(0, W):
+        if d != me:
+            uses = tl.sum((amask & (owner == d)).to(tl.int32), axis=1) > 0
+            recv = peer_region(recv_table, d, x_ptr.dtype.element_ty)
+            tl.store(recv + rows[:, None] + cols[None, :], v, mask=uses[:, None] & cmask[None, :])
+    # (16-byte aligned regions, as peer_region says)
+    maps = tl.load(amap_table + owner, mask=amask, other=0).to(tl.pointer_type(tl.int32))
+    entry = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
+    tl.store(maps + entry, a.to(tl.int32), mask=amask & (js[None, :] % n_ns == ns))
 
 
 @triton.jit

@@ -12,8 +12,10 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
 * index: per-(block, expert) bases from the gate's histograms; each assignment's slot = its
   rank among this rank's assignments to that expert (so slots of one (source, expert) pair are
   0 .. count−1, decided by the source alone), and the per-expert counts;
-* send (token block): each token row stored into ``recv[me][local expert][slot]`` of the
-  expert's owner, for its k experts. The last send task (a counter, acq_rel) writes this
+* send (token block × column slice): each token row stored once into ``recv[me][t]`` of
+  every peer owner of one of its k experts, and each assignment's ``amap[me][local
+  expert][slot] = t·k + j`` at its owner (a row crosses NVLink once per owner, not once per
+  expert: top-8 over 2 ranks sent each row about 4 times). The last send task (a counter, acq_rel) writes this
   rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then, release
   at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends no row to;
 * receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch`` and counts itself
@@ -21,14 +23,15 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
   local expert hold its rows from all sources, so each touched expert's weights are read once)
   and publishes a local ready flag; with no row from anyone it publishes ``done[me] = epoch`` at
   every rank at once;
-* GEMM0 (tile, K-slice) and GEMM1 (tile, N-slice): as at world 1, on rows gathered from
-  ``recv[s][l]`` of their sources, numbered expert by expert and, within one expert, slice by
-  slice over its tiles (so each weight slice is read once for all of them); GEMM1 stores each
-  output row into its source's ``ret[me][l][slot]``; the last GEMM1 task (a counter, acq_rel)
+* GEMM0 (tile, K-slice) and GEMM1 (tile, N-slice): as at world 1, numbered expert by expert
+  and, within one expert, slice by slice over its tiles (so each weight slice is read once for
+  all of them); a row's assignment is ``a = amap[s][l][slot]``, its token row ``recv[s][a //
+  k]`` (this rank's own: its input); GEMM1 stores each output row into its source's
+  ``ret[a]``; the last GEMM1 task (a counter, acq_rel)
   publishes ``done[me] = epoch`` at every rank;
 * combine (token block, N-slice): waits for this rank's index flag, then for ``done[d] ≥
   epoch`` of every owner d its tokens use (combine task 0: of every owner), then sums each
-  token's k rows of ``ret`` in fp32 in slot order (deterministic: nothing atomic touches an
+  token's k rows ``ret[t·k + j]`` in fp32 in j order (deterministic: nothing atomic touches an
   output).
 
 Why every wait terminates. Each rank's task numbers run kind by kind (gate < index < send <
@@ -55,7 +58,7 @@ rank makes the same calls, so epochs agree, and flags (``sent``, ``done``, local
 index flags) hold epochs, never reset. A rank's call ends only after it has ``done[d] ≥ epoch``
 from every owner d (combine task 0), and an owner publishes that only after it has copied this
 rank's counts and (the GEMM1 tasks wait for every GEMM0 task of their tile) read its rows for
-the last time: so when this rank's next call writes ``recv``, ``counts`` and ``sent`` at an
+the last time: so when this rank's next call writes ``recv``, ``amap``, ``counts`` and ``sent`` at an
 owner, the owner is done with the previous ones. An owner writes this rank's ``ret`` only after
 this rank's ``sent`` of that call, i.e. after this rank's previous combine. Local counters are
 zeroed by the last program to leave the launch that ends the call (CUDA-graph replays stay right).
@@ -194,16 +197,27 @@ def _weight_descriptors(w_up_ptr, w_down_ptr, E_loc, UP, N, K, BLOCK_K0: tl.cons
 
 
 @triton.jit
-def _gemm0_task(tile, ks, recv_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W, E_loc, max_tokens,
-                N, K, UP, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr, W_TMA: tl.constexpr, JOINT: tl.constexpr):
-    """h[tile rows, K-slice ks] = act(rows of recv[src][l][slot] @ W_up[l][gate (and up) rows]ᵀ)."""
+def _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens):
+    """Each tile row's assignment a = t·k + j at its source (``amap[src][l][slot]``)."""
+    amap = peer_region(amap_table, me, tl.int32)
+    return tl.load(amap + (src * E_loc + lx).to(tl.int64) * max_tokens + slot, mask=rmask, other=0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _gemm0_task(tile, ks, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W,
+                E_loc, max_tokens, N, K, UP, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr, W_TMA: tl.constexpr,
+                JOINT: tl.constexpr):
+    """h[tile rows, K-slice ks] = act(token rows @ W_up[l][gate (and up) rows]ᵀ): a row of
+    source s ≠ me is recv[s][t], one of this rank's own tokens x[t] (t = amap[s][l][slot] // k)."""
     lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
+    t = (_row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens) // TOP_K).to(tl.int64)
     recv = peer_region(recv_table, me, h_ptr.dtype.element_ty)
-    rows = (src * E_loc + lx).to(tl.int64) * max_tokens + slot
+    a_rows = tl.where(src == me, x_ptr + t * N, recv + (src.to(tl.int64) * max_tokens + t) * N)
     cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
     cmask = cols < K
-    acc_g, acc_u = gate_up_tile(recv + rows * N, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, w_up_desc,
+    acc_g, acc_u = gate_up_tile(a_rows, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, w_up_desc,
                                 lx * UP + ks * BLOCK_K0, cols, cmask, N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0,
                                 W_TMA, JOINT=JOINT, w_expert=lx, col0=ks * BLOCK_K0)
     act = activation_epilogue(acc_g, acc_u, ACTIVATION)
@@ -213,11 +227,11 @@ def _gemm0_task(tile, ks, recv_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, off
 
 
 @triton.jit
-def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, tiles_ptr, offs_ptr, me, mt, W, E_loc,
-                max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
+def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, tiles_ptr, offs_ptr, me, mt, W,
+                E_loc, max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr):
-    """Each row's source s: s's ret[me][l][slot, N-slice ns] = h[row] @ W_down[l][slice]ᵀ
-    (stored into s's memory)."""
+    """Each row's source s and assignment a (amap[s][l][slot]): s's ret[a, N-slice ns] =
+    h[row] @ W_down[l][slice]ᵀ (stored into s's memory)."""
     lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
     h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
@@ -225,7 +239,7 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, tiles_ptr, 
     acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, w_down_desc,
                           lx * N + ns * BLOCK_N1, cols, cmask, K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
     y = acc.to(h_ptr.dtype.element_ty)
-    rows = (me * E_loc + lx).to(tl.int64) * max_tokens + slot
+    rows = _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens).to(tl.int64)
     for d in range(0, W):
         dst = peer_region(ret_table, d, h_ptr.dtype.element_ty)
         m = rmask & (src == d)
@@ -276,19 +290,16 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
 
 
 @triton.jit
-def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me, max_tokens, T, N,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
-    """out[tokens, slice] = Σ_j weight[t, j] · ret[e // E_loc][e % E_loc][slot(t, j)] (that
-    pair flattens to e), in fp32, j in order, for the ``n_cs`` column slices nt·n_cs, ... of this
-    task (the routing of the block loaded once for all of them: one task per SM or so, each
-    waiting on the owners once)."""
+def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
+    """out[tokens, slice] = Σ_j weight[t, j] · ret[t·k + j], in fp32, j in order, for the
+    ``n_cs`` column slices nt·n_cs, ... of this task (the weights of the block loaded once for
+    all of them: one task per SM or so, each waiting on the owners once)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
     tmask = tokens < T
     js = tl.arange(0, K_PAD)
     a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
     amask = tmask[:, None] & (js[None, :] < TOP_K)
-    rows = (tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg").to(tl.int64) * max_tokens
-            + tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
     weights = tl.load(wt_ptr + a, mask=amask, other=0.0, cache_modifier=".cg")
     ret = peer_region(ret_table, me, out_ptr.dtype.element_ty)
     for ns in range(nt * n_cs, tl.minimum(nt * n_cs + n_cs, tl.cdiv(N, BLOCK_NC))):
@@ -296,7 +307,7 @@ def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, m
         cmask = cols < N
         acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            row = assignment_column(rows, js, j)
+            row = tokens.to(tl.int64) * TOP_K + j
             y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
                         cache_modifier=".cg")
             acc += assignment_column(weights, js, j)[:, None] * y.to(tl.float32)
@@ -315,7 +326,7 @@ BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "
 def persistent_dist_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
     logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
-    recv_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64 addresses of each rank's region
+    recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64: each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
     n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices, task_lo,
@@ -386,8 +397,8 @@ def persistent_dist_kernel(
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
-                _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, x_ptr, idx_ptr, slot_ptr, recv_table,
-                           me, E_loc, max_tokens, T, N, TOP_K, K_PAD, BLOCK_S, BLOCK_NS)
+                _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, n_ns, x_ptr, idx_ptr, slot_ptr,
+                           recv_table, amap_table, me, W, E_loc, max_tokens, T, N, TOP_K, K_PAD, BLOCK_S, BLOCK_NS)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
                 tl.debug_barrier()
                 if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
@@ -426,9 +437,9 @@ def persistent_dist_kernel(
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if real:
                 if is_g0:
-                    _gemm0_task(tile, piece, recv_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W,
-                                E_loc, max_tokens, N, K, UP, ACTIVATION, EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0, W_TMA,
-                                JOINT)
+                    _gemm0_task(tile, piece, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr,
+                                offs_ptr, me, mt, W, E_loc, max_tokens, N, K, UP, TOP_K, ACTIVATION, EL_PAD, BLOCK_M,
+                                BLOCK_K0, BLOCK_N0, W_TMA, JOINT)
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
@@ -436,8 +447,9 @@ def persistent_dist_kernel(
                                        WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
-                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, w_down_desc, ret_table, tiles_ptr, offs_ptr, me,
-                                    mt, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
+                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, tiles_ptr,
+                                    offs_ptr, me, mt, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1,
+                                    W_TMA)
                     tl.debug_barrier()  # (every thread's stores before the count: acq_rel, system scope)
                     if tl.atomic_add(state_ptr + GEMM1_DONE, 1, sem="acq_rel", scope="sys") == n_tiles * n_n1 - 1:
                         _publish_done(done_table, me, W, epoch)
@@ -459,8 +471,8 @@ def persistent_dist_kernel(
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_COMBINE, tl.int32)
             if returned:
-                _combine_task(tb, comb % n_comb_n, comb_slices, ret_table, wt_ptr, idx_ptr, slot_ptr, out_ptr, me,
-                              max_tokens, T, N, TOP_K, K_PAD, BLOCK_TC, BLOCK_NC)
+                _combine_task(tb, comb % n_comb_n, comb_slices, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K, K_PAD,
+                              BLOCK_TC, BLOCK_NC)
         if TIMELINE:
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)

@@ -35,17 +35,25 @@ itself there moves the queue past it at once (``atomic_max``): one skip per kind
 
 Symmetric regions of one rank (identical layout on every rank; peers write into them)::
 
-    recv    (W, E_loc, max_tokens, N)  rows sent here: [source][local expert][slot]
-    ret     (W, E_loc, max_tokens, N)  expert outputs returned here: [owner][its local expert][slot]
+    recv    (W, max_tokens, N)         token rows sent here: [source][its token]; a token row
+                                       crosses once per owner it chose an expert of, however
+                                       many of that owner's experts it chose (this rank's own
+                                       tokens are read from its input, never copied)
+    amap    (W, E_loc, max_tokens) int32  [source][local expert][slot] = the source's
+                                       assignment a = t·k + j that the slot holds
+    ret     (max_tokens · k, N)        expert outputs returned here: [this rank's assignment a],
+                                       written by a's owner
     counts  (W, E_loc) int32           rows per (source, local expert), written by the source
-    sent    (W,) int32                 dispatch flags: [source] = the source's epoch, after rows
-                                       and counts
+    sent    (W,) int32                 dispatch flags: [source] = the source's epoch, after rows,
+                                       map and counts
     done    (W,) int32                 return flags: [owner] = the owner's epoch, after the rows
                                        it returned here
 
 A slot is the assignment's rank among its source's assignments to that expert (the index task
 computes it from the gate's per-block histograms), so sources never write the same address and
-no count exchange precedes the rows. Local state (one int32 tensor per rank, never shared)::
+no count exchange precedes the rows. An owner gathers a tile's rows through ``amap`` (source s,
+expert l, slot → token a // k of s) and returns each output row to ``ret[a]`` of its source.
+Local state (one int32 tensor per rank, never shared)::
 
     [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE,
      LOGITS_DONE, -, -, -, -, -]  then GEMM0_DONE (MT_max: per row tile), then the error record (ERROR_WORDS)
