@@ -25,16 +25,29 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
-def scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                     K_PAD: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     RENORMALIZE: tl.constexpr):
+def choice_key(choice, cols, E_PAD: tl.constexpr):
+    """(BLOCK_T, E_PAD) int64 keys whose order is the choice order: the fp32 value's bits made
+    monotone as a signed integer (sign-magnitude to two's complement) in the high word, ``E_PAD
+    − 1 − column`` in the low word, so a row's maximum is its best value and, among equal values,
+    the lower expert: one reduction per pick, where a max then a min over ties took two. −0.0
+    is made +0.0 first (it must tie with +0.0, as the float comparison does)."""
+    bits = (choice + 0.0).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (E_PAD - 1 - cols[None, :]).to(tl.int64)
+
+
+@triton.jit
+def scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+                     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
     """The choice rule (module docstring) on one token block, shared with the persistent kernel's gate.
 
     Args: logits (BLOCK_T, E_PAD) fp32, -inf past column E; bias_ptr the (E,) fp32 selection
     bias (read with HAS_BIAS); tokens (BLOCK_T,) (rows with tokens < 0 choose nothing); cols
-    (E_PAD,) and slots (K_PAD,) the aranges.
-    Returns: weights (BLOCK_T, K_PAD) fp32 (renormalized, scaled), experts (BLOCK_T, K_PAD) int32
-    (slot 0 the best), taken (BLOCK_T, E_PAD) the chosen columns (with the padding ones).
+    the (E_PAD,) arange.
+    Returns, per (token, column): weights (BLOCK_T, E_PAD) fp32 (renormalized, scaled; used
+    where chosen) and slot (BLOCK_T, E_PAD) int32, the pick j that chose the column (0 the
+    best) or −1. The callers store (t·k + slot) ← column, weight where slot ≥ 0: no per-pick
+    gather, each a reduction over the experts.
     """
     if SOFTMAX:
         row_max = tl.max(logits, axis=1)
@@ -46,21 +59,18 @@ def scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K: tl.
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
     choice = tl.where(choice != choice, float("-inf"), choice)  # NaN never wins
-    taken = (cols[None, :] >= E) | (tokens[:, None] < 0)  # padding columns are never chosen
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    experts = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
+    free = (cols[None, :] < E) & (tokens[:, None] >= 0)  # padding columns are never chosen
+    key = tl.where(free, choice_key(choice, cols, E_PAD), -(1 << 63))
+    slot = tl.full(key.shape, -1, tl.int32)
     for j in tl.static_range(TOP_K):
-        cand = tl.where(taken, float("-inf"), choice)
-        best = tl.max(cand, axis=1)
-        sel = tl.min(tl.where((cand == best[:, None]) & ~taken, cols[None, :], E_PAD), axis=1)
-        onehot = cols[None, :] == sel[:, None]
-        taken = taken | onehot
-        w = tl.sum(tl.where(onehot, scores, 0.0), axis=1)
-        weights = tl.where(slots[None, :] == j, w[:, None], weights)
-        experts = tl.where(slots[None, :] == j, sel[:, None], experts)
+        best = tl.max(key, axis=1)
+        pick = (key == best[:, None]) & free
+        slot = tl.where(pick, j, slot)
+        key = tl.where(pick, -(1 << 63), key)
+    weights = scores
     if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=1)[:, None]
-    return weights * scale, experts, taken
+        weights = weights / tl.sum(tl.where(slot >= 0, weights, 0.0), axis=1)[:, None]
+    return weights * scale, slot
 
 
 @triton.jit
@@ -70,22 +80,21 @@ def _route_topk_kernel(
     idx_ptr,  # (T, K) int64, out
     weight_ptr,  # (T, K) fp32, out
     T, E, scale,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
     tmask = tokens < T
     valid = cols[None, :] < E
     logits = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E + cols[None, :],
                      mask=tmask[:, None] & valid, other=float("-inf")).to(tl.float32)
-    weights, experts, _ = scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K, BLOCK_T, K_PAD, E_PAD,
-                                           SOFTMAX, HAS_BIAS, RENORMALIZE)
-    out = tokens[:, None].to(tl.int64) * TOP_K + slots[None, :]
-    omask = tmask[:, None] & (slots[None, :] < TOP_K)
-    tl.store(idx_ptr + out, experts.to(tl.int64), mask=omask)
+    weights, slot = scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K, E_PAD, SOFTMAX, HAS_BIAS,
+                                     RENORMALIZE)
+    out = tokens[:, None].to(tl.int64) * TOP_K + slot
+    omask = tmask[:, None] & (slot >= 0)
+    tl.store(idx_ptr + out, tl.broadcast_to(cols[None, :], slot.shape).to(tl.int64), mask=omask)
     tl.store(weight_ptr + out, weights, mask=omask)
 
 
@@ -102,7 +111,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
     block_t = max(1, min(128, 4096 // e_pad))
     launch(_route_topk_kernel, (cdiv(T, block_t),),
         logits, bias if bias is not None else logits, idx, weight, T, E, float(scale),
-        TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=block_t,
+        TOP_K=top_k, E_PAD=e_pad, BLOCK_T=block_t,
         SOFTMAX=softmax, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, num_warps=4,
     )
     return idx, weight

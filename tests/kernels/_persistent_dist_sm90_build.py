@@ -29,7 +29,7 @@ for spec in sys.argv[1:]:
     k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
     warps, stages = (WIDE_WARPS, WIDE_STAGES) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=512, G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=8, BLOCK_J=max(16, min(64, 2048 // el_pad)),
                   BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,

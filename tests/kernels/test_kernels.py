@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers import rel_err
 from interlace.kernels.activation import swiglu, swiglu_backward
@@ -11,6 +13,7 @@ from interlace.kernels.routing_index import (
     expert_major_index,
     expert_major_index_reference,
 )
+from interlace.kernels.router_topk import choice_key
 from interlace.kernels.rows import combine_rows, combine_rows_backward, gather_rows
 
 
@@ -239,6 +242,46 @@ def test_router_gemm_split_is_the_fp32_gemm(T):
         assert ((x.grad.double() - dx_exact).abs() <= dx_exact.abs() * 2**-7 + scale * 2**-14).all()
     else:
         assert x.grad.shape == (0, N) and not w.grad.any()
+
+
+def test_fused_router_choice_order_ties_zeros_and_infinities():
+    """The choice is by value, best first, ties to the lower expert (the kernel packs value and
+    column into one integer key): rows of repeated values, +0.0 against -0.0 (equal), -inf,
+    +inf, tiny subnormals and negative values, against a plain stable sort in float64. Sigmoid
+    without renormalizing, so the scores keep the logits' order and ties."""
+    from interlace.kernels.router_topk import route_topk
+
+    g = torch.Generator().manual_seed(3)
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, -2.5, float("inf"), float("-inf"), 1e-40, -1e-40, 30.0, -30.0])
+    logits = pool[torch.randint(len(pool), (64, 24), generator=g)]
+    idx, w = route_topk(logits, None, 5, softmax=False, renormalize=False, scale=1.0)
+    scores = torch.sigmoid(logits.double()).float().double()  # (the kernel's fp32 sigmoid values)
+    for row, chosen in zip(scores, idx.tolist()):
+        order = sorted(range(24), key=lambda c: (-row[c].item(), c))
+        assert chosen == order[:5], (row.tolist(), chosen)
+
+
+@triton.jit
+def _best_column_kernel(v_ptr, out_ptr, E_PAD: tl.constexpr):
+    cols = tl.arange(0, E_PAD)
+    v = tl.load(v_ptr + tl.program_id(0) * E_PAD + cols)
+    best = tl.max(choice_key(v[None, :], cols, E_PAD), axis=1)
+    tl.store(out_ptr + tl.program_id(0) + tl.arange(0, 1), (E_PAD - 1 - (best & 0xFFFFFFFF)).to(tl.int32))
+
+
+def test_choice_key_orders_by_value_then_lower_column():
+    """choice_key's maximum is the row's largest value, its lowest column among equal ones, for
+    signed zeros (equal), infinities, subnormals and negatives (the score path never makes a -0.0,
+    so this is checked on the key itself)."""
+    g = torch.Generator().manual_seed(4)
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), 1e-40, -1e-40, -3.0])
+    v = pool[torch.randint(len(pool), (200, 16), generator=g)]
+    v[0] = -0.0
+    v[0, 5] = 0.0  # (+0.0 at column 5 ties the -0.0 of column 0: column 0 wins)
+    out = torch.empty(200, dtype=torch.int32)
+    _best_column_kernel[(200,)](v, out, E_PAD=16)
+    expected = [min(range(16), key=lambda c: (-row[c].item(), c)) for row in v]
+    assert out.tolist() == expected
 
 
 def test_fused_router_nan_row_gets_valid_distinct_experts():

@@ -204,6 +204,24 @@ def test_combine_tasks_of_several_slices_and_index_over_several_chunks():
             World(2, [1, 1], config=PersistentKernelConfig(combine_slices=bad))
 
 
+def test_top_k_tasks_by_token_count():
+    """Tokens per top-k task (top_k_block): 4 up to 128 tokens, then about 32 tasks, at most 16
+    tokens each; a set block_tk (2: five tasks for 9 tokens, each rank's slots continuing over
+    them) routes as the layer does; a block_tk that is not a power of 2 is refused."""
+    from interlace.kernels.persistent.dist_launch import top_k_block
+
+    assert [top_k_block(T) for T in (0, 1, 128, 129, 256, 257, 512, 4096)] == [4, 4, 4, 8, 8, 16, 16, 16]
+    world = World(2, [9, 4], top_k=3, config=PersistentKernelConfig(block_tk=2))
+    assert world.plans[0].layout.n_gate == 5 and world.plans[0].constexprs["BLOCK_TK"] == 2
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    assert_dispatch(world)
+    for bad in (0, 3, True, 2.0):
+        with pytest.raises(ValueError, match="block_tk"):
+            World(2, [1, 1], config=PersistentKernelConfig(block_tk=bad))
+
+
 def test_wide_tiles_rule():
     """Which calls take wide tiles, and their shapes (the measured rule of PersistentKernelConfig)."""
     c = PersistentKernelConfig()
@@ -233,7 +251,7 @@ def test_logits_split_over_columns_routes_as_one_sum(splits, round_logits):
     if round_logits:
         for plan in world.plans:
             plan.constexprs["ROUND_LOGITS"] = round_logits
-    assert all(p.logits_splits == splits and p.layout.n_logits == p.layout.n_gate * 1 * splits for p in world.plans)
+    assert all(p.logits_splits == splits and p.layout.n_logits == -(-p.T // 16) * 1 * splits for p in world.plans)
     outs = world.run()
     world.check_all()
     for plan, x in zip(world.plans, world.xs):

@@ -211,7 +211,7 @@ config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
     block_m, e_pad, top_k = map(int, spec.split(","))
     k0, n0, n1, k1 = config.tiles(block_m)
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
+    consts = dict(TOP_K=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
                   BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0, BLOCK_N1=n1,
                   BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True,
                   ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0)

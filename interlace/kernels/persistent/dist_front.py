@@ -37,7 +37,7 @@ def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD:
 
 @triton.jit
 def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls,
-                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                  SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                  ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr):
     """Token block g's top-k from its logits rows, the ``n_ls`` (≤ LS_MAX) column parts summed in
@@ -53,8 +53,8 @@ def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, 
     for ks in tl.static_range(1, LS_MAX):
         acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=m & (ks < n_ls), other=0.0, cache_modifier=".cg")
     logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
-                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, E_PAD,
+                 SOFTMAX, HAS_BIAS, RENORMALIZE)
 
 
 @triton.jit

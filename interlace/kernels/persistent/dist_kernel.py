@@ -333,6 +333,7 @@ def persistent_dist_kernel(
     task_hi, final,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_TK: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
     G_CHUNK: tl.constexpr, LS_MAX: tl.constexpr,
     BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
@@ -378,7 +379,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
                 _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
-                             n_ls, TOP_K, K_PAD, E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS, LS_MAX)
+                             n_ls, TOP_K, E_PAD, BLOCK_TK, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS, LS_MAX)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
@@ -388,7 +389,7 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
-                            TOP_K, BLOCK_T, BLOCK_A, G_CHUNK)
+                            TOP_K, BLOCK_TK, BLOCK_A, G_CHUNK)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:

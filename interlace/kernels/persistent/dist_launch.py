@@ -212,6 +212,18 @@ def narrow_gemm1_slice(T: int, N: int, num_local: int, top_k: int, block_m: int,
 
 
 MAX_LOGITS_SPLITS = 8
+TOP_K_TASKS = 32  # top-k tasks a call aims at (top_k_block)
+
+
+def top_k_block(T: int) -> int:
+    """Tokens per W > 1 top-k task: a power of 2 from 4 to 16 that makes about
+    :data:`TOP_K_TASKS` tasks. A top-k task is a chain of k reductions over the experts whose
+    cost grows with the (tokens × experts) elements each thread holds (the sm90 build of 16
+    tokens × 128 experts, top-8, on 4 warps is twice the instructions of 8 tokens): at decode a
+    few 16-token tasks sat on the critical path of every call (19 µs each for qwen3-30b-a3b at
+    128 tokens per GPU), while 4-token tasks run side by side on more SMs. More tasks than about
+    32 would lengthen the index's running sum over their histograms."""
+    return max(4, min(16, next_power_of_2(cdiv(max(T, 1), TOP_K_TASKS))))
 
 
 def sm_count(device: torch.device) -> int | None:
@@ -290,9 +302,13 @@ class DistPlan:
         n_slices_c, sms = cdiv(N, c.block_nc), sm_count(x.device)
         comb_slices = c.combine_slices or (max(1, cdiv(cdiv(T, c.block_tc) * n_slices_c, sms)) if sms else 1)
         self.comb_slices = comb_slices = min(comb_slices, n_slices_c)
+        v = c.block_tk
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise ValueError(f"persistent: kernel block_tk must be a power of 2 >= 1 or None, got {v!r}")
+        block_tk = c.block_tk or top_k_block(T)
         self.layout = layout = dt.DistLayout.build(
-            T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_e=block_e, block_s=block_s,
-            block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
+            T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_tk=block_tk, block_e=block_e,
+            block_s=block_s, block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
             block_nc=c.block_nc, num_experts=E, logits_splits=n_ls, comb_slices=comb_slices)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
@@ -310,7 +326,7 @@ class DistPlan:
                               block_m=block_m, layout=layout)
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=c.block_t,
-            BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=512,
+            BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=512,
             G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=max(MAX_LOGITS_SPLITS, c.logits_splits or 1),
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,

@@ -6,9 +6,9 @@ One launch per rank runs seven kinds of task, in this number order on every rank
 =========  ======================================  ============================================
 kind       count (static upper bound)              waits for
 =========  ======================================  ============================================
-logits     ``G · ceil(E / BLOCK_E) · S``           nothing (token block × expert block × column
-                                                   part: S parts of the router GEMM's sum)
-gate       ``G = ceil(T / BLOCK_T)``               every logits task (a counter reaches G·n_e·S)
+logits     ``ceil(T / BLOCK_T) · ceil(E / BLOCK_E)  nothing (token block × expert block × column
+           · S``                                   part: S parts of the router GEMM's sum)
+gate       ``G = ceil(T / BLOCK_TK)``              every logits task (a counter reaches n_logits)
 index      1                                       this rank's gate tasks (a counter reaches G)
 send       ``max(1, ceil(T / BLOCK_S)) · n_ns``    this rank's index (a flag reaches the epoch)
 receive    ``W`` (one per source rank)             source s's last send task (s's dispatch flag
@@ -120,12 +120,12 @@ class DistLayout:
 
     @classmethod
     def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
-              block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int, block_tc: int,
+              block_tk: int, block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int, block_tc: int,
               block_nc: int, num_experts: int, logits_splits: int = 1, comb_slices: int = 1) -> DistLayout:
         """``comb_slices``: BLOCK_NC column slices per combine task (``n_comb_n`` tasks per token
         block)."""
         return cls(world=world, n_logits=cdiv(T, block_t) * cdiv(num_experts, block_e) * logits_splits,
-                   n_gate=cdiv(T, block_t),
+                   n_gate=cdiv(T, block_tk),
                    n_send=max(1, cdiv(T, block_s)) * cdiv(N, block_ns),
                    mt=max_tiles(world, max_tokens, top_k, num_local, block_m), n_k0=cdiv(K, block_k0),
                    n_n1=cdiv(N, block_n1), n_comb_t=max(1, cdiv(T, block_tc)),

@@ -139,27 +139,22 @@ def round_logits(acc, ROUND_LOGITS: tl.constexpr):
 
 @triton.jit
 def _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale,
-                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr):
+                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RENORMALIZE: tl.constexpr):
     """The choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never wins;
     ties to the lower expert) on a token block's logits (BLOCK_T, E_PAD) fp32 (−inf past E).
     Writes idx/weight/rank per assignment a = t·k + j, and the block's histogram hist[g, :]."""
     cols = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    weights, sels, taken = scores_and_top_k(logits, bias_ptr, tokens, cols, slots, E, scale, TOP_K, BLOCK_T, K_PAD,
-                                            E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE)
+    weights, slot = scores_and_top_k(logits, bias_ptr, tl.where(tmask, tokens, -1), cols, E, scale, TOP_K, E_PAD,
+                                     SOFTMAX, HAS_BIAS, RENORMALIZE)
     # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
     # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
-    chosen = (taken & (cols[None, :] < E) & tmask[:, None]).to(tl.int32)
+    chosen = (slot >= 0).to(tl.int32)
     before = tl.cumsum(chosen, axis=0) - chosen
-    a_base = tokens.to(tl.int64) * TOP_K
-    for j in tl.static_range(TOP_K):
-        sel = tl.sum(tl.where(slots[None, :] == j, sels, 0), axis=1)
-        rank = tl.sum(tl.where(cols[None, :] == sel[:, None], before, 0), axis=1)
-        w_j = tl.sum(tl.where(slots[None, :] == j, weights, 0.0), axis=1)
-        tl.store(idx_ptr + a_base + j, sel, mask=tmask)
-        tl.store(lrank_ptr + a_base + j, rank, mask=tmask)
-        tl.store(wt_ptr + a_base + j, w_j, mask=tmask)
+    a = tokens[:, None].to(tl.int64) * TOP_K + slot
+    tl.store(idx_ptr + a, tl.broadcast_to(cols[None, :], slot.shape), mask=slot >= 0)
+    tl.store(lrank_ptr + a, before, mask=slot >= 0)
+    tl.store(wt_ptr + a, weights, mask=slot >= 0)
     tl.store(hist_ptr + g * E_PAD + cols, tl.sum(chosen, axis=0))
 
 
@@ -188,7 +183,7 @@ def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.const
 
 @triton.jit
 def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+               TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr):
     """Routing of tokens [g·BLOCK_T, ...): :func:`_gate_logits` over all E experts, then
@@ -200,8 +195,8 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
     acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, 0, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES,
                        DOT_FP32, ROUND_LOGITS)
     logits = tl.where(emask[None, :], acc, float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, K_PAD,
-                 E_PAD, BLOCK_T, SOFTMAX, HAS_BIAS, RENORMALIZE)
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, E_PAD,
+                 SOFTMAX, HAS_BIAS, RENORMALIZE)
 
 
 @triton.jit
@@ -304,7 +299,7 @@ def persistent_moe_kernel(
     T, N, K, E, UP, scale, max_spins, n_programs,
     n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
     BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr,
     BLOCK_NC: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -331,7 +326,7 @@ def persistent_moe_kernel(
         rec_kind = tl.full((), REC_GATE, tl.int32)
         if task < n_gate:
             _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
-                       TOP_K, K_PAD, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32,
+                       TOP_K, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32,
                        ROUND_LOGITS)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:

@@ -52,7 +52,9 @@ class PersistentKernelConfig:
     at most 128: so each touched expert's weight slice is read by one row tile, or two, not 4–16
     small ones). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its
     reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
-    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task; block_g: the gate's
+    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task (at W > 1: per logits task);
+    block_tk (W > 1): tokens per top-k task (None: by the call,
+    :func:`~interlace.kernels.persistent.dist_launch.top_k_block`); block_g: the gate's
     reduction step over N (None: 32 at world size 1, where one task takes all experts' logits;
     128 at W > 1, where a logits task takes ``block_e`` experts). logits_splits: at W > 1, the
     parts of the router GEMM's sum over N, each a logits task (None: by the call's token blocks,
@@ -98,6 +100,7 @@ class PersistentKernelConfig:
     block_n1: int | None = None
     block_k1: int | None = None
     block_t: int = 16
+    block_tk: int | None = None
     block_g: int | None = None
     block_e: int = 32
     logits_splits: int | None = None
@@ -267,7 +270,7 @@ class CallPlan:
         self.round_logits = round_logits
         self.programs = self._programs()
         self.constexprs = dict(
-            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g or 32,
+            TOP_K=top_k, E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g or 32,
             BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
             BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
