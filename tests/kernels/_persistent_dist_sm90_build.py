@@ -1,6 +1,6 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
 interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS[,WIDE]]]], registers and spill
-stack bytes per spec (WIDE 1: the wide tiles, launch.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
+stack bytes and shared memory per spec (WIDE 1: the wide tiles, launch.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
@@ -29,7 +29,7 @@ for spec in sys.argv[1:]:
     k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
     warps, stages = (WIDE_WARPS, WIDE_STAGES) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=16, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=config.block_t, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=512, G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=8, BLOCK_J=max(16, min(64, 2048 // el_pad)),
                   BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
@@ -45,4 +45,4 @@ for spec in sys.argv[1:]:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    print(spec, regs, stack, flush=True)
+    print(spec, regs, stack, compiled.metadata.shared, flush=True)

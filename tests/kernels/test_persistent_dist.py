@@ -441,8 +441,8 @@ def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
     tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE]]]]),
-    and bound its registers and spill stack (the 128-wide GEMM1 slice of narrow_gemm1_slice and the
-    wide tiles' 64- and 128-row builds included)."""
+    and bound its registers, spill stack and shared memory (the 128-wide GEMM1 slice of
+    narrow_gemm1_slice and the wide tiles' 64- and 128-row builds included)."""
     import os
     import subprocess
     import sys
@@ -464,10 +464,15 @@ def test_kernel_builds_for_sm90():
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    built = {spec: (int(regs), int(stack)) for spec, regs, stack in (ln.split() for ln in proc.stdout.splitlines())}
+    built = {spec: tuple(map(int, rest)) for spec, *rest in (ln.split() for ln in proc.stdout.splitlines())}
     assert set(built) == set(specs)
-    for spec, (regs, stack) in built.items():
+    for spec, (regs, stack, shared) in built.items():
         assert regs <= 255 and stack <= 2048, f"{spec}: {regs} registers, {stack} bytes of spill stack"
+        # shared memory an sm90 program may take (227 KB), and for narrow tiles two programs per SM
+        # (each with the 1 KB the driver reserves): a larger logits task or more stages must not
+        # halve the grid (or fail to launch) unnoticed
+        wide = spec.split(",")[7:8] == ["1"]
+        assert shared <= (232448 if wide else 115712), f"{spec}: {shared} bytes of shared memory"
 
 
 def test_single_device_check_script_passes_and_catches_a_dropped_phase(monkeypatch, capsys):
