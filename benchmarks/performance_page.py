@@ -104,7 +104,7 @@ SOURCES = [
                 "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
     dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: every strategy side by side against the decode floor (a barrier before each call)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="e0941dd", command=DECODE_COMMAND,
+         device="2× NVIDIA H200", date="2026-11-27", commit="998163c", command=DECODE_COMMAND,
          notes=["ms: CUDA events around the whole layer call, a barrier before each timed call (the GPU idle when "
                 "the call starts, so its host time counts), the median of 20 timed calls after 5 warm-ups, the "
                 "slowest rank's median; `--interleave` times the strategies round-robin. Every strategy's output "
@@ -116,32 +116,41 @@ SOURCES = [
                 "decision for the row's token count, calibrated on the first calls of the bucket (at world size > 1 "
                 "`persistent` is a candidate of inference calls up to 512 tokens per rank).",
                 "`persistent` here: one launch per rank and call; the router GEMM as (16 tokens × 32 experts × a "
-                "part of N) tasks and the send as (16 tokens × 256 columns) tasks; row tiles of one expert over "
+                "part of N) tasks, top-k tasks of 4–16 tokens (about 32 a call) picking with one reduction each; "
+                "the send as (16 tokens × 256 columns) tasks storing each token row once into each peer owner of one "
+                "of its experts (an owner reads its own tokens from its input), with an assignment map for the "
+                "owner's row tiles; row tiles of one expert over "
                 "every source's rows, the tiles of one expert taking each weight slice together (each touched "
                 "expert's weights read once). Below 32 rows per local expert (the call's average) narrow tiles: "
                 "4 warps, two programs per SM, weight loads 6 stages deep, GEMM1 slices 128 wide where there are "
                 "four tasks per SM at that width; from 32 rows wide tiles: 8 warps, weights through TMA, a SwiGLU "
                 "GEMM0 task one 64- or 128-row × 256 dot, GEMM1 slices 128 or 256 wide (`PersistentKernelConfig.wide`). "
-                "With these defaults, in the same session: tests/gpu/gpu_check.py's persistent checks passed (86), and "
+                "With this kernel (cbaac7c; 998163c changed tests only), in the same session: tests/gpu/gpu_check.py "
+                "with `GPU_CHECK_STRATEGIES=\"persistent sequential\"` passed (212), "
                 "tests/gpu/persistent_dist_check.py passed its checks on qwen3-30b-a3b and mixtral-8x7b (uneven and "
-                "zero-token ranks, skew, graph replays, bitwise repeatability, no timed-out wait) and a 400-call "
-                "stress of each (random 0–512 tokens per rank, so ranks of one call on different tile families, "
-                "skewed routing, every 10th call against the fp32 reference: worst relative error 2.9e-3)."]),
+                "zero-token ranks, skew, graph replays, bitwise repeatability, no timed-out wait) with a 200-call "
+                "stress of each, and a 1000-call stress of qwen3-30b-a3b (random 0–512 tokens per rank, so ranks of "
+                "one call on different tile families, skewed routing, every 10th call against the fp32 reference: "
+                "worst relative error 2.9e-3, no timed-out wait)."]),
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="e0941dd", command=DECODE_COMMAND, timing="back_to_back",
-         notes=["Since this run, dc8cb67 (the front's loads issued together, combine tasks of several column "
-                "slices), timed in a later lease on the rows it aimed at (`--configs qwen3-30b-a3b qwen2-moe --tokens "
-                "128 512 --strategies fused sequential persistent`): `persistent` back to back 0.256 / 0.338 ms on "
-                "qwen3-30b-a3b at 128 / 512 tokens per GPU (1.76× / 2.31× its decode floor) and 0.218 / 0.275 on "
-                "qwen2-moe (1.63× / 2.06×); `fused` in that lease within 1% of its times in this table.",
+         device="2× NVIDIA H200", date="2026-11-27", commit="998163c", command=DECODE_COMMAND, timing="back_to_back",
+         notes=["The host of this lease was slow on calls that wait for it: `fused` (unchanged since the previous "
+                "table, e0941dd) took 1.3–2.6× its previous times at 1 token per GPU on qwen3-30b-a3b, qwen2-moe and "
+                "flashdmoe-cfg, and `auto` (which runs `persistent` on every row, behind its own host-side dispatch) "
+                "took up to 1.8× `persistent`'s time at 1–128 tokens where it took at most 1.25× before. The previous main (c9a4ccb) against this kernel in one later lease, interleaved, "
+                "back to back, the median of 2 rounds (`benchmarks/ab_trees.py --rounds 2 -- --configs qwen3-30b-a3b "
+                "flashdmoe-cfg qwen2-moe --tokens 1 8 --strategies persistent fused --interleave --back-to-back 20`), "
+                "`persistent` ms: qwen3-30b-a3b 0.111 → 0.098 at 1 token and 0.194 → 0.178 at 8; qwen2-moe 0.098 → "
+                "0.085 and 0.166 → 0.161; flashdmoe-cfg 0.097 → 0.087 and 0.144 → 0.144 (`fused` there moved "
+                "0.52–1.11× between its two trees: its 1-token rows are the host's).",
                 "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
                 "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
                 "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
                 "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2)."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
-         device="2× NVIDIA H200", date="2026-11-27", commit="dc8cb67",
+         device="2× NVIDIA H200", date="2026-11-27", commit="cbaac7c",
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
                  "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512"),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
