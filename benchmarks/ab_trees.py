@@ -63,17 +63,24 @@ def row_key(r: dict) -> tuple:
     return (r["config"], r["tokens"], r["routing"], r["mode"], r["strategy"])
 
 
-def print_table(labels: list[str], rounds: list[dict]) -> float:
-    """The per-row table of medians and ratios; returns the largest |ratio − 1|. The last column
-    is the range of the per-round ratios (tree i / tree 0 of the same round): how far one round
+TIMINGS = {"median_ms": "a barrier before each call", "back_to_back_ms": "calls back to back"}
+
+
+def print_table(labels: list[str], rounds: list[dict], field: str = "median_ms") -> float:
+    """The per-row table of medians over the rounds of ``field`` (a bench row's ``median_ms`` or
+    ``back_to_back_ms``) and their ratios; returns the largest |ratio − 1|. The last column is
+    the range of the per-round ratios (tree i / tree 0 of the same round): how far one round
     alone can be off, which says how many rounds a row needs."""
     times: dict[tuple, dict[str, list[float]]] = {}
     paired: dict[tuple, dict[tuple, float]] = {}
     for rnd in rounds:
         for r in rnd["rows"]:
-            if r.get("status") == "ok" and r.get("median_ms") is not None:
-                times.setdefault(row_key(r), {}).setdefault(rnd["tree"], []).append(r["median_ms"])
-                paired.setdefault(row_key(r), {})[(rnd.get("file", 0), rnd["round"], rnd["tree"])] = r["median_ms"]
+            if r.get("status") == "ok" and r.get(field) is not None:
+                times.setdefault(row_key(r), {}).setdefault(rnd["tree"], []).append(r[field])
+                paired.setdefault(row_key(r), {})[(rnd.get("file", 0), rnd["round"], rnd["tree"])] = r[field]
+    if not times:
+        return 0.0
+    print(f"\n{field} ({TIMINGS.get(field, field)}), the median over rounds:")
     print("\n| config | tokens | routing | mode | strategy | " + " | ".join(f"{l} ms" for l in labels)
           + " | " + " | ".join(f"{l}/{labels[0]}" for l in labels[1:]) + " | per-round range |")
     print("|" + "---|" * (5 + 2 * len(labels)))
@@ -98,7 +105,9 @@ def print_table(labels: list[str], rounds: list[dict]) -> float:
 
 def median_results(label: str, rounds: list[dict], meta: dict) -> dict:
     """One bench results file for ``label``: each row's median over the rounds, with × floor,
-    speedup over naive and TFLOP/s scaled to it; ``times_ms`` holds every round's median."""
+    speedup over naive and TFLOP/s scaled to it; ``times_ms`` holds every round's median. A row
+    timed back to back too gets the median of those (``back_to_back_ms``; every round's in
+    ``back_to_back_times_ms``): the last round's alone would be one sample."""
     per: dict[tuple, list[dict]] = {}
     for rnd in rounds:
         if rnd["tree"] == label:
@@ -113,6 +122,11 @@ def median_results(label: str, rounds: list[dict], meta: dict) -> dict:
             row["x_floor"] = ms / row["floor_ms"]
         if rs[-1].get("tflops"):
             row["tflops"] = rs[-1]["tflops"] * rs[-1]["median_ms"] / ms
+        if row.get("decode_floor_ms"):
+            row["x_decode_floor"] = ms / row["decode_floor_ms"]
+        b2b = [r["back_to_back_ms"] for r in rs if r.get("back_to_back_ms") is not None]
+        if b2b:
+            row["back_to_back_ms"], row["back_to_back_times_ms"] = statistics.median(b2b), b2b
         rows.append(row)
     naive = {row_key(r)[:4]: r["median_ms"] for r in rows if r["strategy"] == "naive"}
     for r in rows:
@@ -126,7 +140,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--merge"]:
         files = [json.load(open(f)) for f in argv[1:]]
-        print_table(list(files[0]["trees"]), [dict(rnd, file=i) for i, f in enumerate(files) for rnd in f["rounds"]])
+        rounds = [dict(rnd, file=i) for i, f in enumerate(files) for rnd in f["rounds"]]
+        for field in TIMINGS:
+            print_table(list(files[0]["trees"]), rounds, field)
         return 0
     own, bench_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -158,7 +174,8 @@ def main(argv=None) -> int:
                 meta = json.load(f)["meta"]
             with open(os.path.join(args.out, f"{label}-median.json"), "w") as f:
                 json.dump(median_results(label, rounds, meta), f, indent=1)
-    print_table([t[0] for t in trees], rounds)
+    for field in TIMINGS:
+        print_table([t[0] for t in trees], rounds, field)
     return 0
 
 

@@ -141,9 +141,10 @@ SOURCES = [
                 "took up to 1.8× `persistent`'s time at 1–128 tokens where it took at most 1.25× before. The previous main (c9a4ccb) against this kernel in one later lease, interleaved, "
                 "back to back, the median of 2 rounds (`benchmarks/ab_trees.py --rounds 2 -- --configs qwen3-30b-a3b "
                 "flashdmoe-cfg qwen2-moe --tokens 1 8 --strategies persistent fused --interleave --back-to-back 20`), "
-                "`persistent` ms: qwen3-30b-a3b 0.111 → 0.098 at 1 token and 0.194 → 0.178 at 8; qwen2-moe 0.098 → "
-                "0.085 and 0.166 → 0.161; flashdmoe-cfg 0.097 → 0.087 and 0.144 → 0.144 (`fused` there moved "
-                "0.52–1.11× between its two trees: its 1-token rows are the host's).",
+                "`persistent` ms: qwen3-30b-a3b 0.110 → 0.094 at 1 token (1.54× this table's floor) and 0.196 → "
+                "0.177 at 8; qwen2-moe 0.094 → 0.095 and 0.167 → 0.160; flashdmoe-cfg 0.093 → 0.087 and 0.145 → "
+                "0.144 (`fused`, the same code in both trees, moved 0.81–0.97× between them: its 1-token rows "
+                "are the host's).",
                 "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
                 "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
                 "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "

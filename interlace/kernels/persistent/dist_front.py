@@ -86,13 +86,6 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_
 
 
 @triton.jit
-def assignment_column(block, js, j: tl.constexpr):
-    """Column j of a (rows, K_PAD) block of per-assignment values, as a (rows,) vector (in
-    registers: the block was loaded once for all j)."""
-    return tl.sum(tl.where(js[None, :] == j, block, 0), axis=1)
-
-
-@triton.jit
 def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
                TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
     """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each token row into recv[me][t]

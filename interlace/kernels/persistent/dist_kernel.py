@@ -77,7 +77,7 @@ from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
-    _choice_task, _index_task, _logits_task, _publish_sent, _send_task, assignment_column,
+    _choice_task, _index_task, _logits_task, _publish_sent, _send_task,
 )
 from interlace.kernels.persistent.kernel import store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
@@ -287,6 +287,13 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
             ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_DONE, d, epoch, "sys", CLOCK)
             failed += tl.where(ok, 0, 1)
     return failed == 0
+
+
+@triton.jit
+def assignment_column(block, js, j: tl.constexpr):
+    """Column j of a (rows, K_PAD) block of per-assignment values, as a (rows,) vector (in
+    registers: the block was loaded once for all j)."""
+    return tl.sum(tl.where(js[None, :] == j, block, 0), axis=1)
 
 
 @triton.jit
