@@ -1,9 +1,10 @@
 """The front of a W > 1 persistent call (tasks of :mod:`interlace.kernels.persistent.dist_kernel`):
 the router's logits and top-k, the index (each assignment's slot at its expert's owner), and the
-dispatch (each token row stored once into each peer owner's symmetric memory, each assignment's
-map entry, then the counts and the ``sent`` flag). Each task is a short chain that every GEMM tile waits for, so its loads are
-issued together, before the stores or sums that use them: one program's dependent loads cost a
-memory round trip each (about 1–2 µs on a busy H200), and the front runs before any weight is read.
+dispatch (each token row stored once into each peer owner's symmetric memory, each
+assignment's map entry, then the counts and the ``sent`` flag). Each task is a short chain
+that every GEMM tile waits for, so its loads are issued together, before the stores or sums
+that use them: one program's dependent loads cost a memory round trip each (about 1–2 µs on a
+busy H200), and the front runs before any weight is read.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
 * send (token block × column slice): each token row stored once into ``recv[me][t]`` of
   every peer owner of one of its k experts, and each assignment's ``amap[me][local
   expert][slot] = t·k + j`` at its owner (a row crosses NVLink once per owner, not once per
-  expert: top-8 over 2 ranks sent each row about 4 times). The last send task (a counter, acq_rel) writes this
-  rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then, release
-  at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends no row to;
+  expert: top-8 over 2 ranks sent each row about 4 times). The last send task (a counter,
+  acq_rel) writes this rank's per-(owner, local expert) counts into every owner's
+  ``counts[me]`` and then, release at system scope, the epoch into every owner's ``sent[me]``
+  — also owners it sends no row to;
 * receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch`` and counts itself
   done; the last receive task builds the tile table over every source's rows (row tiles of one
   local expert hold its rows from all sources, so each touched expert's weights are read once)
@@ -27,8 +28,8 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
   and, within one expert, slice by slice over its tiles (so each weight slice is read once for
   all of them); a row's assignment is ``a = amap[s][l][slot]``, its token row ``recv[s][a //
   k]`` (this rank's own: its input); GEMM1 stores each output row into its source's
-  ``ret[a]``; the last GEMM1 task (a counter, acq_rel)
-  publishes ``done[me] = epoch`` at every rank;
+  ``ret[a]``; the last GEMM1 task (a counter, acq_rel) publishes ``done[me] = epoch`` at
+  every rank;
 * combine (token block, N-slice): waits for this rank's index flag, then for ``done[d] ≥
   epoch`` of every owner d its tokens use (combine task 0: of every owner), then sums each
   token's k rows ``ret[t·k + j]`` in fp32 in j order (deterministic: nothing atomic touches an
@@ -58,8 +59,8 @@ rank makes the same calls, so epochs agree, and flags (``sent``, ``done``, local
 index flags) hold epochs, never reset. A rank's call ends only after it has ``done[d] ≥ epoch``
 from every owner d (combine task 0), and an owner publishes that only after it has copied this
 rank's counts and (the GEMM1 tasks wait for every GEMM0 task of their tile) read its rows for
-the last time: so when this rank's next call writes ``recv``, ``amap``, ``counts`` and ``sent`` at an
-owner, the owner is done with the previous ones. An owner writes this rank's ``ret`` only after
+the last time: so when this rank's next call writes ``recv``, ``amap``, ``counts`` and ``sent``
+at an owner, the owner is done with the previous ones. An owner writes this rank's ``ret`` only after
 this rank's ``sent`` of that call, i.e. after this rank's previous combine. Local counters are
 zeroed by the last program to leave the launch that ends the call (CUDA-graph replays stay right).
 

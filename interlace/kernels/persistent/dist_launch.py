@@ -308,8 +308,8 @@ class DistPlan:
         block_tk = c.block_tk or top_k_block(T)
         self.layout = layout = dt.DistLayout.build(
             T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=c.block_t, block_tk=block_tk, block_e=block_e,
-            block_s=block_s, block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1, block_tc=c.block_tc,
-            block_nc=c.block_nc, num_experts=E, logits_splits=n_ls, comb_slices=comb_slices)
+            block_s=block_s, block_ns=block_ns, block_m=block_m, block_k0=block_k0, block_n1=block_n1,
+            block_tc=c.block_tc, block_nc=c.block_nc, num_experts=E, logits_splits=n_ls, comb_slices=comb_slices)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
         n_hist = max(1, layout.n_gate) * e_pad

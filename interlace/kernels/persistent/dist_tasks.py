@@ -120,8 +120,9 @@ class DistLayout:
 
     @classmethod
     def build(cls, T: int, N: int, K: int, world: int, num_local: int, top_k: int, max_tokens: int, *, block_t: int,
-              block_tk: int, block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int, block_tc: int,
-              block_nc: int, num_experts: int, logits_splits: int = 1, comb_slices: int = 1) -> DistLayout:
+              block_tk: int, block_e: int, block_s: int, block_ns: int, block_m: int, block_k0: int, block_n1: int,
+              block_tc: int, block_nc: int, num_experts: int, logits_splits: int = 1,
+              comb_slices: int = 1) -> DistLayout:
         """``comb_slices``: BLOCK_NC column slices per combine task (``n_comb_n`` tasks per token
         block)."""
         return cls(world=world, n_logits=cdiv(T, block_t) * cdiv(num_experts, block_e) * logits_splits,
