@@ -251,8 +251,10 @@ def parser() -> argparse.ArgumentParser:
                    help="with --profile-first: pool these earlier profiles' raw layer timings into the "
                         "fresh one (interlace.planning.pipemoe.calibration.merge_points); the fresh-only profile is kept "
                         "as OUT/profile_fresh.json")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before timing each degree")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per degree (the median is reported)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed calls before timing each degree (--grid tiny: also the profile's layer timings)")
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed calls per degree, the median reported (--grid tiny: also the profile's)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N grid points")
     p.add_argument("--out", default="bench-out/pipeline-eval",
                    help="directory for pipeline_eval.json and pipeline_eval.md")
@@ -294,7 +296,9 @@ def main(argv=None) -> int:
                 seen.add(key)
                 configs.append(point.config)
         tokens = args.profile_tokens if args.grid == "default" else [10, 30]
-        small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,)}
+        # (the tiny grid is a smoke run: few degrees, and the evaluation's own call counts)
+        small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,), "timing": {
+            "fwd": (args.warmup, args.iters), "fwdbwd": (args.warmup, args.iters)}}
         profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile, **small)
         if args.merge_points:
             if env.rank == 0:

@@ -235,19 +235,23 @@ def time_layer_ms(layer, x, timer: Timer, warmup: int = 3, iters: int = 10, back
     return reduce_max(env, statistics.median(times))
 
 
+LAYER_TIMING = {"fwd": (3, 10), "fwdbwd": (2, 6)}  # (warm-up, timed) calls of a profiled layer, by mode
+
+
 def profile_fused(shape: ShapeProfile, cfg: MoEConfig, x: torch.Tensor, group, timer: Timer,
-                  modes=("fwd", "fwdbwd")) -> None:
+                  modes=("fwd", "fwdbwd"), timing: dict | None = None) -> None:
     """For mode ``"fwd"``: time ``fused`` and ``sequential`` forwards (no grad, fresh layers, the
     same tokens ``x``) back to back and keep the pair in ``shape.fused``; for ``"fwdbwd"``:
     ``fused:train`` and ``sequential`` forward + backward, kept in ``shape.fused_train``.
-    Collective: every rank, same order."""
+    ``timing``: (warm-up, timed) calls by mode (None: :data:`LAYER_TIMING`). Collective: every
+    rank, same order."""
+    timing = timing or LAYER_TIMING
     for mode in modes:
         strategies = ("fused", "sequential") if mode == "fwd" else ("fused:train", "sequential")
         pair = []
         for strategy in strategies:
             layer = MoELayer(cfg, group=group, strategy=strategy, device=x.device)
-            pair.append(time_layer_ms(layer, x, timer, *((2, 6) if mode == "fwdbwd" else (3, 10)),
-                                      backward=mode == "fwdbwd"))
+            pair.append(time_layer_ms(layer, x, timer, *timing[mode], backward=mode == "fwdbwd"))
             del layer
         release_shared_buffers()  # the fused layer's peer buffer: no later layer of this size shares it
         shape.fused_pairs(mode).append((x.shape[0], cfg.top_k, *pair))
@@ -298,7 +302,7 @@ def add_fused_points(prof: Profile, results: dict, replace: bool = False) -> lis
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
                 existing: Profile | None = None, a2a_max_bytes: int | None = None,
                 calibration_degrees=(2, 3, 4, 6, 8, 12, 16), fwdbwd_degrees=(2, 4),
-                fused: bool = True) -> Profile:
+                fused: bool = True, timing: dict | None = None) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be).
 
@@ -308,7 +312,10 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
     no backward points; the planner then predicts training steps with the forward terms).
     With ``fused`` (and more than one rank) the fused strategy's forward is timed beside
     sequential's at each token count, also for shape classes ``existing`` has without them.
+    ``timing``: (warm-up, timed) calls of each layer timing by mode, ``"fwd"`` and ``"fwdbwd"``
+    (None: :data:`LAYER_TIMING`; fewer only for a smoke run: the planner fits these points).
     """
+    timing = timing or LAYER_TIMING
     world = dist.get_world_size(group) if group is not None else 1
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
@@ -337,7 +344,7 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
                 for T in _progress(tokens, f"fused {skey}", show):
                     gen = torch.Generator(device=device).manual_seed(1234 + T)
                     x = torch.randn(T, cfg.hidden, device=device, generator=gen).to(cfg.dtype)
-                    profile_fused(prof.shapes[skey], cfg, x, group, timer, missing)
+                    profile_fused(prof.shapes[skey], cfg, x, group, timer, missing, timing)
             continue
         curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
@@ -355,11 +362,11 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
                 if T < 2 * r:
                     continue
                 layer.set_strategy("pipelined", degree=r)
-                ms = time_layer_ms(layer, x, timer, *((2, 6) if backward else (3, 10)), backward=backward)
+                ms = time_layer_ms(layer, x, timer, *timing["fwdbwd" if backward else "fwd"], backward=backward)
                 (shape.calibration_fwdbwd if backward else shape.calibration).append((T, cfg.top_k, r, ms))
             del layer
             if fused:
-                profile_fused(shape, cfg, x, group, timer)
+                profile_fused(shape, cfg, x, group, timer, timing=timing)
             del x
             if device.type == "cuda":
                 torch.cuda.empty_cache()
