@@ -102,6 +102,8 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
                renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) fp32 → (topk_idx (T, k) int64, topk_weight (T, k) fp32). Forward only."""
     T, E = logits.shape
+    if not 0 < top_k <= E:
+        raise ValueError(f"route_topk: top_k must be in 1..{E} (the logits' experts), got {top_k}")
     logits = logits.contiguous()
     idx = alloc.empty((T, top_k), dtype=torch.int64, device=logits.device)
     weight = alloc.empty((T, top_k), dtype=torch.float32, device=logits.device)

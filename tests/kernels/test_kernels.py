@@ -295,3 +295,6 @@ def test_fused_router_nan_row_gets_valid_distinct_experts():
     assert all(len(set(row)) == 4 for row in idx.tolist())
     assert torch.isnan(w[1]).all() and torch.isnan(w[2]).all()  # softmax of a NaN row is NaN
     assert torch.isfinite(w[[0, 3]]).all()
+    for bad in (0, 17):  # (more picks than experts: the one-key-per-column choice would repeat picks)
+        with pytest.raises(ValueError, match="top_k"):
+            route_topk(logits, None, bad, softmax=True, renormalize=False, scale=1.0)
