@@ -27,7 +27,7 @@ What runs ``sequential``'s path instead (the layer routes, then :meth:`__call__`
 * calls traced by ``torch.compile`` (the kernel is not a custom op yet).
 
 Refused in this phase, each with a one-line ``ValueError`` when the strategy is built (before any
-weight): a world size that does not divide the experts, a capacity factor (dropless only), group-limited routing
+weight): a world size that does not divide the experts, group-limited routing
 (``n_group``/``topk_group``), ``softmax_after_topk``, fp64 tensors or an fp64 router, fp16
 activations with ``router_gemm="input"``.
 
@@ -84,8 +84,6 @@ def unsupported(config, world: int) -> str | None:
     """Why phase 1 of the persistent kernel cannot run this layer, in one line, or None."""
     if world > 1 and config.num_experts % world:
         return f"persistent: the world size ({world}) must divide the number of experts ({config.num_experts})"
-    if config.capacity_factor is not None:
-        return "persistent: dropless only in this phase (capacity_factor must be None; issue 30)"
     if config.group_limited:
         return "persistent: group-limited routing (n_group/topk_group) is not in the kernel's gate yet (issue 30)"
     if config.softmax_after_topk:
@@ -230,12 +228,12 @@ class PersistentStrategy(Strategy):
                             route_scale=cfg.route_scale, activation=cfg.activation,
                             w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
                             max_spins=self.max_spins, timeout_s=self.wait_timeout_s, timeline=timeline,
-                            round_logits=rounding)
+                            round_logits=rounding, capacity=cfg.capacity(x.shape[0]))
         return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
                         config=self.kernel, max_spins=self.max_spins, order=self.task_order, timeline=timeline,
-                        round_logits=rounding)
+                        round_logits=rounding, capacity=cfg.capacity(x.shape[0]))
 
     def _plan(self, x: torch.Tensor, weights: tuple, rounding: int = 0) -> CallPlan:
         """Token count T's plan (built again when the weights, dtype or device changed, or the

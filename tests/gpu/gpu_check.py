@@ -133,7 +133,7 @@ def check_persistent(dev, rank, world, configs, cases, report, base=256, seed=3)
     :data:`PERSISTENT_CASES` against the fp32 reference (the layer's own routing, steered where
     the case forces choices), three calls per case bitwise identical (eager, CUDA-graph capture,
     replay on a GPU), then a NaN token that must stay in its own row. Configs the kernel does not
-    take (capacity factor) are skipped, said so. Every rank makes every call (zero tokens too)."""
+    take (``unsupported``) are skipped, said so. Every rank makes every call (zero tokens too)."""
     from interlace.routing import route
     from interlace.strategies.persistent import unsupported
 

@@ -1,5 +1,5 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
-interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS[,WIDE]]]], registers and spill
+interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS[,WIDE[,CAPACITY]]]]], registers and spill
 stack bytes and shared memory per spec (WIDE 1: the wide tiles, launch.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
 import os, re, subprocess, sys, tempfile
 import triton
@@ -25,7 +25,7 @@ sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, el_pad, top_k, timeline, n1, rounding, wide = (list(map(int, spec.split(","))) + [0] * 4)[:8]
+    block_m, e_pad, el_pad, top_k, timeline, n1, rounding, wide, capacity = (list(map(int, spec.split(","))) + [0] * 5)[:9]
     k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
     warps, stages = (WIDE_WARPS, WIDE_STAGES) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
@@ -35,7 +35,7 @@ for spec in sys.argv[1:]:
                   BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline,
-                  ROUND_LOGITS=rounding, W_TMA=bool(wide), JOINT=bool(wide))
+                  ROUND_LOGITS=rounding, W_TMA=bool(wide), JOINT=bool(wide), CAPACITY=bool(capacity))
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=warps, num_stages=stages))

@@ -46,7 +46,7 @@ class World:
                          self.w_down[r * L:(r + 1) * L].contiguous(), self.bufs[r], top_k=cfg.top_k,
                          softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                          activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
-                         config=self.config, max_spins=self.max_spins)
+                         config=self.config, max_spins=self.max_spins, capacity=cfg.capacity(x.shape[0]))
                 for r, x in enumerate(xs or self.xs)]
 
     def run(self, phases=dt.PHASES, xs=None):
@@ -132,6 +132,38 @@ def test_send_over_column_slices_once_per_owner():
     world.check_all()
     world.assert_matches(outs)
     assert_dispatch(world)
+
+
+@pytest.mark.parametrize("W, Ts, factor, kw", [
+    (2, [23, 9], 0.5, {}), (4, [13, 0, 17, 6], 0.75, dict(top_k=3, router="sigmoid", renormalize=True)),
+    (2, [20, 11], 0.6, dict(config=PersistentKernelConfig(wide=True))),
+])
+def test_capacity_factor_drops_as_the_reference(W, Ts, factor, kw):
+    """A capacity factor at W > 1: each rank lets each expert take ceil(factor·T·k/E) of its own
+    T tokens' assignments, served slot-major (the reference's policy); dropped assignments are
+    not sent (the owners' counts are the kept ones) and add nothing in the combine. Narrow and
+    wide tiles, 2 and 4 ranks, a zero-token rank, a bias that overflows one expert."""
+    bias = None
+    if kw.get("router") == "sigmoid":
+        bias = torch.zeros(8)
+        bias[6] = 2.0
+    world = World(W, Ts, capacity_factor=factor, bias=bias, **kw)
+    for buf in world.bufs:  # (poisoned: a dropped assignment's row is never written, and must not be read)
+        buf.views["ret"].fill_(float("nan"))
+    outs = world.run()
+    world.check_all()
+    world.assert_matches(outs)
+    from interlace.reference import capacity_keep_mask
+
+    for r, x in enumerate(world.xs):
+        if not x.shape[0]:
+            continue
+        topk_idx = route(x, world.router_weight, world.bias, world.cfg)[0]
+        keep = capacity_keep_mask(topk_idx, world.cfg)
+        assert not keep.all()  # (the factor drops some)
+        kept = torch.bincount(topk_idx[keep], minlength=world.cfg.num_experts)
+        for d, buf in enumerate(world.bufs):
+            assert torch.equal(buf.views["counts"][r].long(), kept[d * world.L:(d + 1) * world.L])
 
 
 def test_all_tokens_to_one_rank():
@@ -440,7 +472,7 @@ def test_tiles_per_rank_bound_holds(block_m):
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
-    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE]]]]),
+    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE[, CAPACITY]]]]]),
     and bound its registers, spill stack and shared memory (the 128-wide GEMM1 slice of
     narrow_gemm1_slice and the wide tiles' 64- and 128-row builds included)."""
     import os
@@ -460,7 +492,8 @@ def test_kernel_builds_for_sm90():
     # (TIMELINE 1: %globaltimer; BLOCK_N1 128: the wide GEMM1 slice at decode and 512-token sizes;
     # ROUND_LOGITS 1: the gate's logits rounded to bf16, as for a transformers router in bf16)
     specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128",
-             "32,128,64,8,0,128,1", "128,16,16,2,0,256,0,1", "64,256,128,8,0,128,1,1"]
+             "32,128,64,8,0,128,1", "128,16,16,2,0,256,0,1", "64,256,128,8,0,128,1,1", "32,128,64,8,0,128,0,0,1",
+             "64,256,128,8,0,128,1,1,1"]
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -209,12 +209,12 @@ sig = {n: "constexpr" if p.is_constexpr else i64[n] if n in i64 else fp.get(n, "
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
-    block_m, e_pad, top_k = map(int, spec.split(","))
+    block_m, e_pad, top_k, *capacity = map(int, spec.split(","))
     k0, n0, n1, k1 = config.tiles(block_m)
     consts = dict(TOP_K=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
                   BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0, BLOCK_N1=n1,
                   BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True,
-                  ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0)
+                  ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0, CAPACITY=bool(capacity and capacity[0]))
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
@@ -227,14 +227,14 @@ for spec in sys.argv[1:]:
     print(spec, regs, stack, flush=True)
 """
 
-# (BLOCK_M, E_PAD, TOP_K) → the most spill stack (bytes per thread) the sm90 build may use, with
+# (BLOCK_M, E_PAD, TOP_K[, CAPACITY]) → the most spill stack (bytes per thread) the sm90 build may use, with
 # the default 4 warps: each config measured 168–1168 bytes (255 registers), bounded here with
 # room. Four warps spill where eight did not (8 warps: none for a small gate, ≤ 248 bytes with
 # top-8), yet measured 15–20% faster on an H100 at decode sizes: two programs fit on an SM, so
 # twice the weight loads are in flight, and the spills stay in L1.
 _SM90_CONFIGS = {(16, 16, 2): 384, (32, 16, 2): 640, (64, 16, 2): 384, (128, 16, 2): 1024,
                  (16, 64, 8): 768, (32, 64, 8): 768, (64, 64, 8): 768, (16, 128, 8): 896, (64, 128, 8): 896,
-                 (128, 128, 8): 1536}
+                 (128, 128, 8): 1536, (16, 16, 2, 1): 384, (32, 64, 8, 1): 1024, (128, 128, 8, 1): 1536}
 
 
 def test_kernel_builds_for_sm90():

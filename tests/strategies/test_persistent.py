@@ -102,8 +102,27 @@ def test_kernel_option_and_bad_options():
         layer_for(strategy_options={"task_order": "backwards"})
 
 
+@pytest.mark.parametrize("router, factor", [("softmax", 0.5), ("sigmoid", 0.75), ("softmax", 2.0)])
+def test_capacity_factor_drops_as_the_reference(router, factor):
+    """A capacity factor at world size 1: each expert keeps ceil(factor·T·k/E) of the call's
+    assignments, served slot-major (every first choice in token order before any second), the
+    rest add nothing; 0.5 and 0.75 drop many, 2.0 none. A skewing bias makes one expert
+    overflow."""
+    extra = dict(renormalize=True, route_scale=2.5) if router == "sigmoid" else {}
+    layer = layer_for(router, capacity_factor=factor, **extra)
+    x = torch.randn(29, 32)
+    with torch.no_grad():
+        for bias in (None, 3.0):
+            if bias is not None and layer.router.expert_bias is not None:
+                layer.router.expert_bias.zero_()[1] = bias
+            out = layer(x)
+            assert torch.isfinite(out).all()
+            assert (out.double() - reference(layer, x)).abs().max() < 1e-4
+        assert torch.equal(layer(x), out)
+    assert epoch(layer) == 3  # (three calls of the kernel)
+
+
 @pytest.mark.parametrize("changes, message", [
-    (dict(capacity_factor=1.0), "dropless only"),
     (dict(n_group=2, topk_group=1), "group-limited routing"),
     (dict(softmax_after_topk=True), "softmax_after_topk"),
     (dict(dtype=torch.float64), "bf16/fp16/fp32"),
@@ -173,6 +192,32 @@ def _gloo_persistent(rank, world):
     assert list(_DIST_BUFFERS.values()) == [buf]
     release_shared_buffers()
     assert not _DIST_BUFFERS and layer.strategy.state is buf
+
+
+def _gloo_capacity(rank, world):
+    """A capacity factor over gloo (the staged transport): uneven and skewed token counts
+    against the fp64 reference of each rank's own tokens (capacity is per rank)."""
+    from cases import make_inputs
+    from helpers import full_weights
+
+    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32, capacity_factor=0.5)
+    rw, bias, wu, wd = full_weights(cfg, 3)
+    layer = MoELayer(cfg, strategy="persistent", seed=3, device=CPU, strategy_options={"max_tokens": 24})
+    for tokens in ([5 + 7 * r for r in range(world)], [0] + [24] * (world - 1)):
+        xs, _ = make_inputs(cfg, tokens, seed=sum(tokens))
+        with torch.no_grad():
+            out = layer(xs[rank])
+        ref = reference_moe(xs[rank], rw, wu, wd, cfg, expert_bias=bias)[0]
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        if tokens[rank]:
+            assert (out.double() - ref).abs().max() < 1e-4, tokens
+    assert int(layer.strategy.state.state[0]) == 2  # (two calls of the kernel, not a fallback)
+
+
+def test_gloo_capacity_factor():
+    from helpers import run_gloo
+
+    run_gloo(_gloo_capacity, 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -389,8 +434,8 @@ def _gpu_check_persistent_on_gloo(rank, world, broken):
     dist.all_gather_object(seen, results)
     for r, res in enumerate(seen):
         cases = {msg.split()[1] for _, msg in res if "rel err" in msg}
-        assert cases == set(script.PERSISTENT_CASES), cases  # (the capacity config skipped, said so)
-        assert len(res) == 3 * 2 * len(script.PERSISTENT_CASES) + 1
+        assert cases == set(script.PERSISTENT_CASES), cases
+        assert len(res) == 4 * 2 * len(script.PERSISTENT_CASES) + 1  # (the capacity config too; the NaN row)
         failed = [msg for ok, msg in res if not ok]
         assert bool(failed) == (broken and r == 1), failed
 

@@ -37,10 +37,10 @@ def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD:
 
 
 @triton.jit
-def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls,
+def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls, n_gate,
                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                  SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr):
+                 ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr, CAPACITY: tl.constexpr):
     """Token block g's top-k from its logits rows, the ``n_ls`` (≤ LS_MAX) column parts summed in
     order (then rounded: ROUND_LOGITS), by the world-1 gate's choice rule. The parts' loads are
     unrolled and masked (a part past ``n_ls`` adds 0.0), so they are issued together."""
@@ -54,26 +54,32 @@ def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, 
     for ks in tl.static_range(1, LS_MAX):
         acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=m & (ks < n_ls), other=0.0, cache_modifier=".cg")
     logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, E_PAD,
-                 SOFTMAX, HAS_BIAS, RENORMALIZE)
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
+                 E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
 
 
 @triton.jit
-def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, E_PAD: tl.constexpr,
-                TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, G_CHUNK: tl.constexpr):
+def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, capacity,
+                E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
+                G_CHUNK: tl.constexpr, CAPACITY: tl.constexpr):
     """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
     its expert: the block's base plus its rank within the block). The bases are a running sum
     of the gate blocks' histograms, G_CHUNK blocks a step (one load and a scan, not a load per
-    block)."""
+    block). CAPACITY: the histograms are per (pick, block), scanned pick-major, so a slot is the
+    rank in the policy's order; slots at or past ``capacity`` are dropped (the send and the
+    combine skip them) and each expert counts min(count, capacity) rows."""
     cols = tl.arange(0, E_PAD)
     gs = tl.arange(0, G_CHUNK)
     running = tl.zeros((E_PAD,), dtype=tl.int32)
-    for g0 in range(0, n_gate, G_CHUNK):
-        gmask = (g0 + gs < n_gate)[:, None]
+    n_rows = n_gate * TOP_K if CAPACITY else n_gate
+    for g0 in range(0, n_rows, G_CHUNK):
+        gmask = (g0 + gs < n_rows)[:, None]
         offs = (g0 + gs)[:, None] * E_PAD + cols[None, :]
         h = tl.load(hist_ptr + offs, mask=gmask, other=0, cache_modifier=".cg")
         tl.store(base_ptr + offs, running[None, :] + tl.cumsum(h, axis=0) - h, mask=gmask)
         running += tl.sum(h, axis=0)
+    if CAPACITY:
+        running = tl.minimum(running, capacity)
     tl.store(counts_ptr + cols, running)
     tl.debug_barrier()  # the bases are read back below by other threads
     for a0 in range(0, TK, BLOCK_A):
@@ -81,6 +87,8 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_
         amask = a < TK
         e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
         block = a // (TOP_K * BLOCK_T)
+        if CAPACITY:
+            block += (a % TOP_K) * n_gate  # (the pick's rows come pick-major)
         slot = (tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
                 + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
         tl.store(slot_ptr + a, slot, mask=amask)
@@ -88,13 +96,15 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_
 
 @triton.jit
 def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr):
+               capacity, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
+               CAPACITY: tl.constexpr):
     """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each token row into recv[me][t]
     of every peer owner it chose an expert of, once per owner (a task per column slice: one
     program's stores over NVLink are latency bound, so the rows go out from many programs);
     and the map entries amap[me][e − owner·E_loc][slot] = t·k + j of the assignments j with
     j mod n_ns = ns (spread over the column tasks). The experts and slots of all k assignments
-    are loaded as one block first."""
+    are loaded as one block first. CAPACITY: assignments at slots past ``capacity`` are dropped
+    (no map entry; a row only for a kept one)."""
     tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
     tmask = tokens < T
     cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
@@ -104,6 +114,8 @@ def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, m
     amask = tmask[:, None] & (js[None, :] < TOP_K)
     e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
     slot = tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg")
+    if CAPACITY:
+        amask = amask & (slot < capacity)
     owner = e // E_loc
     v = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
                 other=0.0)

@@ -298,17 +298,21 @@ def assignment_column(block, js, j: tl.constexpr):
 
 
 @triton.jit
-def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr):
+def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, slot_ptr, out_ptr, me, T, N, capacity, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr, CAPACITY: tl.constexpr):
     """out[tokens, slice] = Σ_j weight[t, j] · ret[t·k + j], in fp32, j in order, for the
     ``n_cs`` column slices nt·n_cs, ... of this task (the weights of the block loaded once for
-    all of them: one task per SM or so, each waiting on the owners once)."""
+    all of them: one task per SM or so, each waiting on the owners once). CAPACITY: an
+    assignment at a slot past ``capacity`` was dropped and adds nothing (its row was never
+    written; not 0 · its weight either: a NaN weight would still be NaN)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
     tmask = tokens < T
     js = tl.arange(0, K_PAD)
     a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
     amask = tmask[:, None] & (js[None, :] < TOP_K)
     weights = tl.load(wt_ptr + a, mask=amask, other=0.0, cache_modifier=".cg")
+    if CAPACITY:
+        kept = amask & (tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg") < capacity)
     ret = peer_region(ret_table, me, out_ptr.dtype.element_ty)
     for ns in range(nt * n_cs, tl.minimum(nt * n_cs + n_cs, tl.cdiv(N, BLOCK_NC))):
         cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
@@ -316,9 +320,15 @@ def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K: tl.
         acc = tl.zeros((BLOCK_TC, BLOCK_NC), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             row = tokens.to(tl.int64) * TOP_K + j
-            y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
-                        cache_modifier=".cg")
-            acc += assignment_column(weights, js, j)[:, None] * y.to(tl.float32)
+            if CAPACITY:
+                kept_j = assignment_column(kept.to(tl.int32), js, j) > 0
+                y = tl.load(ret + row[:, None] * N + cols[None, :], mask=kept_j[:, None] & cmask[None, :],
+                            other=0.0, cache_modifier=".cg")
+                acc += tl.where(kept_j[:, None], assignment_column(weights, js, j)[:, None] * y.to(tl.float32), 0.0)
+            else:
+                y = tl.load(ret + row[:, None] * N + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0,
+                            cache_modifier=".cg")
+                acc += assignment_column(weights, js, j)[:, None] * y.to(tl.float32)
         tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & cmask[None, :])
 
@@ -327,7 +337,7 @@ def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K: tl.
 # the kernel again for each pattern of "divisible by 16" and "equal to 1" among them: 31 builds of
 # this kernel over 0–512 tokens per rank, each seconds of host time, where 4 row tiles need 4).
 BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "n_send", "n_comb_t", "n_comb_n",
-                  "comb_slices", "task_lo", "task_hi")
+                  "comb_slices", "task_lo", "task_hi", "capacity")
 
 
 @triton.jit(do_not_specialize=BY_TOKEN_COUNT)
@@ -336,7 +346,7 @@ def persistent_dist_kernel(
     logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
     recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64: each rank's region
     state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
-    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs,
+    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs, capacity,
     n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices, task_lo,
     task_hi, final,
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
@@ -352,6 +362,7 @@ def persistent_dist_kernel(
     ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (kernel._gate_logits)
     W_TMA: tl.constexpr = False,  # wide tiles: expert weights through TMA descriptors (_weight_descriptors)
     JOINT: tl.constexpr = False,  # wide SwiGLU tiles: gate and up rows in one load and one dot
+    CAPACITY: tl.constexpr = False,  # a capacity factor: ``capacity`` rows per expert (_index_task)
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module.
 
@@ -387,7 +398,8 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
                 _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
-                             n_ls, TOP_K, E_PAD, BLOCK_TK, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS, LS_MAX)
+                             n_ls, n_gate, TOP_K, E_PAD, BLOCK_TK, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS,
+                             LS_MAX, CAPACITY)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
@@ -396,8 +408,8 @@ def persistent_dist_kernel(
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
-                _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, E_PAD,
-                            TOP_K, BLOCK_TK, BLOCK_A, G_CHUNK)
+                _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, capacity,
+                            E_PAD, TOP_K, BLOCK_TK, BLOCK_A, G_CHUNK, CAPACITY)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
@@ -407,7 +419,8 @@ def persistent_dist_kernel(
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
                 _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, n_ns, x_ptr, idx_ptr, slot_ptr,
-                           recv_table, amap_table, me, W, E_loc, max_tokens, T, N, TOP_K, K_PAD, BLOCK_S, BLOCK_NS)
+                           recv_table, amap_table, me, W, E_loc, max_tokens, T, N, capacity, TOP_K, K_PAD, BLOCK_S,
+                           BLOCK_NS, CAPACITY)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
                 tl.debug_barrier()
                 if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
@@ -480,8 +493,8 @@ def persistent_dist_kernel(
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_COMBINE, tl.int32)
             if returned:
-                _combine_task(tb, comb % n_comb_n, comb_slices, ret_table, wt_ptr, out_ptr, me, T, N, TOP_K, K_PAD,
-                              BLOCK_TC, BLOCK_NC)
+                _combine_task(tb, comb % n_comb_n, comb_slices, ret_table, wt_ptr, slot_ptr, out_ptr, me, T, N,
+                              capacity, TOP_K, K_PAD, BLOCK_TC, BLOCK_NC, CAPACITY)
         if TIMELINE:
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)

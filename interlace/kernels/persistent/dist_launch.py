@@ -257,7 +257,9 @@ class DistPlan:
                  w_up: torch.Tensor, w_down: torch.Tensor, buf: DistBuffer, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
                  config: PersistentKernelConfig, max_spins: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 timeline: int = 0, round_logits: int = 0):
+                 timeline: int = 0, round_logits: int = 0, capacity: int | None = None):
+        """``capacity``: each expert's capacity for this rank's tokens (``MoEConfig.capacity(T)``:
+        its assignments served slot-major, the rest dropped before the send); None: dropless."""
         spec = buf.spec
         T, N = x.shape
         if T > spec.max_tokens:
@@ -312,7 +314,7 @@ class DistPlan:
             block_tc=c.block_tc, block_nc=c.block_nc, num_experts=E, logits_splits=n_ls, comb_slices=comb_slices)
         e_pad, el_pad = max(16, next_power_of_2(E)), max(16, next_power_of_2(L))
         TK = max(1, T * top_k)
-        n_hist = max(1, layout.n_gate) * e_pad
+        n_hist = max(1, layout.n_gate) * e_pad * (top_k if capacity is not None else 1)
         ints = alloc.empty((4 * TK + 2 * n_hist + e_pad + spec.world * el_pad + 3 * layout.mt,), dtype=torch.int32,
                            device=x.device)
         logits = alloc.empty((n_ls * max(1, T), e_pad), dtype=torch.float32, device=x.device)
@@ -332,20 +334,21 @@ class DistPlan:
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
             HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
             W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET,
-            TIMELINE=timeline, ROUND_LOGITS=round_logits, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu")
+            TIMELINE=timeline, ROUND_LOGITS=round_logits, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu",
+            CAPACITY=capacity is not None)
         tb = buf.tables
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
                          tb["recv"], tb["amap"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))
-        self._layout_args = (layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),
+        self._layout_args = (capacity or 0, layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),
                              layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n, comb_slices)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._timeline_args = timeline_args(self.timeline)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
         self._occupancy_key = (x.device.index, block_m, block_n1, e_pad, el_pad, top_k, activation, x.dtype, c,
-                               timeline, round_logits, self.wide)
+                               timeline, round_logits, self.wide, capacity is not None)
         self.round_logits = round_logits
 
     def timeline_records(self) -> list[dict]:

@@ -138,24 +138,36 @@ def round_logits(acc, ROUND_LOGITS: tl.constexpr):
 
 
 @triton.jit
-def _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale,
+def _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate,
                  TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 RENORMALIZE: tl.constexpr):
+                 RENORMALIZE: tl.constexpr, CAPACITY: tl.constexpr = False):
     """The choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never wins;
     ties to the lower expert) on a token block's logits (BLOCK_T, E_PAD) fp32 (−inf past E).
-    Writes idx/weight/rank per assignment a = t·k + j, and the block's histogram hist[g, :]."""
+    Writes idx/weight/rank per assignment a = t·k + j, and the block's histogram hist[g, :].
+
+    CAPACITY (a capacity factor: experts served slot-major, MoEConfig.capacity_factor): a
+    histogram per pick, hist[j·n_gate + g, :], and each assignment's rank among the block's
+    assignments of its expert with the same pick j; the index's running sum over those rows in
+    that order (pick-major) is the policy's order."""
     cols = tl.arange(0, E_PAD)
     weights, slot = scores_and_top_k(logits, bias_ptr, tl.where(tmask, tokens, -1), cols, E, scale, TOP_K, E_PAD,
                                      SOFTMAX, HAS_BIAS, RENORMALIZE)
-    # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
-    # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
     chosen = (slot >= 0).to(tl.int32)
-    before = tl.cumsum(chosen, axis=0) - chosen
+    if CAPACITY:
+        before = tl.zeros(slot.shape, dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            pick = (slot == j).to(tl.int32)
+            before = tl.where(slot == j, tl.cumsum(pick, axis=0) - pick, before)
+            tl.store(hist_ptr + (j * n_gate + g) * E_PAD + cols, tl.sum(pick, axis=0))
+    else:
+        # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
+        # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
+        before = tl.cumsum(chosen, axis=0) - chosen
+        tl.store(hist_ptr + g * E_PAD + cols, tl.sum(chosen, axis=0))
     a = tokens[:, None].to(tl.int64) * TOP_K + slot
     tl.store(idx_ptr + a, tl.broadcast_to(cols[None, :], slot.shape), mask=slot >= 0)
     tl.store(lrank_ptr + a, before, mask=slot >= 0)
     tl.store(wt_ptr + a, weights, mask=slot >= 0)
-    tl.store(hist_ptr + g * E_PAD + cols, tl.sum(chosen, axis=0))
 
 
 @triton.jit
@@ -182,10 +194,10 @@ def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.const
 
 
 @triton.jit
-def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale, n_gate,
                TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                BLOCK_G: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr):
+               W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr, CAPACITY: tl.constexpr):
     """Routing of tokens [g·BLOCK_T, ...): :func:`_gate_logits` over all E experts, then
     :func:`_gate_choice`."""
     tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -195,21 +207,26 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
     acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, 0, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES,
                        DOT_FP32, ROUND_LOGITS)
     logits = tl.where(emask[None, :], acc, float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, TOP_K, E_PAD,
-                 SOFTMAX, HAS_BIAS, RENORMALIZE)
+    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
+                 E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
 
 
 @triton.jit
 def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr, state_ptr,
-                n_gate, max_tiles, TK, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr):
-    """Offsets, the row-tile table and the expert-sorted row list (see the module), then N_TILES."""
+                n_gate, max_tiles, TK, capacity, E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, CAPACITY: tl.constexpr):
+    """Offsets, the row-tile table and the expert-sorted row list (see the module), then N_TILES.
+    CAPACITY: the histograms' rows are per (pick, block), scanned pick-major, so an
+    assignment's slot is its rank in the policy's order; those at or past ``capacity`` are
+    dropped (row −1, in no tile) and each expert keeps min(count, capacity) rows."""
     cols = tl.arange(0, E_PAD)
     running = tl.zeros((E_PAD,), dtype=tl.int32)
-    for g in range(0, n_gate):
+    for g in range(0, n_gate * (TOP_K if CAPACITY else 1)):
         h = tl.load(hist_ptr + g * E_PAD + cols, cache_modifier=".cg")
         tl.store(base_ptr + g * E_PAD + cols, running)
         running += h
+    if CAPACITY:
+        running = tl.minimum(running, capacity)
     ends = tl.cumsum(running, axis=0)
     starts = ends - running
     tl.store(offs_ptr + cols, starts)
@@ -219,11 +236,18 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row
         a = a0 + tl.arange(0, BLOCK_A)
         amask = a < TK
         e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
-        block = a // (TOP_K * BLOCK_T)  # the gate task that routed it
-        row = (tl.load(offs_ptr + e, mask=amask, other=0) + tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
-               + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
-        tl.store(row_of_ptr + a, row, mask=amask)
-        tl.store(asg_of_ptr + row, a, mask=amask)
+        if CAPACITY:
+            block = (a % TOP_K) * n_gate + a // (TOP_K * BLOCK_T)  # (pick, the gate task that routed it)
+        else:
+            block = a // (TOP_K * BLOCK_T)  # the gate task that routed it
+        slot = (tl.load(base_ptr + block * E_PAD + e, mask=amask, other=0)
+                + tl.load(lrank_ptr + a, mask=amask, other=0, cache_modifier=".cg"))
+        kept = amask
+        if CAPACITY:
+            kept = amask & (slot < capacity)
+        row = tl.load(offs_ptr + e, mask=amask, other=0) + slot
+        tl.store(row_of_ptr + a, tl.where(kept, row, -1), mask=amask)
+        tl.store(asg_of_ptr + row, a, mask=kept)
     tl.store(state_ptr + N_TILES, n_tiles)
 
 
@@ -266,8 +290,10 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
 
 @triton.jit
 def _combine_task(tb, ns, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K: tl.constexpr, BLOCK_TC: tl.constexpr,
-                  BLOCK_NC: tl.constexpr):
-    """out[tokens, slice] = Σ_j weight[t, j] · y[row(t, j), slice], in fp32, j in order."""
+                  BLOCK_NC: tl.constexpr, CAPACITY: tl.constexpr):
+    """out[tokens, slice] = Σ_j weight[t, j] · y[row(t, j), slice], in fp32, j in order.
+    CAPACITY: an assignment the capacity dropped (row −1) adds nothing (not 0 · its weight: a
+    NaN weight would still be NaN)."""
     tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
     tmask = tokens < T
     cols = ns * BLOCK_NC + tl.arange(0, BLOCK_NC)
@@ -276,17 +302,21 @@ def _combine_task(tb, ns, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K: tl.co
     for j in tl.static_range(TOP_K):
         a = tokens.to(tl.int64) * TOP_K + j
         row = tl.load(row_of_ptr + a, mask=tmask, other=0, cache_modifier=".cg")
-        w = tl.load(wt_ptr + a, mask=tmask, other=0.0, cache_modifier=".cg")
-        y = tl.load(y_ptr + row[:, None].to(tl.int64) * N + cols[None, :], mask=tmask[:, None] & cmask[None, :],
+        kept = tmask & (row >= 0) if CAPACITY else tmask
+        w = tl.load(wt_ptr + a, mask=kept, other=0.0, cache_modifier=".cg")
+        y = tl.load(y_ptr + row[:, None].to(tl.int64) * N + cols[None, :], mask=kept[:, None] & cmask[None, :],
                     other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * y.to(tl.float32)
+        if CAPACITY:
+            acc += tl.where(kept[:, None], w[:, None] * y.to(tl.float32), 0.0)
+        else:
+            acc += w[:, None] * y.to(tl.float32)
     tl.store(out_ptr + tokens[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tmask[:, None] & cmask[None, :])
 
 
 # The arguments that change with the call's token count: not specialized (one build per row
 # tile, not one per pattern of "divisible by 16" and "equal to 1" among them).
-BY_TOKEN_COUNT = ("T", "n_programs", "n_gate", "max_tiles", "n_comb_t")
+BY_TOKEN_COUNT = ("T", "n_programs", "n_gate", "max_tiles", "n_comb_t", "capacity")
 
 
 @triton.jit(do_not_specialize=BY_TOKEN_COUNT)
@@ -297,7 +327,7 @@ def persistent_moe_kernel(
     h_ptr, y_ptr,  # (T·k, K), (T·k, N) in x's dtype
     state_ptr, err_ptr, gemm0_done_ptr,  # persistent: (STATE_WORDS,), (ERROR_WORDS,), (≥ max_tiles,) int32
     T, N, K, E, UP, scale, max_spins, n_programs,
-    n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n,
+    n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n, capacity,  # capacity: per expert (CAPACITY)
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
@@ -306,6 +336,7 @@ def persistent_moe_kernel(
     ACTIVATION: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ORDER: tl.constexpr,
     TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
     ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (_gate_logits)
+    CAPACITY: tl.constexpr = False,  # a capacity factor: hist (TOP_K·n_gate, E_PAD); _index_task
 ):
     """One MoE layer call; see the module. ORDER 1 (tests only) dequeues the combine tasks right
     after the index, before the GEMM tasks: a broken order the waits must catch.
@@ -325,9 +356,9 @@ def persistent_moe_kernel(
         t_waited = t_start
         rec_kind = tl.full((), REC_GATE, tl.int32)
         if task < n_gate:
-            _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale,
+            _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale, n_gate,
                        TOP_K, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32,
-                       ROUND_LOGITS)
+                       ROUND_LOGITS, CAPACITY)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:
             gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch)
@@ -335,8 +366,8 @@ def persistent_moe_kernel(
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
                 _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row_of_ptr, asg_of_ptr,
-                            state_ptr, n_gate, max_tiles, T * TOP_K, E_PAD, TOP_K, BLOCK_T, BLOCK_M, BLOCK_A,
-                            BLOCK_J)
+                            state_ptr, n_gate, max_tiles, T * TOP_K, capacity, E_PAD, TOP_K, BLOCK_T, BLOCK_M,
+                            BLOCK_A, BLOCK_J, CAPACITY)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         else:
@@ -359,7 +390,7 @@ def persistent_moe_kernel(
                 rec_kind = tl.full((), REC_COMBINE, tl.int32)
                 if ready:
                     _combine_task(comb // n_comb_n, comb % n_comb_n, y_ptr, wt_ptr, row_of_ptr, out_ptr, T, N, TOP_K,
-                                  BLOCK_TC, BLOCK_NC)
+                                  BLOCK_TC, BLOCK_NC, CAPACITY)
             elif rel < n_gemm0:
                 tile = rel % max_tiles
                 rec_kind = tl.where(tile < n_tiles, REC_GEMM0, REC_SKIP)

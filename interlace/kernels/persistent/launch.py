@@ -230,7 +230,9 @@ class CallPlan:
                  w_up: torch.Tensor, w_down: torch.Tensor, state: PersistentState, *, top_k: int, softmax: bool,
                  renormalize: bool, route_scale: float, activation: str, w_pieces: int,
                  config: PersistentKernelConfig, max_spins: int, order: str, timeline: int = 0,
-                 round_logits: int = 0):
+                 round_logits: int = 0, capacity: int | None = None):
+        """``capacity``: each expert's capacity in this call (``MoEConfig.capacity(T)``: the
+        assignments served slot-major, the rest dropped); None: dropless."""
         if order not in TASK_ORDERS:
             raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
         for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
@@ -249,9 +251,9 @@ class CallPlan:
                                                 c.block_tc, c.block_nc)
         e_pad = max(16, next_power_of_2(E))
         TK = T * top_k
-        n_hist = layout.n_gate * e_pad
+        n_hist = layout.n_gate * e_pad * (top_k if capacity is not None else 1)
         # One int32 workspace: idx, weights (as fp32), ranks, row_of, asg_of (T·k each), hist and
-        # base (n_gate·E_PAD each), offsets (E_PAD), the tile table (3·max_tiles).
+        # base (n_gate·E_PAD each, ·k with a capacity), offsets (E_PAD), the tile table (3·max_tiles).
         ints = alloc.empty((5 * TK + 2 * n_hist + e_pad + 3 * layout.max_tiles,), dtype=torch.int32,
                            device=x.device)
         idx, wt, lrank, row_of, asg_of = (ints[i * TK:(i + 1) * TK] for i in range(5))
@@ -266,7 +268,8 @@ class CallPlan:
         self.state_buffer = state.buffer
         self.workspace = dict(idx=idx, weight=wt, row_of_assignment=row_of, assignment_of_row=asg_of, tiles=tiles,
                               state=st, block_m=block_m, layout=layout)
-        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline, round_logits)
+        self._occupancy_key = (x.device.index, block_m, e_pad, top_k, activation, x.dtype, c, timeline, round_logits,
+                               capacity is not None)
         self.round_logits = round_logits
         self.programs = self._programs()
         self.constexprs = dict(
@@ -276,6 +279,7 @@ class CallPlan:
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
             ACTIVATION=ACTIVATION_ID[activation], W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
             ORDER=TASK_ORDERS.index(order), TIMELINE=timeline, ROUND_LOGITS=round_logits,
+            CAPACITY=capacity is not None,
         )
         # The arguments between x and out, and after out (the last one, the grid, set per launch).
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up,
@@ -284,7 +288,7 @@ class CallPlan:
                            T, N, K, E, up_width, float(route_scale), int(max_spins))
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._layout_args = (layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t,
-                             layout.n_comb_n, *timeline_args(self.timeline))
+                             layout.n_comb_n, capacity or 0, *timeline_args(self.timeline))
         self._direct = None
 
     def _programs(self) -> int:
