@@ -13,6 +13,8 @@ Per preset (default: qwen3-30b-a3b, mixtral-8x7b, dsv3-like; bf16), one layer wi
   routing (every token of every rank to k experts of the last rank);
 * bitwise repeatability (the same input twice, the same bits);
 * the error record (no wait timed out) at the end;
+* with ``--capacity-factor F``: the presets with that capacity factor (each rank's experts
+  take ceil(F·T·k/E) of its own assignments; the reference drops per rank as the policy does);
 * with ``--stress N``: N calls, each rank's token count drawn from 0–512 independently, every
   third call skewed (every token pushed towards one expert drawn per call), every 10th call
   checked against the fp32 reference, every output checked for NaN/inf on the device (one
@@ -42,6 +44,7 @@ from interlace import MoELayer  # noqa: E402
 from interlace.config import preset  # noqa: E402
 from interlace.kernels.activation import activation_reference  # noqa: E402
 from interlace.parallel import release_shared_buffers  # noqa: E402
+from interlace.reference import capacity_keep_mask  # noqa: E402
 from interlace.routing import route  # noqa: E402
 from interlace.tools.bench import init_env, reduce_max, time_cuda  # noqa: E402
 
@@ -72,9 +75,12 @@ def reference(layer: MoELayer, x: torch.Tensor, env) -> torch.Tensor:
     if xs.shape[0]:
         bias = layer.router.expert_bias
         idx, weight, _ = route(xs, layer.router.weight.detach().float(), bias, cfg, input_dtype=cfg.dtype)
+        # (a capacity factor applies to each rank's own tokens: the policy per rank's segment)
+        keep = torch.cat([capacity_keep_mask(idx[sum(counts[:r]):sum(counts[:r + 1])].cpu(), cfg)
+                          for r in range(env.world)]).to(idx.device)
         w_up, w_down = layer.experts.w_up.detach(), layer.experts.w_down.detach()
         for lo in range(ep.num_local):
-            tokens, slots = torch.nonzero(idx == ep.first_expert + lo, as_tuple=True)
+            tokens, slots = torch.nonzero((idx == ep.first_expert + lo) & keep, as_tuple=True)
             if tokens.numel():
                 h = activation_reference(xs[tokens] @ w_up[lo].float().t(), cfg.activation)
                 out.index_add_(0, tokens, weight[tokens, slots].float().unsqueeze(-1) * (h @ w_down[lo].float().t()))
@@ -83,8 +89,8 @@ def reference(layer: MoELayer, x: torch.Tensor, env) -> torch.Tensor:
     return out[first:first + x.shape[0]]
 
 
-def check_preset(name, env, report):
-    cfg = preset(name)
+def check_preset(name, env, report, capacity_factor=None):
+    cfg = preset(name).with_(capacity_factor=capacity_factor)
     layer = MoELayer(cfg, group=env.group, strategy="persistent", seed=5, device=env.device,
                      strategy_options={"max_tokens": MAX_TOKENS})
     if layer.router.expert_bias is not None:
@@ -203,6 +209,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--stress", type=int, default=0, help="calls of random token counts after the checks (0: none)")
     p.add_argument("--stress-only", action="store_true", help="the stress alone: no checks, no timing")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="the presets with this capacity factor (default: dropless)")
     args = p.parse_args()
     env = init_env()
     if env.world < 2 or not torch.cuda.is_available():
@@ -220,10 +228,11 @@ def main():
     for name in args.presets:
         try:
             if args.stress_only:
-                layer = MoELayer(preset(name), group=env.group, strategy="persistent", seed=5, device=env.device,
+                layer = MoELayer(preset(name).with_(capacity_factor=args.capacity_factor), group=env.group,
+                                 strategy="persistent", seed=5, device=env.device,
                                  strategy_options={"max_tokens": MAX_TOKENS})
             else:
-                layer = check_preset(name, env, report)
+                layer = check_preset(name, env, report, args.capacity_factor)
             if args.stress:
                 stress(name, layer, env, args.stress, report)
             if not args.stress_only:

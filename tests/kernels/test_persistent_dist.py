@@ -543,9 +543,10 @@ def test_one_launch_runs_every_task(Ts):
     w.check_all()
 
 
-def _stress_on_gloo(rank, world, failures_path, broken):
+def _stress_on_gloo(rank, world, failures_path, broken, factor):
     """tests/gpu/persistent_dist_check.py's stress on gloo ranks (the staged transport, the kernel
-    under the interpreter), small: random rank-local counts, skewed calls, every 10th checked."""
+    under the interpreter), small: random rank-local counts, skewed calls, every 10th checked;
+    with a capacity factor, its reference drops per rank as the policy does."""
     import importlib.util
     from pathlib import Path
 
@@ -559,7 +560,7 @@ def _stress_on_gloo(rank, world, failures_path, broken):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     env = init_env()
-    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32, capacity_factor=factor)
     layer = MoELayer(cfg, group=env.group, strategy="persistent", seed=5, device="cpu",
                      strategy_options={"max_tokens": 12})
     if broken:  # a wrong output on one rank must fail the check on every rank
@@ -577,11 +578,11 @@ def _stress_on_gloo(rank, world, failures_path, broken):
     assert all(bool(f) == broken for f in seen), seen
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_dist_check_stress_runs_on_gloo(tmp_path, broken):
+@pytest.mark.parametrize("broken, factor", [(False, None), (True, None), (False, 0.6)])
+def test_dist_check_stress_runs_on_gloo(tmp_path, broken, factor):
     from helpers import run_gloo
 
-    run_gloo(_stress_on_gloo, 2, str(tmp_path), broken)
+    run_gloo(_stress_on_gloo, 2, str(tmp_path), broken, factor)
 
 
 @triton.jit
