@@ -95,6 +95,17 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_
 
 
 @triton.jit
+def block_assignments(first, T, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens [first, first + BLOCK) and their assignments as a block: (tokens (BLOCK,), tmask,
+    js (K_PAD,), a (BLOCK, K_PAD) int64 = t·k + j, amask: token < T and j < k)."""
+    tokens = first + tl.arange(0, BLOCK)
+    tmask = tokens < T
+    js = tl.arange(0, K_PAD)
+    a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
+    return tokens, tmask, js, a, tmask[:, None] & (js[None, :] < TOP_K)
+
+
+@triton.jit
 def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
                capacity, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
                CAPACITY: tl.constexpr):
@@ -105,13 +116,9 @@ def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, m
     j mod n_ns = ns (spread over the column tasks). The experts and slots of all k assignments
     are loaded as one block first. CAPACITY: assignments at slots past ``capacity`` are dropped
     (no map entry; a row only for a kept one)."""
-    tokens = sb * BLOCK_S + tl.arange(0, BLOCK_S)
-    tmask = tokens < T
+    tokens, tmask, js, a, amask = block_assignments(sb * BLOCK_S, T, TOP_K, K_PAD, BLOCK_S)
     cols = ns * BLOCK_NS + tl.arange(0, BLOCK_NS)
     cmask = cols < N
-    js = tl.arange(0, K_PAD)
-    a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
-    amask = tmask[:, None] & (js[None, :] < TOP_K)
     e = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg")
     slot = tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg")
     if CAPACITY:

@@ -78,7 +78,7 @@ from interlace.kernels.comet.flags import peer_region, record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
-    _choice_task, _index_task, _logits_task, _publish_sent, _send_task,
+    _choice_task, _index_task, _logits_task, _publish_sent, _send_task, block_assignments,
 )
 from interlace.kernels.persistent.kernel import store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
@@ -275,11 +275,8 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
     """Wait for done[d] ≥ epoch of every owner d that this token block uses (combine task 0: of
     every owner, so that the call ends after every owner is done with this rank's data)."""
-    tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
-    js = tl.arange(0, K_PAD)
-    amask = (tokens < T)[:, None] & (js[None, :] < TOP_K)
-    owner = tl.load(idx_ptr + tokens[:, None].to(tl.int64) * TOP_K + js[None, :], mask=amask, other=0,
-                    cache_modifier=".cg") // E_loc
+    _, _, _, a, amask = block_assignments(tb * BLOCK_TC, T, TOP_K, K_PAD, BLOCK_TC)
+    owner = tl.load(idx_ptr + a, mask=amask, other=0, cache_modifier=".cg") // E_loc
     done = peer_region(done_table, me, tl.int32)
     failed = 0
     for d in range(0, W):
@@ -305,11 +302,7 @@ def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, slot_ptr, out_ptr, me, T, N, 
     all of them: one task per SM or so, each waiting on the owners once). CAPACITY: an
     assignment at a slot past ``capacity`` was dropped and adds nothing (its row was never
     written; not 0 · its weight either: a NaN weight would still be NaN)."""
-    tokens = tb * BLOCK_TC + tl.arange(0, BLOCK_TC)
-    tmask = tokens < T
-    js = tl.arange(0, K_PAD)
-    a = tokens[:, None].to(tl.int64) * TOP_K + js[None, :]
-    amask = tmask[:, None] & (js[None, :] < TOP_K)
+    tokens, tmask, js, a, amask = block_assignments(tb * BLOCK_TC, T, TOP_K, K_PAD, BLOCK_TC)
     weights = tl.load(wt_ptr + a, mask=amask, other=0.0, cache_modifier=".cg")
     if CAPACITY:
         kept = amask & (tl.load(slot_ptr + a, mask=amask, other=0, cache_modifier=".cg") < capacity)
