@@ -31,16 +31,16 @@ weight): a world size that does not divide the experts, group-limited routing
 (``n_group``/``topk_group``), ``softmax_after_topk``, fp64 tensors or an fp64 router, fp16
 activations with ``router_gemm="input"``.
 
-Errors: a bounded wait that times out leaves an error record on the device; on CUDA it is copied
-to the host behind the call (no sync) and raised at a later call once the copy has landed, or
-by :meth:`PersistentStrategy.synchronize_and_check`; on the CPU (interpreter) at once.
+Errors: a bounded wait that times out leaves an error record on the device and writes it into a
+host mirror (page-locked memory the kernel stores into: no copy per call); on CUDA it is raised at
+a later call once an event behind the failing call has completed, or by
+:meth:`PersistentStrategy.synchronize_and_check`; on the CPU (interpreter) at once.
 
 Host cost. A call's shape (token count T) gets a
 :class:`~interlace.kernels.persistent.launch.CallPlan` (tiles, task layout, grid, workspace,
 kernel arguments; the compiled kernel's own launcher after its first launch), kept for at most
 ``MAX_PLANS`` token counts (least recently used dropped). With ``cuda_graph`` (default) on CUDA,
-the second call of a T captures the launch (and the error record's copy to the host) into a CUDA
-graph and later calls replay it: the input is copied into the graph's static buffer, the
+the second call of a T captures the launch into a CUDA graph and later calls replay it: the input is copied into the graph's static buffer, the
 output copied out. The kernel is capturable (epochs and counters live on the device and are
 reset by the launch itself). A graph holds the weights' addresses and the plan's buffers: it is
 captured again when a weight is a different tensor (in-place updates need nothing) or the plan
@@ -169,10 +169,9 @@ class PersistentStrategy(Strategy):
         self.fallback = SequentialStrategy(config, ep)
         # world 1: the kernel's counters; W > 1: the DistBuffer (its state, set up at the first call)
         self.state = PersistentState() if ep.world == 1 else None
-        self._record_host: torch.Tensor | None = None  # pinned copy of the error record (CUDA)
-        self._record_event = None  # one reusable CUDA event behind the last copy of the record
+        self._record_event = None  # one reusable CUDA event behind the last unchecked call
         self._record_pending = False
-        self._record_view = None  # numpy view of the pinned copy (a cheap read)
+        self._record_view = None  # numpy view of the state's host mirror of the record (a cheap read)
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -203,8 +202,7 @@ class PersistentStrategy(Strategy):
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             # (a caller's capture: its own workspace, in the caller's pool, not a cached plan
             # that this strategy may drop while the caller's graph still uses it)
-            # The error record is not copied (a pinned copy inside someone else's graph):
-            # synchronize_and_check after its replays.
+            # (no event behind it: synchronize_and_check after the caller's replays)
             return self._new_plan(x, weights, rounding).run(x.contiguous())
         x = x.contiguous()
         plan = self._plan(x, weights, rounding)
@@ -271,7 +269,6 @@ class PersistentStrategy(Strategy):
             # NOTE: a capture synchronizes the device once (CudaGraphRecorder.capture).
             # (the plan matched the state's current buffer: nothing is allocated for the state
             # inside the capture)
-            self._record_buffer()  # (a pinned allocation: not inside the capture)
             static_x = x.clone()
             rec = recorder()
             out = rec.capture(lambda: self._launch(plan, static_x), x.device)
@@ -281,23 +278,9 @@ class PersistentStrategy(Strategy):
         return entry.out.clone()  # the static output is overwritten by the next replay
 
     def _launch(self, plan: CallPlan, x: torch.Tensor) -> torch.Tensor:
-        """The kernel, then (CUDA) the error record's copy to pinned memory: what a graph holds."""
+        """The kernel (three launches and exchanges on the staged transport): what a graph holds."""
         staged = isinstance(plan, DistPlan) and self.state.kind == "staged"
-        out = plan.run_phases(x) if staged else plan.run(x)
-        host = self._record_buffer()
-        if host is not None:
-            host.copy_(self.state.error_record(), non_blocking=True)
-        return out
-
-    def _record_buffer(self) -> torch.Tensor | None:
-        """The pinned host copy of the error record (made once), or None off CUDA."""
-        record = self.state.error_record()
-        if record is None or not record.is_cuda:
-            return None
-        if self._record_host is None:
-            self._record_host = torch.zeros(record.numel(), dtype=record.dtype, pin_memory=True)
-            self._record_view = self._record_host.numpy()
-        return self._record_host
+        return plan.run_phases(x) if staged else plan.run(x)
 
     def release_graphs(self) -> int:
         """Drop the captured graphs and the plans (their workspaces); returns how many graphs."""
@@ -325,9 +308,9 @@ class PersistentStrategy(Strategy):
 
     # ---- error records ---------------------------------------------------------------------
     def _after_call(self, x: torch.Tensor) -> None:
-        """CPU: read the record now (free). CUDA: the call copied it to pinned memory behind the
-        kernel (:meth:`_launch`); mark that copy with the event, unless an earlier mark has not
-        been looked at yet (a later call raises once the marked copy has landed)."""
+        """CPU: read the record now (free). CUDA: the kernel writes a timed-out wait's record
+        into the state's host mirror; mark the call with the event, unless an earlier mark has
+        not been looked at yet (a later call raises once the marked call has completed)."""
         if not x.is_cuda:
             self.state.check()
             return
@@ -335,6 +318,7 @@ class PersistentStrategy(Strategy):
             return
         if self._record_event is None:
             self._record_event = torch.cuda.Event()
+            self._record_view = self.state.host_error.numpy()
         self._record_event.record()
         self._record_pending = True
 
@@ -344,9 +328,9 @@ class PersistentStrategy(Strategy):
         self._record_pending = False
         if self._record_view[0] != 0:
             describe = describe_error if self.ep.world == 1 else dist_tasks.describe_error
-            message = describe(self._record_host.tolist())
+            message = describe(self._record_view.tolist())
             self.state.error_record().zero_()
-            self._record_host.zero_()
+            self.state.host_error.zero_()
             raise RuntimeError(message)
 
     def synchronize_and_check(self) -> None:

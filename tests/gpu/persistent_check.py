@@ -13,7 +13,11 @@ the same weights (relative ‖·‖₂ within ``TOL``):
 * NaN rows: a token row of NaNs leaves every other row finite and right;
 * bitwise repeatability: the same input twice gives the same bits;
 * a stress of ``--stress-calls`` calls with token counts drawn from 0–512 and random or skewed
-  routing, every 10th checked; the error record checked at the end.
+  routing, every 10th checked; the error record checked at the end;
+* the error path: a broken task order (``task_order="combine_first"``, one poll per wait) times
+  out in an eager call and in a graph replay; the kernel writes the record into its host mirror
+  (page-locked memory, no copy in the stream) and the next call after the failing one has
+  completed raises it, naming the wait.
 
 Outputs are poisoned before each checked call: a NaN-filled block is freed just before, so the
 caching allocator hands its memory to the call's outputs. Prints PASS/FAIL lines and exits
@@ -122,6 +126,27 @@ def check_config(name: str, cfg: MoEConfig, device, report) -> MoELayer:
     return layer
 
 
+def check_error_path(device, report) -> None:
+    """A timed-out wait surfaces at the next call, from an eager call and from a graph replay."""
+    cfg = MoEConfig(hidden=512, ffn=256, num_experts=8, top_k=2, dtype=torch.bfloat16)
+    layer = MoELayer(cfg, strategy="persistent", seed=5, device=device,
+                     strategy_options={"task_order": "combine_first", "max_spins": 1})
+    x = torch.randn(256, cfg.hidden, device=device).to(cfg.dtype)
+    with torch.inference_mode():
+        for what in ("eager call", "graph replay"):  # (the first call of a T runs eagerly, the next captures)
+            message = None
+            try:  # (the interpreter raises in the failing call itself; CUDA at the next one)
+                layer(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                layer(x)
+            except RuntimeError as err:
+                message = str(err)
+            report(message is not None and "timed out" in message, f"error path, {what}: raised {message!r}")
+    mirror = layer.strategy.state.host_error
+    report(not mirror.any(), f"error path: the host mirror cleared after the raise ({mirror.tolist()})")
+
+
 def stress(layer: MoELayer, calls: int, device, report) -> None:
     cfg = layer.config
     rng = random.Random(3)
@@ -180,6 +205,7 @@ def main() -> int:
         layer = check_config(name, cfg, device, report)
     if layer is not None and args.stress_calls:
         stress(layer, args.stress_calls, device, report)
+    check_error_path(device, report)
     print(f"\n{'all passed' if not failures else f'{len(failures)} FAILED'}")
     return 1 if failures else 0
 

@@ -411,9 +411,13 @@ def test_gemm_before_dispatch_is_caught():
     A, B, C = dt.PHASES
     world.run(phases=(B, A, C))
     for r in (0, 1):
+        # the kernel wrote the record into the host mirror too (the CUDA path reads it, no copy)
+        assert world.bufs[r].host_error[0] == 1
+        assert world.bufs[r].host_error.tolist() == world.bufs[r].error.tolist()
         with pytest.raises(RuntimeError, match=rf"rank {r}: task \d+ timed out waiting for the dispatch flag of "
                                                rf"source rank {r}"):
             world.bufs[r].check()
+        assert not world.bufs[r].host_error.any()  # cleared with the record
 
 
 def test_stale_flag_of_earlier_call_is_not_taken():

@@ -170,9 +170,12 @@ def test_spin_limit_error_record(max_spins):
     case = make_case(1)
     state = PersistentState()
     run(*case, state=state, order="combine_first", max_spins=max_spins)
+    # The kernel wrote the same record into the host mirror (what the CUDA path reads, no copy).
+    assert state.host_error[0] == 1 and state.host_error.tolist() == state.error_record().tolist()
     with pytest.raises(RuntimeError, match=r"persistent MoE kernel, rank 0: task \d+ .* value 0, expected ≥ \d+"):
         state.check()
     state.check()  # cleared
+    assert state.host_error.tolist() == [0] * len(state.host_error)
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])

@@ -348,9 +348,10 @@ def test_eager_variant_and_bad_graph_option():
 
 
 def test_landed_error_record_raises_on_the_next_call():
-    """The CUDA path's bookkeeping (a pinned copy marked by an event, read once it has landed),
-    with a stand-in event on the CPU: a copy not landed yet raises nothing; once landed, a set
-    record raises at the next call, naming the task and the flag, and is cleared."""
+    """The CUDA path's bookkeeping (the record's host mirror, read once an event behind the call
+    has completed), with a stand-in event on the CPU: a call not completed yet raises nothing;
+    once completed, a set mirror raises at the next call, naming the task and the flag, and the
+    mirror and the device record are cleared."""
     layer = layer_for()
     strategy = layer.strategy
 
@@ -362,14 +363,15 @@ def test_landed_error_record_raises_on_the_next_call():
 
     with torch.no_grad():
         layer(torch.randn(3, 32))
-        strategy._record_host = torch.tensor([1, 0, 4, 17, 0, 3, 9, 2], dtype=torch.int32)
-        strategy._record_view = strategy._record_host.numpy()
+        strategy.state.host_error.copy_(torch.tensor([1, 0, 4, 17, 0, 3, 9, 2], dtype=torch.int32))
+        strategy._record_view = strategy.state.host_error.numpy()
         strategy._record_event, strategy._record_pending = Event(), True
         layer(torch.randn(3, 32))  # not landed: nothing raised yet
         strategy._record_event.done = True
         with pytest.raises(RuntimeError, match=r"task 17 timed out waiting for the GEMM1 counter .* value 3, expected ≥ 9"):
             layer(torch.randn(3, 32))
-        assert not strategy._record_pending and strategy._record_view[0] == 0
+        assert not strategy._record_pending and not strategy.state.host_error.any()
+        assert not strategy.state.error_record().any()
         x = torch.randn(3, 32)
         assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4
 

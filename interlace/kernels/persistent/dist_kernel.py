@@ -115,12 +115,12 @@ REC_SKIP = tl.constexpr(dt.SKIP)
 
 
 @triton.jit
-def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epoch, SCOPE: tl.constexpr,
-          CLOCK: tl.constexpr):
+def _wait(ptr, target, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, kind, peer, epoch,
+          SCOPE: tl.constexpr, CLOCK: tl.constexpr):
     """Acquire-poll ``*ptr`` (at ``SCOPE``) until ≥ ``target``; False after ``max_spins`` polls,
     after ``timeout_ns`` of the GPU's global timer (``CLOCK``; the interpreter has no timer), or
     once another wait timed out. The first timed-out wait writes the error record
-    [1, me, kind, task, peer, value, target, epoch].
+    [1, me, kind, task, peer, value, target, epoch], on the device and into its host mirror.
 
     The time bound is what matters across ranks: a peer's launch can be seconds late (its host
     compiling a kernel specialization this rank has cached), and a poll of system-scope memory
@@ -141,6 +141,8 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, me, task, kind, peer, epo
     if not ok:
         if tl.atomic_cas(err_ptr, 0, 1) == 0:
             record_error_fields(err_ptr, me, kind, task, peer, value, target, epoch)
+            record_error_fields(host_err_ptr, me, kind, task, peer, value, target, epoch)
+            tl.store(host_err_ptr, 1)
     return ok
 
 
@@ -271,8 +273,8 @@ def _publish_done(done_table, me, W, epoch):
 
 
 @triton.jit
-def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task, epoch,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
+def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, host_err_ptr, me, W, E_loc, T, max_spins, timeout_ns, task,
+                  epoch, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_TC: tl.constexpr, CLOCK: tl.constexpr):
     """Wait for done[d] ≥ epoch of every owner d that this token block uses (combine task 0: of
     every owner, so that the call ends after every owner is done with this rank's data)."""
     _, _, _, a, amask = block_assignments(tb * BLOCK_TC, T, TOP_K, K_PAD, BLOCK_TC)
@@ -282,7 +284,8 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_s
     for d in range(0, W):
         uses = tl.sum(tl.sum(((owner == d) & amask).to(tl.int32), axis=1), axis=0)
         if (uses > 0) | (comb == 0):
-            ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_DONE, d, epoch, "sys", CLOCK)
+            ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_DONE, d, epoch,
+                       "sys", CLOCK)
             failed += tl.where(ok, 0, 1)
     return failed == 0
 
@@ -338,7 +341,8 @@ def persistent_dist_kernel(
     x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
     logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
     recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64: each rank's region
-    state_ptr, err_ptr,  # (state words,), (ERROR_WORDS,) int32, kept across calls
+    state_ptr, err_ptr, host_err_ptr,  # (state words,), (ERROR_WORDS,) int32 kept across calls; the record's
+    # host mirror (ERROR_WORDS,) int32, page-locked memory on CUDA
     me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs, capacity,
     n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices, task_lo,
     task_hi, final,
@@ -385,8 +389,8 @@ def persistent_dist_kernel(
             tl.debug_barrier()
             tl.atomic_add(state_ptr + LOGITS_DONE, 1, sem="release", scope="gpu")
         elif task < f_index:
-            have_logits = _wait(state_ptr + LOGITS_DONE, n_logits, max_spins, timeout_ns, err_ptr, me, task,
-                                WAIT_LOGITS, me, epoch, "gpu", CLOCK)
+            have_logits = _wait(state_ptr + LOGITS_DONE, n_logits, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
+                                task, WAIT_LOGITS, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
@@ -396,8 +400,8 @@ def persistent_dist_kernel(
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
-            gated = _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, me, task, WAIT_GATE, me,
-                          epoch, "gpu", CLOCK)
+            gated = _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                          WAIT_GATE, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
@@ -406,8 +410,8 @@ def persistent_dist_kernel(
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
-            indexed = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me,
-                            epoch, "gpu", CLOCK)
+            indexed = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                            WAIT_INDEX, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
@@ -423,7 +427,8 @@ def persistent_dist_kernel(
             sent = peer_region(sent_table, me, tl.int32)
             # (a failed wait still counts: the table is then built from stale counts, which are
             # bounded, and every later wait of this rank gives up at once on the error record)
-            _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_SENT, s, epoch, "sys", CLOCK)
+            _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_SENT, s, epoch,
+                  "sys", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_RECEIVE, tl.int32)
             tl.debug_barrier()
@@ -442,8 +447,8 @@ def persistent_dist_kernel(
             rel = task - first
             tile = rel // n_slices
             piece = rel % n_slices
-            ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_READY, me, epoch,
-                          "gpu", CLOCK)
+            ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                          WAIT_READY, me, epoch, "gpu", CLOCK)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
             real = ready & (tile < n_tiles)
             if real:
@@ -458,8 +463,8 @@ def persistent_dist_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
-                    tile_ready = _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, me, task,
-                                       WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
+                    tile_ready = _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
+                                       task, WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
                         _gemm1_task(tile, piece, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, tiles_ptr,
@@ -478,11 +483,11 @@ def persistent_dist_kernel(
             # can be taken while the gate still runs (a grid with more programs than tasks takes
             # every number at once), and one that read a stale expert index naming no owner
             # would wait for nobody and read its rows at stale slots.
-            returned = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, me, task, WAIT_INDEX, me,
-                             epoch, "gpu", CLOCK)
+            returned = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                             WAIT_INDEX, me, epoch, "gpu", CLOCK)
             if returned:
-                returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, me, W, E_loc, T, max_spins,
-                                         timeout_ns, task, epoch, TOP_K, K_PAD, BLOCK_TC, CLOCK)
+                returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, host_err_ptr, me, W, E_loc, T,
+                                         max_spins, timeout_ns, task, epoch, TOP_K, K_PAD, BLOCK_TC, CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_COMBINE, tl.int32)
             if returned:

@@ -33,7 +33,8 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.launch import (
-    ROW_TILES, WIDE_STAGES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, timeline_args, timeline_buffer,
+    ROW_TILES, WIDE_STAGES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, host_error_record, timeline_args,
+    timeline_buffer,
 )
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.peer_buffer import pack_regions, region_views
@@ -85,6 +86,7 @@ class DistBuffer:
         self.spec, self.rank, self.raw, self.kind, self.group = spec, rank, raw, kind, group
         self.views = _views(raw, spec)
         self.state = torch.zeros(dt.state_words(spec.mt_max), dtype=torch.int32, device=raw.device)
+        self.host_error = host_error_record(raw.device)  # (the record's host mirror)
         self.tables: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -167,10 +169,12 @@ class DistBuffer:
         return self.error
 
     def check(self) -> None:
-        """Raise ``RuntimeError`` if a wait timed out (reads the record: a host sync); clear it."""
+        """Raise ``RuntimeError`` if a wait timed out (reads the record: a host sync); clear it
+        and its mirror."""
         message = dt.describe_error(self.error.tolist())
         if message:
             self.error.zero_()
+            self.host_error.zero_()
             raise RuntimeError(message)
 
 
@@ -340,6 +344,7 @@ class DistPlan:
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
         self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
                          tb["recv"], tb["amap"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
+                         buf.host_error,
                          buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
                          int(max_spins), int(timeout_s * 1e9))
         self._layout_args = (capacity or 0, layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),

@@ -76,10 +76,11 @@ REC_SKIP = tl.constexpr(tasks.TIMELINE_KINDS.index("skip"))
 
 
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, err_ptr, task, kind, what, epoch):
+def _wait_at_least(ptr, target, max_spins, err_ptr, host_err_ptr, task, kind, what, epoch):
     """Acquire-poll ``*ptr`` until it is ≥ ``target``; False after ``max_spins`` polls, or at once
     once another wait has timed out (the error record is set). The first timed-out wait writes
-    the record: [1, rank 0, kind, task, what, value, target, epoch]."""
+    the record: [1, rank 0, kind, task, what, value, target, epoch], into the device record and
+    into its host mirror (:func:`~interlace.kernels.persistent.launch.host_error_record`)."""
     value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     spins = 0
     while (value < target) & (spins < max_spins):
@@ -91,6 +92,8 @@ def _wait_at_least(ptr, target, max_spins, err_ptr, task, kind, what, epoch):
     if not ok:
         if tl.atomic_cas(err_ptr, 0, 1) == 0:
             record_error_fields(err_ptr, 0, kind, task, what, value, target, epoch)
+            record_error_fields(host_err_ptr, 0, kind, task, what, value, target, epoch)
+            tl.store(host_err_ptr, 1)
     return ok
 
 
@@ -326,6 +329,7 @@ def persistent_moe_kernel(
     hist_ptr, base_ptr, offs_ptr, tiles_ptr,  # (n_gate, E_PAD) ×2, (E_PAD,), (3, max_tiles) int32
     h_ptr, y_ptr,  # (T·k, K), (T·k, N) in x's dtype
     state_ptr, err_ptr, gemm0_done_ptr,  # persistent: (STATE_WORDS,), (ERROR_WORDS,), (≥ max_tiles,) int32
+    host_err_ptr,  # (ERROR_WORDS,) int32: the record's host mirror (page-locked memory on CUDA)
     T, N, K, E, UP, scale, max_spins, n_programs,
     n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n, capacity,  # capacity: per expert (CAPACITY)
     timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
@@ -361,7 +365,8 @@ def persistent_moe_kernel(
                        ROUND_LOGITS, CAPACITY)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:
-            gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, task, WAIT_GATE, 0, epoch)
+            gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, host_err_ptr, task, WAIT_GATE, 0,
+                                   epoch)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
@@ -379,13 +384,14 @@ def persistent_moe_kernel(
                 is_comb = rel < n_comb
                 comb = rel
                 rel = rel - n_comb
-            ready = _wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, task, WAIT_INDEX, 0, epoch)
+            ready = _wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, host_err_ptr, task, WAIT_INDEX, 0,
+                                   epoch)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             if is_comb:
                 if ready:
-                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, err_ptr, task,
-                                           WAIT_GEMM1, 0, epoch)
+                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, err_ptr, host_err_ptr,
+                                           task, WAIT_GEMM1, 0, epoch)
                 t_waited = timeline_now(timeline_clock, TIMELINE)
                 rec_kind = tl.full((), REC_COMBINE, tl.int32)
                 if ready:
@@ -402,8 +408,8 @@ def persistent_moe_kernel(
                 tile = (rel - n_gemm0) % max_tiles
                 rec_kind = tl.where(tile < n_tiles, REC_GEMM1, REC_SKIP)
                 if ready & (tile < n_tiles):
-                    tile_ready = _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, task, WAIT_GEMM0,
-                                                tile, epoch)
+                    tile_ready = _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, host_err_ptr, task,
+                                                WAIT_GEMM0, tile, epoch)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
                         _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,

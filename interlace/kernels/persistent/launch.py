@@ -153,19 +153,33 @@ class PersistentKernelConfig:
                      for v, d in zip((self.block_k0, self.block_n0, self.block_n1, self.block_k1), default))
 
 
+def host_error_record(device: torch.device) -> torch.Tensor:
+    """The host mirror of a kernel's error record: ``ERROR_WORDS`` int32 that the first timed-out
+    wait writes besides the device record. On CUDA, page-locked host memory, which the kernel
+    stores into through unified addressing: the host reads a call's record once an event behind
+    the call has completed, with no copy in the stream (nor in a captured graph). Elsewhere (the
+    interpreter) a CPU tensor."""
+    pinned = device.type == "cuda" and not _INTERPRET
+    return torch.zeros(ERROR_WORDS, dtype=torch.int32, pin_memory=pinned)
+
+
 class PersistentState:
     """The kernel's persistent device state: counters and epoch (``STATE_WORDS``), the error record
     (``ERROR_WORDS``) and per-tile GEMM0 counters, in one int32 tensor that grows (zeroed, epoch
-    restarting at 0) when a call needs more tiles. Keep one per layer; not shared between streams."""
+    restarting at 0) when a call needs more tiles, and the record's host mirror
+    (:func:`host_error_record`). Keep one per layer; not shared between streams."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
+        self.host_error: torch.Tensor | None = None
 
     def views(self, device: torch.device, max_tiles: int):
         need = STATE_WORDS + ERROR_WORDS + max_tiles
         if self.buffer is None or self.buffer.device != device or self.buffer.numel() < need:
             self.buffer = torch.zeros(max(need, 2 * (self.buffer.numel() if self.buffer is not None else 0)),
                                       dtype=torch.int32, device=device)
+        if self.host_error is None:
+            self.host_error = host_error_record(device)
         b = self.buffer
         return b[:STATE_WORDS], b[STATE_WORDS:STATE_WORDS + ERROR_WORDS], b[STATE_WORDS + ERROR_WORDS:]
 
@@ -174,13 +188,14 @@ class PersistentState:
 
     def check(self) -> None:
         """Raise ``RuntimeError`` if a wait of an earlier call timed out (reads the record: a host
-        sync), and clear the record."""
+        sync), and clear the record and its mirror."""
         record = self.error_record()
         if record is None:
             return
         message = describe_error(record.tolist())
         if message:
             record.zero_()
+            self.host_error.zero_()
             raise RuntimeError(message)
 
 
@@ -285,6 +300,7 @@ class CallPlan:
         self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up,
                               w_down)
         self._rest_args = (idx, wt, lrank, row_of, asg_of, hist, base, offs, tiles, h, y, st, err, gemm0_done,
+                           state.host_error,
                            T, N, K, E, up_width, float(route_scale), int(max_spins))
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self._layout_args = (layout.n_gate, layout.max_tiles, layout.n_k0, layout.n_n1, layout.n_comb_t,
