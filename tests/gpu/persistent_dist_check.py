@@ -11,6 +11,12 @@ Per preset (default: qwen3-30b-a3b, mixtral-8x7b, dsv3-like; bf16), one layer wi
   ‖·‖₂ within ``TOL``), for uneven per-rank token counts from 0 to 512 (one rank empty in some
   calls), each count twice (the second call of a count replays a CUDA graph), and skewed
   routing (every token of every rank to k experts of the last rank);
+* the routing: each checked call's picks (read from the kernel's workspace) against the fp32
+  reference's, pick by pick; a pick may differ only at a near-tie (the two experts' selection
+  scores, softmax probabilities or biased sigmoids, within ``NEAR_TIE`` of the row's largest:
+  under a skew, the probabilities of the experts far below the dominating one underflow to 0), and then the output is checked against the
+  reference computed with the kernel's picks (its weights still the reference's own): with a
+  capacity factor a swapped pick order changes which assignments are dropped;
 * bitwise repeatability (the same input twice, the same bits);
 * the error record (no wait timed out) at the end;
 * with ``--capacity-factor F``: the presets with that capacity factor (each rank's experts
@@ -49,6 +55,7 @@ from interlace.routing import route  # noqa: E402
 from interlace.tools.bench import init_env, reduce_max, time_cuda  # noqa: E402
 
 TOL = 2e-2  # bf16 activations and weights against the fp32 reference
+NEAR_TIE = 1e-4  # two selection scores this close (relative to the row's largest) are a tie to the check
 MAX_TOKENS = 512
 
 
@@ -59,9 +66,54 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def reference(layer: MoELayer, x: torch.Tensor, env) -> torch.Tensor:
+def kernel_picks(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """(T, k) int64: the experts the kernel picked for this rank's last call of T tokens, in pick
+    order (its plan's routing workspace, which a graph replay writes too)."""
+    T, k = x.shape[0], layer.config.top_k
+    return layer.strategy._plans[T].workspace["idx"][:T * k].view(T, k).long()
+
+
+def pick_check(layer: MoELayer, x: torch.Tensor, env) -> tuple[torch.Tensor, int, int]:
+    """(the kernel's picks, picks that differ from the reference's at near-ties, picks that differ
+    beyond one), this rank's, against the fp32 reference routing of its tokens."""
+    cfg = layer.config
+    if not x.shape[0]:
+        return torch.empty(0, cfg.top_k, dtype=torch.int64, device=x.device), 0, 0
+    picks = kernel_picks(layer, x)
+    bias = layer.router.expert_bias
+    ref, _, logits = route(x.float(), layer.router.weight.detach().float(), bias, cfg, input_dtype=cfg.dtype)
+    # (the scores the choice ranks: softmax probabilities, which underflow to equal zeros for the
+    # experts far below a dominating one, so their order is a tie; sigmoid plus the selection bias)
+    score = torch.softmax(logits.float(), dim=1) if cfg.router == "softmax" else torch.sigmoid(logits.float()) + (
+        0.0 if bias is None else bias.float())
+    scale = score.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+    gap = (score.gather(1, picks) - score.gather(1, ref)).abs() / scale
+    differ = picks != ref
+    far = int((differ & (gap > NEAR_TIE)).sum())
+    return picks, int(differ.sum()) - far, far
+
+
+def checked_err(layer: MoELayer, x: torch.Tensor, out: torch.Tensor, env) -> tuple[float, int, int]:
+    """(relative error, near-tie picks, far picks), each the worst over the ranks: the output
+    against the reference with the kernel's picks where they differ only at near-ties."""
+    picks, ties, far = pick_check(layer, x, env)
+    ties, far = int(reduce_max(env, ties)), int(reduce_max(env, far))
+    ref = reference(layer, x, env, forced=picks if ties and not far else None)  # (every rank: a collective)
+    err = reduce_max(env, rel_err(out, ref) if x.shape[0] else 0.0)
+    return err, ties, far
+
+
+def picks_note(ties: int, far: int) -> str:
+    """What the report says about picks that differ from the reference's (nothing if none)."""
+    note = f", {ties} picks at near-ties (checked with the kernel's picks)" if ties else ""
+    return note + (f", {far} picks differ beyond a near-tie" if far else "")
+
+
+def reference(layer: MoELayer, x: torch.Tensor, env, forced: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 reference of this rank's output: every rank's tokens are gathered, each rank adds its
-    local experts' part for all of them, an all-reduce sums the parts."""
+    local experts' part for all of them, an all-reduce sums the parts. ``forced``: (T, k) picks
+    of this rank's tokens to use instead of the reference's choice (the weights are still the
+    reference router's scores of those experts)."""
     cfg, ep = layer.config, layer.ep
     counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(env.world)]
     dist.all_gather(counts, torch.tensor([x.shape[0]], device=x.device))
@@ -71,10 +123,18 @@ def reference(layer: MoELayer, x: torch.Tensor, env) -> torch.Tensor:
     gathered = [torch.empty_like(padded) for _ in range(env.world)]
     dist.all_gather(gathered, padded)
     xs = torch.cat([g[:c] for g, c in zip(gathered, counts)]).float()
+    every = None
+    if forced is not None:
+        mine = torch.zeros(max(counts), cfg.top_k, dtype=torch.int64, device=x.device)
+        mine[:x.shape[0]] = forced
+        theirs = [torch.empty_like(mine) for _ in range(env.world)]
+        dist.all_gather(theirs, mine)
+        every = torch.cat([g[:c] for g, c in zip(theirs, counts)])
     out = torch.zeros_like(xs)
     if xs.shape[0]:
         bias = layer.router.expert_bias
-        idx, weight, _ = route(xs, layer.router.weight.detach().float(), bias, cfg, input_dtype=cfg.dtype)
+        idx, weight, _ = route(xs, layer.router.weight.detach().float(), bias, cfg, expert_indices=every,
+                               input_dtype=cfg.dtype)
         # (a capacity factor applies to each rank's own tokens: the policy per rank's segment)
         keep = torch.cat([capacity_keep_mask(idx[sum(counts[:r]):sum(counts[:r + 1])].cpu(), cfg)
                           for r in range(env.world)]).to(idx.device)
@@ -104,9 +164,9 @@ def check_preset(name, env, report, capacity_factor=None):
             x = torch.randn(tokens, cfg.hidden, generator=gen, device=env.device).to(cfg.dtype)
             for attempt in range(2):
                 out = layer(x)
-                ref = reference(layer, x, env)  # (a collective: every rank, zero tokens too)
-                err = reduce_max(env, rel_err(out, ref) if tokens else 0.0)
-                report(err < TOL, f"{name} tokens ({t0}, {t1}) call {attempt + 1}: rel err {err:.2e}")
+                err, ties, far = checked_err(layer, x, out, env)  # (collectives: every rank, zero tokens too)
+                report(err < TOL and not far, f"{name} tokens ({t0}, {t1}) call {attempt + 1}: rel err {err:.2e}"
+                                              f"{picks_note(ties, far)}")
         # skewed: a shared direction u in every token, k router rows of the last rank's experts along it
         k, last = cfg.top_k, cfg.num_experts - cfg.top_k
         u = torch.randn(cfg.hidden, device=env.device, generator=torch.Generator(device=env.device).manual_seed(7))
@@ -123,9 +183,10 @@ def check_preset(name, env, report, capacity_factor=None):
         out = layer(x)
         idx = layer.router(x, fused=True)[0]
         share = reduce_max(env, -float((idx >= last).float().mean()))
-        err = reduce_max(env, rel_err(out, reference(layer, x, env)))
-        report(err < TOL and -share >= 0.6, f"{name} skewed: ≥ {-share:.0%} of assignments on the last rank's "
-                                           f"{k} experts, rel err {err:.2e}")
+        err, ties, far = checked_err(layer, x, out, env)
+        report(err < TOL and not far and -share >= 0.6, f"{name} skewed: ≥ {-share:.0%} of assignments on the "
+                                                        f"last rank's {k} experts, rel err {err:.2e}"
+                                                        f"{picks_note(ties, far)}")
         layer.router.weight.data[last:] = saved
         if bias_saved is not None:
             layer.router.expert_bias.copy_(bias_saved)
@@ -148,7 +209,7 @@ def stress(name, layer, env, calls, report, max_tokens=MAX_TOKENS):
     gen = torch.Generator(device=env.device).manual_seed(1000 + env.rank)
     shared = torch.Generator().manual_seed(11)  # (the same draw on every rank: which calls skew, towards whom)
     bad = torch.zeros((), dtype=torch.int64, device=env.device)
-    worst, checked = 0.0, 0
+    worst, checked, tied = 0.0, 0, 0
     start = time.time()
     with torch.inference_mode():
         for i in range(calls):
@@ -166,14 +227,15 @@ def stress(name, layer, env, calls, report, max_tokens=MAX_TOKENS):
             out = layer(x)
             bad += (~torch.isfinite(out)).sum()
             if i % 10 == 9:
-                err = reduce_max(env, rel_err(out, reference(layer, x, env)) if tokens else 0.0)
-                worst, checked = max(worst, err), checked + 1
-                if err >= TOL:
-                    report(False, f"{name} stress call {i}: {tokens} tokens here, rel err {err:.2e}")
+                err, ties, far = checked_err(layer, x, out, env)
+                worst, checked, tied = max(worst, err if not far else float("inf")), checked + 1, tied + ties
+                if err >= TOL or far:
+                    report(False, f"{name} stress call {i}: {tokens} tokens here, rel err {err:.2e}"
+                                  f"{picks_note(ties, far)}")
     nonfinite = int(reduce_max(env, float(bad)))  # (the one host read of the device counter)
     report(nonfinite == 0 and worst < TOL, f"{name} stress: {calls} calls of 0-{max_tokens} tokens per rank, "
                                            f"{checked} checked, worst rel err {worst:.2e}, non-finite outputs "
-                                           f"{nonfinite}")
+                                           f"{nonfinite}{picks_note(tied, 0)}")
     try:
         layer.strategy.synchronize_and_check()
         report(True, f"{name} stress: no wait timed out")

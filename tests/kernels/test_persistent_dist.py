@@ -589,6 +589,50 @@ def test_dist_check_stress_runs_on_gloo(tmp_path, broken, factor):
     run_gloo(_stress_on_gloo, 2, str(tmp_path), broken, factor)
 
 
+def _pick_check_on_gloo(rank, world, failures_path):
+    """The dist check's pick comparison: the kernel's own picks agree with the reference's; picks
+    swapped between two experts whose scores differ by 2e-5 of the row's (a near-tie) count as
+    near-ties, and a pick moved to an unrelated expert as a far pick: on the rank whose pick moved,
+    and (reduced) on every rank."""
+    import importlib.util
+    from pathlib import Path
+
+    from interlace import MoELayer
+    from interlace.tools.bench import init_env
+
+    path = Path(__file__).resolve().parents[1] / "gpu" / "persistent_dist_check.py"
+    spec = importlib.util.spec_from_file_location("persistent_dist_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    env = init_env()
+    cfg = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
+    layer = MoELayer(cfg, group=env.group, strategy="persistent", seed=5, device="cpu",
+                     strategy_options={"max_tokens": 12})
+    with torch.no_grad():
+        u = layer.router.weight[6] / layer.router.weight[6].norm()
+        layer.router.weight[7] = layer.router.weight[6] * (1 + 1e-6)  # every token: 7 then 6, a near-tie
+        gen = torch.Generator().manual_seed(rank)
+        x = 3.0 * cfg.hidden**0.5 * u + 0.1 * torch.randn(10, cfg.hidden, generator=gen)
+        out = layer(x)
+    picks = layer.strategy._plans[10].workspace["idx"]
+    assert picks[:20].tolist() == [7, 6] * 10
+    assert script.pick_check(layer, x, env)[1:] == (0, 0)
+    err, ties, far = script.checked_err(layer, x, out, env)
+    assert (ties, far) == (0, 0) and err < 1e-4
+    picks[0], picks[1] = 6, 7  # token 0: the near-tie the other way round
+    if rank == 1:
+        picks[2 * 5] = 2  # token 5's first pick to an unrelated expert
+    assert script.pick_check(layer, x, env)[1:] == (2, int(rank == 1))
+    _, ties, far = script.checked_err(layer, x, out, env)
+    assert (ties, far) == (2, 1)  # (the worst over the ranks)
+
+
+def test_dist_check_pick_comparison_on_gloo(tmp_path):
+    from helpers import run_gloo
+
+    run_gloo(_pick_check_on_gloo, 2, str(tmp_path))
+
+
 @triton.jit
 def _slice_order_probe(tiles_ptr, out_ptr, mt, n_slices, BLOCK_M: tl.constexpr):
     rel = tl.program_id(0)
