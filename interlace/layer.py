@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
         device = self.experts.w_up.device if device is None else device
         return make_strategy(name, self.config, self.ep, device=device, **options)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, weight_device: torch.device | None = None) -> None:
         cfg = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"MoELayer expects a tensor, got {type(x).__name__}")
@@ -146,7 +146,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"input hidden size {tuple(x.shape)[-1:]} does not match config.hidden={cfg.hidden}")
         if x.dtype != cfg.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match config.dtype={cfg.dtype}")
-        weight_device = self.experts.w_up.device
+        if weight_device is None:
+            weight_device = self.experts.w_up.device
         if x.device != weight_device:
             raise ValueError(f"input is on {x.device} but the layer's weights are on {weight_device}")
 
@@ -166,7 +167,11 @@ class MoELayer(nn.Module):
         With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
         is folded into the backward pass and its value kept in ``last_aux_loss``.
         """
-        self._check_input(x)
+        # (the submodules and parameters fetched once: each nn.Module attribute is a __getattr__
+        # call, and a decode-sized call's host time is what a layer adds to the GPU's)
+        router, experts = self.router, self.experts
+        w_up, w_down = experts.w_up, experts.w_down
+        self._check_input(x, w_up.device)
         shape = x.shape
         x = x.reshape(-1, self.config.hidden).contiguous()
         if expert_indices is not None:
@@ -182,11 +187,11 @@ class MoELayer(nn.Module):
         # this stream routes and the strategy dispatches, computes and combines; joined below.
         shared = None if self.shared is None else shared_overlap.start(
             self.shared, x, overlap=self.config.shared_overlap)
-        if self._routes_in_strategy(x, expert_indices):  # (a strategy whose kernel routes: `persistent`)
-            out = self.strategy.forward_layer(x, self.router, self.experts.w_up, self.experts.w_down)
+        if self._routes_in_strategy(x, expert_indices, router, w_up, w_down):  # (its kernel routes: `persistent`)
+            out = self.strategy.forward_layer(x, router, w_up, w_down)
         else:
-            topk_idx, topk_weight, logits = self.router(x, expert_indices, fused=self.strategy.fused_routing)
-            out = run_strategy(self.strategy, x, topk_idx, topk_weight, self.experts.w_up, self.experts.w_down)
+            topk_idx, topk_weight, logits = router(x, expert_indices, fused=self.strategy.fused_routing)
+            out = run_strategy(self.strategy, x, topk_idx, topk_weight, w_up, w_down)
         if shared is not None:
             out = out + shared.join()
         if self.config.aux_loss_coef > 0 and self.training:
@@ -195,13 +200,14 @@ class MoELayer(nn.Module):
             out = AddAuxiliaryLoss.apply(out, aux)
         return out.reshape(shape)
 
-    def _routes_in_strategy(self, x: torch.Tensor, expert_indices: torch.Tensor | None) -> bool:
+    def _routes_in_strategy(self, x: torch.Tensor, expert_indices: torch.Tensor | None, router, w_up: torch.Tensor,
+                            w_down: torch.Tensor) -> bool:
         """Whether the strategy routes this call inside its own kernel: only a ``routes_itself``
         strategy, without forced indices, outside ``torch.compile``, with no balance loss to
         compute, and where the strategy takes the call (inference: no autograd graph)."""
         return (self.strategy.routes_itself and expert_indices is None and not torch.compiler.is_compiling()
                 and not (self.config.aux_loss_coef > 0 and self.training)
-                and self.strategy.routes_call(x, self.router, self.experts.w_up, self.experts.w_down))
+                and self.strategy.routes_call(x, router, w_up, w_down))
 
     def extra_repr(self) -> str:
         c = self.config

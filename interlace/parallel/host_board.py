@@ -127,11 +127,13 @@ class HostBoard:
         row = self.slots[seq & 1]
         spins, start, deadline = 0, None, None
         while True:
-            words = row.copy()
-            if ((words >> 32) == seq).all():
+            # (one aligned 8-byte load per word; Python ints: a handful of numpy ufuncs on a row
+            # of W words cost several microseconds a call, most of the board's host time)
+            words = row.tolist()
+            if all(w >> 32 == seq for w in words):
                 if seq == self._unread:
                     self._unread = None
-                self.last = (seq, int((words & _VALUE_MASK).max()))
+                self.last = (seq, max(w & _VALUE_MASK for w in words))
                 return self.last[1]
             spins += 1
             if spins >= 64:
@@ -139,7 +141,7 @@ class HostBoard:
                 if start is None:
                     start, deadline = now, now + timeout_s
                 elif now > deadline:
-                    missing = [r for r in range(self.world) if (int(words[r]) >> 32) != seq]
+                    missing = [r for r in range(self.world) if words[r] >> 32 != seq]
                     raise TimeoutError(f"HostBoard: rank {self.rank} waited {timeout_s:.0f} s for call {seq} "
                                        f"of ranks {missing} of the group (did they reach this layer call?)")
                 # Spin briefly (ranks on their own cores post within microseconds), then yield the
