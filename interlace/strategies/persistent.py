@@ -37,15 +37,16 @@ a later call once an event behind the failing call has completed, or by
 :meth:`PersistentStrategy.synchronize_and_check`; on the CPU (interpreter) at once.
 
 Host cost. A call's shape (token count T) gets a
-:class:`~interlace.kernels.persistent.launch.CallPlan` (tiles, task layout, grid, workspace,
-kernel arguments; the compiled kernel's own launcher after its first launch), kept for at most
+:class:`~interlace.kernels.persistent.launch.CallPlan` (tiles, task layout, grid, workspace, kernel
+arguments; the compiled kernel's own launcher after its first launch), kept for at most
 ``MAX_PLANS`` token counts (least recently used dropped). With ``cuda_graph`` (default) on CUDA,
-the second call of a T captures the launch into a CUDA graph and later calls replay it: the input is copied into the graph's static buffer, the
-output copied out. The kernel is capturable (epochs and counters live on the device and are
-reset by the launch itself). A graph holds the weights' addresses and the plan's buffers: it is
-captured again when a weight is a different tensor (in-place updates need nothing) or the plan
-was rebuilt. A capture synchronizes the device once. Inside a caller's own CUDA-graph capture
-the call runs eagerly with its own workspace (captured by the caller).
+the second call of a T captures the launch into a CUDA graph and later calls replay it: the input
+is copied into the graph's static buffer, the output copied out. The kernel is capturable (epochs
+and counters live on the device and are reset by the launch itself). A graph holds the weights'
+addresses and the plan's buffers: it is captured again when a weight is a different tensor
+(in-place updates need nothing) or the plan was rebuilt. A capture synchronizes the device once.
+Inside a caller's own CUDA-graph capture the call runs eagerly with its own workspace (captured by
+the caller).
 
 Options (``strategy_options``): ``cuda_graph`` (bool, default True; ``"persistent:eager"`` turns
 it off), ``kernel`` (a :class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`),
