@@ -138,7 +138,7 @@ class MoELayer(nn.Module):
         device = self.experts.w_up.device if device is None else device
         return make_strategy(name, self.config, self.ep, device=device, **options)
 
-    def _check_input(self, x: torch.Tensor, weight_device: torch.device | None = None) -> None:
+    def _check_input(self, x: torch.Tensor, weight_device: torch.device) -> None:
         cfg = self.config
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"MoELayer expects a tensor, got {type(x).__name__}")
@@ -146,8 +146,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"input hidden size {tuple(x.shape)[-1:]} does not match config.hidden={cfg.hidden}")
         if x.dtype != cfg.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match config.dtype={cfg.dtype}")
-        if weight_device is None:
-            weight_device = self.experts.w_up.device
         if x.device != weight_device:
             raise ValueError(f"input is on {x.device} but the layer's weights are on {weight_device}")
 

@@ -73,7 +73,7 @@ def kernel_picks(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return layer.strategy._plans[T].workspace["idx"][:T * k].view(T, k).long()
 
 
-def pick_check(layer: MoELayer, x: torch.Tensor, env) -> tuple[torch.Tensor, int, int]:
+def pick_check(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(the kernel's picks, picks that differ from the reference's at near-ties, picks that differ
     beyond one), this rank's, against the fp32 reference routing of its tokens."""
     cfg = layer.config
@@ -96,7 +96,7 @@ def pick_check(layer: MoELayer, x: torch.Tensor, env) -> tuple[torch.Tensor, int
 def checked_err(layer: MoELayer, x: torch.Tensor, out: torch.Tensor, env) -> tuple[float, int, int]:
     """(relative error, near-tie picks, far picks), each the worst over the ranks: the output
     against the reference with the kernel's picks where they differ only at near-ties."""
-    picks, ties, far = pick_check(layer, x, env)
+    picks, ties, far = pick_check(layer, x)
     ties, far = int(reduce_max(env, ties)), int(reduce_max(env, far))
     ref = reference(layer, x, env, forced=picks if ties and not far else None)  # (every rank: a collective)
     err = reduce_max(env, rel_err(out, ref) if x.shape[0] else 0.0)
