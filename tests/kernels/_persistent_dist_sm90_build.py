@@ -7,7 +7,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
 from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G
-from interlace.kernels.persistent.launch import WIDE_STAGES, WIDE_TILES, WIDE_WARPS, PersistentKernelConfig
+from interlace.kernels.persistent.launch import WIDE_TILES, WIDE_WARPS, PersistentKernelConfig, wide_stages
 
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "logits_ptr": "*fp32"}
@@ -22,12 +22,13 @@ def kind(n, p):
         return fp.get(n, "*bf16" if n in bf16 else "*i32")
     return "fp32" if n == "scale" else "i64" if n == "timeout_ns" else "i32"
 sig = {n: kind(n, p) for n, p in zip(names, kernel.params)}
+DIVISIBLE = {"N", "K", "UP", "E", "E_loc", "max_tokens"}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
     block_m, e_pad, el_pad, top_k, timeline, n1, rounding, wide, capacity = (list(map(int, spec.split(","))) + [0] * 5)[:9]
     k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
-    warps, stages = (WIDE_WARPS, WIDE_STAGES) if wide else (config.num_warps, config.num_stages)
+    warps, stages = (WIDE_WARPS, wide_stages(block_m)) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=config.block_t, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
@@ -36,7 +37,11 @@ for spec in sys.argv[1:]:
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline,
                   ROUND_LOGITS=rounding, W_TMA=bool(wide), JOINT=bool(wide), CAPACITY=bool(capacity))
-    src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()})
+    # (as a launch specializes them: pointers, and the shape arguments that are multiples of 16 at
+    # every preset; without the hints the build loads the weights 2 bytes at a time, unpipelined)
+    src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                           if n not in consts and (n.endswith(("_ptr", "_table")) or n in DIVISIBLE)})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=warps, num_stages=stages))
     with tempfile.TemporaryDirectory() as d:

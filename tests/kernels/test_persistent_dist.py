@@ -213,9 +213,12 @@ def test_wide_tiles_match_reference(W, Ts, kw):
     world.assert_matches(outs)
     for plan in world.plans:
         assert plan.wide and plan.num_warps == 8
+        assert plan.num_stages == (5 if plan.block_m <= 64 else 4)  # (launch.wide_stages: what fits in shared memory)
         assert plan.constexprs["W_TMA"] and plan.constexprs["JOINT"] == (world.cfg.activation == "swiglu")
     if bias is not None:
         assert world.plans[0].block_m == 64 and world.plans[0].layout.n_k0 == 2
+    plan_128 = World(2, [3, 2], config=PersistentKernelConfig(wide=True, block_m=128)).plans[0]
+    assert plan_128.block_m == 128 and plan_128.num_stages == 4
 
 
 def test_combine_tasks_of_several_slices_and_index_over_several_chunks():
@@ -497,14 +500,16 @@ def test_kernel_builds_for_sm90():
     # ROUND_LOGITS 1: the gate's logits rounded to bf16, as for a transformers router in bf16)
     specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128",
              "32,128,64,8,0,128,1", "128,16,16,2,0,256,0,1", "64,256,128,8,0,128,1,1", "32,128,64,8,0,128,0,0,1",
-             "64,256,128,8,0,128,1,1,1"]
+             "64,256,128,8,0,128,1,1,1", "128,128,64,8,0,128,0,1"]
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     built = {spec: tuple(map(int, rest)) for spec, *rest in (ln.split() for ln in proc.stdout.splitlines())}
     assert set(built) == set(specs)
     for spec, (regs, stack, shared) in built.items():
-        assert regs <= 255 and stack <= 2048, f"{spec}: {regs} registers, {stack} bytes of spill stack"
+        # (the build specializes the shapes as a launch does, so it spills as the GPU's build does:
+        # at most 56 bytes of these specs; without the hints it spilled up to 936)
+        assert regs <= 255 and stack <= 256, f"{spec}: {regs} registers, {stack} bytes of spill stack"
         # shared memory an sm90 program may take (227 KB), and for narrow tiles two programs per SM
         # (each with the 1 KB the driver reserves): a larger logits task or more stages must not
         # halve the grid (or fail to launch) unnoticed

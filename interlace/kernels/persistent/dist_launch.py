@@ -33,8 +33,8 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.launch import (
-    ROW_TILES, WIDE_STAGES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, host_error_record, timeline_args,
-    timeline_buffer,
+    ROW_TILES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, host_error_record, timeline_args,
+    timeline_buffer, wide_stages,
 )
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.peer_buffer import pack_regions, region_views
@@ -286,10 +286,11 @@ class DistPlan:
         block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
         rows_per_expert = spec.world * T * top_k / E
         self.wide = c.wide_tiles(rows_per_expert, w_up, w_down)
-        self.num_warps, self.num_stages = (WIDE_WARPS, WIDE_STAGES) if self.wide else (c.num_warps, c.num_stages)
+        self.num_warps, self.num_stages = c.num_warps, c.num_stages
         if self.wide:
             block_m, block_k0, block_n0, block_n1, block_k1 = c.wide_tiles_for(
                 rows_per_expert, expected_tiles(T, top_k, L, 128) * cdiv(N, 256), sm_count(x.device))
+            self.num_warps, self.num_stages = WIDE_WARPS, wide_stages(block_m)
         else:
             block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
             if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:

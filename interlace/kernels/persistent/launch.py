@@ -39,8 +39,14 @@ TILES_BY_BLOCK_M = {16: (64, 64, 64, 64), 32: (64, 64, 64, 64), 64: (64, 32, 64,
 # call has the rows or the tasks for it: wide_tiles_for).
 WIDE_TILES = (128, 64, 128, 64)
 WIDE_WARPS = 8
-WIDE_STAGES = 4  # 3 buffers of 48 KB (measured 3-7% faster than 3 stages at 64-256 rows per expert)
 WIDE_MIN_ROWS = 32  # the call's average rows per local expert from which `wide` None takes wide tiles
+
+
+def wide_stages(block_m: int) -> int:
+    """Pipeline stages of the wide tiles: up to 64-row tiles 5 (4 buffers of 40 KB; measured 3-4%
+    faster than 4 on 2×H200 at 32-48 rows per expert), 128-row tiles 4 (3 buffers of 48 KB: 3-7%
+    faster than 3 at 64-256 rows; 5 would need 245 KB of shared memory, more than an SM has)."""
+    return 5 if block_m <= 64 else 4
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,7 @@ class PersistentKernelConfig:
     tiles (:data:`WIDE_TILES`, 8 warps, weights through TMA): None where the device has TMA, the
     weights' rows allow it and the call averages at least :data:`WIDE_MIN_ROWS` rows per local
     expert; True wherever the weights allow TMA (the interpreter included); False never. With wide
-    tiles, ``num_warps`` and ``num_stages`` are :data:`WIDE_WARPS` and :data:`WIDE_STAGES`.
+    tiles, ``num_warps`` and ``num_stages`` are :data:`WIDE_WARPS` and :func:`wide_stages`.
 
     Why two tile families. Narrow (4 warps, two programs per SM, 16–128-row tiles 64 columns
     wide): at a few rows per expert the call is a stream of weights, and small tiles keep every SM
@@ -89,9 +95,10 @@ class PersistentKernelConfig:
     pointers. With 4 warps the sm90 build uses 255 registers and spills a little; 8 warps on the
     same tiles leave one program per SM and measured 15–20% slower at decode sizes on an H100
     (20–60% at W = 2 on H200s). A decode call is a weight stream bound by the bytes each SM has
-    in flight, so the loads run ``num_stages`` = 6 deep: 86 KB of shared memory a program, still
-    two programs per SM (from 3 stages: 3–23% faster at W = 2 and 7–16% at W = 1 on H200s, most
-    at the 128-row tiles of 512 tokens per GPU; 8 stages would leave one program per SM).
+    in flight, so the loads run ``num_stages`` = 6 deep: 92–102 KB of shared memory a program
+    (the W > 1 kernel's sm90 builds, the router GEMM's loop pipelined as deep), still two
+    programs per SM (from 3 stages: 3–23% faster at W = 2 and 7–16% at W = 1 on H200s, most at
+    the 128-row tiles of 512 tokens per GPU; 8 stages would leave one program per SM).
     """
 
     block_m: int | None = None
