@@ -104,7 +104,7 @@ SOURCES = [
                 "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
     dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: every strategy side by side against the decode floor (a barrier before each call)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="9d2bdc1", command=DECODE_COMMAND,
+         device="2× NVIDIA H200", date="2026-11-27", commit="eeee0f1", command=DECODE_COMMAND,
          notes=["ms: CUDA events around the whole layer call, a barrier before each timed call (the GPU idle when "
                 "the call starts, so its host time counts), the median of 20 timed calls after 5 warm-ups, the "
                 "slowest rank's median; `--interleave` times the strategies round-robin. Every strategy's output "
@@ -123,10 +123,15 @@ SOURCES = [
                 "every source's rows, the tiles of one expert taking each weight slice together (each touched "
                 "expert's weights read once). Below 32 rows per local expert (the call's average) narrow tiles: "
                 "4 warps, two programs per SM, weight loads 6 stages deep, GEMM1 slices 128 wide where there are "
-                "four tasks per SM at that width; from 32 rows wide tiles: 8 warps, weights through TMA, a SwiGLU "
-                "GEMM0 task one 64- or 128-row × 256 dot, GEMM1 slices 128 or 256 wide (`PersistentKernelConfig.wide`). "
-                "With this kernel (9d2bdc1), in the same session: tests/gpu/gpu_check.py with "
-                "`GPU_CHECK_STRATEGIES=persistent` passed (106, its capacity config included), "
+                "four tasks per SM at that width; from 32 rows wide tiles: 8 warps, weights through TMA (5 stages "
+                "deep at 64-row tiles, 4 at 128), a SwiGLU GEMM0 task one 64- or 128-row × 256 dot, GEMM1 slices "
+                "128 or 256 wide (`PersistentKernelConfig.wide`). "
+                "With this kernel (eeee0f1), in the same session: tests/gpu/persistent_dist_check.py passed its "
+                "checks on flashdmoe-cfg and qwen3-30b-a3b (uneven and zero-token ranks, skew, graph replays, "
+                "bitwise repeatability, each call's picks against the fp32 reference's, no timed-out wait) with a "
+                "30-call stress of each (0–512 tokens per rank; worst relative error 2.9e-3). Its only change "
+                "since 9d2bdc1 is the stage count of the 64-row wide tiles; on 9d2bdc1's kernel "
+                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` passed (106, its capacity config included), "
                 "tests/gpu/persistent_dist_check.py passed its checks on qwen3-30b-a3b with a capacity factor of "
                 "0.75 (uneven and zero-token ranks, skew, graph replays, bitwise repeatability, each call's picks "
                 "against the fp32 reference's, no timed-out wait) and a 200-call stress of it, and "
@@ -136,17 +141,21 @@ SOURCES = [
                 "(40e61d6), and a 1000-call stress of qwen3-30b-a3b on cbaac7c's (worst relative error 2.9e-3)."]),
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="9d2bdc1", command=DECODE_COMMAND, timing="back_to_back",
+         device="2× NVIDIA H200", date="2026-11-27", commit="eeee0f1", command=DECODE_COMMAND, timing="back_to_back",
          notes=["The ratios move with the lease's ceilings: this run measured the HBM read bandwidth at "
-                "4.08 TB/s (the previous standing's run, at 998163c: 4.20), so the weight terms of its floors are "
-                "3% larger (qwen3-30b-a3b at 128 tokens: 1.48× here, 1.52× against 4.20 TB/s), and the peer "
-                "latency at 19.7 µs (then 30.5), so the 1-token floors, two peer latencies where the weights are "
-                "few, are 35% lower (qwen3-30b-a3b, qwen2-moe and flashdmoe-cfg at 1 token miss the 2× / 30 µs "
-                "bar against 39.5 µs). Against the previous standing (998163c), `persistent` took 0.79–0.97× its "
-                "times (median 0.95×) on the rows of 8 tokens and more, where `fused` and `sequential`, unchanged, "
-                "moved both ways (medians 0.98× and 0.97×): its calls no longer copy the kernel's error record to "
-                "the host (the kernel writes a timed-out wait's record into page-locked memory itself; about "
-                "11 µs a call, measured alone on qwen3-30b-a3b at 128 tokens: 0.2263 → 0.2148 ms back to back).",
+                "4.18 TB/s (the previous standing's run, at 9d2bdc1: 4.08), so the weight terms of its floors are "
+                "2% smaller (flashdmoe-cfg at 512 tokens: 1.51× here, 1.48× against 4.08 TB/s), and the peer "
+                "latency at 20.6 µs (then 19.7; other leases of the same day measured 21–33 µs), so the 1-token "
+                "floors, two peer latencies where the weights are few, are 41 µs. The 1-token rows move most "
+                "between leases (qwen3-30b-a3b 0.115 → 0.075 ms, flashdmoe-cfg 0.080 → 0.109, with the same "
+                "kernel on the narrow tiles they run). Against the previous standing (9d2bdc1), `persistent` took "
+                "0.96–1.05× its times on the rows of 8 tokens and more (median 1.02×), `fused` and `sequential`, "
+                "unchanged, 0.59–1.45× and 0.57–1.92× (medians 1.01× and 1.00×); flashdmoe-cfg at 512 tokens, the "
+                "one row whose "
+                "kernel changed (64-row wide tiles 5 stages deep instead of 4), went 0.303 → 0.291 ms (4% faster "
+                "in an A/B of one process: 0.3007 → 0.2889). `auto` at 1 token now runs within 3 µs of "
+                "`persistent` on qwen3-30b-a3b (0.078 against 0.075 ms; the previous standing: 0.175 against "
+                "0.115): MoELayer.forward's host time per call was halved (00970db).",
                 "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
                 "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
                 "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
