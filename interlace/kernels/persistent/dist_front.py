@@ -28,6 +28,11 @@ def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD:
     tokens = g * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = tokens < T
     cols = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    # ls_chunk is whole BLOCK_G steps (DistPlan) but not specialized (it changes with the token
+    # count): written as steps × BLOCK_G, the compiler knows the part's bounds are aligned, so the
+    # x tiles load as 16-byte vectors, pipelined with the weight's (else each x element was its
+    # own 2-byte load, and every step waited for its tile).
+    ls_chunk = (ls_chunk // BLOCK_G) * BLOCK_G
     n_lo = ks * ls_chunk
     acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
                        BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
