@@ -74,13 +74,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from interlace.kernels.comet.flags import peer_region, record_error_fields
+from interlace.kernels.comet.flags import peer_region
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
     _choice_task, _index_task, _logits_task, _publish_sent, _send_task, block_assignments,
 )
-from interlace.kernels.persistent.kernel import store_tile_table
+from interlace.kernels.persistent.kernel import record_timeout, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
 EPOCH = tl.constexpr(dt.EPOCH)
@@ -139,10 +139,7 @@ def _wait(ptr, target, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, k
             spins = max_spins
     ok = value >= target
     if not ok:
-        if tl.atomic_cas(err_ptr, 0, 1) == 0:
-            record_error_fields(err_ptr, me, kind, task, peer, value, target, epoch)
-            record_error_fields(host_err_ptr, me, kind, task, peer, value, target, epoch)
-            tl.store(host_err_ptr, 1)
+        record_timeout(err_ptr, host_err_ptr, me, kind, task, peer, value, target, epoch)
     return ok
 
 

@@ -90,11 +90,18 @@ def _wait_at_least(ptr, target, max_spins, err_ptr, host_err_ptr, task, kind, wh
             spins = max_spins
     ok = value >= target
     if not ok:
-        if tl.atomic_cas(err_ptr, 0, 1) == 0:
-            record_error_fields(err_ptr, 0, kind, task, what, value, target, epoch)
-            record_error_fields(host_err_ptr, 0, kind, task, what, value, target, epoch)
-            tl.store(host_err_ptr, 1)
+        record_timeout(err_ptr, host_err_ptr, 0, kind, task, what, value, target, epoch)
     return ok
+
+
+@triton.jit
+def record_timeout(err_ptr, host_err_ptr, rank, kind, task, what, value, target, epoch):
+    """A timed-out wait's error record, if it is the first: claimed on the device (the record
+    other waits poll), then written there and into its host mirror."""
+    if tl.atomic_cas(err_ptr, 0, 1) == 0:
+        record_error_fields(err_ptr, rank, kind, task, what, value, target, epoch)
+        record_error_fields(host_err_ptr, rank, kind, task, what, value, target, epoch)
+        tl.store(host_err_ptr, 1)
 
 
 @triton.jit
