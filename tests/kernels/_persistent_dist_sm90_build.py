@@ -6,7 +6,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
-from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G
+from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G, INDEX_BLOCK
 from interlace.kernels.persistent.launch import WIDE_TILES, WIDE_WARPS, PersistentKernelConfig, wide_stages
 
 names = [p.name for p in kernel.params]
@@ -32,7 +32,7 @@ for spec in sys.argv[1:]:
     n1 = n1 or default_n1
     consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=config.block_t, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
-                  BLOCK_A=512, G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=8, BLOCK_J=max(16, min(64, 2048 // el_pad)),
+                  BLOCK_A=INDEX_BLOCK, G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=8, BLOCK_J=max(16, min(64, 2048 // el_pad)),
                   BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,
                   BLOCK_N1=n1, BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True,
                   RENORMALIZE=True, ACTIVATION=0, W_PIECES=3, DOT_FP32=False, CLOCK=True, TIMELINE=timeline,

@@ -641,15 +641,16 @@ def test_dist_check_pick_comparison_on_gloo(tmp_path):
 @triton.jit
 def _slice_order_probe(tiles_ptr, out_ptr, mt, n_slices, BLOCK_M: tl.constexpr):
     rel = tl.program_id(0)
-    tile, piece = _expert_slice_order(rel, rel // n_slices, n_slices, tiles_ptr, mt, BLOCK_M)
-    tl.store(out_ptr + 2 * rel, tile)
-    tl.store(out_ptr + 2 * rel + 1, piece)
+    tile, piece, lx, first, end = _expert_slice_order(rel, rel // n_slices, n_slices, tiles_ptr, mt, BLOCK_M)
+    for i, v in enumerate((tile, piece, lx, first, end)):
+        tl.store(out_ptr + 5 * rel + i, v)
 
 
 def test_gemm_tasks_take_each_slice_over_an_experts_tiles_together():
     """GEMM task numbers → (tile, slice): expert by expert, and within an expert slice by slice
     over its tiles (consecutive numbers: the same weight slice, read once from HBM for all the
-    expert's tiles), a bijection onto every (real tile, slice)."""
+    expert's tiles), a bijection onto every (real tile, slice); with each tile's expert and
+    rows as its table entry has them."""
     block_m, n_slices, rows = 16, 3, [40, 0, 3, 17]  # experts of 3, 0, 1 and 2 tiles
     tiles = []
     for e, r in enumerate(rows):
@@ -659,9 +660,10 @@ def test_gemm_tasks_take_each_slice_over_an_experts_tiles_together():
     for j, (e, first, end) in enumerate(tiles):
         table[j], table[mt + j], table[2 * mt + j] = e, first, end
     n = len(tiles) * n_slices
-    out = torch.full((2 * n,), -1, dtype=torch.int32)
+    out = torch.full((5 * n,), -1, dtype=torch.int32)
     _slice_order_probe[(n,)](table, out, mt, n_slices, BLOCK_M=block_m)
-    got = [tuple(p) for p in out.view(n, 2).tolist()]
+    got = [tuple(p[:2]) for p in out.view(n, 5).tolist()]
+    assert [tuple(p[2:]) for p in out.view(n, 5).tolist()] == [tiles[t] for t, _ in got]
     want, b = [], 0
     for r in rows:
         n_e = -(-r // block_m)

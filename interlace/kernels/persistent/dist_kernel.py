@@ -28,8 +28,8 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
   and, within one expert, slice by slice over its tiles (so each weight slice is read once for
   all of them); a row's assignment is ``a = amap[s][l][slot]``, its token row ``recv[s][a //
   k]`` (this rank's own: its input); GEMM1 stores each output row into its source's
-  ``ret[a]``; the last GEMM1 task (a counter, acq_rel) publishes ``done[me] = epoch`` at
-  every rank;
+  ``ret[a]``; a program counts its GEMM1 tasks (acq_rel, system scope) when it leaves the
+  kind, and the count that reaches the total publishes ``done[me] = epoch`` at every rank;
 * combine (token block, N-slice): waits for this rank's index flag, then for ``done[d] ≥
   epoch`` of every owner d its tokens use (combine task 0: of every owner), then sums each
   token's k rows ``ret[t·k + j]`` in fp32 in j order (deterministic: nothing atomic touches an
@@ -47,7 +47,9 @@ finished would be blocked, of an earlier kind or a smaller number: impossible. A
 waits on is of an earlier kind; if the peer has a blocked task, that task's kind is no earlier
 than X's, so its number is larger than Y's, so Y was taken, and Y unfinished would be blocked
 with a kind earlier than X's: impossible; if the peer has none, its programs keep taking
-numbers until all are taken and done. So X's waits end: a contradiction. Nothing assumes that
+numbers until all are taken and done. So X's waits end: a contradiction. (A finished GEMM1
+task is counted when its program leaves the kind, before any later wait of that program: its
+count waits only on the program's later GEMM1 tasks, whose waits are on GEMM0 tasks.) Nothing assumes that
 programs are co-resident or start in any order (a program waits only after taking a number,
 and the numbers it waits on were taken by programs already running), only that every rank
 launches the same call. Waits are bounded (``max_spins`` polls and, on a GPU, ``timeout_ns``): a
@@ -162,12 +164,10 @@ def _tile_table(counts_table, offs_ptr, tiles_ptr, me, W, E_loc, mt, BLOCK_M: tl
 
 
 @triton.jit
-def _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row tile ``tile``: its local expert l, and per row its source rank, its slot in that
-    source's ``recv[s][l]``, and whether it is a row (the tile's tail past the expert's rows is not)."""
-    lx = tl.load(tiles_ptr + tile)
-    first = tl.load(tiles_ptr + mt + tile)
-    end = tl.load(tiles_ptr + 2 * mt + tile)
+def _tile_rows(first, end, lx, offs_ptr, W, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows ``first`` .. ``first + BLOCK_M`` of local expert ``lx`` (its rows of all sources,
+    ``end`` in all): per row its source rank, its slot in that source's ``recv[s][l]``, and
+    whether it is a row (the tile's tail past the expert's rows is not)."""
     i = first + tl.arange(0, BLOCK_M)
     src = tl.zeros((BLOCK_M,), dtype=tl.int32)
     base = tl.zeros((BLOCK_M,), dtype=tl.int32)
@@ -176,7 +176,7 @@ def _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD: tl.constexpr, BLOCK_M: 
         later = i >= off
         src = tl.where(later, s, src)
         base = tl.where(later, off, base)
-    return lx, src, i - base, i < end
+    return src, i - base, i < end
 
 
 @triton.jit
@@ -205,13 +205,13 @@ def _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens):
 
 
 @triton.jit
-def _gemm0_task(tile, ks, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr, offs_ptr, me, mt, W,
-                E_loc, max_tokens, N, K, UP, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr,
+def _gemm0_task(tile, ks, lx, first, end, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, offs_ptr, me,
+                W, E_loc, max_tokens, N, K, UP, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr, W_TMA: tl.constexpr,
                 JOINT: tl.constexpr):
     """h[tile rows, K-slice ks] = act(token rows @ W_up[l][gate (and up) rows]ᵀ): a row of
     source s ≠ me is recv[s][t], one of this rank's own tokens x[t] (t = amap[s][l][slot] // k)."""
-    lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
+    src, slot, rmask = _tile_rows(first, end, lx, offs_ptr, W, EL_PAD, BLOCK_M)
     t = (_row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens) // TOP_K).to(tl.int64)
     recv = peer_region(recv_table, me, h_ptr.dtype.element_ty)
     a_rows = tl.where(src == me, x_ptr + t * N, recv + (src.to(tl.int64) * max_tokens + t) * N)
@@ -227,19 +227,20 @@ def _gemm0_task(tile, ks, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_
 
 
 @triton.jit
-def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, tiles_ptr, offs_ptr, me, mt, W,
+def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, offs_ptr, me, W,
                 E_loc, max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                 BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr):
     """Each row's source s and assignment a (amap[s][l][slot]): s's ret[a, N-slice ns] =
     h[row] @ W_down[l][slice]ᵀ (stored into s's memory)."""
-    lx, src, slot, rmask = _tile_rows(tile, tiles_ptr, offs_ptr, mt, W, EL_PAD, BLOCK_M)
+    src, slot, rmask = _tile_rows(first, end, lx, offs_ptr, W, EL_PAD, BLOCK_M)
+    # (the rows' assignments are loaded before the GEMM: their round trip overlaps its loop)
+    rows = _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens).to(tl.int64)
     h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
     acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, w_down_desc,
                           lx * N + ns * BLOCK_N1, cols, cmask, K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
     y = acc.to(h_ptr.dtype.element_ty)
-    rows = _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens).to(tl.int64)
     for d in range(0, W):
         dst = peer_region(ret_table, d, h_ptr.dtype.element_ty)
         m = rmask & (src == d)
@@ -248,17 +249,36 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table,
 
 @triton.jit
 def _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M: tl.constexpr):
-    """(tile, slice) of GEMM task ``rel`` of its kind, numbered expert by expert (the table's
-    tiles are in expert order) and, within an expert, slice by slice over its tiles: the tiles
-    of one expert take each weight slice at the same time, so it is read from HBM once for all
-    of them (numbered tile by tile, each tile read it again, a whole round of tasks later). The
-    numbers of expert l are those of its tiles taken tile-major, so which tiles exist (and the
-    skip past them) is unchanged. ``tile``: rel // n_slices, a real tile."""
-    within = tl.load(tiles_ptr + mt + tile) // BLOCK_M  # (first rows count from 0 per expert)
-    n_l = (tl.load(tiles_ptr + 2 * mt + tile) + BLOCK_M - 1) // BLOCK_M
+    """(tile, slice, local expert, first row, end row) of GEMM task ``rel`` of its kind,
+    numbered expert by expert (the table's tiles are in expert order) and, within an expert,
+    slice by slice over its tiles: the tiles of one expert take each weight slice at the same
+    time, so it is read from HBM once for all of them (numbered tile by tile, each tile read it
+    again, a whole round of tasks later). The numbers of expert l are those of its tiles taken
+    tile-major, so which tiles exist (and the skip past them) is unchanged. ``tile``: rel //
+    n_slices, a real tile. One round trip: the task's tile is of the same expert as ``tile``,
+    whose entry gives the expert, its rows (first rows count from 0 per expert) and its tiles."""
+    lx = tl.load(tiles_ptr + tile)
+    within = tl.load(tiles_ptr + mt + tile) // BLOCK_M
+    end = tl.load(tiles_ptr + 2 * mt + tile)
+    n_l = (end + BLOCK_M - 1) // BLOCK_M
     first_tile = tile - within
     r = rel - first_tile * n_slices
-    return first_tile + r % n_l, r // n_l
+    return first_tile + r % n_l, r // n_l, lx, (r % n_l) * BLOCK_M, end
+
+
+@triton.jit
+def _count_gemm1(pending, total, state_ptr, done_table, me, W, epoch):
+    """Count this program's ``pending`` finished GEMM1 tasks (acq_rel, system scope, after every
+    thread's stores); the count that reaches ``total`` publishes ``done[me] = epoch`` at every
+    rank. A program counts its GEMM1 tasks once, when it leaves the kind, not after each: the
+    system-scope release waits for every store in flight (rows into peers' memory), and per
+    task it stalled each program at every task's end. Called before any later wait (a
+    combine task's, which the count may be gating) and at the program's exit. Returns 0."""
+    if pending > 0:
+        tl.debug_barrier()
+        if tl.atomic_add(state_ptr + GEMM1_DONE, pending, sem="acq_rel", scope="sys") + pending == total:
+            _publish_done(done_table, me, W, epoch)
+    return tl.full((), 0, tl.int32)
 
 
 @triton.jit
@@ -375,6 +395,9 @@ def persistent_dist_kernel(
     f_g0 = f_recv + W
     f_g1 = f_g0 + n_k0 * mt
     f_comb = f_g1 + n_n1 * mt
+    table_seen = tl.full((), 0, tl.int32)  # this program has seen the call's tile table (READY)
+    n_tiles = tl.full((), 0, tl.int32)
+    g1_pending = tl.full((), 0, tl.int32)  # GEMM1 tasks finished here, not yet counted
     task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < task_hi:
         t_start = timeline_now(timeline_clock, TIMELINE)
@@ -444,19 +467,26 @@ def persistent_dist_kernel(
             rel = task - first
             tile = rel // n_slices
             piece = rel % n_slices
-            ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
-                          WAIT_READY, me, epoch, "gpu", CLOCK)
-            n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
-            real = ready & (tile < n_tiles)
+            # The tile table is this call's once seen: a program waits for it (and reads the
+            # tile count) at its first GEMM task only.
+            if table_seen == 0:
+                ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                              WAIT_READY, me, epoch, "gpu", CLOCK)
+                n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
+                table_seen = tl.where(ready, 1, 0)
+            real = (table_seen != 0) & (tile < n_tiles)
+            lx = tl.full((), 0, tl.int32)
+            row0 = tl.full((), 0, tl.int32)
+            row_end = tl.full((), 0, tl.int32)
             if real:
-                tile, piece = _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
+                tile, piece, lx, row0, row_end = _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if real:
                 if is_g0:
-                    _gemm0_task(tile, piece, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, tiles_ptr,
-                                offs_ptr, me, mt, W, E_loc, max_tokens, N, K, UP, TOP_K, ACTIVATION, EL_PAD, BLOCK_M,
-                                BLOCK_K0, BLOCK_N0, W_TMA, JOINT)
+                    _gemm0_task(tile, piece, lx, row0, row_end, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc,
+                                h_ptr, offs_ptr, me, W, E_loc, max_tokens, N, K, UP, TOP_K, ACTIVATION, EL_PAD,
+                                BLOCK_M, BLOCK_K0, BLOCK_N0, W_TMA, JOINT)
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
@@ -464,16 +494,16 @@ def persistent_dist_kernel(
                                        task, WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
-                        _gemm1_task(tile, piece, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, tiles_ptr,
-                                    offs_ptr, me, mt, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1, BLOCK_K1,
-                                    W_TMA)
-                    tl.debug_barrier()  # (every thread's stores before the count: acq_rel, system scope)
-                    if tl.atomic_add(state_ptr + GEMM1_DONE, 1, sem="acq_rel", scope="sys") == n_tiles * n_n1 - 1:
-                        _publish_done(done_table, me, W, epoch)
+                        _gemm1_task(tile, piece, lx, row0, row_end, h_ptr, w_down_ptr, w_down_desc, ret_table,
+                                    amap_table, offs_ptr, me, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1,
+                                    BLOCK_K1, W_TMA)
+                    g1_pending += 1  # (counted when this program leaves the kind: _count_gemm1)
             else:
                 # Tiles past the real count are the rest of this kind's range: skip it at once.
+                g1_pending = _count_gemm1(g1_pending, n_tiles * n_n1, state_ptr, done_table, me, W, epoch)
                 tl.atomic_max(state_ptr + QUEUE, first + mt * n_slices - task_lo, sem="relaxed", scope="gpu")
         else:
+            g1_pending = _count_gemm1(g1_pending, n_tiles * n_n1, state_ptr, done_table, me, W, epoch)
             comb = task - f_comb
             tb = comb // n_comb_n
             # This rank's routing first (the owners to wait for are read from it): a combine task
@@ -494,6 +524,7 @@ def persistent_dist_kernel(
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
         task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    _count_gemm1(g1_pending, n_tiles * n_n1, state_ptr, done_table, me, W, epoch)
     # The last program out resets the queue; after the call's last launch, also the counters,
     # and publishes the epoch.
     if tl.atomic_add(state_ptr + DONE, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
