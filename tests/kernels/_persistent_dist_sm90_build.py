@@ -6,7 +6,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
-from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G, INDEX_BLOCK
+from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G, INDEX_BLOCK, LOGITS_TILE, WIDE_LOGITS_TILE
 from interlace.kernels.persistent.launch import WIDE_TILES, WIDE_WARPS, PersistentKernelConfig, wide_stages
 
 names = [p.name for p in kernel.params]
@@ -30,7 +30,8 @@ for spec in sys.argv[1:]:
     k0, n0, default_n1, k1 = WIDE_TILES if wide else config.tiles(block_m)
     warps, stages = (WIDE_WARPS, wide_stages(block_m)) if wide else (config.num_warps, config.num_stages)
     n1 = n1 or default_n1
-    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=config.block_t, BLOCK_TK=4, BLOCK_E=config.block_e, BLOCK_G=DIST_BLOCK_G,
+    logits_tile = WIDE_LOGITS_TILE if wide else LOGITS_TILE
+    consts = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=logits_tile[0], BLOCK_TK=4, BLOCK_E=logits_tile[1], BLOCK_G=DIST_BLOCK_G,
                   BLOCK_S=config.block_s, BLOCK_NS=config.block_ns,
                   BLOCK_A=INDEX_BLOCK, G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=8, BLOCK_J=max(16, min(64, 2048 // el_pad)),
                   BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0,

@@ -39,6 +39,7 @@ TILES_BY_BLOCK_M = {16: (64, 64, 64, 64), 32: (64, 64, 64, 64), 64: (64, 32, 64,
 # call has the rows or the tasks for it: wide_tiles_for).
 WIDE_TILES = (128, 64, 128, 64)
 WIDE_WARPS = 8
+GATE_TOKENS = 16  # tokens per gate task (world size 1; PersistentKernelConfig.block_t None)
 WIDE_MIN_ROWS = 32  # the call's average rows per local expert from which `wide` None takes wide tiles
 
 
@@ -58,7 +59,10 @@ class PersistentKernelConfig:
     at most 128: so each touched expert's weight slice is read by one row tile, or two, not 4–16
     small ones). block_k0: GEMM0's K-slice (output columns of h per task); block_n0: its
     reduction step over N. block_n1: GEMM1's N-slice; block_k1: its reduction step over K (each
-    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task (at W > 1: per logits task);
+    None: :data:`TILES_BY_BLOCK_M`). block_t: tokens per gate task (None: :data:`GATE_TOKENS`); at
+    W > 1, block_t × block_e: tokens × experts of a logits task (None:
+    :data:`~interlace.kernels.persistent.dist_launch.LOGITS_TILE`, with wide tiles
+    :data:`~interlace.kernels.persistent.dist_launch.WIDE_LOGITS_TILE`);
     block_tk (W > 1): tokens per top-k task (None: by the call,
     :func:`~interlace.kernels.persistent.dist_launch.top_k_block`); block_g: the gate's
     reduction step over N (None: 32 at world size 1, where one task takes all experts' logits;
@@ -106,10 +110,10 @@ class PersistentKernelConfig:
     block_n0: int | None = None
     block_n1: int | None = None
     block_k1: int | None = None
-    block_t: int = 16
+    block_t: int | None = None
     block_tk: int | None = None
     block_g: int | None = None
-    block_e: int = 32
+    block_e: int | None = None
     logits_splits: int | None = None
     block_s: int = 16
     block_ns: int = 256
@@ -269,8 +273,8 @@ class CallPlan:
         self.config = c = config
         self.block_m = block_m = c.rows_per_tile(T, top_k, E)
         block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
-        self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t, block_m, block_k0, block_n1,
-                                                c.block_tc, c.block_nc)
+        self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t or GATE_TOKENS, block_m, block_k0,
+                                                block_n1, c.block_tc, c.block_nc)
         e_pad = max(16, next_power_of_2(E))
         TK = T * top_k
         n_hist = layout.n_gate * e_pad * (top_k if capacity is not None else 1)
@@ -295,7 +299,7 @@ class CallPlan:
         self.round_logits = round_logits
         self.programs = self._programs()
         self.constexprs = dict(
-            TOP_K=top_k, E_PAD=e_pad, BLOCK_T=c.block_t, BLOCK_G=c.block_g or 32,
+            TOP_K=top_k, E_PAD=e_pad, BLOCK_T=c.block_t or GATE_TOKENS, BLOCK_G=c.block_g or 32,
             BLOCK_A=128, BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
             BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc,
             SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
