@@ -104,7 +104,7 @@ SOURCES = [
                 "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
     dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: every strategy side by side against the decode floor (a barrier before each call)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="eeee0f1", command=DECODE_COMMAND,
+         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND,
          notes=["ms: CUDA events around the whole layer call, a barrier before each timed call (the GPU idle when "
                 "the call starts, so its host time counts), the median of 20 timed calls after 5 warm-ups, the "
                 "slowest rank's median; `--interleave` times the strategies round-robin. Every strategy's output "
@@ -115,54 +115,51 @@ SOURCES = [
                 "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: its "
                 "decision for the row's token count, calibrated on the first calls of the bucket (at world size > 1 "
                 "`persistent` is a candidate of inference calls up to 512 tokens per rank).",
-                "`persistent` here: one launch per rank and call; the router GEMM as (16 tokens × 32 experts × a "
-                "part of N) tasks, top-k tasks of 4–16 tokens (about 32 a call) picking with one reduction each; "
+                "`persistent` here: one launch per rank and call; the router GEMM as (tokens × experts × a part of "
+                "N) tasks, 16 × 32 with narrow tiles and 32 × 64 with wide ones, at most one task per program; "
+                "top-k tasks of 4–16 tokens (about 32 a call) picking with one reduction each; "
                 "the send as (16 tokens × 256 columns) tasks storing each token row once into each peer owner of one "
                 "of its experts (an owner reads its own tokens from its input), with an assignment map for the "
                 "owner's row tiles; row tiles of one expert over "
                 "every source's rows, the tiles of one expert taking each weight slice together (each touched "
-                "expert's weights read once). Below 32 rows per local expert (the call's average) narrow tiles: "
+                "expert's weights read once), a GEMM task's preamble one round trip to the tile table, and a "
+                "program's GEMM1 tasks counted once, when it leaves the kind. Below 32 rows per local expert (the "
+                "call's average) narrow tiles: "
                 "4 warps, two programs per SM, weight loads 6 stages deep, GEMM1 slices 128 wide where there are "
                 "four tasks per SM at that width; from 32 rows wide tiles: 8 warps, weights through TMA (5 stages "
                 "deep at 64-row tiles, 4 at 128), a SwiGLU GEMM0 task one 64- or 128-row × 256 dot, GEMM1 slices "
                 "128 or 256 wide (`PersistentKernelConfig.wide`). "
-                "With this kernel (eeee0f1), in the same session: tests/gpu/persistent_dist_check.py passed its "
-                "checks on flashdmoe-cfg and qwen3-30b-a3b (uneven and zero-token ranks, skew, graph replays, "
+                "With this kernel (59ce3d4), in the same session: tests/gpu/persistent_dist_check.py passed its "
+                "checks on qwen3-30b-a3b at 512 tokens per rank (uneven and zero-token ranks, skew, graph replays, "
                 "bitwise repeatability, each call's picks against the fp32 reference's, no timed-out wait) with a "
-                "30-call stress of each (0–512 tokens per rank; worst relative error 2.9e-3). Its only change "
-                "since 9d2bdc1 is the stage count of the 64-row wide tiles; on 9d2bdc1's kernel "
-                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` passed (106, its capacity config included), "
-                "tests/gpu/persistent_dist_check.py passed its checks on qwen3-30b-a3b with a capacity factor of "
-                "0.75 (uneven and zero-token ranks, skew, graph replays, bitwise repeatability, each call's picks "
-                "against the fp32 reference's, no timed-out wait) and a 200-call stress of it, and "
-                "tests/gpu/persistent_check.py's error path (a timed-out wait raised at the next call, from an "
-                "eager call and from a graph replay). The dropless checks with a 200-call stress each "
-                "(qwen3-30b-a3b; mixtral-8x7b's checks) passed on the kernel before its error-record change "
-                "(40e61d6), and a 1000-call stress of qwen3-30b-a3b on cbaac7c's (worst relative error 2.9e-3)."]),
+                "30-call stress (0–512 tokens per rank; worst relative error 2.9e-3). Earlier kernels: "
+                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` passed (106, its capacity config "
+                "included) on 9d2bdc1's, as did tests/gpu/persistent_dist_check.py on qwen3-30b-a3b with a capacity "
+                "factor of 0.75 and a 200-call stress of it, and tests/gpu/persistent_check.py's error path (a "
+                "timed-out wait raised at the next call, from an eager call and from a graph replay); a 1000-call "
+                "stress of qwen3-30b-a3b on cbaac7c's (worst relative error 2.9e-3)."]),
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="eeee0f1", command=DECODE_COMMAND, timing="back_to_back",
+         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND, timing="back_to_back",
          notes=["The ratios move with the lease's ceilings: this run measured the HBM read bandwidth at "
-                "4.18 TB/s (the previous standing's run, at 9d2bdc1: 4.08), so the weight terms of its floors are "
-                "2% smaller (flashdmoe-cfg at 512 tokens: 1.51× here, 1.48× against 4.08 TB/s), and the peer "
-                "latency at 20.6 µs (then 19.7; other leases of the same day measured 21–33 µs), so the 1-token "
-                "floors, two peer latencies where the weights are few, are 41 µs. The 1-token rows move most "
-                "between leases (qwen3-30b-a3b 0.115 → 0.075 ms, flashdmoe-cfg 0.080 → 0.109, with the same "
-                "kernel on the narrow tiles they run). Against the previous standing (9d2bdc1), `persistent` took "
-                "0.96–1.05× its times on the rows of 8 tokens and more (median 1.02×), `fused` and `sequential`, "
-                "unchanged, 0.59–1.45× and 0.57–1.92× (medians 1.01× and 1.00×); flashdmoe-cfg at 512 tokens, the "
-                "one row whose "
-                "kernel changed (64-row wide tiles 5 stages deep instead of 4), went 0.303 → 0.291 ms (4% faster "
-                "in an A/B of one process: 0.3007 → 0.2889). `auto` at 1 token now runs within 3 µs of "
-                "`persistent` on qwen3-30b-a3b (0.078 against 0.075 ms; the previous standing: 0.175 against "
-                "0.115): MoELayer.forward's host time per call was halved (00970db).",
+                "4.10 TB/s (the previous standing's run, at eeee0f1: 4.18; this session's other leases 4.14–4.19) "
+                "and the peer latency at 35.3 µs (then 20.6), so the 1-token floors, two peer latencies where the "
+                "weights are few, are 71 µs here (41 then). On dsv3-like from 8 tokens `persistent` ran at "
+                "0.93–1.00× its floor: it streamed the weights faster than the run's measurement of the HBM read "
+                "bandwidth. Against the previous standing (eeee0f1), `persistent` took 0.78–0.98× its times (median "
+                "0.945×; at 512 tokens 0.86–0.97×), `fused`, unchanged, 0.55–1.23× (median 0.98×). In A/Bs of one "
+                "process against the kernel before each change, at 512 tokens per GPU: the GEMM preamble and "
+                "deferred GEMM1 count 0.95× on qwen3-30b-a3b and qwen2-moe (0.98–1.02× on the other presets), "
+                "the wide tiles' logits tiles 0.96–0.99× (phi3.5-moe 1.01×; at 128 tokens, where mixtral-8x7b and "
+                "phi3.5-moe also run wide tiles, 1.01× on both). `auto` at 1 token ran 4–21 µs slower than "
+                "`persistent`, the strategy it picked (the previous standing: 3 µs on qwen3-30b-a3b).",
                 "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
                 "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
                 "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
                 "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2)."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
-         device="2× NVIDIA H200", date="2026-11-27", commit="cbaac7c",
+         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4",
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
                  "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512"),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
