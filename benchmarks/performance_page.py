@@ -132,10 +132,11 @@ SOURCES = [
                 "With this kernel (59ce3d4), in the same session: tests/gpu/persistent_dist_check.py passed its "
                 "checks on qwen3-30b-a3b at 512 tokens per rank (uneven and zero-token ranks, skew, graph replays, "
                 "bitwise repeatability, each call's picks against the fp32 reference's, no timed-out wait) with a "
-                "30-call stress (0–512 tokens per rank; worst relative error 2.9e-3). Earlier kernels: "
-                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` passed (106, its capacity config "
-                "included) on 9d2bdc1's, as did tests/gpu/persistent_dist_check.py on qwen3-30b-a3b with a capacity "
-                "factor of 0.75 and a 200-call stress of it, and tests/gpu/persistent_check.py's error path (a "
+                "30-call stress (0–512 tokens per rank; worst relative error 2.9e-3); so did its checks on "
+                "qwen3-30b-a3b with a capacity factor of 0.75 and on mixtral-8x7b (their stresses cut by the "
+                "run's time limit), and tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` (106 "
+                "passed, its capacity config included). Earlier kernels: a 200-call stress of the capacity "
+                "check on 9d2bdc1's, tests/gpu/persistent_check.py's error path (a "
                 "timed-out wait raised at the next call, from an eager call and from a graph replay); a 1000-call "
                 "stress of qwen3-30b-a3b on cbaac7c's (worst relative error 2.9e-3)."]),
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
