@@ -552,6 +552,18 @@ def test_one_launch_runs_every_task(Ts):
     w.check_all()
 
 
+def test_gemm1_count_reaches_the_combine_without_a_skip():
+    """A program counts its GEMM1 tasks when it leaves the kind: at the skip past the real tiles,
+    or, where every tile the bound allows is real (no skip task: one token, top-1 of two
+    experts), at its first combine task, before that task waits for the return flag the count
+    publishes (uncounted, the wait would time out)."""
+    w = World(1, [1], experts=2, top_k=1, max_spins=1 << 10)
+    plan = w.plans[0]
+    w.assert_matches(w.run(phases=(None,)))
+    w.check_all()
+    assert int(w.bufs[0].state[dt.N_TILES]) == plan.layout.mt == 1  # (every tile real: no skip task)
+
+
 def _stress_on_gloo(rank, world, failures_path, broken, factor):
     """tests/gpu/persistent_dist_check.py's stress on gloo ranks (the staged transport, the kernel
     under the interpreter), small: random rank-local counts, skewed calls, every 10th checked;
