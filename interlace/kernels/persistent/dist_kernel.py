@@ -49,10 +49,10 @@ than X's, so its number is larger than Y's, so Y was taken, and Y unfinished wou
 with a kind earlier than X's: impossible; if the peer has none, its programs keep taking
 numbers until all are taken and done. So X's waits end: a contradiction. (A finished GEMM1
 task is counted when its program leaves the kind, before any later wait of that program: its
-count waits only on the program's later GEMM1 tasks, whose waits are on GEMM0 tasks.) Nothing assumes that
-programs are co-resident or start in any order (a program waits only after taking a number,
-and the numbers it waits on were taken by programs already running), only that every rank
-launches the same call. Waits are bounded (``max_spins`` polls and, on a GPU, ``timeout_ns``): a
+count waits only on the program's later GEMM1 tasks, whose waits are on GEMM0 tasks.) Nothing
+assumes that programs are co-resident or start in any order (a program waits only after taking
+a number, and the numbers it waits on were taken by programs already running), only that every
+rank launches the same call. Waits are bounded (``max_spins`` polls and, on a GPU, ``timeout_ns``): a
 timed-out wait writes the error record (naming this rank, the task and the peer rank) and the
 task skips its work.
 

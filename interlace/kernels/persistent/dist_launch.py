@@ -348,7 +348,8 @@ class DistPlan:
                               block_m=block_m, layout=layout)
         self.constexprs = dict(
             TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=block_t,
-            BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=INDEX_BLOCK,
+            BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns,
+            BLOCK_A=INDEX_BLOCK,
             G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=max(MAX_LOGITS_SPLITS, c.logits_splits or 1),
             BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
             BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
