@@ -288,6 +288,17 @@ def test_row_tile_choice():
     assert c.tiles(48) == TILES_BY_BLOCK_M[64]
 
 
+@pytest.mark.parametrize("field, bad", [("block_e", 48), ("block_t", 0), ("block_ns", True), ("block_m", 2.0),
+                                        ("num_warps", 6), ("num_warps", None), ("num_stages", 0),
+                                        ("programs", -1), ("logits_splits", 1.5), ("wide", 1)])
+def test_config_refuses_what_no_kernel_takes(field, bad):
+    """A tile size that is not a power of 2, a count below 1, a bool or float for an int: a
+    ValueError naming the field when the config is made, before any build or launch."""
+    with pytest.raises(ValueError, match=f"kernel {field} must be"):
+        PersistentKernelConfig(**{field: bad})
+    PersistentKernelConfig(block_e=64, block_t=32, num_stages=3, programs=7, logits_splits=3)  # (fine)
+
+
 @pytest.mark.parametrize("T, block_m, forced", [(130, 64, False), (300, 128, False), (33, 128, True), (300, 64, True)])
 def test_large_row_tiles_match_reference(T, block_m, forced):
     """64- and 128-row tiles (by the choice rule, or forced on few rows: mostly empty tiles),

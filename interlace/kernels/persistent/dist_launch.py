@@ -312,10 +312,6 @@ class DistPlan:
         block_s, block_ns = c.block_s, min(c.block_ns, next_power_of_2(N))
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
         n_eb = cdiv(E, block_e)
-        for name in ("logits_splits", "combine_slices"):
-            v = getattr(c, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"persistent: kernel {name} must be an int >= 1 or None, got {v!r}")
         sms = sm_count(x.device)
         n_ls = c.logits_splits or logits_splits(cdiv(T, block_t) * n_eb, N, block_gl,
                                                 sms and sms * (1 if self.wide else 2))
@@ -324,9 +320,6 @@ class DistPlan:
         n_slices_c = cdiv(N, c.block_nc)
         comb_slices = c.combine_slices or (max(1, cdiv(cdiv(T, c.block_tc) * n_slices_c, sms)) if sms else 1)
         self.comb_slices = comb_slices = min(comb_slices, n_slices_c)
-        v = c.block_tk
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
-            raise ValueError(f"persistent: kernel block_tk must be a power of 2 >= 1 or None, got {v!r}")
         block_tk = c.block_tk or top_k_block(T)
         self.layout = layout = dt.DistLayout.build(
             T, N, K, spec.world, L, top_k, spec.max_tokens, block_t=block_t, block_tk=block_tk, block_e=block_e,

@@ -125,6 +125,27 @@ class PersistentKernelConfig:
     programs: int | None = None
     wide: bool | None = None
 
+    _POWERS_OF_2 = ("block_m", "block_k0", "block_n0", "block_n1", "block_k1", "block_t", "block_tk", "block_g",
+                    "block_e", "block_s", "block_ns", "block_tc", "block_nc", "num_warps")
+    _COUNTS = ("logits_splits", "combine_slices", "programs", "num_stages")
+
+    def __post_init__(self):
+        """Refuse, before any build or launch, a field no kernel can take: the tile sizes and
+        warps are block shapes (powers of 2), the counts whole numbers ≥ 1."""
+        for name in self._POWERS_OF_2 + self._COUNTS:
+            v = getattr(self, name)
+            if v is None and name not in ("num_warps", "num_stages"):
+                continue
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            if name in self._POWERS_OF_2 and ok and v & (v - 1):
+                ok = False
+            if not ok:
+                what = "a power of 2 >= 1" if name in self._POWERS_OF_2 else "an int >= 1"
+                raise ValueError(f"persistent: kernel {name} must be {what}"
+                                 f"{'' if name in ('num_warps', 'num_stages') else ' or None'}, got {v!r}")
+        if self.wide is not None and not isinstance(self.wide, bool):
+            raise ValueError(f"persistent: kernel wide must be True, False or None, got {self.wide!r}")
+
     def rows_per_tile(self, T: int, top_k: int, num_experts: int) -> int:
         if self.block_m is not None:
             return self.block_m
