@@ -313,8 +313,8 @@ class DistPlan:
         block_gl = c.block_g or DIST_BLOCK_G  # the router GEMM's step over N: a (block_gl, block_e) fp32 weight tile
         n_eb = cdiv(E, block_e)
         sms = sm_count(x.device)
-        n_ls = c.logits_splits or logits_splits(cdiv(T, block_t) * n_eb, N, block_gl,
-                                                sms and sms * (1 if self.wide else 2))
+        programs = sms * (1 if self.wide else 2) if sms else None  # (wide tiles: one program per SM; narrow: two)
+        n_ls = c.logits_splits or logits_splits(cdiv(T, block_t) * n_eb, N, block_gl, programs)
         ls_chunk = cdiv(cdiv(N, n_ls), block_gl) * block_gl
         self.logits_splits = n_ls
         n_slices_c = cdiv(N, c.block_nc)

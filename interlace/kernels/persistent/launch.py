@@ -128,21 +128,20 @@ class PersistentKernelConfig:
     _POWERS_OF_2 = ("block_m", "block_k0", "block_n0", "block_n1", "block_k1", "block_t", "block_tk", "block_g",
                     "block_e", "block_s", "block_ns", "block_tc", "block_nc", "num_warps")
     _COUNTS = ("logits_splits", "combine_slices", "programs", "num_stages")
+    _REQUIRED = ("num_warps", "num_stages")  # (the rest may be None: chosen by the call)
 
     def __post_init__(self):
         """Refuse, before any build or launch, a field no kernel can take: the tile sizes and
         warps are block shapes (powers of 2), the counts whole numbers ≥ 1."""
         for name in self._POWERS_OF_2 + self._COUNTS:
             v = getattr(self, name)
-            if v is None and name not in ("num_warps", "num_stages"):
+            if v is None and name not in self._REQUIRED:
                 continue
-            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-            if name in self._POWERS_OF_2 and ok and v & (v - 1):
-                ok = False
-            if not ok:
-                what = "a power of 2 >= 1" if name in self._POWERS_OF_2 else "an int >= 1"
-                raise ValueError(f"persistent: kernel {name} must be {what}"
-                                 f"{'' if name in ('num_warps', 'num_stages') else ' or None'}, got {v!r}")
+            pow2 = name in self._POWERS_OF_2
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (pow2 and v & (v - 1)):
+                what = "a power of 2 >= 1" if pow2 else "an int >= 1"
+                none = "" if name in self._REQUIRED else " or None"
+                raise ValueError(f"persistent: kernel {name} must be {what}{none}, got {v!r}")
         if self.wide is not None and not isinstance(self.wide, bool):
             raise ValueError(f"persistent: kernel wide must be True, False or None, got {self.wide!r}")
 
