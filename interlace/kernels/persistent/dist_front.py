@@ -13,7 +13,10 @@ import triton
 import triton.language as tl
 
 from interlace.kernels.comet.flags import peer_region
+from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits
+
+SEND_DONE = tl.constexpr(dt.SEND_DONE)
 
 
 @triton.jit
@@ -141,6 +144,22 @@ def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, m
     maps = tl.load(amap_table + owner, mask=amask, other=0).to(tl.pointer_type(tl.int32))
     entry = (me * E_loc + e - owner * E_loc).to(tl.int64) * max_tokens + slot
     tl.store(maps + entry, a.to(tl.int32), mask=amask & (js[None, :] % n_ns == ns))
+
+
+@triton.jit
+def _count_sends(pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch,
+                 EL_PAD: tl.constexpr):
+    """Count this program's ``pending`` finished send tasks (acq_rel, system scope, after every
+    thread's stores); the count that reaches ``n_send`` publishes the counts and the dispatch
+    flag (:func:`_publish_sent`). A program counts its sends once, when it leaves the kind, not
+    after each: the system-scope release waits for every store in flight (its rows into the
+    peers' memory), and per task it stalled each program at every send's end. Called before
+    any later wait (a receive may wait on this very flag) and at the program's exit. Returns 0."""
+    if pending > 0:
+        tl.debug_barrier()
+        if tl.atomic_add(state_ptr + SEND_DONE, pending, sem="acq_rel", scope="sys") + pending == n_send:
+            _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
+    return tl.full((), 0, tl.int32)
 
 
 @triton.jit

@@ -15,10 +15,11 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
 * send (token block × column slice): each token row stored once into ``recv[me][t]`` of
   every peer owner of one of its k experts, and each assignment's ``amap[me][local
   expert][slot] = t·k + j`` at its owner (a row crosses NVLink once per owner, not once per
-  expert: top-8 over 2 ranks sent each row about 4 times). The last send task (a counter,
-  acq_rel) writes this rank's per-(owner, local expert) counts into every owner's
-  ``counts[me]`` and then, release at system scope, the epoch into every owner's ``sent[me]``
-  — also owners it sends no row to;
+  expert: top-8 over 2 ranks sent each row about 4 times). A program counts its send tasks
+  (acq_rel, system scope) when it leaves the kind; the count that reaches the total writes
+  this rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then,
+  release at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends
+  no row to;
 * receive (source s): waits (acquire, system scope) for ``sent[s] ≥ epoch`` and counts itself
   done; the last receive task builds the tile table over every source's rows (row tiles of one
   local expert hold its rows from all sources, so each touched expert's weights are read once)
@@ -47,9 +48,10 @@ finished would be blocked, of an earlier kind or a smaller number: impossible. A
 waits on is of an earlier kind; if the peer has a blocked task, that task's kind is no earlier
 than X's, so its number is larger than Y's, so Y was taken, and Y unfinished would be blocked
 with a kind earlier than X's: impossible; if the peer has none, its programs keep taking
-numbers until all are taken and done. So X's waits end: a contradiction. (A finished GEMM1
-task is counted when its program leaves the kind, before any later wait of that program: its
-count waits only on the program's later GEMM1 tasks, whose waits are on GEMM0 tasks.) Nothing
+numbers until all are taken and done. So X's waits end: a contradiction. (A finished send or
+GEMM1 task is counted when its program leaves the kind, before any later wait of that
+program: its count waits only on the program's later tasks of the same kind, whose waits are
+on earlier kinds.) Nothing
 assumes that programs are co-resident or start in any order (a program waits only after taking
 a number, and the numbers it waits on were taken by programs already running), only that every
 rank launches the same call. Waits are bounded (``max_spins`` polls and, on a GPU, ``timeout_ns``): a
@@ -80,7 +82,7 @@ from interlace.kernels.comet.flags import peer_region
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
-    _choice_task, _index_task, _logits_task, _publish_sent, _send_task, block_assignments,
+    _choice_task, _count_sends, _index_task, _logits_task, _send_task, block_assignments,
 )
 from interlace.kernels.persistent.kernel import record_timeout, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
@@ -398,8 +400,12 @@ def persistent_dist_kernel(
     table_seen = tl.full((), 0, tl.int32)  # this program has seen the call's tile table (READY)
     n_tiles = tl.full((), 0, tl.int32)
     g1_pending = tl.full((), 0, tl.int32)  # GEMM1 tasks finished here, not yet counted
+    send_pending = tl.full((), 0, tl.int32)  # send tasks finished here, not yet counted
     task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < task_hi:
+        if task >= f_recv:  # (past the sends for good: count this program's before any later wait)
+            send_pending = _count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W,
+                                        E_loc, epoch, EL_PAD)
         t_start = timeline_now(timeline_clock, TIMELINE)
         t_waited = t_start
         rec_kind = tl.full((), REC_LOGITS, tl.int32)
@@ -439,9 +445,7 @@ def persistent_dist_kernel(
                            recv_table, amap_table, me, W, E_loc, max_tokens, T, N, capacity, TOP_K, K_PAD, BLOCK_S,
                            BLOCK_NS, CAPACITY)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
-                tl.debug_barrier()
-                if tl.atomic_add(state_ptr + SEND_DONE, 1, sem="acq_rel", scope="sys") == n_send - 1:
-                    _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
+                send_pending += 1  # (counted when this program leaves the kind: _count_sends)
         elif task < f_g0:
             s = (me + task - f_recv) % W  # (this rank's own rows first: they arrive first)
             sent = peer_region(sent_table, me, tl.int32)
@@ -524,6 +528,7 @@ def persistent_dist_kernel(
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
         task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
+    _count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
     _count_gemm1(g1_pending, n_tiles * n_n1, state_ptr, done_table, me, W, epoch)
     # The last program out resets the queue; after the call's last launch, also the counters,
     # and publishes the epoch.
