@@ -165,8 +165,8 @@ def _count_sends(pending, n_send, state_ptr, counts_ptr, counts_table, sent_tabl
 @triton.jit
 def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD: tl.constexpr):
     """Every owner d: counts[me][:] = this rank's rows per d's local expert, then (release,
-    system scope, after every send task's rows: the caller holds the send counter's acq_rel)
-    sent[me] = epoch."""
+    system scope, after every send task's rows: the caller's count, :func:`_count_sends`, was
+    an acq_rel at system scope) sent[me] = epoch."""
     lo = tl.arange(0, EL_PAD)
     lmask = lo < E_loc
     for d in range(0, W):

@@ -11,9 +11,10 @@ logits     ``ceil(T / BLOCK_T) · ceil(E / BLOCK_E)  nothing (token block × exp
 gate       ``G = ceil(T / BLOCK_TK)``              every logits task (a counter reaches n_logits)
 index      1                                       this rank's gate tasks (a counter reaches G)
 send       ``max(1, ceil(T / BLOCK_S)) · n_ns``    this rank's index (a flag reaches the epoch)
-receive    ``W`` (one per source rank)             source s's last send task (s's dispatch flag
-                                                   in this rank's table reaches the epoch); the
-                                                   last receive task also builds the tile table
+receive    ``W`` (one per source rank)             every send task of source s, counted (s's
+                                                   dispatch flag in this rank's table reaches
+                                                   the epoch); the last receive task also
+                                                   builds the tile table
 GEMM0      ``MT · n_k0``                           the tile table (a flag reaches the epoch)
 GEMM1      ``MT · n_n1``                           the tile table; the tile's GEMM0 tasks
 combine    ``max(1, ceil(T / BLOCK_TC)) · n_nc``   each owner's last GEMM1 task (or its tile
