@@ -63,6 +63,7 @@ from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import route_logits
 from interlace.strategies import make_strategy
+from interlace.strategies.base import strategy_class
 from interlace.strategies.custom_op import run_strategy
 
 
@@ -311,14 +312,18 @@ class InterlaceMoeBlock(nn.Module):
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
+        w_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        routed = self._routes_in_strategy(x)
         if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
-            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
+            # e.g. auto's agreement with its peers (token count and kind of call), under the router
+            train = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad
+                                                 or any(p.requires_grad for p in self.gate.parameters()))
+            routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared experts first, on a side stream on CUDA (MoEConfig.shared_overlap), beside
         # the routing and the strategy on this stream; joined below (same sum as HF's).
         shared = None if self.family.shared is None else shared_overlap.start(
             self._shared, hidden_states, overlap=self.config.shared_overlap)
-        w_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
-        if self._routes_in_strategy(x):
+        if routed:
             out = self.strategy.forward_layer(x, self.kernel_router, w_up, w_down).reshape(shape)
         else:
             _, weight, idx = self.gate(x)
@@ -338,8 +343,16 @@ class InterlaceMoeBlock(nn.Module):
         return self.family.shared(self, hidden_states)
 
     def set_strategy(self, name: str, **options) -> None:
-        """Switch the strategy (on every rank alike); weights are untouched."""
-        self.strategy = make_strategy(name, self.config, self.ep, device=self.experts.down_proj.device, **options)
+        """Switch the strategy (on every rank alike); weights are untouched. As
+        :meth:`interlace.MoELayer.set_strategy`: without ``options``, those last given for this
+        strategy name hold again; the old strategy's own graphs and plans are dropped."""
+        base = strategy_class(name).name
+        given = dict(options) if options else self._strategy_options.get(base, {})
+        new = make_strategy(name, self.config, self.ep, device=self.experts.down_proj.device, **given)
+        new.label = self.strategy.label
+        self._strategy_options[base] = given
+        old, self.strategy = self.strategy, new
+        old.close()
         self.gate.interlace_fused = self.strategy.fused_routing
 
     def extra_repr(self) -> str:
@@ -394,7 +407,9 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
         ep = ExpertParallel.build(group, config.num_experts)
         check_same_across_ranks(config.fingerprint(), ep, f"MoEConfig of {name}")
         impl = make_strategy(strategy, config, ep, device=w.device, **(strategy_options or {}))
+        impl.label = f"{name} (interlace)"
         replacement = InterlaceMoeBlock(block, family, config, ep, impl, family_name)
+        replacement._strategy_options = {impl.name: dict(strategy_options or {})}
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
     return [name for name, _ in targets]

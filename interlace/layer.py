@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -16,6 +17,9 @@ from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import make_strategy  # (importing the package registers every strategy)
 from interlace.strategies.base import strategy_class
 from interlace.strategies.custom_op import run_strategy
+
+
+_LAYER_NUMBERS = itertools.count()  # names layers in errors: "MoELayer 3" is the process's fourth
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
@@ -109,6 +113,8 @@ class MoELayer(nn.Module):
         self.mesh = mesh if mesh is not None else MoEMesh.from_groups(None, group)
         ffn_slice = self.mesh.shard_ffn(config.ffn)
         self.ep = ExpertParallel.build(self.mesh.ep_group, config.num_experts)
+        self.label = f"MoELayer {next(_LAYER_NUMBERS)}"
+        self._strategy_options: dict[str, dict] = {}  # per strategy name, the options last given
         check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig")
         check_same_across_ranks(seed, self.ep, "seed")
         if self.mesh.tp > 1:
@@ -125,18 +131,30 @@ class MoELayer(nn.Module):
         self._checked_indices: tuple[weakref.ref, int] | None = None
 
     def set_strategy(self, name: str, **options) -> None:
-        """Switch the strategy; parameters are untouched. Call it on every rank alike."""
-        self.strategy = self._make_strategy(name, options)
+        """Switch the strategy; parameters are untouched. Call it on every rank alike.
+
+        ``options`` are the strategy's; without them, the options last given for a strategy of
+        this name (to the constructor's ``strategy_options`` or an earlier ``set_strategy``) hold
+        again. The old strategy's own CUDA graphs and call plans are dropped
+        (:meth:`Strategy.close`)."""
+        new = self._make_strategy(name, options)
+        old, self.strategy = self.strategy, new
+        old.close()
 
     def _make_strategy(self, name: str, options: dict, device: torch.device | None = None):
         cls = strategy_class(name)
+        given = dict(options) if options else self._strategy_options.get(cls.name, {})
+        options = given
         if getattr(cls, "uses_mesh", False):
             options = {"mesh": self.mesh, **options}
         elif self.mesh.tp > 1:
             raise ValueError(f"strategy {name!r} does not shard experts over a tensor-parallel group "
                              f"(mesh tp={self.mesh.tp}); use 'tp_ep:O0' .. 'tp_ep:O3'")
         device = self.experts.w_up.device if device is None else device
-        return make_strategy(name, self.config, self.ep, device=device, **options)
+        strategy = make_strategy(name, self.config, self.ep, device=device, **options)
+        strategy.label = self.label
+        self._strategy_options[cls.name] = given  # (kept once they built a strategy)
+        return strategy
 
     def _check_input(self, x: torch.Tensor, weight_device: torch.device) -> None:
         cfg = self.config
@@ -179,13 +197,17 @@ class MoELayer(nn.Module):
             again = seen is not None and seen[0]() is expert_indices and seen[1] == expert_indices._version
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
+        # (a rank without tokens has no indices to honour: it may take either path, as its peers do)
+        routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
         if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
-            self.strategy.begin_call(x.shape[0])  # e.g. auto's token-count agreement, under the router
+            # e.g. auto's agreement with its peers (token count and kind of call), under the router
+            train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))
+            routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared expert first, on a side stream on CUDA (config.shared_overlap): it runs while
         # this stream routes and the strategy dispatches, computes and combines; joined below.
         shared = None if self.shared is None else shared_overlap.start(
             self.shared, x, overlap=self.config.shared_overlap)
-        if self._routes_in_strategy(x, expert_indices, router, w_up, w_down):  # (its kernel routes: `persistent`)
+        if routed:  # (its kernel routes: `persistent`)
             out = self.strategy.forward_layer(x, router, w_up, w_down)
         else:
             topk_idx, topk_weight, logits = router(x, expert_indices, fused=self.strategy.fused_routing)

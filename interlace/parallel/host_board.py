@@ -1,8 +1,8 @@
-"""A same-host board in shared memory: the ranks of a group agree on one small integer per call
-(its maximum) in microseconds, without a collective.
+"""A same-host board in shared memory: the ranks of a group exchange one small integer per call
+(each rank reads every rank's) in microseconds, without a collective.
 
 ``auto`` must know, before it runs a call, the largest token count any rank of the group passes
-(so that every rank runs the same strategy). A CPU collective (gloo over loopback TCP) answers in
+and what kind of call each rank makes (so that every rank runs the same strategy). A CPU collective (gloo over loopback TCP) answers in
 about a hundred microseconds, which is most of a decode-sized layer call; when every rank of the
 group runs on one host, a page of shared memory answers as soon as the last rank has posted.
 
@@ -11,8 +11,8 @@ soon as all ranks have mapped it, so nothing outlives the processes). Call ``s``
 same sequence on every rank, as with any collective) writes ``(s << 32) | value`` into
 ``slots[s % 2, rank]``: one aligned 8-byte store, so a reader sees either the old word or the new
 one, never a torn mix (also on ARM, where 8-byte aligned accesses are single-copy atomic), and no
-ordering between two stores matters. A rank's result for call ``s`` is the maximum of the row once
-every slot carries ``s``.
+ordering between two stores matters. A rank's result for call ``s`` is the row's values (rank
+order) once every slot carries ``s``.
 
 Why two rows are enough: a rank posts call ``s + 1`` only after its read of call ``s`` finished
 (:meth:`HostBoard.post` first completes a read still pending). So when any rank has seen every
@@ -57,7 +57,7 @@ class HostBoard:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.seq = 0
         self._unread: int | None = None  # this rank's last posted call, until it is read
-        self.last: tuple[int, int] | None = None  # (call, the group's maximum) of the last call read
+        self.last: tuple[int, tuple[int, ...]] | None = None  # (call, every rank's value) of the last call read
 
     @classmethod
     def create(cls, group, timeout_s: float) -> HostBoard | None:
@@ -97,7 +97,7 @@ class HostBoard:
     def post(self, value: int) -> int:
         """Write this rank's ``value`` (0 ≤ value < 2³²) for the next call; returns its sequence
         number, for :meth:`wait`. The previous call is read first if it was not (it waits only
-        where a rank has not posted that call yet): :meth:`previous` then answers at once."""
+        where a rank has not posted that call yet)."""
         if not 0 <= value <= _VALUE_MASK:
             raise ValueError(f"HostBoard: value {value} out of [0, 2^32)")
         if self._unread is not None:  # keep "read s before posting s + 1" (module docstring)
@@ -107,22 +107,17 @@ class HostBoard:
         self.slots[self.seq & 1, self.rank] = (self.seq << 32) | value
         return self.seq
 
-    def previous(self, seq: int) -> int | None:
-        """The group's maximum of the call before ``seq`` (read by :meth:`post`), or None for
-        the board's first call."""
-        return self.last[1] if self.last is not None and self.last[0] % _SEQ_MASK + 1 == seq else None
-
-    def wait(self, seq: int, timeout_s: float | None = None) -> int:
-        """The group's maximum for call ``seq`` (the last one posted or the one before it) once
-        every rank has posted it (spins, then yields; raises ``TimeoutError`` after
-        ``timeout_s``, default the board's)."""
+    def wait(self, seq: int, timeout_s: float | None = None) -> tuple[int, ...]:
+        """Every rank's value (rank order) for call ``seq`` (the last one posted or the one
+        before it) once every rank has posted it (spins, then yields; raises ``TimeoutError``
+        after ``timeout_s``, default the board's)."""
         if self.last is not None and self.last[0] == seq:
             return self.last[1]
         if seq != self._unread:
             raise RuntimeError(f"HostBoard: call {seq} is neither the last posted ({self._unread}) nor the last read")
         return self._read(seq, timeout_s)
 
-    def _read(self, seq: int, timeout_s: float | None = None) -> int:
+    def _read(self, seq: int, timeout_s: float | None = None) -> tuple[int, ...]:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         row = self.slots[seq & 1]
         spins, start, deadline = 0, None, None
@@ -133,7 +128,7 @@ class HostBoard:
             if all(w >> 32 == seq for w in words):
                 if seq == self._unread:
                     self._unread = None
-                self.last = (seq, max(w & _VALUE_MASK for w in words))
+                self.last = (seq, tuple(w & _VALUE_MASK for w in words))
                 return self.last[1]
             spins += 1
             if spins >= 64:

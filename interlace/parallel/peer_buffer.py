@@ -244,9 +244,9 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     otherwise a new one replaces it. Every rank makes the same decision (same specs, same
     order), as the symmetric rendezvous requires.
     """
-    key = (kind, id(group), str(device))
+    key = (kind, id(group), str(device))  # (a cached buffer holds its group: no other group has its id)
     cached = _CACHE.get(key)
-    if cached is not None and cached.spec.max_tokens >= spec.max_tokens and \
+    if cached is not None and cached.group is group and cached.spec.max_tokens >= spec.max_tokens and \
             replace(cached.spec, max_tokens=spec.max_tokens) == spec:
         return cached
     _CACHE.pop(key, None)

@@ -1,26 +1,23 @@
 """``auto``: every rank runs the same strategy on every call, the one measured fastest here.
 
 **Agreement (why ranks never diverge).** Each call, every rank posts its host-known token count
-on a counter shared by every layer over the same ranks
-(:class:`~interlace.strategies.auto_decisions.TokenAgreement`): a page of shared memory where the
-ranks share a host, else an asynchronous ``all_reduce(MAX)`` on a gloo side channel. Neither
-touches a GPU stream. ``MoELayer.forward`` posts before the router runs
-(:meth:`Strategy.begin_call`); a call that nobody posted for posts itself. Posting returns at once
-the group's largest count of the *previous* call on the counter (in a model, the previous MoE
-layer's call of the same forward pass), which every rank then holds. The strategy of a call is
-a function of values every rank holds identically, and of nothing rank-local:
+and the kind of its call (training or inference; routed by the layer or handed over with the
+router) on a counter shared by every layer over the same ranks
+(:class:`~interlace.parallel.agreement.CallAgreement`): a page of shared memory where the ranks
+share a host, else an asynchronous ``all_gather`` on a gloo side channel. Neither touches a GPU
+stream. ``MoELayer.forward`` posts before the router runs (:meth:`Strategy.begin_call`); a call
+that nobody posted for posts itself. The strategy reads every rank's post (a host wait for the
+last rank's post, microseconds on the board, after the router's launch) and keys the call on
+values every rank holds identically, and on nothing rank-local:
 
-* the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of a largest token count
-  of the group (zero tokens on some or all ranks included). ``mode`` is ``"fwdbwd"`` for a call
-  that builds an autograd graph, else ``"fwd"``: ranks must agree on it, as on anything else
-  whose backward runs collectives (a training step is the same program on every rank).
-* **the steady state, no wait**: where this layer has decided the previous call's key, that
-  key's strategy runs this call. A ``sequential`` or ``pipelined`` call then never waits for its peers on the host (their
-  skew is absorbed by the first collective, while the kernels already queued keep the GPU busy).
-  A fused call waits only after launching its kernels (see *Fused buffers*).
-* otherwise (the first call, a capture, or the previous key still calibrating) the call waits for
-  its own largest count and takes that key. A new bucket therefore runs the previous bucket's
-  strategy for one call (correct, perhaps slower), and its own from the next.
+* the *key* ``(bucket, mode)``: ``bucket`` is the power-of-two bucket of the group's largest
+  token count (zero tokens on some or all ranks included). ``mode`` is ``"fwdbwd"`` for a
+  training call (it builds an autograd graph), else ``"fwd"`` (``"fwd-routed"`` for routed calls
+  where ``persistent`` is a candidate: :mod:`interlace.strategies.auto_routed`).
+* ranks whose kinds of call differ raise, every one of them, naming the ranks of each kind (a
+  training call on one rank and an inference call on another; a call with ``expert_indices`` on
+  one rank and without on another where the latter would go routed). A rank without tokens has
+  nothing to route: it follows the group's routing.
 * what to do for a key is decided once per process, by group rank 0, and broadcast over the
   side channel (a blocking step once per new key, never in the steady state): the cached
   decision or the candidates to calibrate. Ranks reading different cache files or profiles
@@ -34,17 +31,15 @@ a function of values every rank holds identically, and of nothing rank-local:
 Since the key sequence, the plan per key, the schedule position and the agreed times are equal
 on every rank, so is the strategy of every call, whatever each rank's own token count. Sub-strategies
 are built with fixed parameters (``pipelined:r`` with its degree, no per-rank ``"auto"``). Every
-wait is bounded (``agree_timeout_s``: a peer that never reaches the call raises, naming the rank).
+wait is bounded (``agree_timeout_s``: a peer that never reaches the call raises, naming the
+rank, the layer and the call).
 
 **Fused buffers.** ``fused`` / ``fused:train`` hold buffers for a fixed number of tokens per
-rank, sized at their first call from its agreed count (rounded up to a power of two). A later
-fused call launches at once with the buffers held, then waits on the host for its own largest
-count while the GPU works. A rank with more tokens than the buffers hold launches the call on
-as many of its tokens as they hold, so that its peers' kernels complete; every rank then sees
-the same largest count over the buffers, grows them (a device sync and a barrier) and runs the
-call again, dropping the first outputs: at most once per doubling. With the ``capacity`` option
-they are sized to it once and never grow (memory planning: the user promises no rank passes
-more tokens; a call that breaks it raises on every rank alike, after the launched kernels).
+rank, sized from the agreed count of their first call (rounded up to a power of two); a call
+whose agreed count is over them grows them first on every rank (a device sync and a barrier,
+at most once per doubling). With the ``capacity`` option they are sized to it once and never
+grow (memory planning: the user promises no rank passes more tokens; a call that breaks it
+raises on every rank alike, before any launch).
 
 **Calibration.** For a key with no decision, the candidates come from the performance model
 (:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
@@ -92,10 +87,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from interlace.parallel.agreement import Agreed, CallAgreement, CallKind
 from interlace.planning.profile import machine_key
 from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
-                                                 TokenAgreement, decision_shape, token_bucket)
+                                                 decision_shape, token_bucket)
 from interlace.strategies.auto_routed import FUSED_SPECS, PERSISTENT, ROUTED, RoutedCalls
 from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
 
@@ -177,13 +173,24 @@ class AutoStrategy(RoutedCalls, Strategy):
         self._fused_tokens = opts.capacity or 0  # agreed tokens per rank the fused buffers hold
         # The side channel is made here, where every rank builds the layer alike (a collective).
         distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
-        self._agree = TokenAgreement(ep, opts.agree_timeout_s) if distributed else None
+        self._agree = CallAgreement(ep, opts.agree_timeout_s) if distributed else None
+        self._label = Strategy.label
         self._cache: DecisionCache | None = None
         self._shape = decision_shape(config, ep.world)
         self._warned = False
         self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
         self._persistent_ok: dict[str, bool] = {}  # W > 1: device type → persistent a routed candidate
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    @label.setter
+    def label(self, value: str) -> None:  # (the agreement's errors name the layer too)
+        self._label = value
+        if self._agree is not None:
+            self._agree.label = value
 
     # -- what a key runs ------------------------------------------------------------------------
     def _device_cache(self, device: torch.device) -> DecisionCache | None:
@@ -347,11 +354,16 @@ class AutoStrategy(RoutedCalls, Strategy):
                 impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=self._fused_tokens)
         elif impl is None and spec == PERSISTENT and self.ep.world > 1:
             # (buffers for persistent_max_tokens per rank, sized once: the largest routed bucket)
-            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep,
+            impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, agree=False,
                                                      max_tokens=self.options.persistent_max_tokens)
         elif impl is None:
             impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
         return impl
+
+    def close(self) -> None:
+        for impl in self._impls.values():
+            impl.close()
+        self._impls.clear()
 
     def choice_for(self, tokens: int, mode: str = "fwd") -> Choice | None:
         """The decision recorded for the bucket of ``tokens`` (the group's largest count) and
@@ -360,76 +372,48 @@ class AutoStrategy(RoutedCalls, Strategy):
         bucket = token_bucket(tokens)
         return (mode == "fwd" and self.choices.get((bucket, ROUTED))) or self.choices.get((bucket, mode))
 
-    def begin_call(self, num_tokens: int) -> None:
-        """Post this call's token-count agreement (before the router runs, to hide its latency)."""
-        if self._agree is not None:
-            self._agree.post(num_tokens)
+    def begin_call(self, num_tokens: int, train: bool, routed: bool) -> bool:
+        """Post this call (its token count and kind) on the group's agreement, before the router
+        runs; returns whether the call goes routed (a rank without tokens follows the group)."""
+        if self._agree is None:
+            return routed
+        self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
+        return self._agree.routed()
 
-    def _post(self, tokens: int) -> None:
-        """This call's post (made here where ``begin_call`` did not make it), checked against
-        the count ``begin_call`` announced."""
+    def _agreed(self, tokens: int, train: bool, routed: bool) -> Agreed:
+        """The group's answer for this call (posted by ``begin_call``, or here where the caller
+        did not post: a compiled call), after checking the count ``begin_call`` announced. The
+        call ends here on every rank alike, whether the answer came or an error."""
         agree = self._agree
         posted = agree.posted_tokens
-        if posted is None:
-            agree.post(tokens)
-        elif posted != tokens:
-            agree.skip()  # the counter's sequence stays every rank's; this call ends here on every rank
-            raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
+        try:
+            if posted is None:
+                agree.post(tokens, CallKind(train, routed))
+            elif posted != tokens:
+                raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
+            return agree.wait()
+        finally:
+            agree.finish()
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
-        mode = "fwdbwd" if needs_grad else "fwd"
         args = (x, topk_idx, topk_weight, w_up, w_down)
         if self._agree is None:
-            key = (token_bucket(x.shape[0]), mode)
+            key = (token_bucket(x.shape[0]), "fwdbwd" if needs_grad else "fwd")
             if key not in self.choices:
                 self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
             return self._impl("sequential", x.shape[0])(*args)
-        agree = self._agree
-        self._post(x.shape[0])
+        agreed = self._agreed(x.shape[0], needs_grad, False)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if agree.previous is not None and not capturing:
-            # The steady state: the key of the previous call on the counter (the previous layer's,
-            # in a model), which every rank holds without waiting.
-            state = self._keys.get((token_bucket(agree.previous), mode))
-            if state is not None and state.choice is not None:
-                if state.choice.spec in FUSED_SPECS:
-                    return self._fused_call(state.choice.spec, args)
-                agree.skip()
-                return self._impl(state.choice.spec, 0)(*args)
-        # First call, a capture, or the previous call's key new or still calibrating: this call's own key.
-        agreed = agree.wait()
-        key = (token_bucket(agreed), mode)
+        key = (token_bucket(agreed.tokens), "fwdbwd" if agreed.train else "fwd")
         state = self._key_state(key, x.device)
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
-            return self._impl(state.choice.spec, agreed)(*args)
+            return self._impl(state.choice.spec, agreed.tokens)(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
-            return self._impl(state.plan["candidates"][0], agreed)(*args)
-        return self._calibration_call(state, agreed, needs_grad, args)
-
-    def _fused_call(self, spec: str, args):
-        """A call of a decided fused key without waiting first: the fused kernels are launched
-        with the buffers held, then the host waits for this call's largest count while the GPU
-        works. Where some rank has more tokens than the buffers hold, that rank launches the
-        call on as many of its tokens as they hold (so that every peer's kernels complete), and
-        every rank, having seen the same maximum, grows the buffers and runs the call again
-        (the first outputs are dropped): only at a growth, as rare as before."""
-        x, topk_idx, topk_weight, w_up, w_down = args
-        if spec not in self._impls:  # no buffers yet: sized from this call's count (one wait per process)
-            return self._impl(spec, self._agree.wait())(*args)
-        held = self._impls[spec].max_tokens
-        impl = self._impl(spec, held)
-        if x.shape[0] <= held:
-            out = impl(*args)
-        else:
-            impl(x[:held], topk_idx[:held], topk_weight[:held], w_up, w_down)
-            out = None
-        agreed = self._agree.wait()  # after the launches: the GPU is busy while the last rank posts
-        if agreed > held:
-            out = self._impl(spec, agreed)(*args)  # every rank grows here (or raises over capacity)
-        return out
+            return self._impl(state.plan["candidates"][0], agreed.tokens)(*args)
+        return self._calibration_call(state, agreed.tokens, agreed.train, args)
 
     def _calibration_call(self, state: _KeyState, agreed: int, needs_grad: bool, args):
         """The scheduled candidate serves this call, timed (forward, and backward through marks

@@ -10,16 +10,12 @@ its own kernel (``persistent``) while the others route first, each timed with it
 per rank, under their own key mode :data:`ROUTED` (a decision of a routed call never serves a
 call that comes routed, and the reverse). Larger buckets, where ``persistent`` is no candidate,
 keep the key mode ``"fwd"`` of routed calls: their decisions (and the ones shipped for the
-presets) serve both kinds of call. The agreement is :mod:`interlace.strategies.auto`'s:
-the steady state runs the previous call's key without waiting; a ``persistent`` or fused call
-launches first with the buffers it holds (persistent's hold ``persistent_max_tokens`` tokens per
-rank, sized once), then waits for the group's largest count; where some rank had more than
-they hold, that rank launched on as many of its tokens as they hold (so every peer's kernel
-completes), and every rank runs the call again under the key of the agreed count (the first
-outputs dropped). Every rank must hand over the same calls: a call with ``expert_indices``, a
-balance loss in training mode or under ``torch.compile`` comes routed (mode ``"fwd"``), and
-mixing the two kinds in one call across ranks would leave one rank's kernel waiting for peers
-in another strategy until its ``wait_timeout_s``.
+presets) serve both kinds of call. The agreement is :mod:`interlace.strategies.auto`'s: the
+group's largest count keys the call, so a ``persistent`` call never has more tokens than its
+buffers hold (``persistent_max_tokens`` per rank, sized once). Every rank with tokens must hand
+over the same kind of call (a call with ``expert_indices``, a balance loss in training mode or
+under ``torch.compile`` comes routed, mode ``"fwd"``): where they differ, every rank raises
+(:mod:`interlace.parallel.agreement`); a rank without tokens follows the others.
 """
 
 from __future__ import annotations
@@ -104,43 +100,15 @@ class RoutedCalls:
         calibration call of the scheduled candidate, timed with its routing."""
         args = (x, router, w_up, w_down)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        agree = self._agree
-        if agree is None:
+        if self._agree is None:
             return self._routed_key_call(x.shape[0], "fwd", args, capturing)
-        self._post(x.shape[0])
-        if agree.previous is not None and not capturing:
-            # The steady state: the previous call's key, held by every rank without waiting.
-            bucket = token_bucket(agree.previous)
-            state = self._keys.get((bucket, self._routed_mode(bucket)))
-            if state is not None and state.choice is not None:
-                spec = state.choice.spec
-                if spec != PERSISTENT and spec not in FUSED_SPECS:
-                    agree.skip()
-                    return self._routed(spec, 0, *args)
-                out, held = self._launch_held(spec, args)
-                agreed = agree.wait()  # after the launch: the GPU is busy while the last rank posts
-                if agreed <= held:
-                    return out
-                return self._routed_key_call(agreed, None, args, capturing)  # every rank: same agreed
-        return self._routed_key_call(agree.wait(), None, args, capturing)
+        agreed = self._agreed(x.shape[0], False, True)
+        return self._routed_key_call(agreed.tokens, None, args, capturing)
 
     def _routed_mode(self, bucket: int) -> str:
         """W > 1: the key mode of a routed call of ``bucket``: :data:`ROUTED` where
         ``persistent`` is a candidate, else ``"fwd"`` (the candidates of a call that comes routed)."""
         return ROUTED if 0 < bucket <= self.options.persistent_max_tokens else "fwd"
-
-    def _launch_held(self, spec: str, args) -> tuple[torch.Tensor | None, int]:
-        """A persistent or fused call with the buffers held, before the wait: (output, tokens
-        the buffers hold); a rank with more tokens launches on as many as they hold and gets
-        None (the call runs again). (None, -1) where no fused buffers exist yet."""
-        x, router, w_up, w_down = args
-        if spec != PERSISTENT and spec not in self._impls:
-            return None, -1
-        held = self.options.persistent_max_tokens if spec == PERSISTENT else self._impls[spec].max_tokens
-        if x.shape[0] <= held:
-            return self._routed(spec, held, *args), held
-        self._routed(spec, held, x[:held], router, w_up, w_down)
-        return None, held
 
     def _routed_key_call(self, agreed: int, mode: str | None, args, capturing: bool) -> torch.Tensor:
         """The call under the key of ``agreed`` tokens (the group's largest count; ``mode`` None:

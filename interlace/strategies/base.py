@@ -60,6 +60,8 @@ class Strategy:
     # Whether the strategy can route inside its own kernel: the layer then asks routes_call and,
     # if it says yes, calls forward_layer with the router instead of routing first.
     routes_itself: ClassVar[bool] = False
+    # What errors call the layer this strategy serves (the layer sets it: "MoELayer 3").
+    label: str = "an interlace layer"
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
         if options:
@@ -101,10 +103,14 @@ class Strategy:
         if cls.needs_triton:
             require_triton(spec, device)
 
-    def begin_call(self, num_tokens: int) -> None:
-        """Called by the layer with this rank's token count before it routes, once per call and
-        on every rank alike (not while ``torch.compile`` traces): a strategy that must agree on
-        something with its peers starts it here, under the router's work. No-op by default."""
+    def begin_call(self, num_tokens: int, train: bool, routed: bool) -> bool:
+        """Called by the layer before it routes, once per call and on every rank alike (not while
+        ``torch.compile`` traces), with this rank's token count, whether the call builds an
+        autograd graph, and whether this rank would hand it over with the router
+        (:meth:`routes_call`). Returns whether it does: a strategy that agrees with its peers
+        (:mod:`interlace.parallel.agreement`) posts here, under the router's work, and may make a
+        rank without tokens follow the group. By default: ``routed``."""
+        return routed
 
     def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
         """(``routes_itself`` strategies) Whether this call goes to :meth:`forward_layer`."""
@@ -124,6 +130,11 @@ class Strategy:
         w_down: torch.Tensor,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop what this strategy holds for its own calls (captured CUDA graphs, call plans):
+        the layer calls it when it switches to another strategy. Buffers shared by every layer of
+        the process stay until :func:`interlace.parallel.release_shared_buffers`. No-op by default."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world={self.ep.world}, experts/rank={self.ep.num_local})"

@@ -66,6 +66,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from interlace.kernels.persistent import dist_tasks
 from interlace.kernels.persistent.dist_launch import DEFAULT_TIMEOUT_S, DistBuffer, DistPlan, DistSpec
@@ -73,6 +74,7 @@ from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
 from interlace.kernels.rows import _INTERPRET
+from interlace.parallel.agreement import CallAgreement, CallKind
 from interlace.parallel.peer_buffer import on_release
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
@@ -132,7 +134,7 @@ class PersistentStrategy(Strategy):
 
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int | None = None,
                  task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None,
-                 wait_timeout_s: float = DEFAULT_TIMEOUT_S, timeline: bool = False):
+                 wait_timeout_s: float = DEFAULT_TIMEOUT_S, timeline: bool = False, agree: bool = True):
         super().__init__(config, ep)
         reason = unsupported(config, ep.world)
         if reason:
@@ -173,6 +175,43 @@ class PersistentStrategy(Strategy):
         self._record_event = None  # one reusable CUDA event behind the last unchecked call
         self._record_pending = False
         self._record_view = None  # numpy view of the state's host mirror of the record (a cheap read)
+        # W > 1: every call agrees with the peers first (interlace.parallel.agreement), so that a
+        # call some rank cannot run in the kernel raises on every rank instead of leaving the
+        # others waiting in it; ``auto``, which agreed already, builds it with agree=False.
+        self._agree = None
+        if ep.world > 1 and agree and ep.group is not None and dist.is_initialized():
+            self._agree = CallAgreement(ep, wait_timeout_s)
+
+    @property
+    def label(self) -> str:
+        return self._agree.label if self._agree is not None else Strategy.label
+
+    @label.setter
+    def label(self, value: str) -> None:
+        if self._agree is not None:
+            self._agree.label = value
+
+    def begin_call(self, num_tokens: int, train: bool, routed: bool) -> bool:
+        """W > 1: post this call's count and kind (a rank without tokens follows the group)."""
+        if self._agree is None:
+            return routed
+        self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
+        return self._agree.routed()
+
+    def _agreed_tokens(self, tokens: int, train: bool, routed: bool) -> int:
+        """W > 1: the group's largest count of this call (posted here where the layer did not);
+        the call ends on every rank alike, with the answer or the same error."""
+        agree = self._agree
+        try:
+            if not agree.posted:
+                agree.post(tokens, CallKind(train, routed))
+            agreed = agree.wait()
+        finally:
+            agree.finish()
+        if routed and self.max_tokens is not None and agreed.tokens > self.max_tokens:
+            raise ValueError(f"persistent: a rank passed {agreed.tokens} tokens, over max_tokens={self.max_tokens} "
+                             f"(strategy option; every rank raises)")
+        return agreed.tokens
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -194,6 +233,10 @@ class PersistentStrategy(Strategy):
         replay once the token count has been seen; see the module)."""
         self._raise_landed_error()
         T = x.shape[0]
+        if self._agree is not None:
+            agreed = self._agreed_tokens(T, False, True)
+            if self.max_tokens is None:  # (the first call sizes the buffers: its largest count)
+                self.max_tokens = max(1, agreed)
         if self.ep.world > 1 and self.state is None:
             self.state = _dist_buffer(self, x)
         if T == 0 and self.ep.world == 1:  # (W > 1: the call still launches: peers wait for its flags)
@@ -283,6 +326,9 @@ class PersistentStrategy(Strategy):
         staged = isinstance(plan, DistPlan) and self.state.kind == "staged"
         return plan.run_phases(x) if staged else plan.run(x)
 
+    def close(self) -> None:
+        self.release_graphs()
+
     def release_graphs(self) -> int:
         """Drop the captured graphs and the plans (their workspaces); returns how many graphs."""
         n = len(self._graphs)
@@ -305,6 +351,9 @@ class PersistentStrategy(Strategy):
 
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         """Routing given by the layer (training, forced indices, compiled): ``sequential``."""
+        if self._agree is not None:
+            train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
+            self._agreed_tokens(x.shape[0], train, False)
         return self.fallback(x, topk_idx, topk_weight, w_up, w_down)
 
     # ---- error records ---------------------------------------------------------------------
@@ -371,9 +420,9 @@ def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:
         max_tokens = strategy.max_tokens = max(1, int(t.item()))
     spec = DistSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, cfg.dtype)
     kind = "symmetric" if x.is_cuda and not _INTERPRET else "staged"
-    key = (kind, id(ep.group), str(x.device), spec)
+    key = (kind, id(ep.group), str(x.device), spec)  # (a cached buffer holds its group: no other has its id)
     buf = _DIST_BUFFERS.get(key)
-    if buf is None:
+    if buf is None or buf.group is not ep.group:
         make = DistBuffer.symmetric if kind == "symmetric" else DistBuffer.staged
         buf = _DIST_BUFFERS[key] = make(spec, ep.group, x.device)
     return buf

@@ -1,5 +1,5 @@
-"""The same-host board auto agrees on (interlace.parallel.host_board): its maximum equals the
-group's all_reduce(MAX) call after call, reads still pending when the next call is posted are
+"""The same-host board auto agrees on (interlace.parallel.host_board): its row equals the
+group's all_gather call after call, reads still pending when the next call is posted are
 kept, a rank that never posts makes the wait raise naming it, and ``auto`` uses the board when
 its ranks share a host."""
 
@@ -25,12 +25,12 @@ def _board_agrees(rank, world):
         if rng.random() < 0.05:
             torch.ones(200_000).sum()
         seq = board.post(value)
-        expect = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(expect, op=dist.ReduceOp.MAX)
-        assert board.wait(seq) == int(expect), f"call {i}"
+        expect = [None] * world
+        dist.all_gather_object(expect, value)
+        assert board.wait(seq) == tuple(expect), f"call {i}"
     # Two posts before either wait: the first is read when the second is posted, both kept.
     s1, s2 = board.post(rank + 1), board.post(100 + rank)
-    assert (board.wait(s1), board.wait(s2)) == (world, 99 + world)
+    assert (board.wait(s1), board.wait(s2)) == (tuple(range(1, world + 1)), tuple(range(100, 100 + world)))
     with pytest.raises(ValueError):
         board.post(-1)
     # A rank that never posts: the others' wait raises within its timeout, naming it.

@@ -164,58 +164,53 @@ def test_calibration_outputs_and_cache_round_trip(tmp_path):
 
 
 def _fused_calibration(rank, world, tmp):
-    """With the fused path among the candidates (the Triton interpreter): calibrating calls take
-    their own agreed count's key, decided keys run from the previous call's key without waiting
-    first, the fused buffers grow at agreed points only (every rank at the same call: a rank
-    over them launches what they hold, then every rank grows them and runs the call again), and
-    uneven counts still run one strategy everywhere with right outputs."""
+    """With the fused path among the candidates (the Triton interpreter): every call takes its
+    own agreed count's key (one wait per call, before the launch), the fused buffers grow at
+    agreed points only (every rank at the same call, before any launch), and uneven counts still
+    run one strategy everywhere with right outputs."""
     _set_profile_dir(tmp)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
                      strategy_options={"candidates": ("sequential", "fused"), "warmup": 0, "samples": 1,
                                        "cache": False})
     layer.strategy.measure_override = lambda spec, ms: 1.0 if spec == "fused" else 2.0
     agree = layer.strategy._agree
-    ran, sizes, waited = [], [], []
+    ran, sizes, agreed = [], [], []
     _spy(layer, ran)
     g = torch.Generator().manual_seed(2)
     # 1-3: bucket 4 calibrates (sequential, fused with buffers for 4) and decides fused.
-    # 4: the previous key (4) runs: fused, launched at once; rank 1 passes 30 > 4 tokens, so it
-    #    launches 4 of them, then both ranks grow the buffers to 32 and run fused again.
-    # 5: the previous key (32) is new: its own key (32) calibrates, sequential first.
-    # 6-8: the previous key 32 is still calibrating; this call's own bucket 2 is new and
-    #    calibrates (sequential, fused: the buffers for 32 hold it) and decides fused.
-    # 9: the previous key (2) runs: fused, launched at once, the wait after the launch.
+    # 4-5: bucket 32 calibrates: sequential, then fused, its buffers grown to 32 first.
+    # 6-9: bucket 2 calibrates (sequential, fused: the buffers for 32 hold it) and decides fused.
     for counts in ([3, 0], [1, 3], [4, 0], [0, 30], [17, 2], [2, 2], [2, 1], [1, 2], [2, 2]):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         outs = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0]
-        before = agree.waits
+        before = agree.calls
         with torch.no_grad():
             out = layer(xs[rank])
-        waited.append(agree.waits - before)
+        agreed.append(agree.calls - before)
         assert counts[rank] == 0 or rel_err(out, outs[rank]) < 2e-6, counts
         impl = layer.strategy._impls.get("fused")
         sizes.append(None if impl is None else impl.max_tokens)
     assert _gather_lists(ran)[0] == ran
-    assert ran == ["sequential", "fused", "fused", "fused", "fused", "sequential", "sequential", "fused", "fused",
+    assert ran == ["sequential", "fused", "fused", "sequential", "fused", "sequential", "fused", "fused",
                    "fused"], ran
-    assert sizes == [None, 4, 4, 32, 32, 32, 32, 32, 32], sizes
-    assert waited == [1] * 9  # every fused call waits once, after its launch; calibrating calls before
+    assert sizes == [None, 4, 4, 4, 32, 32, 32, 32, 32], sizes
+    assert agreed == [1] * 9  # every call agrees once
 
 
 def test_fused_candidate_uneven_counts(tmp_path):
     run_gloo(_fused_calibration, 2, str(tmp_path))
 
 
-def _steady_state_and_capacity(rank, world, tmp):
-    """Once a key is decided, calls of it run without waiting for their own agreed count
-    (sequential, pipelined) or wait only after the launch (fused); a call over ``capacity``
-    raises on every rank alike (the rank over it launched what the buffers hold, so no peer
-    hangs) and the layer serves the next call."""
+def _decided_keys_and_capacity(rank, world, tmp):
+    """Once a key is decided, its calls run the decision (a new bucket calibrates its own); a
+    call over ``capacity`` raises on every rank alike, before any launch, and the layer serves
+    the next call."""
     _set_profile_dir(tmp)
     g = torch.Generator().manual_seed(4)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
                      strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "cache": False})
-    agree = layer.strategy._agree
+    ran = []
+    _spy(layer, ran)
 
     def run(lay, counts):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
@@ -226,13 +221,14 @@ def _steady_state_and_capacity(rank, world, tmp):
 
     for counts in ([9, 12], [16, 10], [11, 0]):  # bucket 16: calibrates and decides
         run(layer, counts)
-    assert layer.strategy.choices[(16, "fwd")].source == "measured"
-    waits = agree.waits
-    for counts in ([12, 9], [0, 16], [16, 16], [3, 0]):  # the last: a new bucket runs key 16's choice
+    decided = layer.strategy.choices[(16, "fwd")]
+    assert decided.source == "measured"
+    del ran[:]
+    for counts in ([12, 9], [0, 16], [16, 16]):
         run(layer, counts)
-    assert agree.waits == waits  # no call waited for its own count
-    run(layer, [2, 4])  # the previous key (4) is new: this call waits and calibrates its own
-    assert agree.waits == waits + 1
+    assert ran == [decided.spec] * 3
+    run(layer, [2, 4])  # a new bucket (4) calibrates its own key: the first candidate
+    assert ran[-1] == CANDS[0] and (4, "fwd") not in layer.strategy.choices
     fused = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
                      strategy_options={"candidates": ("fused",), "capacity": 4, "cache": False})
     for counts in ([3, 4], [4, 1]):
@@ -242,8 +238,8 @@ def _steady_state_and_capacity(rank, world, tmp):
     run(fused, [4, 3])
 
 
-def test_steady_state_waits_and_capacity(tmp_path):
-    run_gloo(_steady_state_and_capacity, 2, str(tmp_path))
+def test_decided_keys_and_capacity(tmp_path):
+    run_gloo(_decided_keys_and_capacity, 2, str(tmp_path))
 
 
 def _side_channel_paths(rank, world, tmp):
@@ -254,7 +250,7 @@ def _side_channel_paths(rank, world, tmp):
     comes raises within the timeout."""
     import torch.distributed as dist
 
-    from interlace.strategies import auto_decisions
+    from interlace.parallel import agreement
 
     _set_profile_dir(tmp)
     g = torch.Generator().manual_seed(11 + rank)
@@ -270,7 +266,7 @@ def _side_channel_paths(rank, world, tmp):
         via_layer = layer(x)  # posted by begin_call, before the router
         assert rel_err(direct, ref) < 2e-6 and rel_err(via_layer, ref) < 2e-6
         assert strategy._agree.calls == 2 and not strategy._agree.posted
-        strategy.begin_call(x.shape[0] + 1)
+        strategy.begin_call(x.shape[0] + 1, False, False)
         with pytest.raises(RuntimeError, match=f"announced {x.shape[0] + 1} tokens"):
             strategy(x, idx, w, layer.experts.w_up, layer.experts.w_down)
         assert strategy._agree.calls == 3 and not strategy._agree.posted
@@ -278,13 +274,13 @@ def _side_channel_paths(rank, world, tmp):
     # channel, shared by both layers over it.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[rank // 2]
-    real = auto_decisions.group_backend
-    auto_decisions.group_backend = lambda grp: "nccl" if grp in groups else real(grp)
+    real = agreement.group_backend
+    agreement.group_backend = lambda grp: "nccl" if grp in groups else real(grp)
     try:
         a = MoELayer(CFG, group=mine, strategy="auto", seed=3, device="cpu", strategy_options={"candidates": CANDS})
         b = MoELayer(CFG, group=mine, strategy="auto", seed=4, device="cpu", strategy_options={"candidates": CANDS})
     finally:
-        auto_decisions.group_backend = real
+        agreement.group_backend = real
     assert a.strategy._agree.group is b.strategy._agree.group and a.strategy._agree.group is not mine
     counts = [[3, 0], [9, 1]][rank // 2]
     xs = [torch.randn(t, CFG.hidden, generator=torch.Generator().manual_seed(t)) for t in counts]

@@ -1,8 +1,8 @@
 """``auto``'s routed calls at world size W > 1 (interlace.strategies.auto_routed) on gloo ranks:
 inference calls come with the router, ``persistent`` (its kernel under the interpreter, the
 staged transport) is calibrated beside the other candidates under key mode ``"fwd-routed"``,
-every rank runs the same strategy on every call, and a call over the persistent buffers runs
-again under the agreed count's key on every rank."""
+every rank runs the same strategy on every call, and a call with more tokens on some rank than
+the persistent buffers hold is keyed on that count everywhere (no persistent)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _spy_routed(layer, log):
     strategy._routed = spy
 
 
-def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
+def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
     import os
 
     import torch.distributed as dist
@@ -46,11 +46,10 @@ def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
     ran = []
     _spy_routed(layer, ran)
     g = torch.Generator().manual_seed(6)
-    # 1-2: bucket 4 calibrates (sequential, then persistent); 3: decided, the winner runs;
-    # 4: the previous key (4) runs; 5: rank 1 has 12 tokens: with persistent decided, it launches
-    # 8 of them (the buffers hold 8), then every rank runs the call again under bucket 16, where
-    # persistent is no candidate (over persistent_max_tokens: key mode "fwd"): sequential,
-    # predicted; 6: key 16.
+    # 1-2: bucket 4 calibrates (sequential, then persistent); 3-4: decided, the winner runs;
+    # 5: rank 1 has 12 tokens: every rank keys the call on 12 (bucket 16), where persistent is no
+    # candidate (over persistent_max_tokens: key mode "fwd"): sequential, predicted; 6: bucket 1
+    # calibrates, sequential first.
     for counts in ([3, 4], [4, 3], [4, 4], [4, 0], [2, 12], [1, 1]):
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
@@ -62,15 +61,9 @@ def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
     seen = [None] * world
     dist.all_gather_object(seen, ran)
     assert seen[0] == ran, seen
-    if winner == "persistent":
-        assert ran == ["sequential", "persistent", "persistent", "persistent", "persistent", "sequential",
-                       "sequential"], ran
-        # (bucket 16 is over persistent_max_tokens: the key of a call that comes routed, shared)
-        assert strategy.choices[(16, "fwd")].spec == "sequential" and (16, ROUTED) not in strategy.choices
-    else:
-        # (5: sequential takes any counts, nothing runs again; 6: the previous key 16 is new, so
-        # the call takes its own bucket 1 and calibrates it, sequential first)
-        assert ran == ["sequential", "persistent", "sequential", "sequential", "sequential", "sequential"], ran
+    assert ran == ["sequential", "persistent", winner, winner, "sequential", "sequential"], ran
+    # (bucket 16 is over persistent_max_tokens: the key of a call that comes routed, shared)
+    assert strategy.choices[(16, "fwd")].spec == "sequential" and (16, ROUTED) not in strategy.choices
     assert strategy.choices[(4, ROUTED)].spec == winner
     assert strategy.choice_for(4, "fwd").spec == winner  # (the bench reads routed decisions as "fwd")
     if rank == 0:  # calls that come routed never have persistent among their candidates
@@ -82,7 +75,7 @@ def _persistent_calibrated_and_rerun(rank, world, tmp, winner):
 
 @pytest.mark.parametrize("winner", ["persistent", "sequential"])
 def test_persistent_calibrated_beside_sequential_2_ranks(tmp_path, winner):
-    run_gloo(_persistent_calibrated_and_rerun, 2, str(tmp_path), winner)
+    run_gloo(_persistent_calibrated_beside_sequential, 2, str(tmp_path), winner)
 
 
 def test_persistent_max_tokens_option_is_checked():

@@ -253,6 +253,9 @@ class FusedStrategy(Strategy):
         return (self.buf.kind == "symmetric" and not _INTERPRET and self.engine.timeline is None
                 and not getattr(self, "profile_phases", False) and not torch.cuda.is_current_stream_capturing())
 
+    def close(self) -> None:
+        self.release_graphs()
+
     def release_graphs(self) -> int:
         """Drop this strategy's captured CUDA graphs (inference and training); returns how many.
         A call whose backward is still to come keeps its saved state and runs that backward
