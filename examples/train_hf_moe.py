@@ -20,6 +20,7 @@ loss visibly falls from ln(vocab) towards ln(4). Each rank trains on its own bat
 
 import argparse
 import copy
+import gc
 import os
 import time
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import transformers
 
 import interlace.hf
+import interlace.parallel
 
 # family: (model class, config class, config fields from the command line's sizes)
 FAMILIES = {
@@ -209,6 +211,13 @@ def main():
         say(f"max loss difference over {args.steps} steps: {diff:.2e} (relative {rel:.2e}; expect ~1e-6 in fp32, "
             f"bf16 noise on GPU); tokens/s hf {results['hf'][1]:,.0f}, interlace {results['interlace'][1]:,.0f}")
     if distributed:
+        # Whatever holds the process group goes before it: the model (its interlace layers keep
+        # the group) and interlace's shared buffers and side channels. A group destroyed later, at
+        # the interpreter's exit, can abort the process ("terminate called without an active
+        # exception") when its threads outlive Python.
+        del model
+        gc.collect()
+        interlace.parallel.release_shared_buffers()
         dist.destroy_process_group()
 
 
