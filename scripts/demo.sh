@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README's demo command: install, then run the demo (torchrun benchmark with >= 2 GPUs;
-# 2 simulated gloo ranks checked against the reference on a CPU-only machine).
+# on a CPU-only machine every strategy on 2 gloo ranks, checked against the reference).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

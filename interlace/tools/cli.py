@@ -10,7 +10,7 @@ from interlace.tools import bench, demo, evaluate, plan_cli, profile, tune_exper
 USAGE = """usage: interlace <command> [options]     (interlace <command> --help: the command's options)
 
 commands:
-  demo           run the layer on this machine (GPUs: torchrun benchmark; CPU: 2 simulated gloo ranks)
+  demo           run the layer on this machine (GPUs: torchrun benchmark; CPU: every strategy on 2 gloo ranks)
   bench          the benchmark harness (docs/benchmarking.md) (launch with torchrun --nproc-per-node W for W GPUs)
   profile        microbenchmarks → the performance profile the pipelined strategy plans with
   pipeline-eval  measure every pipeline degree on a grid of configs against the planner's choice

@@ -89,16 +89,35 @@ def test_persistent_bf16_layer_on_the_interpreter():
 
 
 def test_cpu_demo_runs(capsys, monkeypatch):
-    """``interlace demo``'s CPU path (2 gloo ranks, the interpreter), on one strategy whose
-    routing index runs Triton kernels with runtime loop bounds."""
+    """``interlace demo``'s CPU path (2 gloo ranks, the interpreter): a training call of
+    ``sequential`` (its routing index runs Triton kernels with runtime loop bounds), an
+    inference call of ``persistent`` (the kernel's staged transport) and a ``tp_ep`` form on the
+    TP = 2 mesh, each against the reference; the demo names what it checks first."""
     from interlace.tools import demo
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert demo.main(["--cpu", "--strategies", "sequential"]) == 0
+    assert demo.main(["--cpu", "--strategies", "sequential", "persistent", "tp_ep:O1"]) == 0
     out = capsys.readouterr().out
-    assert "2 simulated ranks" in out and "Triton's CPU interpreter" in out
-    assert "all strategies agree with the reference" in out
-    assert out.count("| sequential |") == 2  # one row per rank
+    assert "2 ranks (gloo processes" in out and "Triton's CPU interpreter" in out
+    assert "Checks 3 strategies: sequential, persistent, tp_ep:O1." in out
+    assert "all strategies agree with the reference (3 checked;" in out
+    assert out.count("| sequential | training |") == 2  # one row per rank
+    assert out.count("| persistent | inference |") == 2 and out.count("| tp_ep:O1 | training |") == 2
+
+
+def test_cpu_demo_checks_every_strategy_the_readme_names():
+    """The CPU demo's default list covers each name of the README's strategy table (``pipelined``
+    as ``pipelined:3``, so that its chunks run; ``tp_ep:O0`` … ``tp_ep:O3`` as the four forms)."""
+    from interlace.tools import demo
+
+    table = (ROOT / "README.md").read_text().split("## Strategies", 1)[1].split("\n\n")[2]
+    names = [cell.strip() for line in table.splitlines()[2:] for cell in [line.split("|")[1]]]
+    assert len(names) == 10, names
+    checked = {s.split(":")[0] if s.startswith("pipelined") else s for s in demo.CPU_STRATEGIES}
+    for name in names:
+        specs = [w.strip("`") for w in name.split() if w.startswith("`")]
+        forms = ["tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3"] if specs[0] == "tp_ep:O0" else specs[:1]
+        assert set(forms) <= checked, (name, sorted(checked))
 
 
 # Each spelling that picks a different code path on a single process.
