@@ -1,5 +1,9 @@
 """Writes docs/performance.md, the current standing, from the JSON sources listed in SOURCES.
 
+The page opens with one table, drawn from the rows of the tables SUMMARY names: per preset and
+regime (decode, prefill, training) the fastest strategy, its × floor and its speed-up over
+``naive`` and over Tutel where the run has those rows; then the tables behind it, section by section.
+
     python benchmarks/performance_page.py            # rewrite docs/performance.md
     python benchmarks/performance_page.py --check    # exit 1 if docs/performance.md differs from its sources
     python benchmarks/performance_page.py --out P    # write elsewhere
@@ -36,7 +40,11 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
 # peer_latency_us (decode_bench: the latency in µs its decode floor counts twice, None for none; default
 # the run's own), timing (decode_bench: "back_to_back" reads the rows' back_to_back_ms, bench's
-# --back-to-back; default their median_ms, a barrier before each call).
+# --back-to-back; default their median_ms, a barrier before each call), barrier_line (decode_bench with
+# timing="back_to_back": a line on the same rows' barrier-timed calls), source (facts: the line under the
+# table, instead of the JSON's note).
+# The page is the standing, not its history: a note says what a table measured and how to read it, never
+# how it compares with an earlier commit or what was tried and not kept (commit messages hold those).
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
 #   dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-2026-12-01.json",
 #        title="Forward, 2× H200: sequential and fused", baseline="sequential"),
@@ -49,13 +57,6 @@ SOURCES = [
          date="2026-11-23", commit="f68ceb6",
          command="torchrun --nproc-per-node 2 -m interlace.tools.bench --strategies sequential fused:train "
                  "--tokens 4096 8192 16384 --mode fwdbwd --interleave"),
-    dict(section="scaling", table="forward-h200x4", kind="bench", file="h200x4-forward.json",
-         title="Forward, 4× H200 (EP = 4): sequential and fused", baseline="sequential",
-         device="4× NVIDIA H200", date="2026-11-22", commit="3598717",
-         command="torchrun --nproc-per-node 4 -m interlace.tools.bench --strategies sequential fused "
-                 "--tokens 4096 8192 16384 --interleave",
-         notes=["The two rows within 2% (mixtral-8x7b 16384, dsv3-like 4096) timed again with `--iters 40` "
-                "on the same machine: 1.02× and 1.03×, ties within noise; `auto` picks `sequential` there."]),
     dict(section="scaling", table="weak-scaling-h200", kind="weak_scaling",
          files=["h200x2-forward-3598717.json", "h200x4-forward.json"],
          title="Weak scaling T(2) ÷ T(4) at fixed tokens per GPU, forward (1.0 is perfect)",
@@ -71,10 +72,9 @@ SOURCES = [
          command="CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 -m interlace.tools.bench --configs "
                  "qwen3-30b-a3b --tokens 128 512 --strategies fused persistent --interleave --back-to-back 20 "
                  "--out W2; then --nproc-per-node 4 on all four, --out W4",
-         notes=["Every output checked against `naive` at both world sizes (the first 4-GPU run of the W > 1 "
-                "`persistent` kernel). At W = 4 a rank holds half the experts of W = 2, so its decode floor "
-                "halves while `persistent`'s time stays: at these sizes the call is bound by its fixed "
-                "latencies, not by the weight stream."]),
+         notes=["Every output checked against `naive` at both world sizes. At W = 4 a rank holds half the "
+                "experts of W = 2, so its decode floor halves while `persistent`'s time stays: at these sizes "
+                "the call is bound by its fixed latencies, not by the weight stream."]),
     dict(section="scaling", table="mesh-h200x4", kind="mesh", file="h200x4-mesh.json",
          title="EP × TP at equal layer tokens M, mixtral-8x7b forward, 4× H200",
          device="4× NVIDIA H200", date="2026-11-22", commit="0032977",
@@ -94,75 +94,39 @@ SOURCES = [
     dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-7eac059.json",
          title="Forward, 2× H200: every strategy (each row the median of 4 bench calls)", baseline="sequential",
          command="python3 benchmarks/ab_trees.py --tree 4d349fb=OLD_CHECKOUT --tree 7eac059=. --rounds 4 -- "
-                 "--tokens 4096 16384 --strategies sequential pipelined fused auto   # the 7eac059-median.json it writes",
-         notes=["Timed in one lease interleaved with the layout's predecessor 4d349fb (rounds rotated): "
-                "the same rows' medians there were within 3% on 56 of 60 rows; docs/benchmarking.md says how."]),
-    dict(section="decode", table="decode-h200x2", kind="bench", file="h200x2-decode-7eac059.json",
-         title="Decode-size forward, 2× H200: every strategy", baseline="sequential",
-         notes=["The bench computes × decode floor (touched expert weights ÷ HBM read bandwidth measured in the "
-                "run, two peer latencies; docs/benchmarking.md) since commit 9c8c1b7; this table predates it, so "
-                "its × floor column is the prefill floor (FLOPs and peer bytes)."]),
-    dict(section="decode", table="decode-persistent-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
-         title="Decode, 2× H200: every strategy side by side against the decode floor (a barrier before each call)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND,
-         notes=["ms: CUDA events around the whole layer call, a barrier before each timed call (the GPU idle when "
-                "the call starts, so its host time counts), the median of 20 timed calls after 5 warm-ups, the "
-                "slowest rank's median; `--interleave` times the strategies round-robin. Every strategy's output "
-                "checked against `naive` before and after timing.",
+                 "--tokens 4096 16384 --strategies sequential pipelined fused auto   # the 7eac059-median.json it writes"),
+    dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
+         title="Decode, 2× H200: every strategy against the decode floor, calls back to back (as in a model's "
+               "forward)",
+         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND, timing="back_to_back",
+         barrier_line=True,
+         notes=["ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
+                "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
+                "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
+                "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2). With a barrier "
+                "(the line above the table): CUDA events around each call, a barrier before it, the median of 20 "
+                "timed calls after 5 warm-ups, the slowest rank's. Every strategy's output checked against `naive` "
+                "before and after timing.",
                 "Decode floor: the largest of the prefill floor (FLOPs ÷ matmul peak, peer bytes ÷ peer bandwidth), "
                 "the touched expert weights of the busiest rank ÷ the HBM read bandwidth, and two peer latencies, "
-                "all measured in the run.",
+                "all measured in the run: the 1-token floors, where the weights are few, are the two peer latencies. "
+                "Below 1.00× (dsv3-like from 8 tokens) `persistent` streamed the weights faster than the run's "
+                "measurement of the HBM read bandwidth.",
                 "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: its "
                 "decision for the row's token count, calibrated on the first calls of the bucket (at world size > 1 "
                 "`persistent` is a candidate of inference calls up to 512 tokens per rank).",
-                "`persistent` here: one launch per rank and call; the router GEMM as (tokens × experts × a part of "
-                "N) tasks, 16 × 32 with narrow tiles and 32 × 64 with wide ones, at most one task per program; "
-                "top-k tasks of 4–16 tokens (about 32 a call) picking with one reduction each; "
-                "the send as (16 tokens × 256 columns) tasks storing each token row once into each peer owner of one "
-                "of its experts (an owner reads its own tokens from its input), with an assignment map for the "
-                "owner's row tiles; row tiles of one expert over "
-                "every source's rows, the tiles of one expert taking each weight slice together (each touched "
-                "expert's weights read once), a GEMM task's preamble one round trip to the tile table, and a "
-                "program's GEMM1 tasks counted once, when it leaves the kind. Below 32 rows per local expert (the "
-                "call's average) narrow tiles: "
-                "4 warps, two programs per SM, weight loads 6 stages deep, GEMM1 slices 128 wide where there are "
-                "four tasks per SM at that width; from 32 rows wide tiles: 8 warps, weights through TMA (5 stages "
-                "deep at 64-row tiles, 4 at 128), a SwiGLU GEMM0 task one 64- or 128-row × 256 dot, GEMM1 slices "
-                "128 or 256 wide (`PersistentKernelConfig.wide`). "
-                "With this kernel (59ce3d4), in the same session: tests/gpu/persistent_dist_check.py passed its "
-                "checks on qwen3-30b-a3b at 512 tokens per rank (uneven and zero-token ranks, skew, graph replays, "
-                "bitwise repeatability, each call's picks against the fp32 reference's, no timed-out wait) with a "
-                "30-call stress (0–512 tokens per rank; worst relative error 2.9e-3); so did its checks on "
-                "qwen3-30b-a3b with a capacity factor of 0.75 and on mixtral-8x7b (their stresses cut by the "
-                "run's time limit), and tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` (106 "
-                "passed, its capacity config included). Earlier kernels: a 200-call stress of the capacity "
-                "check on 9d2bdc1's, tests/gpu/persistent_check.py's error path (a "
-                "timed-out wait raised at the next call, from an eager call and from a graph replay); a 1000-call "
-                "stress of qwen3-30b-a3b on cbaac7c's (worst relative error 2.9e-3)."]),
-    dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
-         title="Decode, 2× H200: the same run, calls back to back (as inside a model's forward or a captured decode step)",
-         device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND, timing="back_to_back",
-         notes=["The ratios move with the lease's ceilings: this run measured the HBM read bandwidth at "
-                "4.10 TB/s (the previous standing's run, at eeee0f1: 4.18; this session's other leases 4.14–4.19) "
-                "and the peer latency at 35.3 µs (then 20.6), so the 1-token floors, two peer latencies where the "
-                "weights are few, are 71 µs here (41 then). On dsv3-like from 8 tokens `persistent` ran at "
-                "0.93–1.00× its floor: it streamed the weights faster than the run's measurement of the HBM read "
-                "bandwidth. Against the previous standing (eeee0f1), `persistent` took 0.78–0.98× its times (median "
-                "0.945×; at 512 tokens 0.86–0.97×), `fused`, unchanged, 0.55–1.23× (median 0.98×). In A/Bs of one "
-                "process against the kernel before each change, at 512 tokens per GPU: the GEMM preamble and "
-                "deferred GEMM1 count 0.95× on qwen3-30b-a3b and qwen2-moe (0.98–1.02× on the other presets), "
-                "the wide tiles' logits tiles 0.96–0.99× (phi3.5-moe 1.01×; at 128 tokens, where mixtral-8x7b and "
-                "phi3.5-moe also run wide tiles, 1.01× on both). `auto` at 1 token ran 4–21 µs slower than "
-                "`persistent`, the strategy it picked (the previous standing: 3 µs on qwen3-30b-a3b).",
-                "ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
-                "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
-                "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
-                "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2)."]),
+                "`persistent` here: the kernel docs/persistent.md describes, at 59ce3d4. With it, in the same "
+                "session, tests/gpu/persistent_dist_check.py passed its checks (qwen3-30b-a3b at 512 tokens per "
+                "rank, worst relative error 2.9e-3; with a capacity factor of 0.75; mixtral-8x7b), and so did "
+                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` (106 passed)."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
          device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4",
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
-                 "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512"),
+                 "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512",
+         source="interlace.tools.timeline --strategy persistent on qwen3-30b-a3b at 128 and 512 tokens per GPU, "
+                "per-task %globaltimer records of the last of 5 calls (rank 0's records; rank 1's spans 186.3 and "
+                "244.2 µs); windows from the first task's end of waits to the last task's end."),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
@@ -170,22 +134,8 @@ SOURCES = [
          notes=["HF's blocks run data parallel (all experts on every rank, their experts through grouped_mm); "
                 "interlace shards the experts over the 2 ranks.",
                 "DeepSeek trains with SGD on both sides (Adam's states do not fit with HF's blocks); Qwen3 with AdamW.",
-                "interlace's default strategy at this commit was the profile-only `auto` (the self-calibrating "
-                "`auto` landed after it)."]),
-    dict(section="decode", table="persistent-decode-h100", kind="persistent_decode",
-         file="h100-persistent-decode.json", device="1× NVIDIA H100 80GB HBM3", commit="8f3fdfa",
-         title="`persistent` and `auto` (world size 1) at decode sizes, one H100: against `sequential` and the weight-read floor",
-         command="python3 benchmarks/persistent_decode.py --out $OUT",
-         notes=["Each preset with E/2 experts (one rank's share of two) and the preset's top-k, on one GPU: "
-                "no communication. Floor: bytes of the expert weights this call's routing touches ÷ the HBM "
-                "read bandwidth measured in the same run.",
-                "ms: CUDA events around the layer call after a device sync (median of 20 after 5 warm-ups); "
-                "host ms: the call's time on the host after the sync. `persistent` replays a CUDA graph per "
-                "token count from a count's second call.",
-                "Every row checked against `sequential` (bf16, max-norm relative error ≤ 3e-2) and replays "
-                "bitwise equal to the eager first call.",
-                "auto: a fresh `auto` (empty decision cache) called on the row's input until it has decided, "
-                "then timed as the others."]),
+                "interlace ran its default strategy at that commit, the profile-only `auto` (`calibrate=False` "
+                "today)."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
@@ -214,7 +164,7 @@ SECTIONS = [
     ("hf", "Hugging Face models",
      "Whole transformers models (random weights) on HF's own MoE blocks and on interlace's "
      "(`interlace.hf.replace_moe_blocks`), bf16; tokens/s counts both ranks."),
-    ("scaling", "Scaling", "The same tables at more GPUs, weak scaling, and EP × TP factorisations."),
+    ("scaling", "Scaling", "Weak scaling from 2 to 4 GPUs (T(4): the 4-GPU times) and EP × TP factorisations."),
     ("planner", "Planner accuracy", "How close the planners' predictions come to measured layer times."),
     ("auto", "Strategy choice (auto)",
      "Whether `auto` runs the fastest strategy on shapes it never saw, what its first calls cost, and a soak."),
@@ -250,11 +200,18 @@ def plain_command(meta):
     return f"torchrun --nproc-per-node {meta.get('world', 1)} -m interlace.tools.bench " + " ".join(rest)
 
 
-def header(src, meta=None):
+def provenance(src, meta=None):
+    """(date, device, commit) of a source: its own keys, else its JSON's meta."""
     meta = meta or {}
     date = src.get("date") or (meta.get("date") or "")[:10] or "–"
     commit = src.get("commit") or meta.get("commit") or "–"
     device = src.get("device") or (f"{meta['world']}× {meta['device']}" if meta.get("device") else "–")
+    return date, device, commit
+
+
+def header(src, meta=None):
+    meta = meta or {}
+    date, device, commit = provenance(src, meta)
     command = src.get("command") or plain_command(meta) or "–"
     lines = [f"### {src['title']}", "", f"{date} · {device} · commit `{commit}`"]
     ceilings = meta.get("ceilings") or {}
@@ -267,34 +224,69 @@ def header(src, meta=None):
     return lines
 
 
+REFERENCES = ("naive", "tutel")  # the baselines the summary compares with: never a row's fastest
+
+
+def strategy_order(seen, first=("naive",)):
+    """``first`` (those present), then the others as they appear, ``auto`` last."""
+    order = [s for s in first if s in seen] + [s for s in seen if s not in first and s != "auto"]
+    return order + (["auto"] if "auto" in seen else [])
+
+
+def fastest(ms):
+    """The fastest strategy of one case's {strategy: ms}, ``auto`` (it runs one of the others) and
+    the references aside; None if none is left."""
+    contest = {s: t for s, t in ms.items() if s != "auto" and s not in REFERENCES}
+    return min(contest, key=contest.get) if contest else None
+
+
+def bench_cases(src, data=None):
+    """A bench source's rows as one case per (config, tokens, routing, mode), in the order they
+    first appear: ``by`` {strategy: row}, ``ms`` {strategy: median ms} and ``x`` {strategy: × floor}
+    of the rows that ran and passed their check."""
+    data = data or load(src["file"])
+    cases = {}
+    for r in data["rows"]:
+        case = cases.setdefault((r["config"], r["tokens"], r.get("routing", "random"), r.get("mode", "fwd")),
+                                dict(config=r["config"], tokens=r["tokens"], routing=r.get("routing", "random"),
+                                     by={}, ms={}, x={}))
+        case["by"][r["strategy"]] = r
+        if r.get("status", "ok") == "ok" and r.get("median_ms"):
+            case["ms"][r["strategy"]] = r["median_ms"]
+            if r.get("x_floor") is not None:
+                case["x"][r["strategy"]] = r["x_floor"]
+    return list(cases.values())
+
+
 def bench_table(src):
+    """A bench ``results.json`` as one line per (config, tokens, routing): each strategy's median ms
+    side by side, the fastest strategy (``auto`` aside) with its × floor and its speed-up over
+    ``naive``, and each strategy's peak memory; then, with a ``baseline``, each strategy against it."""
     data = load(src["file"])
-    rows = [r for r in data["rows"]]
+    rows = data["rows"]
+    cases = bench_cases(src, data)
+    order = strategy_order(list(dict.fromkeys(r["strategy"] for r in rows)))
+    routings = len({c["routing"] for c in cases}) > 1
     lines = header(src, data.get("meta"))
-    decode = any("x_decode_floor" in r for r in rows)
-    head = ["config", "tokens/GPU", "routing", "strategy", "median ms", "× floor"] + (
-        ["× decode floor"] if decode else []) + ["vs naive", "TFLOP/s", "peak GiB"]
+    head = (["config", "tokens/GPU"] + (["routing"] if routings else []) + [f"{s} ms" for s in order]
+            + ["fastest", "× floor", "vs naive"] + [f"{s} GiB" for s in order])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        ms = r.get("median_ms") if r.get("status", "ok") == "ok" else None
-        cells = [r["config"], str(r["tokens"]), r.get("routing", "random"), r["strategy"],
-                 fmt(ms, ".3f") if r.get("status", "ok") == "ok" else r["status"], fmt(r.get("x_floor"), ".2f")]
-        if decode:
-            cells.append(fmt(r.get("x_decode_floor"), ".2f"))
-        naive = r.get("speedup_vs_naive")
-        if naive is None and ms:
-            base = _find(rows, r, "naive")
-            naive = base / ms if base else None
-        cells += [fmt(naive, ".2f"), fmt(r.get("tflops"), ".0f"), fmt(r.get("peak_gib"), ".2f")]
+    for c in cases:
+        best = fastest(c["ms"])
+        naive = c["ms"].get("naive")
+        cells = [c["config"], str(c["tokens"])] + ([c["routing"]] if routings else [])
+        cells += [fmt(c["ms"][s], ".3f") if s in c["ms"] else c["by"][s].get("status", "–") if s in c["by"] else "–"
+                  for s in order]
+        cells += [best or "–", fmt(c["x"].get(best), ".2f"), fmt(naive / c["ms"][best] if naive and best else None, ".2f")]
+        cells += [fmt((c["by"].get(s) or {}).get("peak_gib"), ".2f") for s in order]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     baseline = src.get("baseline")
     if baseline:
-        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        for strategy in order:
             if strategy in ("naive", baseline):
                 continue
-            ratios = [_find(rows, r, baseline) / r["median_ms"] for r in rows
-                      if r["strategy"] == strategy and r.get("median_ms") and _find(rows, r, baseline)]
+            ratios = [c["ms"][baseline] / c["ms"][strategy] for c in cases if strategy in c["ms"] and baseline in c["ms"]]
             if ratios:
                 ahead = sum(x > 1 for x in ratios)
                 lines.append(f"`{strategy}` against `{baseline}` ({baseline} ms ÷ {strategy} ms): "
@@ -356,7 +348,7 @@ def facts_table(src):
     lines += ["| measure | value |", "|---|---|"]
     cell = lambda text: str(text).replace("|", "\\|")  # a literal | would end the cell
     lines += [f"| {cell(r['what'])} | {cell(r['value'])} |" for r in data["rows"]]
-    return lines + ["", f"Source: {data['note']}", ""]
+    return lines + ["", f"Source: {src.get('source', data['note'])}", ""]
 
 
 def hf_models_table(src):
@@ -399,6 +391,14 @@ def auto_grid_table(src):
               f"the fastest candidate on {len(fastest)} of {len(rows)}; auto behind the candidate it ran by a median "
               f"{1e3 * behind:.0f} µs per call; first-call overhead median {statistics.median(over):.1f} ms, max "
               f"{max(over):.1f} ms; wrong outputs {sum(not r['ok'] for r in rows)}.", ""]
+    lines += ["| mode | tokens/GPU | rows | auto within 5% | auto ran the fastest | worst auto ÷ fastest | "
+              "median first-call overhead ms |", "|" + "---|" * 7]
+    for mode, tokens in dict.fromkeys((r["mode"], r["tokens"]) for r in rows):
+        part = [r for r in rows if (r["mode"], r["tokens"]) == (mode, tokens)]
+        lines.append(f"| {mode} | {tokens} | {len(part)} | {sum(r['ratio'] <= 1.05 for r in part)} | "
+                     f"{sum(r['auto_choice'] == r['fastest'] for r in part)} | {max(r['ratio'] for r in part):.3f} | "
+                     f"{statistics.median(r['overhead_ms'] for r in part):.1f} |")
+    lines.append("")
     if presets:
         pr = [r["ratio"] for r in presets]
         lines += [f"Preset rows: {len(presets)}; new ÷ old median {statistics.median(pr):.3f}, worst {max(pr):.3f}; "
@@ -408,12 +408,7 @@ def auto_grid_table(src):
         lines += [f"| {r['config']} | {r['tokens']} | {r['old_choice']} | {r['old_ms']:.3f} | {r['new_choice']} | "
                   f"{r['new_ms']:.3f} | {r['ratio']:.3f} | {r['overhead_ms']:.1f} |" for r in presets]
         lines.append("")
-    lines += ["| config | tokens/GPU | mode | fastest | ms | auto ran | auto ms | auto ÷ fastest | calibration calls "
-              "| first-call overhead ms |", "|" + "---|" * 10]
-    lines += [f"| {r['config']} | {r['tokens']} | {r['mode']} | {r['fastest']} | {r['fastest_ms']:.3f} | "
-              f"{r['auto_choice']} | {r['auto_ms']:.3f} | {r['ratio']:.3f} | {r['calibration_calls']} | "
-              f"{r['overhead_ms']:.1f} |" for r in rows]
-    return lines + [""]
+    return lines
 
 
 def soak_table(src):
@@ -442,13 +437,11 @@ def persistent_decode_table(src):
               f"`sequential` on {faster} of {len(rows)} rows; `auto` ran the faster of the two on {right} of "
               f"{len(timed)}; rows in error: {len(d['rows']) - len(rows)}.", "",
               "| preset (E/2 experts) | tokens | experts touched | persistent ms | host ms | sequential ms | host ms "
-              "| floor ms | persistent × floor | sequential ÷ persistent | auto ran | auto ms | BLOCK_M | rel. error |",
-              "|" + "---|" * 14]
+              "| floor ms | persistent × floor | auto ran | auto ms |", "|" + "---|" * 11]
     lines += [f"| {r['preset']} | {r['tokens']} | {r['touched']} | {r['persistent_ms']:.3f} | "
               f"{r['persistent_host_ms']:.3f} | {r['sequential_ms']:.3f} | {r['sequential_host_ms']:.3f} | "
-              f"{r['floor_ms']:.3f} | {r['persistent_ms'] / r['floor_ms']:.2f} | "
-              f"{r['sequential_ms'] / r['persistent_ms']:.2f} | {r.get('auto_choice') or '–'} | "
-              f"{fmt(r.get('auto_ms'), '.3f')} | {r['block_m']} | {r['rel_err']:.1e} |" for r in rows]
+              f"{r['floor_ms']:.3f} | {r['persistent_ms'] / r['floor_ms']:.2f} | {r.get('auto_choice') or '–'} | "
+              f"{fmt(r.get('auto_ms'), '.3f')} |" for r in rows]
     return lines + [""]
 
 
@@ -470,62 +463,77 @@ def _expected_weight_bytes(config, tokens, world):
     return experts * (cfg.up_width + cfg.ffn) * cfg.hidden * cfg.dtype.itemsize
 
 
-def decode_bench_table(src):
-    """A bench ``results.json`` of forward decode rows as one line per (config, tokens, routing):
-    each strategy's ms side by side, the decode floor recomputed from the row's own terms
-    (prefill floor, ``weight_bytes`` ÷ the run's HBM read bandwidth, two peer latencies: the
-    source's ``peer_latency_us`` when it gives one, None to leave that term out, else the run's),
-    × decode floor of ``persistent`` and of the fastest strategy (``auto`` aside: it runs one of
-    the others), and what ``auto`` ran. ``timing="back_to_back"``: the rows' back-to-back times."""
+def decode_cases(src, key=None):
+    """A bench ``results.json`` of forward decode rows as one case per (config, tokens, routing), as
+    :func:`bench_cases` (``ms`` read from ``key``, default the source's timing), with the decode floor
+    ``decode`` recomputed from the rows' own terms (prefill floor, ``weight_bytes`` ÷ the run's HBM
+    read bandwidth, two peer latencies: the source's ``peer_latency_us`` when it gives one, None to
+    leave that term out, else the run's), ``x`` {strategy: ms ÷ decode floor} and ``estimated``
+    (no touched weight bytes recorded: the floor's weights are the expectation under uniform
+    routing). Returns (run, cases): run has the HBM bandwidth, latency and world size."""
     data = load(src["file"])
-    key = "back_to_back_ms" if src.get("timing") == "back_to_back" else "median_ms"
+    key = key or ("back_to_back_ms" if src.get("timing") == "back_to_back" else "median_ms")
     meta = data.get("meta", {})
     ceilings = meta.get("ceilings") or {}
     hbm, world = ceilings.get("hbm_tbps"), meta.get("world", 1)
     latency = src["peer_latency_us"] if "peer_latency_us" in src else ceilings.get("peer_latency_us")
-    rows = [r for r in data["rows"] if r.get("mode", "fwd") == "fwd"]
-    seen = list(dict.fromkeys(r["strategy"] for r in rows))
-    order = [s for s in DECODE_ORDER if s in seen] + [s for s in seen if s not in DECODE_ORDER and s != "auto"]
-    order += ["auto"] if "auto" in seen else []
-    routings = len({r.get("routing", "random") for r in rows}) > 1
+    run = dict(meta=meta, hbm=hbm, world=world, latency=latency,
+               order=strategy_order(list(dict.fromkeys(r["strategy"] for r in data["rows"]
+                                                       if r.get("mode", "fwd") == "fwd")), DECODE_ORDER))
     cases = {}
-    for r in rows:
-        cases.setdefault((r["config"], r["tokens"], r.get("routing", "random")), {})[r["strategy"]] = r
-    lines = header(src, meta)
-    head = ["config", "tokens/GPU"] + (["routing"] if routings else []) + [f"{s} ms" for s in order] + [
-        "decode floor ms"] + (["persistent × decode floor"] if "persistent" in order else []) + [
-        "fastest", "fastest × decode floor", "auto ran"]
-    table, bounded = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)], 0
-    fastest_count = bar_large = bar_small = large = small = 0
-    for (config, tokens, routing), by in cases.items():
-        ok = {s: r[key] for s, r in by.items() if r.get("status", "ok") == "ok" and r.get(key)}
+    for r in data["rows"]:
+        if r.get("mode", "fwd") == "fwd":
+            cases.setdefault((r["config"], r["tokens"], r.get("routing", "random")),
+                             dict(config=r["config"], tokens=r["tokens"], routing=r.get("routing", "random"),
+                                  by={}))["by"][r["strategy"]] = r
+    for case in cases.values():
+        by = case["by"]
+        case["ms"] = {s: r[key] for s, r in by.items() if r.get("status", "ok") == "ok" and r.get(key)}
         floor = next((r["floor_ms"] for r in by.values() if r.get("floor_ms") is not None), None)
         weights = next((r["weight_bytes"] for r in by.values() if r.get("weight_bytes") is not None), None)
         estimated = weights is None and not meta.get("small")
         if estimated:
-            weights = _expected_weight_bytes(config, tokens, world)
+            weights = _expected_weight_bytes(case["config"], case["tokens"], world)
         terms = [floor, weights / (hbm * 1e12) * 1e3 if weights is not None and hbm else None,
                  2 * latency * 1e-3 if world > 1 and latency else None]
         decode = max(t for t in terms if t is not None) if floor is not None and terms[1] is not None else None
-        mark = "≈" if estimated and decode else ""
-        bounded += bool(mark)
-        ratio = lambda ms: f"{mark}{ms / decode:.2f}" if ms and decode else "–"
-        contest = {s: ms for s, ms in ok.items() if s != "auto"}
-        best = min(contest, key=contest.get) if contest else None
-        cells = [config, str(tokens)] + ([routing] if routings else [])
+        case.update(decode=decode, estimated=bool(estimated and decode),
+                    x={s: ms / decode for s, ms in case["ms"].items()} if decode else {})
+    return run, list(cases.values())
+
+
+def decode_bench_table(src):
+    """The cases of :func:`decode_cases` as one line each: each strategy's ms side by side, the
+    decode floor, × decode floor of ``persistent`` and of the fastest strategy (``auto`` aside: it
+    runs one of the others), and what ``auto`` ran. ``timing="back_to_back"``: the rows'
+    back-to-back times; ``barrier_line``: a line on the same run's barrier-timed calls too."""
+    run, cases = decode_cases(src)
+    order, hbm, world, latency = run["order"], run["hbm"], run["world"], run["latency"]
+    routings = len({c["routing"] for c in cases}) > 1
+    lines = header(src, run["meta"])
+    head = ["config", "tokens/GPU"] + (["routing"] if routings else []) + [f"{s} ms" for s in order] + [
+        "decode floor ms"] + (["persistent × decode floor"] if "persistent" in order else []) + [
+        "fastest", "fastest × decode floor", "auto ran"]
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    fastest_count = bar_large = bar_small = large = small = 0
+    for c in cases:
+        ok, by, decode, mark = c["ms"], c["by"], c["decode"], "≈" if c["estimated"] else ""
+        ratio = lambda s: f"{mark}{c['x'][s]:.2f}" if s in c["x"] else "–"
+        best = fastest(ok)
+        cells = [c["config"], str(c["tokens"])] + ([c["routing"]] if routings else [])
         cells += [fmt(ok.get(s), ".3f") if s in ok else by[s].get("status", "–") if s in by else "–" for s in order]
         cells.append(fmt(decode, ".3f"))
         persistent = ok.get("persistent")
         if "persistent" in order:
-            cells.append(ratio(persistent))
+            cells.append(ratio("persistent"))
             fastest_count += best == "persistent"
             if persistent and decode:
-                if tokens >= 128:
+                if c["tokens"] >= 128:
                     large, bar_large = large + 1, bar_large + (persistent <= 1.5 * decode)
                 else:
                     small, bar_small = small + 1, bar_small + (persistent <= 2 * decode or persistent - decode <= 0.030)
         choice = (by.get("auto") or {}).get("choice") or "–"
-        cells += [best or "–", ratio(contest.get(best)), choice.split(",")[0] + (")" if "," in choice else "")]
+        cells += [best or "–", ratio(best), choice.split(",")[0] + (")" if "," in choice else "")]
         table.append("| " + " | ".join(cells) + " |")
     lines.append(f"HBM read bandwidth (this run): {fmt(hbm, '.2f')} TB/s; peer latency in the floor: "
                  + (f"{latency:.1f} µs" if world > 1 and latency else "none") + ".")
@@ -533,12 +541,87 @@ def decode_bench_table(src):
         lines[-1] += (f" `persistent` fastest on {fastest_count} of {len(cases)} rows; within 1.5× the decode floor "
                       f"at ≥ 128 tokens on {bar_large} of {large}; within 2× or 30 µs of it below 128 tokens on "
                       f"{bar_small} of {small}.")
+    bounded = sum(c["estimated"] for c in cases)
     if bounded:
         lines[-1] += (f" On {bounded} rows the run recorded no touched weight bytes: their floor counts the local "
                       "experts a rank can expect to touch under uniform routing, E / W · (1 − (1 − 1/E)^(W·T·k)), "
                       "so their × decode floor (≈) is an estimate (exact where every expert is touched: 128 tokens "
                       "and more on these presets).")
+    if src.get("barrier_line"):
+        _, timed = decode_cases(src, "median_ms")
+        winners = [(c, fastest(c["ms"])) for c in timed]
+        won = {s: sum(b == s for _, b in winners) for s in dict.fromkeys(b for _, b in winners if b)}
+        x = [c["x"][b] for c, b in winners if b in c["x"]]
+        lines.append("")
+        lines.append("The same run with a barrier before each call (the GPU idle when a call starts, so its host "
+                     "time counts): fastest " + ", ".join(f"`{s}` on {n} of {len(timed)} rows" for s, n in won.items())
+                     + (f", at {min(x):.2f}–{max(x):.2f}× the decode floor (median {statistics.median(x):.2f})"
+                        if x else "") + ".")
     return lines + [""] + table + [""]
+
+
+# The page's first table: per regime, the key of the table whose rows it reads (that key's current source).
+SUMMARY = (("decode", "decode-persistent-b2b-h200x2"), ("prefill", "prefill-h200x2"), ("training", "training-h200x2"))
+
+
+def _span(values, spec, unit=""):
+    """'a–b' over the values (one value where they format alike), '—' for none."""
+    if not values:
+        return "—"
+    lo, hi = format(min(values), spec), format(max(values), spec)
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+
+def summary_table(chosen):
+    """Per preset and regime (SUMMARY): the fastest strategy of the regime's table (per token count,
+    ``auto`` and the references aside), its × floor and its speed-up over each reference, as ranges
+    over the token counts; '—' where the run has no row of a reference, said once under the table."""
+    by_key = {src["table"]: src for src in chosen}
+    regimes = [(regime, by_key[key]) for regime, key in SUMMARY if key in by_key]
+    cases = {regime: decode_cases(src)[1] if src["kind"] == "decode_bench" else bench_cases(src)
+             for regime, src in regimes}
+    presets = list(dict.fromkeys(c["config"] for regime, _ in regimes for c in cases[regime]))
+    lines = ["| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive | over Tutel |",
+             "|---|---|---|---|---|---|---|"]
+    shown = {ref: 0 for ref in REFERENCES}  # rows with a speed-up over the reference
+    total = 0
+    for preset in presets:
+        for regime, _ in regimes:
+            won = [(c, fastest(c["ms"])) for c in cases[regime] if c["config"] == preset]
+            won = [(c, best) for c, best in won if best]
+            if not won:
+                continue
+            counts = {}
+            for c, best in won:
+                counts.setdefault(best, []).append(str(c["tokens"]))
+            first, *others = sorted(counts, key=lambda s: -len(counts[s]))
+            cell = f"`{first}`" + (" (" + "; ".join(f"`{s}` at {', '.join(counts[s])}" for s in others) + ")"
+                                   if others else "")
+            cells = [preset, regime, ", ".join(str(c["tokens"]) for c, _ in won), cell,
+                     _span([c["x"][best] for c, best in won if best in c["x"]], ".2f")]
+            for ref in REFERENCES:
+                ratios = [c["ms"][ref] / c["ms"][best] for c, best in won if ref in c["ms"]]
+                shown[ref] += bool(ratios)
+                cells.append(_span(ratios, ".2f", "×"))
+            lines.append("| " + " | ".join(cells) + " |")
+            total += 1
+    lines.append("")
+    lines.append("fastest: per token count, `auto` aside (it runs one of the others); where that differs between "
+                 "token counts, the others follow with theirs. × floor and speed-ups: that strategy's, as a range over "
+                 "the token counts. The rows come from:")
+    lines.append("")
+    for regime, src in regimes:
+        date, device, commit = provenance(src, load(src["file"]).get("meta"))
+        floor = ("the decode floor" if src["kind"] == "decode_bench" else "the training floor (3× the FLOPs term)"
+                 if any(r.get("mode") == "fwdbwd" for r in load(src["file"])["rows"]) else "the floor")
+        lines.append(f"- {regime}: *{src['title']}* ({date}, {device}, commit `{commit}`), × {floor}.")
+    names = {"naive": "`naive`", "tutel": "Tutel"}
+    for ref in REFERENCES:
+        if shown[ref] == 0:
+            lines.append(f"- Over {names[ref]}: no run behind this table has a `{ref}` row, so the column is — throughout.")
+        elif shown[ref] < total:
+            lines.append(f"- Over {names[ref]}: — where the run behind the row has no `{ref}` row.")
+    return lines + [""]
 
 
 KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
@@ -558,10 +641,12 @@ def render(sources=SOURCES) -> str:
     lines = ["# Performance: the current standing", "",
              "<!-- Generated by `python benchmarks/performance_page.py` from benchmarks/results/; "
              "edit the sources, not this page. -->", "",
-             "Each table names its date, device, commit and the command that produced it (commands are written with",
-             "today's module paths). The protocol (configurations, timing, the floor) is",
-             "[docs/benchmarking.md](benchmarking.md). Absolute times move 5–15% between machine leases; the claims",
-             "are the ratios between strategies timed in the same run. History: `git log -- docs/performance.md`.", ""]
+             "Per preset and regime, the fastest strategy, how close it comes to the floor, and its speed-up:", ""]
+    lines += summary_table(chosen)
+    lines += ["The tables behind it follow. Each names its date, device, commit and the command that produced it",
+              "(commands are written with today's module paths). The protocol (configurations, timing, the floor) is",
+              "[docs/benchmarking.md](benchmarking.md). Absolute times move 5–15% between machine leases; the claims",
+              "are the ratios between strategies timed in the same run.", ""]
     for key, title, blurb in SECTIONS:
         lines += [f"## {title}", "", blurb, ""]
         here = [s for s in chosen if s["section"] == key]

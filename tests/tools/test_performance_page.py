@@ -119,3 +119,41 @@ def test_decode_bench_draws_one_line_per_case_with_every_strategy_and_the_decode
     (tmp_path / "d.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
     lines = gen.decode_bench_table(dict(src, timing="back_to_back"))
     assert "| c | 128 | 1.000 | 0.500 | 0.750 | 0.300 | 0.510 | 0.500 | 0.60 | persistent | 0.60 | fused (measured) |" in lines
+
+
+def test_the_page_opens_with_the_summary_and_stays_within_30_kb():
+    gen = _generator()
+    page = gen.render()
+    assert len(page.encode()) <= 30 * 1024, "docs/performance.md is over 30 KB: drop or shorten a table in SOURCES"
+    first_table = page.index("\n| ")
+    assert page.index("\n## ") > first_table  # the summary table comes before any section
+    assert page[first_table:].startswith("\n| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive |")
+
+
+def test_summary_takes_the_fastest_per_preset_and_regime_and_shows_dashes_where_a_reference_is_missing(
+        tmp_path, monkeypatch):
+    gen = _generator()
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+
+    def row(config, tokens, strategy, ms, x, mode="fwd"):
+        return dict(config=config, tokens=tokens, routing="random", mode=mode, strategy=strategy, status="ok",
+                    median_ms=ms, x_floor=x)
+
+    prefill = [row("c", 100, "naive", 4.0, 4.0), row("c", 100, "sequential", 3.0, 3.0),
+               row("c", 100, "fused", 2.0, 2.0), row("c", 100, "auto", 1.0, 1.0),  # auto is never "fastest"
+               row("c", 200, "naive", 9.0, 3.0), row("c", 200, "sequential", 3.0, 1.0),
+               row("c", 200, "fused", 4.5, 1.5), row("c", 400, "naive", 8.0, 2.0), row("c", 400, "fused", 2.0, 0.5)]
+    training = [row("c", 100, "sequential", 6.0, 1.5, "fwdbwd"), row("c", 100, "tutel", 12.0, 3.0, "fwdbwd")]
+    (tmp_path / "p.json").write_text(json.dumps(dict(meta=dict(world=2, device="GPU"), rows=prefill)))
+    (tmp_path / "t.json").write_text(json.dumps(dict(meta=dict(world=2, device="GPU"), rows=training)))
+    src = dict(kind="bench", date="d", commit="c0", command="cmd")
+    chosen = [dict(src, section="prefill", table="p", file="p.json", title="P"),
+              dict(src, section="training", table="t", file="t.json", title="T")]
+    monkeypatch.setattr(gen, "SUMMARY", (("decode", "absent"), ("prefill", "p"), ("training", "t")))
+    lines = gen.summary_table(chosen)
+    assert "| c | prefill | 100, 200, 400 | `fused` (`sequential` at 200) | 0.50–2.00 | 2.00–4.00× | — |" in lines
+    assert "| c | training | 100 | `sequential` | 1.50 | — | 2.00× |" in lines
+    assert not any("| decode |" in line for line in lines)
+    assert "- training: *T* (d, 2× GPU, commit `c0`), × the training floor (3× the FLOPs term)." in lines
+    assert "- Over `naive`: — where the run behind the row has no `naive` row." in lines
+    assert "- Over Tutel: — where the run behind the row has no `tutel` row." in lines
