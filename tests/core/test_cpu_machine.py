@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -118,6 +119,22 @@ def test_cpu_demo_checks_every_strategy_the_readme_names():
         specs = [w.strip("`") for w in name.split() if w.startswith("`")]
         forms = ["tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3"] if specs[0] == "tp_ep:O0" else specs[:1]
         assert set(forms) <= checked, (name, sorted(checked))
+
+
+def test_the_readme_cpu_quick_start_runs_as_pasted(tmp_path):
+    """The README's CPU quick start, the shell block that writes moe_cpu.py and runs it on 2 gloo
+    ranks under torchrun, run as it stands (interlace from this checkout)."""
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("cat > moe_cpu.py")
+    script = readme[start:readme.index("```", start)]
+    assert script.rstrip().endswith("TRITON_INTERPRET=1 torchrun --nproc-per-node 2 moe_cpu.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: y (16, 64), experts {4 * rank}–{4 * rank + 3}," in proc.stdout, proc.stdout
 
 
 # Each spelling that picks a different code path on a single process.
