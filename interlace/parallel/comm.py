@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+def host_identity() -> tuple[str, str]:
+    """(host name, boot id) of this process's machine: ranks with equal identities share a host
+    (its /dev/shm, and its GPUs' peer memory over NVLink or PCIe)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
 
 
 @dataclass(frozen=True)
@@ -13,17 +25,39 @@ class ExpertParallel:
     """Where this rank sits in the expert-parallel group.
 
     ``num_local`` experts live on each rank; rank r owns experts
-    ``[r * num_local, (r + 1) * num_local)``.
+    ``[r * num_local, (r + 1) * num_local)``. ``hosts``: per group rank, the index of its host
+    (ranks on one host share the index; :func:`host_identity`), None where not known (one host
+    is assumed: a group built by hand).
     """
 
     group: dist.ProcessGroup | None
     rank: int
     world: int
     num_local: int
+    hosts: tuple[int, ...] | None = None
 
     @property
     def first_expert(self) -> int:
         return self.rank * self.num_local
+
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank of the group runs on one host (peer memory reaches every rank)."""
+        return self.hosts is None or len(set(self.hosts)) == 1
+
+    def require_peer_memory(self, what: str) -> None:
+        """``ValueError`` (the same on every rank) where ``what`` needs the peers' memory (CUDA
+        symmetric memory) but the group's ranks are on several hosts, naming them."""
+        if self.one_host:
+            return
+        by_host: dict[int, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            by_host.setdefault(host, []).append(rank)
+        parts = "; ".join(f"ranks {ranks} on host {host}" for host, ranks in by_host.items())
+        raise ValueError(f"{what} stores into its peers' GPU memory, which reaches only the ranks of one host, but "
+                         f"this expert-parallel group spans {len(by_host)} hosts ({parts}). Across hosts use "
+                         f"'sequential', 'pipelined', 'tp_ep' or 'auto' (which then picks among those), or "
+                         f"transport='staged' for fused.")
 
     @staticmethod
     def build(group: dist.ProcessGroup | None, num_experts: int) -> "ExpertParallel":
@@ -37,7 +71,14 @@ class ExpertParallel:
             raise ValueError(
                 f"num_experts={num_experts} is not divisible by the expert-parallel world size {world}"
             )
-        return ExpertParallel(group=group, rank=rank, world=world, num_local=num_experts // world)
+        hosts = None
+        if world > 1:
+            # (one small collective, once per layer: which ranks share a host and so peer memory)
+            identities = [None] * world
+            dist.all_gather_object(identities, host_identity(), group=group)
+            order = {ident: i for i, ident in reversed(list(enumerate(identities)))}
+            hosts = tuple(sorted(set(order.values())).index(order[ident]) for ident in identities)
+        return ExpertParallel(group=group, rank=rank, world=world, num_local=num_experts // world, hosts=hosts)
 
     def collective_device(self) -> torch.device:
         """Device for small collectives: NCCL needs CUDA tensors, gloo takes CPU ones."""

@@ -23,25 +23,16 @@ safe.
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 
 import torch
 import torch.distributed as dist
 
+from interlace.parallel.comm import host_identity
+
 _SEQ_MASK = (1 << 31) - 1
 _VALUE_MASK = (1 << 32) - 1
-
-
-def _host_identity() -> tuple[str, str]:
-    """(host name, boot id): ranks with equal identities share /dev/shm."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return socket.gethostname(), boot
 
 
 class HostBoard:
@@ -65,7 +56,7 @@ class HostBoard:
         usable = os.path.isdir("/dev/shm")
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         identities = [None] * world
-        dist.all_gather_object(identities, (usable, _host_identity()), group=group)
+        dist.all_gather_object(identities, (usable, host_identity()), group=group)
         if not all(u for u, _ in identities) or len({h for _, h in identities}) != 1:
             return None
         box = [f"/dev/shm/interlace-board-{uuid.uuid4().hex}" if rank == 0 else None]

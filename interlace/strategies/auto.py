@@ -252,6 +252,8 @@ class AutoStrategy(RoutedCalls, Strategy):
             return "not this mode's fused path"
         if mode == "fwdbwd" and not opts.train_fused:
             return "not considered (train_fused=False)"
+        if not self.ep.one_host and torch.device(device).type == "cuda":
+            return "its peer memory does not reach ranks on other hosts"
         try:
             strategy_class(spec).check_runtime(spec, torch.device(device))
         except ValueError as err:

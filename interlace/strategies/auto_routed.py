@@ -77,6 +77,7 @@ class RoutedCalls:
 
             opts, cap = self.options, self.options.persistent_max_tokens
             found = (cap > 0 and unsupported(self.config, self.ep.world) is None
+                     and (self.ep.one_host or device.type != "cuda")  # (peer memory: one host only)
                      and (PERSISTENT in opts.candidates if opts.candidates is not None else device.type == "cuda")
                      and (opts.memory_cap is None
                           or persistent_buffer_bytes(self.config, self.ep.world, cap) <= opts.memory_cap)

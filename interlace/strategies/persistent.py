@@ -420,6 +420,8 @@ def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:
         max_tokens = strategy.max_tokens = max(1, int(t.item()))
     spec = DistSpec(ep.world, ep.num_local, cfg.hidden, cfg.top_k, max_tokens, cfg.dtype)
     kind = "symmetric" if x.is_cuda and not _INTERPRET else "staged"
+    if kind == "symmetric":
+        ep.require_peer_memory("persistent")  # (before any allocation, on every rank alike)
     key = (kind, id(ep.group), str(x.device), spec)  # (a cached buffer holds its group: no other has its id)
     buf = _DIST_BUFFERS.get(key)
     if buf is None or buf.group is not ep.group:

@@ -131,3 +131,26 @@ def _set_strategy_keeps_options(rank, world):
 
 def test_set_strategy_keeps_the_options_given():
     run_gloo(_set_strategy_keeps_options, 2)
+
+
+def _two_hosts(rank, world):
+    from interlace.parallel import comm, host_board
+
+    comm.host_identity = host_board.host_identity = lambda: (f"node{rank}", "boot")  # a host per rank
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": ("sequential", "pipelined:2"), "cache": False})
+    assert layer.ep.hosts == (0, 1) and not layer.ep.one_host
+    assert layer.strategy._agree.board is None  # no shared memory across hosts: the gloo all_gather
+    g = torch.Generator().manual_seed(3)
+    for counts in ([3, 0], [5, 2], [0, 1], [4, 4]):
+        _check(layer, [torch.randn(t, CFG.hidden, generator=g) for t in counts], None, rank)
+    # Peer memory reaches one host only: refused on every rank, naming the ranks, before any buffer.
+    with pytest.raises(ValueError, match=r"spans 2 hosts \(ranks \[0\] on host 0; ranks \[1\] on host 1\)"):
+        MoELayer(CFG, strategy="fused", seed=3, device="cpu", strategy_options={"transport": "symmetric"})
+    # (the staged transport runs on collectives: it crosses hosts)
+    _check(MoELayer(CFG, strategy="fused", seed=3, device="cpu", strategy_options={"transport": "staged"}),
+           [torch.randn(t, CFG.hidden, generator=g) for t in (2, 3)], None, rank)
+
+
+def test_two_hosts_agree_over_gloo_and_refuse_peer_memory():
+    run_gloo(_two_hosts, 2)

@@ -166,6 +166,8 @@ class FusedStrategy(Strategy):
         self.train_path = opts.train_path
         self.timeline = bool(opts.timeline)
         self.max_tokens, self.transport, self.symm_backend = opts.max_tokens, opts.transport, opts.symm_backend
+        if self.transport == "symmetric":
+            ep.require_peer_memory(f"{self.spec_name} (transport 'symmetric')")
         self._n_comm_opt, self._n_comm1_opt, self.max_spins = opts.n_comm, opts.n_comm1, opts.max_spins
         self.buf: PeerBuffer | None = None
         self.engine: FusedEngine | None = None
@@ -195,6 +197,8 @@ class FusedStrategy(Strategy):
         transport = self.transport
         if transport == "auto":
             transport = "symmetric" if on_gpu and ep.world > 1 else "staged"
+        if transport == "symmetric":
+            ep.require_peer_memory(self.spec_name)  # (before any allocation, on every rank alike)
         if ep.world == 1:
             transport = "local"
         self.buf = shared_buffer(spec, "simulated" if transport == "local" else transport, ep.group, x.device,
