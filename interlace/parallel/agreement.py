@@ -33,6 +33,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,7 @@ class CallKind:
         return (_TRAIN if self.train else _INFER) | routed
 
 
-@dataclass(frozen=True)
-class Agreed:
+class Agreed(NamedTuple):
     """The group's answer for one call: its largest token count, whether it is a training
     call, and whether it goes routed (the ranks with tokens agree on it; False where no rank
     has a preference)."""
@@ -81,6 +81,9 @@ def _ranks(flags: list[int], bit: int) -> list[int]:
 def decide(values: tuple[int, ...], where: str) -> Agreed:
     """Every rank's posted word → :class:`Agreed`, or ``RuntimeError`` (the same on every rank)
     where the ranks' kinds of call differ."""
+    kind = values[0] >> TOKEN_BITS
+    if all(v >> TOKEN_BITS == kind for v in values):  # (the usual call: every rank's kind alike)
+        return Agreed(max(values) & MAX_TOKENS, bool(kind & _TRAIN), bool(kind & _ROUTED))
     tokens = [v & MAX_TOKENS for v in values]
     flags = [v >> TOKEN_BITS for v in values]
     train, infer = _ranks(flags, _TRAIN), _ranks(flags, _INFER)

@@ -170,6 +170,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         self.choices: dict[tuple[int, str], Choice] = {}
         self._keys: dict[tuple[int, str], _KeyState] = {}
         self._impls: dict[str, Strategy] = {}
+        self._ready: dict[tuple[int, str], Strategy] = {}  # W > 1: decided keys → their strategy (not fused)
         self._fused_tokens = opts.capacity or 0  # agreed tokens per rank the fused buffers hold
         # The side channel is made here, where every rank builds the layer alike (a collective).
         distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
@@ -366,6 +367,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         for impl in self._impls.values():
             impl.close()
         self._impls.clear()
+        self._ready.clear()
 
     def choice_for(self, tokens: int, mode: str = "fwd") -> Choice | None:
         """The decision recorded for the bucket of ``tokens`` (the group's largest count) and
@@ -406,13 +408,19 @@ class AutoStrategy(RoutedCalls, Strategy):
                 self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
             return self._impl("sequential", x.shape[0])(*args)
         agreed = self._agreed(x.shape[0], needs_grad, False)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (token_bucket(agreed.tokens), "fwdbwd" if agreed.train else "fwd")
+        impl = self._ready.get(key)
+        if impl is not None:  # (a decided key: straight to its strategy)
+            return impl(*args)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = self._key_state(key, x.device)
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
-            return self._impl(state.choice.spec, agreed.tokens)(*args)
+            impl = self._impl(state.choice.spec, agreed.tokens)
+            if state.choice.spec not in FUSED_SPECS:  # (a fused strategy's buffers may grow)
+                self._ready[key] = impl
+            return impl(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
             return self._impl(state.plan["candidates"][0], agreed.tokens)(*args)
         return self._calibration_call(state, agreed.tokens, agreed.train, args)

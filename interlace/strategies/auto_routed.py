@@ -103,8 +103,11 @@ class RoutedCalls:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._agree is None:
             return self._routed_key_call(x.shape[0], "fwd", args, capturing)
-        agreed = self._agreed(x.shape[0], False, True)
-        return self._routed_key_call(agreed.tokens, None, args, capturing)
+        agreed = self._agreed(x.shape[0], False, True).tokens
+        impl = self._ready.get((token_bucket(agreed), ROUTED))
+        if impl is not None:  # (a decided key: straight to its strategy)
+            return self._run_routed(impl, *args)
+        return self._routed_key_call(agreed, None, args, capturing)
 
     def _routed_mode(self, bucket: int) -> str:
         """W > 1: the key mode of a routed call of ``bucket``: :data:`ROUTED` where
@@ -122,6 +125,8 @@ class RoutedCalls:
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
+            if self._agree is not None and state.choice.spec not in FUSED_SPECS:  # (their buffers may grow)
+                self._ready[(bucket, ROUTED)] = self._impl(state.choice.spec, agreed)
             return self._routed(state.choice.spec, agreed, *args)
         if capturing:  # nothing timed or recorded inside a capture
             return self._routed(state.plan["candidates"][0], agreed, *args)
@@ -142,7 +147,10 @@ class RoutedCalls:
         return out
 
     def _routed(self, spec: str, agreed: int, x, router, w_up, w_down) -> torch.Tensor:
-        impl = self._impl(spec, agreed)
+        return self._run_routed(self._impl(spec, agreed), x, router, w_up, w_down)
+
+    @staticmethod
+    def _run_routed(impl, x, router, w_up, w_down) -> torch.Tensor:
         if impl.routes_itself:
             return impl.forward_layer(x, router, w_up, w_down)
         topk_idx, topk_weight, _ = router(x, None, fused=impl.fused_routing)

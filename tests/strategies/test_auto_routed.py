@@ -19,14 +19,15 @@ TOL = 1e-4  # the kernel's fp32 dots under the interpreter against the fp64 refe
 
 
 def _spy_routed(layer, log):
+    """Record the name of the sub-strategy that serves each routed call."""
     strategy = layer.strategy
-    routed = strategy._routed
+    run = strategy._run_routed
 
-    def spy(spec, agreed, *args):
-        log.append(spec)
-        return routed(spec, agreed, *args)
+    def spy(impl, *args):
+        log.append(impl.name)
+        return run(impl, *args)
 
-    strategy._routed = spy
+    strategy._run_routed = spy
 
 
 def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
