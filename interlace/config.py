@@ -208,12 +208,17 @@ class MoEConfig:
     def with_(self, **changes) -> MoEConfig:
         return dataclasses.replace(self, **changes)
 
-    def fingerprint(self) -> int:
-        """A 63-bit hash of every field that changes the math, used to check ranks agree."""
+    def math_fields(self) -> dict[str, str]:
+        """The ``repr`` of every field that changes the math, by name: what ranks must agree on
+        (:meth:`fingerprint` hashes them; a mismatch is reported field by field)."""
         fields = dataclasses.asdict(self)
         for name in ("source", "shared_overlap"):
             fields.pop(name)
-        text = repr(sorted((k, str(v)) for k, v in fields.items()))
+        return {name: repr(value) for name, value in fields.items()}
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of :meth:`math_fields`, used to check ranks agree."""
+        text = repr(sorted(self.math_fields().items()))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 

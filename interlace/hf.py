@@ -405,7 +405,7 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
         config = MoEConfig(**{**family.config(block), "dtype": w.dtype, "router_dtype": torch.float32,
                               "source": f"{family_name} {name}", **config_changes})
         ep = ExpertParallel.build(group, config.num_experts)
-        check_same_across_ranks(config.fingerprint(), ep, f"MoEConfig of {name}")
+        check_same_across_ranks(config.fingerprint(), ep, f"MoEConfig of {name}", config.math_fields())
         impl = make_strategy(strategy, config, ep, device=w.device, **(strategy_options or {}))
         impl.label = f"{name} (interlace)"
         replacement = InterlaceMoeBlock(block, family, config, ep, impl, family_name)

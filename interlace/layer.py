@@ -115,11 +115,11 @@ class MoELayer(nn.Module):
         self.ep = ExpertParallel.build(self.mesh.ep_group, config.num_experts)
         self.label = f"MoELayer {next(_LAYER_NUMBERS)}"
         self._strategy_options: dict[str, dict] = {}  # per strategy name, the options last given
-        check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig")
+        check_same_across_ranks(config.fingerprint(), self.ep, "MoEConfig", config.math_fields())
         check_same_across_ranks(seed, self.ep, "seed")
         if self.mesh.tp > 1:
             tp_view = ExpertParallel(self.mesh.tp_group, self.mesh.tp_rank, self.mesh.tp, config.num_experts)
-            check_same_across_ranks(config.fingerprint(), tp_view, "MoEConfig")
+            check_same_across_ranks(config.fingerprint(), tp_view, "MoEConfig", config.math_fields())
             check_same_across_ranks(seed, tp_view, "seed")
         # The strategy first: one that cannot run here says so before any weight is built.
         self.strategy = self._make_strategy(strategy, strategy_options or {}, device)

@@ -118,8 +118,13 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], ep:
     return AllToAll.apply(x, out_splits, in_splits, ep.group)
 
 
-def check_same_across_ranks(value: int, ep: ExpertParallel, what: str) -> None:
-    """Raise ValueError on every rank if ranks disagree on ``value`` (one small all_gather)."""
+def check_same_across_ranks(value: int, ep: ExpertParallel, what: str, fields: dict[str, str] | None = None) -> None:
+    """Raise ValueError on every rank if ranks disagree on ``value`` (one small all_gather).
+
+    ``value`` is the int itself (a seed) or a hash of ``fields`` (``MoEConfig.fingerprint()`` of
+    ``MoEConfig.math_fields()``, name → repr). On a mismatch the ranks also gather ``fields``, so
+    the message names each field that differs and every rank's value of it, not a hash.
+    """
     if ep.world == 1:
         return
     device = ep.collective_device()
@@ -127,12 +132,30 @@ def check_same_across_ranks(value: int, ep: ExpertParallel, what: str) -> None:
     gathered = [torch.empty_like(mine) for _ in range(ep.world)]
     dist.all_gather(gathered, mine, group=ep.group)
     values = [int(g.item()) for g in gathered]
-    if len(set(values)) != 1:
-        bad = [r for r, v in enumerate(values) if v != values[0]]
-        raise ValueError(
-            f"{what} differs across the expert-parallel group: ranks {bad} disagree with rank 0 "
-            f"(rank {ep.rank} has {value})"
-        )
+    if len(set(values)) == 1:
+        return
+    # Every rank saw the same gathered values, so every rank takes this branch: the second
+    # collective is entered by all of them.
+    if fields is None:
+        differences = [_who_has_what([str(v) for v in values])]
+    else:
+        per_rank: list[dict[str, str] | None] = [None] * ep.world
+        dist.all_gather_object(per_rank, fields, group=ep.group)
+        names = dict.fromkeys(name for rank_fields in per_rank for name in rank_fields)
+        differences = []
+        for name in names:
+            reprs = [rank_fields.get(name, "(no such field)") for rank_fields in per_rank]
+            if len(set(reprs)) > 1:
+                differences.append(f"{name}: {_who_has_what(reprs)}")
+    raise ValueError(f"{what} differs across the expert-parallel group: {'; '.join(differences)}")
+
+
+def _who_has_what(values: list[str]) -> str:
+    """``"2 on ranks [0, 2], 3 on ranks [1]"`` for the per-rank values ``["2", "3", "2"]``."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks_of.setdefault(value, []).append(rank)
+    return ", ".join(f"{value} on ranks {ranks}" for value, ranks in ranks_of.items())
 
 
 def all_to_all_async(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):

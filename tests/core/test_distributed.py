@@ -51,8 +51,17 @@ def test_gloo_matches_reference(world, strategy):
 
 def _mismatched_config(rank, world):
     cfg = CONFIGS["swiglu"] if rank == 0 else CONFIGS["swiglu"].with_(top_k=3)
-    with pytest.raises(ValueError, match="differs across the expert-parallel group"):
+    # The message names the field and each rank's value, not a hash of the config.
+    with pytest.raises(ValueError, match=r"^MoEConfig differs across the expert-parallel group: "
+                                         r"top_k: 2 on ranks \[0\], 3 on ranks \[1\]$"):
         MoELayer(cfg, device="cpu")
+    cfg = CONFIGS["swiglu"] if rank == 0 else CONFIGS["swiglu"].with_(activation="gelu", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"activation: 'swiglu' on ranks \[0\], 'gelu' on ranks \[1\]; "
+                                         r"dtype: torch.float32 on ranks \[0\], torch.float64 on ranks \[1\]$"):
+        MoELayer(cfg, device="cpu")
+    with pytest.raises(ValueError, match=r"^seed differs across the expert-parallel group: "
+                                         r"0 on ranks \[0\], 7 on ranks \[1\]$"):
+        MoELayer(CONFIGS["swiglu"], seed=7 * rank, device="cpu")
 
 
 def test_mismatched_config_across_ranks_raises():
