@@ -28,6 +28,16 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torc
 ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
 
 
+def _dtype_of_name(value):
+    """``torch.float32`` for ``"float32"`` or ``"torch.float32"`` (what a config file or a command
+    line gives); anything else unchanged, for :meth:`MoEConfig.validate` to judge."""
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return value
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """One MoE layer.
@@ -52,8 +62,10 @@ class MoEConfig:
             nothing to its token's output (the kept weights are not renormalized).
         aux_loss_coef: weight of the Switch-style load-balancing loss ``E * sum_e f_e * P_e``
             computed over this rank's tokens; 0 disables it.
-        dtype: dtype of the expert weights and the activations the layer takes.
-        router_dtype: dtype of the router weights, the logits and the routing computation.
+        dtype: dtype of the expert weights and the activations the layer takes: a
+            ``torch.dtype`` or its name (``"bfloat16"``, ``"torch.float32"``), stored as the dtype.
+        router_dtype: dtype of the router weights, the logits and the routing computation (a
+            ``torch.dtype`` or its name, as ``dtype``).
         router_gemm: how the router's logits GEMM ``x @ W_router^T`` runs when the activations
             are 16-bit. ``"split"`` (bf16 activations, fp32 router): one bf16 tensor-core GEMM
             against the weight's three bf16 pieces, whose sum is the fp32 weight exactly, split
@@ -115,6 +127,8 @@ class MoEConfig:
     source: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("dtype", "router_dtype"):
+            object.__setattr__(self, name, _dtype_of_name(getattr(self, name)))
         self.validate()
 
     def validate(self) -> None:
@@ -135,9 +149,10 @@ class MoEConfig:
         if self.router not in ROUTERS:
             raise ValueError(f"unsupported router {self.router!r}; choose one of {ROUTERS}")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"unsupported dtype {self.dtype}; choose one of {SUPPORTED_DTYPES}")
+            raise TypeError(f"unsupported dtype {self.dtype!r}; choose one of {SUPPORTED_DTYPES} (or its name)")
         if not isinstance(self.router_dtype, torch.dtype) or self.router_dtype not in ROUTER_DTYPES:
-            raise TypeError(f"unsupported router_dtype {self.router_dtype}; choose one of {ROUTER_DTYPES}")
+            raise TypeError(f"unsupported router_dtype {self.router_dtype!r}; choose one of {ROUTER_DTYPES} "
+                            f"(or its name)")
         if self.router_gemm not in ROUTER_GEMMS:
             raise ValueError(f"unsupported router_gemm {self.router_gemm!r}; choose one of {ROUTER_GEMMS}")
         if self.capacity_factor is not None:

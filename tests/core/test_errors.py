@@ -25,11 +25,23 @@ BASE = dict(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
         (dict(num_experts=2.5), TypeError, "num_experts"),
         (dict(route_scale=0.0), ValueError, "route_scale"),
         (dict(aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
+        (dict(dtype="float33"), TypeError, r"unsupported dtype 'float33'; choose one of \(torch.bfloat16"),
+        (dict(dtype="Tensor"), TypeError, "unsupported dtype 'Tensor'"),
+        (dict(router_dtype="bfloat16"), TypeError, "unsupported router_dtype torch.bfloat16"),
     ],
 )
 def test_bad_config(changes, error, match):
     with pytest.raises(error, match=match):
         MoEConfig(**{**BASE, **changes})
+
+
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("torch.float16", torch.float16),
+                                         ("bfloat16", torch.bfloat16), ("float64", torch.float64)])
+def test_dtype_by_name(name, dtype):
+    """A dtype's name (what a config file or a command line holds) is taken as the dtype itself."""
+    cfg = MoEConfig(**{**BASE, "dtype": name})
+    assert cfg.dtype is dtype and cfg == MoEConfig(**{**BASE, "dtype": dtype})
+    assert MoEConfig(**{**BASE, "router_dtype": "torch.float64"}).router_dtype is torch.float64
 
 
 def test_bad_inputs():
