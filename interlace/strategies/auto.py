@@ -93,7 +93,7 @@ from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes,
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
                                                  decision_shape, token_bucket)
 from interlace.strategies.auto_routed import FUSED_SPECS, PERSISTENT, ROUTED, RoutedCalls
-from interlace.strategies.base import Strategy, make_strategy, register_strategy, strategy_class
+from interlace.strategies.base import Strategy, check_names, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
 
@@ -154,6 +154,7 @@ class _KeyState:
 @register_strategy
 class AutoStrategy(RoutedCalls, Strategy):
     name = "auto"
+    options_class = AutoOptions
     fused_routing = True
     routes_itself = True  # inference calls may come with the router (auto_routed.RoutedCalls.routes_call)
 
@@ -161,9 +162,8 @@ class AutoStrategy(RoutedCalls, Strategy):
         super().__init__(config, ep)
         if isinstance(options, dict):
             given, options = {**options, **given}, None
-        valid = {f.name for f in fields(AutoOptions)}
-        if set(given) - valid:
-            raise ValueError(f"auto options: unknown {sorted(set(given) - valid)}; valid: {sorted(valid)}")
+        valid = [f.name for f in fields(AutoOptions)]
+        check_names(given, valid, "auto options")
         base = options or AutoOptions()
         self.options = opts = AutoOptions(**{**{f: getattr(base, f) for f in valid}, **given})
         self._profile = opts.profile

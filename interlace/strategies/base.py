@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import itertools
 import weakref
 from typing import ClassVar
@@ -62,6 +65,9 @@ class Strategy:
     routes_itself: ClassVar[bool] = False
     # What errors call the layer this strategy serves (the layer sets it: "MoELayer 3").
     label: str = "an interlace layer"
+    # The dataclass whose fields the constructor also takes as keyword options (through
+    # ``**fields``), for the names :func:`make_strategy` accepts; None: the named parameters only.
+    options_class: ClassVar[type | None] = None
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
         if options:
@@ -169,8 +175,33 @@ def strategy_class(name: str) -> type[Strategy]:
         raise TypeError(f"strategy must be a name (str), got {type(name).__name__}")
     base = name.partition(":")[0]
     if base not in STRATEGIES:
-        raise ValueError(f"unknown strategy {base!r}; available: {', '.join(sorted(STRATEGIES))}")
+        raise ValueError(f"unknown strategy {named(base, STRATEGIES)}; available: {', '.join(sorted(STRATEGIES))}")
     return STRATEGIES[base]
+
+
+def named(name: str, valid) -> str:
+    """``"'fusd' (did you mean 'fused'?)"``: ``name`` quoted, with the closest of ``valid`` if one is close."""
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+
+
+def check_names(given, valid: list[str], what: str, noun: str = "option") -> None:
+    """``ValueError`` for the names of ``given`` not in ``valid``: each named, with the closest
+    valid one where there is one, and the whole valid list."""
+    unknown = [name for name in given if name not in valid]
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise ValueError(f"{what}: unknown {noun}{plural} {', '.join(named(n, valid) for n in unknown)}; "
+                         f"valid: {', '.join(valid)}")
+
+
+def option_names(cls: type[Strategy]) -> list[str]:
+    """The keyword options the strategy ``cls`` takes: the fields of its ``options_class``, then
+    its constructor's named parameters after ``config`` and ``ep``."""
+    fields = [f.name for f in dataclasses.fields(cls.options_class)] if cls.options_class else []
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return fields + [p.name for p in parameters if p.kind in keyword and p.name not in ("self", "config", "ep")]
 
 
 def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, device: torch.device | str | None = None,
@@ -184,6 +215,9 @@ def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, device: torc
     _, _, arg = name.partition(":")
     if arg:
         options = {**cls.parse_arg(arg), **options}
+    valid = option_names(cls)
+    if valid:  # (a strategy without options says so itself: Strategy.__init__)
+        check_names(options, valid, f"strategy {cls.name!r}")
     if device is not None:
         cls.check_runtime(name, torch.device(device), **options)
     return cls(config, ep, **options)

@@ -155,6 +155,29 @@ def test_bad_strategy_and_options():
         MoELayer(cfg, strategy=None, device="cpu")
 
 
+def test_misspelt_strategy_or_option_names_the_closest_and_the_valid_ones():
+    """An unknown strategy or option (whether the strategy takes keyword parameters or the fields
+    of an options dataclass) is named with the closest valid name and the full list."""
+    cfg = MoEConfig(**BASE)
+    with pytest.raises(ValueError, match=r"unknown strategy 'fusd' \(did you mean 'fused'\?\); available: auto, "):
+        MoELayer(cfg, strategy="fusd", device="cpu")
+    with pytest.raises(ValueError, match=r"^strategy 'pipelined': unknown option 'degre' \(did you mean 'degree'\?\); "
+                                         r"valid: degree, profile, max_degree$"):
+        MoELayer(cfg, strategy="pipelined", strategy_options={"degre": 4}, device="cpu")
+    layer = MoELayer(cfg, strategy="naive", device="cpu")
+    with pytest.raises(ValueError, match=r"^strategy 'fused': unknown option 'max_token' \(did you mean 'max_tokens'"
+                                         r"\?\); valid: max_tokens, n_comm, .*, tma, options$"):
+        layer.set_strategy("fused", max_token=5)
+    with pytest.raises(ValueError, match=r"unknown options 'kernal' \(did you mean 'kernel'\?\), 'zzz'; valid: "):
+        layer.set_strategy("persistent", kernal=None, zzz=1)
+    with pytest.raises(ValueError, match=r"unknown option 'chunk' \(did you mean 'chunks'\?\); valid: mesh, form, "):
+        layer.set_strategy("tp_ep", chunk=2)
+    with pytest.raises(ValueError, match=r"'max_degre' \(did you mean 'max_degree'\?\); valid: profile, max_degree,"):
+        layer.set_strategy("auto", max_degre=3)
+    with pytest.raises(ValueError, match=r"fused strategy options: unknown field 'n_com' \(did you mean 'n_comm'\?\)"):
+        layer.set_strategy("fused", options={"n_com": 2})  # the fields of an options dict, too
+
+
 @pytest.mark.parametrize(
     "kernel,match",
     [

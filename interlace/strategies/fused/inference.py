@@ -143,6 +143,7 @@ class ForwardGraph:
 @register_strategy
 class FusedStrategy(Strategy):
     name = "fused"
+    options_class = FusedOptions
     fused_routing = True
     # Inference calls (and every call of fused:train / fused:recompute) run the fused Triton
     # kernels; a fused layer that can only train through sequential's path is not what was asked.

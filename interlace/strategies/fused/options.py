@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from interlace.strategies.base import check_names
 from interlace.tuning.tables import GemmConfig
 
 # interleave0 = -1: the interleaved layer0 order where owners receive at most this many rows per
@@ -113,10 +114,7 @@ def kernel_config(base: FusedKernelConfig, overrides: FusedKernelConfig | dict |
 
 
 def _check_names(given: dict, cls, what: str) -> None:
-    valid = [f.name for f in fields(cls)]
-    unknown = sorted(set(given) - set(valid))
-    if unknown:
-        raise ValueError(f"{what}: unknown field(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    check_names(given, [f.name for f in fields(cls)], what, noun="field")
 
 
 @dataclass(frozen=True)
