@@ -150,7 +150,8 @@ class PipelinedStrategy(Strategy):
         super().__init__(config, ep)
         if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int)
                                  or not 1 <= degree <= max_degree):
-            raise ValueError(f"pipelined degree must be an int in 1..{max_degree} or 'auto', got {degree!r}")
+            raise ValueError(f"pipelined degree must be an int in 1..{max_degree} (e.g. 'pipelined:4') or 'auto', "
+                             f"got {degree!r}")
         self.degree = degree
         self.max_degree = max_degree
         self._profile = profile
@@ -161,7 +162,8 @@ class PipelinedStrategy(Strategy):
     def parse_arg(cls, arg: str) -> dict:
         if arg == "auto":
             return {"degree": "auto"}
-        if not arg.isdigit():
+        # A negative int is parsed too: the constructor's check says the range (1..max_degree).
+        if not arg.removeprefix("-").isdigit():
             raise ValueError(f"pipelined: the part after ':' is the pipeline degree, an int such as "
                              f"'pipelined:4', or 'pipelined:auto'; got {arg!r}")
         return {"degree": int(arg)}

@@ -20,7 +20,8 @@ from interlace.planning.monta.simulate import OP_COLORS, legend_entries
 CFG = MoEConfig(hidden=32, ffn=16, num_experts=4, top_k=2, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("spec, accepted", [("pipelined:x", "pipelined:auto"), ("pipelined:-2", "pipelined:4"),
+@pytest.mark.parametrize("spec, accepted", [("pipelined:x", "pipelined:auto"), ("pipelined:-2", r"in 1\.\.16 .*got -2"),
+                                            ("pipelined:0", r"in 1\.\.16 \(e\.g\. 'pipelined:4'\)"),
                                             ("tp_ep:O2-x", "tp_ep:O2-4")])
 def test_a_bad_strategy_argument_says_what_is_accepted(spec, accepted):
     with pytest.raises(ValueError, match=accepted):
