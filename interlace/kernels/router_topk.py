@@ -49,6 +49,11 @@ def scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K: tl.constex
     best) or −1. The callers store (t·k + slot) ← column, weight where slot ≥ 0: no per-pick
     gather, each a reduction over the experts.
     """
+    # Rows that choose nothing compute on zeros: their logits (−inf past T) would give
+    # −inf − (−inf) in the softmax and 0/0 in the renormalization, NaN that is never stored but
+    # that NumPy warns about under the interpreter.
+    live = tokens >= 0
+    logits = tl.where(live[:, None], logits, 0.0)
     if SOFTMAX:
         row_max = tl.max(logits, axis=1)
         p = tl.where(cols[None, :] < E, tl.exp(logits - row_max[:, None]), 0.0)
@@ -59,7 +64,7 @@ def scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K: tl.constex
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
     choice = tl.where(choice != choice, float("-inf"), choice)  # NaN never wins
-    free = (cols[None, :] < E) & (tokens[:, None] >= 0)  # padding columns are never chosen
+    free = (cols[None, :] < E) & live[:, None]  # padding columns are never chosen
     key = tl.where(free, choice_key(choice, cols, E_PAD), -(1 << 63))
     slot = tl.full(key.shape, -1, tl.int32)
     for j in tl.static_range(TOP_K):
@@ -69,7 +74,8 @@ def scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K: tl.constex
         key = tl.where(pick, -(1 << 63), key)
     weights = scores
     if RENORMALIZE:
-        weights = weights / tl.sum(tl.where(slot >= 0, weights, 0.0), axis=1)[:, None]
+        chosen_sum = tl.sum(tl.where(slot >= 0, weights, 0.0), axis=1)
+        weights = weights / tl.where(live, chosen_sum, 1.0)[:, None]
     return weights * scale, slot
 
 
@@ -90,8 +96,8 @@ def _route_topk_kernel(
     valid = cols[None, :] < E
     logits = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * E + cols[None, :],
                      mask=tmask[:, None] & valid, other=float("-inf")).to(tl.float32)
-    weights, slot = scores_and_top_k(logits, bias_ptr, tokens, cols, E, scale, TOP_K, E_PAD, SOFTMAX, HAS_BIAS,
-                                     RENORMALIZE)
+    weights, slot = scores_and_top_k(logits, bias_ptr, tl.where(tmask, tokens, -1), cols, E, scale, TOP_K, E_PAD,
+                                     SOFTMAX, HAS_BIAS, RENORMALIZE)
     out = tokens[:, None].to(tl.int64) * TOP_K + slot
     omask = tmask[:, None] & (slot >= 0)
     tl.store(idx_ptr + out, tl.broadcast_to(cols[None, :], slot.shape).to(tl.int64), mask=omask)
