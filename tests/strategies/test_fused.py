@@ -477,6 +477,28 @@ def test_fused_training_paths():
                  device="cpu")
 
 
+def _forward_warns_nothing(rank, world):
+    import warnings
+
+    from interlace import MoELayer
+
+    cfg = MoEConfig(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32)
+    layer = MoELayer(cfg, strategy="fused:eager", seed=3, device="cpu")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        # (Triton's interpreter's own: the one the project's pytest configuration ignores)
+        warnings.filterwarnings("ignore", "Conversion of an array with ndim > 0", DeprecationWarning)
+        layer(torch.randn(5 + rank, cfg.hidden))
+
+
+def test_fused_forward_on_two_ranks_warns_nothing():
+    """The count exchange uses torch's current all-gather (all_gather_into_tensor is deprecated:
+    a FutureWarning at every call), and the router kernel makes no NumPy warning."""
+    from helpers import run_gloo
+
+    run_gloo(_forward_warns_nothing, 2)
+
+
 def test_fused_gloo_four_ranks():
     from helpers import run_gloo
     from core.test_distributed import _check_all

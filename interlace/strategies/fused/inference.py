@@ -73,6 +73,7 @@ import torch.distributed as dist
 
 from interlace.kernels.comet.flags import describe_error
 from interlace.kernels.rows import _INTERPRET
+from interlace.parallel.comm import all_gather_single
 from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
@@ -375,7 +376,7 @@ class FusedStrategy(Strategy):
         if ep.world > 1:
             # Device collective, no host sync; also orders this call after every rank's
             # previous call (buffers are reused only once all peers are done with them).
-            dist.all_gather_into_tensor(counts_all, kept.to(torch.int32), group=ep.group)
+            all_gather_single(counts_all, kept.to(torch.int32), ep.group)
         else:
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
