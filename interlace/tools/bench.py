@@ -24,7 +24,6 @@ latency)``, where a local expert is touched when any token of any rank chose it.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -42,6 +41,7 @@ from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
 from interlace.env import settings
+from interlace.tools.command_line import command_parser
 from interlace.tools.bench_timing import (  # noqa: F401 — re-exported: the tools import these from here
     barrier, measure_hbm_read_tbps, measure_matmul_tflops, measure_peer_gbps, measure_peer_latency_us, reduce_max,
     time_back_to_back, time_cpu, time_cuda)
@@ -367,15 +367,21 @@ def git_commit() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="interlace bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=list(PRESETS), help=f"preset names ({', '.join(PRESETS)})")
+    p = command_parser("bench", "The benchmark harness: the protocol of docs/benchmarking.md, timed on this machine. "
+                                "Launch with torchrun --nproc-per-node W for W GPUs (without torchrun: world size 1).")
+    p.add_argument("--configs", nargs="+", default=list(PRESETS), help="preset names")
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per GPU")
-    p.add_argument("--routing", nargs="+", default=["random"], choices=ROUTINGS)
-    p.add_argument("--strategies", nargs="+", default=["naive", "sequential"])
-    p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"])
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--routing", nargs="+", default=["random"], choices=ROUTINGS,
+                   help="how tokens choose experts: random (the router's top-k over random weights), balanced "
+                        "(round robin), skewed (Zipf popularity), local (only experts of the token's own rank)")
+    p.add_argument("--strategies", nargs="+", default=["naive", "sequential"],
+                   help="strategies to time, name or name:arg (naive is always run: the others are checked "
+                        "against it)")
+    p.add_argument("--mode", nargs="+", default=["fwd"], choices=["fwd", "fwdbwd"],
+                   help="fwd: forward only; fwdbwd: forward and backward")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per strategy and case, the median reported")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and forced routing")
     p.add_argument("--interleave", action="store_true",
                    help="time the strategies round-robin (call i of each back to back) instead of one after "
                         "another, so drift over a case falls on all of them alike")

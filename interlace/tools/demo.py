@@ -1,4 +1,4 @@
-"""The demo README's first command runs.
+"""``interlace demo``, the README's first command: run the layer on this machine and check it.
 
 * With ≥ 2 GPUs: a torchrun benchmark of the default config (qwen2-moe, 4096 and 16384
   tokens/GPU, random routing, forward; naive vs sequential vs fused), through the harness.
@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import socket
@@ -21,6 +20,8 @@ import subprocess
 import sys
 import time
 import warnings
+
+from interlace.tools.command_line import command_parser
 
 DEFAULT_CONFIG = "qwen2-moe"
 GPU_STRATEGIES = ("naive", "sequential", "fused")
@@ -184,9 +185,12 @@ def _cpu_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="interlace demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="preset of the GPU benchmark (default %(default)s)")
-    p.add_argument("--out", default="bench-out", help="folder of the GPU benchmark's results (default %(default)s)")
+    p = command_parser("demo", "Run the MoE layer on this machine and check it. With 2 or more GPUs: a torchrun "
+                               "benchmark of the default config. Otherwise: 2 gloo ranks on the CPU run each "
+                               "strategy forward and backward against the fp64 reference (Triton kernels under "
+                               "its interpreter).")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="preset of the GPU benchmark")
+    p.add_argument("--out", default="bench-out", help="folder of the GPU benchmark's results")
     p.add_argument("--cpu", action="store_true", help="the CPU demo even if GPUs are present")
     p.add_argument("--strategies", nargs="+", metavar="NAME",
                    help=f"strategies to run (default: {' '.join(GPU_STRATEGIES)} on GPUs; "

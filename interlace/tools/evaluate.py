@@ -28,6 +28,7 @@ from interlace.planning.pipemoe.calibration import calibrate_profile, merge_poin
 from interlace.planning.pipemoe.degree import DEFAULT_DEGREES, choose_degree
 from interlace.planning.profile import Profile, load_profile
 from interlace.tools.bench import bench_config, init_env, make_routing, reduce_max, rel_err, time_cpu, time_cuda
+from interlace.tools.command_line import command_parser
 from interlace.tools.profile import run_profile
 
 # (hidden N, FFN K, experts E, top-k) shape classes × variants (tokens per rank, top-k, routing).
@@ -233,7 +234,10 @@ def errors_text(rows: list[EvalRow]) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="interlace pipeline-eval", description=__doc__.split("\n\n")[0])
+    p = command_parser("pipeline-eval", "How well the planner picks the pipeline degree: the pipelined layer "
+                                        "measured at every degree on a grid of configs, against the planner's "
+                                        "choice and predicted times (PipeMoE Table IV in spirit). Launch under "
+                                        "torchrun, one process per GPU.")
     p.add_argument("--grid", choices=["default", "tiny"], default="default",
                    help="configurations to evaluate: the default grid, or a tiny one for CPU tests")
     p.add_argument("--degrees", nargs="+", type=int, default=list(DEFAULT_DEGREES),

@@ -24,6 +24,7 @@ from interlace.planning.monta.memory import RECOMPUTE
 from interlace.planning.monta.model import MODEL_PRESETS, load_model
 from interlace.planning.monta.search import STRATEGIES, Planner, PlanResult, TrainSetup
 from interlace.planning.monta.simulate import timeline, write_timeline_png
+from interlace.tools.command_line import command_parser
 
 LEGEND = """legend:
   TPt EPe CPc PPp DPd  tensor-, expert-, context-, pipeline- and data-parallel group sizes; CPcv ("vertical"):
@@ -89,8 +90,9 @@ def plan_once(model_spec, cluster_spec, setup: TrainSetup, out: Path | None, top
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="interlace plan", description=__doc__.split("\n\n")[0],
-                                 epilog="e.g. interlace plan --model mixtral-8x7b --cluster h100x1024")
+    ap = command_parser("plan", "Rank layouts × MoE strategies × all-to-all forms for a model on a cluster, "
+                                "from the cost models (no GPU needed).",
+                        epilog="e.g. interlace plan --model mixtral-8x7b --cluster h100x1024")
     ap.add_argument("--model", default=None, help=f"model: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file")
     ap.add_argument("--cluster", default=None, help=f"cluster: a preset ({', '.join(PRESET_NAMES)}) or a JSON file")
     ap.add_argument("--all-presets", action="store_true",

@@ -58,6 +58,7 @@ from interlace.planning.profile import (Profile, ShapeProfile, TPShapeProfile, l
                                         tp_shard_key)
 from interlace.strategies.sequential import expert_ffn
 from interlace.tools.bench import Env, bench_config, init_env, reduce_max, time_cpu, time_cuda
+from interlace.tools.command_line import command_parser
 
 
 # ----------------------------------------------------------------------------- timing
@@ -414,7 +415,9 @@ def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: i
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="interlace profile", description=__doc__.split("\n\n")[0])
+    p = command_parser("profile", "Microbenchmarks of this machine (the all-to-all, each shape class's expert "
+                                  "stage, the host's per-chunk costs) written as the JSON performance profile "
+                                  "the pipelined and auto strategies plan with.")
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "qwen2-moe", "flashdmoe-cfg"],
                    help="presets whose shape classes to measure")
     p.add_argument("--tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000],
@@ -427,7 +430,7 @@ def parser() -> argparse.ArgumentParser:
                    help="do not time fused (forward) and fused:train (training) beside sequential")
     p.add_argument("--fused-from", nargs="+", default=None, metavar="RESULTS_JSON",
                    help="offline, no measurement: add the fused/sequential forward pairs of these "
-                        "`interlace bench` results to the profile --out")
+                        "interlace bench results to the profile --out")
     p.add_argument("--fused-replace", action="store_true",
                    help="with --fused-from: shape classes in those results drop their older pairs first")
     return p

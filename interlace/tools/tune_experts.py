@@ -18,7 +18,6 @@ chosen configs, their TFLOP/s and the time the tuning took.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -30,6 +29,7 @@ import torch
 import triton
 
 from interlace.tools.bench import rel_err
+from interlace.tools.command_line import command_parser
 from interlace.tuning import tables as tuning
 from interlace.kernels.expert_gemm.backward import backward_steps, expert_ffn_triton_backward
 from interlace.kernels.expert_gemm.configs import (BACKWARD_KERNELS, FORWARD_KERNELS, INTERPRETER_CONFIG,
@@ -289,8 +289,9 @@ def main(argv=None) -> int:
     from interlace.tools.bench import bench_config
     from interlace.config import PRESETS
 
-    p = argparse.ArgumentParser(prog="interlace tune-experts", description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=list(PRESETS))
+    p = command_parser("tune-experts", "Measure kernel configs of the Triton expert kernels per shape class and "
+                                       "rows-per-expert bucket, and write the tuning tables they look up.")
+    p.add_argument("--configs", nargs="+", default=list(PRESETS), help="presets whose shape classes to tune")
     p.add_argument("--world", type=int, default=2, help="experts per GPU = E / world")
     p.add_argument("--buckets", nargs="+", type=int, default=[64, 256, 1024, 4096],
                    help="rows per expert to tune for (powers of two)")

@@ -19,7 +19,6 @@ noise alone, and can make rows slower than the table it replaces.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.tools.bench import init_env, make_routing, reduce_max, time_cuda
+from interlace.tools.command_line import command_parser
 from interlace.config import preset
 from interlace.layer import MoELayer
 from interlace.tuning.fused_split import PACKAGE_DIR, load_entries, split_key, write_entries
@@ -49,17 +49,20 @@ def pick_split(samples: dict[int, list[float]], incumbent: int | None, margin: f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="interlace tune", description=__doc__.split("\n\n")[0])
+    p = command_parser("tune", "Time the fused strategy's split of programs between communication and GEMMs "
+                               "per shape and store the fastest. Launch under torchrun with 2 or more GPUs.")
     p.add_argument("--configs", nargs="+", default=["mixtral-8x7b", "phi3.5-moe", "qwen2-moe", "qwen3-30b-a3b",
-                                                    "dsv3-like", "flashdmoe-cfg"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
-    p.add_argument("--candidates", nargs="+", type=int, default=list(CANDIDATES))
-    p.add_argument("--warmup", type=int, default=3)
+                                                    "dsv3-like", "flashdmoe-cfg"], help="presets to tune")
+    p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per GPU, one split each")
+    p.add_argument("--candidates", nargs="+", type=int, default=list(CANDIDATES),
+                   help="program counts to try for layer0's communication (n_comm) and layer1's combine (n_comm1)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before each candidate's timed ones")
     p.add_argument("--iters", type=int, default=10, help="timed calls per candidate and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the candidates")
     p.add_argument("--margin", type=float, default=0.02,
                    help="a tabled split stays unless a candidate is this much faster (0: always the fastest)")
-    p.add_argument("--out-dir", default=str(settings().tuning_dir or PACKAGE_DIR))
+    p.add_argument("--out-dir", default=str(settings().tuning_dir or PACKAGE_DIR),
+                   help="folder the fused-split-<device>.json table is merged into")
     args = p.parse_args(argv)
     env = init_env()
     if not env.cuda or env.world < 2:

@@ -67,6 +67,37 @@ def test_every_command_line_option_has_help(make_parser):
     assert not undocumented
 
 
+def _options_without_help(help_text: str) -> list[str]:
+    """The options of an argparse ``--help`` text that have no help: an option line (two spaces,
+    a dash) with nothing after its invocation and no more indented line under it."""
+    lines = help_text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    bare = []
+    for line, below in zip(lines, lines[1:] + [""]):
+        invocation, _, text = line.strip().partition("  ")
+        if line.startswith("  -") and not text.strip() and not below.startswith("    "):
+            bare.append(invocation)
+    return bare
+
+
+@pytest.mark.parametrize("command", ["", *cli.COMMANDS])
+def test_help_is_plain_text_with_every_option_explained(command, capsys):
+    """``interlace --help`` and ``interlace <command> --help``: exit 0, no reST markup (the text is
+    printed as is), help on every option and the defaults shown."""
+    try:
+        code = cli.main([command, "--help"] if command else ["--help"])
+    except SystemExit as exit_:  # (argparse exits after printing the help)
+        code = exit_.code
+    out = capsys.readouterr().out
+    assert code == 0
+    for markup in ("``", "`", ":func:", ":class:", ":mod:", ":meth:"):
+        assert markup not in out, (command, markup)
+    if command:
+        assert out.startswith(f"usage: interlace {command} ")
+        assert _options_without_help(out) == []
+    if command == "bench":
+        assert "timed calls per strategy and case, the median reported (default: 20)" in " ".join(out.split())
+
+
 def test_interlace_without_a_command_prints_usage_and_fails(capsys):
     assert cli.main([]) == 2
     assert "usage: interlace <command>" in capsys.readouterr().err
