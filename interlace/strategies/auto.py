@@ -48,7 +48,10 @@ raises on every rank alike, before any launch).
 orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
 Each candidate serves real calls (its output is the call's output; nothing runs twice, so
 results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds.
-A training call is timed forward + backward (marks on the output's and the inputs' gradients).
+A training call is timed forward + backward (marks on the output's and the inputs' gradients);
+a key decides only on complete timings: where some candidate's backward has not run yet on some
+rank (gradient accumulation: several forwards, then the backwards), the key serves another round
+of candidates instead (at most ``MAX_EXTRA_ROUNDS``).
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
 under the profile dir's ``decisions/``, one file per device key, above the decisions shipped
 for the presets) and reused by later processes; a bucket between two measured ones takes their
@@ -96,6 +99,10 @@ from interlace.strategies.auto_routed import FUSED_SPECS, PERSISTENT, ROUTED, Ro
 from interlace.strategies.base import Strategy, check_names, make_strategy, register_strategy, strategy_class
 
 log = logging.getLogger("interlace.auto")
+
+# Calibration rounds a key may add while some candidate has no complete timing (training calls
+# whose backward has not run: gradient accumulation); past them it decides on what it has.
+MAX_EXTRA_ROUNDS = 16
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ class _KeyState:
         self.schedule = [i for _ in range(rounds) for i in range(len(cands))]
         self.pos = 0
         self.samples: list[list] = [[] for _ in cands]  # per candidate: [warm?, marks]
+        self.extra_rounds = 0  # rounds served past the schedule while timings were incomplete
 
 
 @register_strategy
@@ -301,10 +309,12 @@ class AutoStrategy(RoutedCalls, Strategy):
         """End of a key's calibration: agree on each candidate's time (ONE all-reduce), keep the
         fastest, store it."""
         cands = state.plan["candidates"]
-        local, total = [], 0.0
+        local, total, waiting = [], 0.0, 0
         for c, spec in enumerate(cands):
             times = []
             for warm, marks in state.samples[c]:
+                if any(m is None for m in marks):  # a training call whose backward has not run yet
+                    continue
                 ms = clock.elapsed_ms(marks[0], marks[1])
                 if len(marks) == 4:
                     ms += clock.elapsed_ms(marks[2], marks[3])
@@ -315,11 +325,18 @@ class AutoStrategy(RoutedCalls, Strategy):
                 if not warm:
                     times.append(ms)
             local.append(statistics.median(times) if times else math.inf)
-        vec = torch.tensor(local + [total], dtype=torch.float64)
+            waiting += not times
+        vec = torch.tensor(local + [total, waiting], dtype=torch.float64)
         if self.ep.world > 1:  # on the side channel: host values, no GPU stream involved
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self._agree.group)
         agreed = vec.tolist()
-        times, total = agreed[:-1], agreed[-1]
+        times, total, waiting = agreed[:-2], agreed[-2], agreed[-1]
+        if waiting and state.extra_rounds < MAX_EXTRA_ROUNDS:
+            # Some candidate has no complete timing on some rank (gradient accumulation: forwards
+            # first, their backwards later): serve another round instead of deciding on it.
+            state.extra_rounds += 1
+            state.schedule += list(range(len(cands)))
+            return
         best = min(range(len(cands)), key=lambda i: (times[i], i))
         calls = len(state.schedule)
         overhead = total - calls * times[best] if math.isfinite(times[best]) else 0.0

@@ -4,6 +4,7 @@ calibration calls return what the chosen strategy returns, decisions survive in 
 the model's prior prunes candidates."""
 
 import json
+import math
 import logging
 import sys
 from pathlib import Path
@@ -411,3 +412,25 @@ def test_shipped_decision_files_are_readable_and_name_real_strategies(tmp_path):
                 strategy_class(record["spec"])
                 choice = cache.lookup(shape, mode, int(bucket))
                 assert choice is not None and choice.spec == record["spec"] and choice.source == "cached"
+
+
+def _gradient_accumulation(rank, world, tmp):
+    """Six training forwards (micro-batches), then one backward: auto decides only once every
+    candidate has a complete (forward + backward) timing, on every rank alike, never on the
+    forwards alone (their backward marks have not fired: an infinite time)."""
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "cache": False})
+    g = torch.Generator().manual_seed(8)
+    outs = [layer(torch.randn(5 + rank, CFG.hidden, generator=g, requires_grad=True)) for _ in range(6)]
+    assert (8, "fwdbwd") not in layer.strategy.choices  # nothing complete yet: no decision
+    torch.stack([o.square().mean() for o in outs]).sum().backward()
+    for _ in range(2):
+        layer(torch.randn(5 + rank, CFG.hidden, generator=g, requires_grad=True)).sum().backward()
+    choice = layer.strategy.choices[(8, "fwdbwd")]
+    assert choice.source == "measured" and all(math.isfinite(t) for t in choice.times_ms.values()), choice
+    assert _gather_lists(choice.spec)[0] == choice.spec
+
+
+def test_gradient_accumulation_decides_on_complete_timings(tmp_path):
+    run_gloo(_gradient_accumulation, 2, str(tmp_path))
