@@ -17,6 +17,14 @@ bf16), and its ``tl.dot`` multiplies those patterns as integers, so every bf16 G
 under the interpreter came out ~1e10 (fp16, fp32 and fp8 operands are converted and right).
 The fix widens bf16 operands to fp32 first (exact: a bf16 value is the high half of an fp32)
 before the interpreter's own dot, again only where the installed interpreter shows the bug.
+
+And a third, for newer Triton (seen on 3.9.0): the interpreter's comparison of a scalar (``first =
+tl.program_id(0) == 0``) keeps its operand's int32 type on the handle, so a mask built from it
+(``(offs < n) & first``) is held as int32 0/1 values, not bools. Triton 3.6's native load and store
+read such a mask as bools; 3.9's reject it (``ValueError('mask has unsupported dtype')``, every
+call of the fused strategies' plan kernel). The fix hands the native load, store and atomic
+read-modify-write their mask as bools (nonzero is true, as before), again only where the
+installed interpreter rejects an int mask. Compiled kernels never see it: their masks are i1.
 """
 
 from __future__ import annotations
@@ -97,9 +105,52 @@ def _fix_bf16_dot(interpreter) -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _has_int_mask_bug(interpreter) -> bool:
+    """Whether this interpreter's native load rejects an int32 mask (all false: nothing is read)."""
+    import numpy as np
+
+    try:
+        native = interpreter._interpreter
+        buf = np.zeros(1, dtype=np.int32)
+        ptrs = np.array([buf.ctypes.data], dtype=np.uint64)
+        native.load(ptrs, np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int32), np.dtype(np.int32))
+    except ValueError:
+        return True
+    except Exception:  # a layout we do not know: leave the interpreter alone
+        return False
+    return False
+
+
+class _BoolMasks:
+    """The interpreter's native module (``triton._C.libtriton.interpreter``) with every mask that
+    reaches its load, store and atomic read-modify-write converted to bool."""
+
+    def __init__(self, native):
+        self._native = native
+
+    def __getattr__(self, name):  # everything else (atomic_cas, the enums, ...) as it is
+        return getattr(self._native, name)
+
+    @staticmethod
+    def _bool(mask):
+        import numpy as np
+
+        mask = np.asarray(mask)
+        return mask if mask.dtype == np.bool_ else mask != 0
+
+    def load(self, ptrs, mask, other, dtype):
+        return self._native.load(ptrs, self._bool(mask), other, dtype)
+
+    def store(self, ptrs, value, mask):
+        return self._native.store(ptrs, value, self._bool(mask))
+
+    def atomic_rmw(self, op, ptrs, value, mask, sem):
+        return self._native.atomic_rmw(op, ptrs, value, self._bool(mask), sem)
+
+
 def patch_interpreter() -> bool:
-    """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, and its bf16 ``tl.dot``,
-    each only if the installed interpreter needs it.
+    """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, its bf16 ``tl.dot``, and
+    its int masks (Triton ≥ 3.7), each only if the installed interpreter needs it.
 
     Does nothing unless Triton runs in interpreter mode (``triton.knobs.runtime.interpret``).
     Idempotent. Returns whether a fix is in place.
@@ -126,5 +177,9 @@ def patch_interpreter() -> bool:
             scope.set_attr(tensor, "__index__", _index)
 
         interpreter._patch_lang_tensor = patch_lang_tensor
+        _patched = True
+    if _has_int_mask_bug(interpreter):
+        # The interpreter's builder reads its native module as a global at each call.
+        interpreter._interpreter = _BoolMasks(interpreter._interpreter)
         _patched = True
     return _patched

@@ -1,6 +1,7 @@
 """What a newcomer on a CPU-only machine runs: ``interlace demo``, every strategy by name, and
-Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4)
-and with bf16 operands (its dot multiplied their bit patterns)."""
+Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4),
+with bf16 operands (its dot multiplied their bit patterns) and under any Triton the range allows
+(3.9's interpreter rejects the int32 masks its scalar comparisons produce)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,27 @@ def test_interpreter_dot_of_bf16_operands(dtype):
     _dot_kernel[(1,)](a, b, out, M=16, N=16, K=32)
     ref = a.double() @ b.double()
     assert (out.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+@triton.jit
+def _first_program_stores_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    # As the plan kernel's tables: a block mask and-ed with a scalar comparison. The interpreter
+    # holds ``first`` with its operand's int32 type, so the mask reaches load and store as int32.
+    first = tl.program_id(0) == 0
+    offs = tl.arange(0, BLOCK)
+    old = tl.load(out_ptr + offs, mask=(offs < n) & first, other=0)
+    tl.store(out_ptr + offs, old + offs, mask=(offs < n) & first)
+    tl.atomic_add(out_ptr + BLOCK + offs, 1, mask=(offs < n) & first)
+
+
+def test_interpreter_mask_from_a_scalar_comparison():
+    """Triton 3.9's interpreter raised ``ValueError('mask has unsupported dtype')`` on such a mask
+    (every fused call's plan kernel); interlace.kernels.interpreter_compat hands it over as bools."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    out = torch.full((16,), 10, dtype=torch.int32)
+    _first_program_stores_kernel[(2,)](out, 5, BLOCK=8)
+    assert out.tolist() == [10, 11, 12, 13, 14, 10, 10, 10] + [11] * 5 + [10] * 3
 
 
 def test_persistent_bf16_layer_on_the_interpreter():
