@@ -6,8 +6,8 @@ from interlace.reference import reference_moe
 from interlace.strategies import STRATEGIES
 from interlace.kernels.interpreter_compat import patch_interpreter
 
-# Every ``import interlace.<anything>`` runs this first: Triton 3.6's CPU interpreter needs a
-# one-line fix to run our kernels under NumPy >= 2.4 (see interlace.kernels.interpreter_compat).
+# Every ``import interlace.<anything>`` runs this first: Triton's CPU interpreter needs small fixes
+# to run our kernels under NumPy >= 2.4 and Triton 3.9 (see interlace.kernels.interpreter_compat).
 patch_interpreter()
 
 __all__ = ["MoEConfig", "MoELayer", "PRESETS", "preset", "reference_moe", "STRATEGIES"]

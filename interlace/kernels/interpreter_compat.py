@@ -150,7 +150,7 @@ class _BoolMasks:
 
 def patch_interpreter() -> bool:
     """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, its bf16 ``tl.dot``, and
-    its int masks (Triton ≥ 3.7), each only if the installed interpreter needs it.
+    its int masks (Triton 3.9), each only if the installed interpreter needs it.
 
     Does nothing unless Triton runs in interpreter mode (``triton.knobs.runtime.interpret``).
     Idempotent. Returns whether a fix is in place.

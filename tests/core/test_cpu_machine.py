@@ -41,7 +41,7 @@ def test_interpreter_runtime_loop_bound_under_any_numpy():
 
     if not knobs.runtime.interpret:
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
-    from interlace.kernels import interpreter_compat as triton_compat
+    from interlace.kernels import interpreter_compat
 
     x = torch.arange(37, dtype=torch.float32)
     out = torch.empty(1, dtype=torch.float32)
@@ -49,7 +49,7 @@ def test_interpreter_runtime_loop_bound_under_any_numpy():
         warnings.filterwarnings("error", message="Conversion of an array with ndim > 0", category=DeprecationWarning)
         _strided_sum_kernel[(1,)](x, out, x.numel(), BLOCK=8)
     assert out.item() == x.sum().item()
-    assert triton_compat.patch_interpreter()  # in place, and idempotent
+    assert interpreter_compat.patch_interpreter()  # in place, and idempotent
 
 
 @triton.jit
