@@ -14,8 +14,9 @@ Where the ranks can part, and what the agreement does about it:
   kernel) on one rank and routed by the layer on another (``expert_indices`` given, or a balance
   loss to compute) would run different strategies: every rank raises, naming them. A rank with
   no tokens has nothing to route: it posts no preference and follows the group
-  (:meth:`CallAgreement.routed`), so ``expert_indices`` on the ranks that have tokens and none
-  on a rank that has none is fine.
+  (:meth:`CallAgreement.routed`; where no rank has tokens, each takes its strategy's own way,
+  the same on every rank), so ``expert_indices`` on the ranks that have tokens and none on a rank
+  that has none is fine.
 * **Tokens.** The group's largest count is what every rank keys its choice on.
 
 Every rank reads the same row, so every rank reaches the same result or raises the same error
@@ -66,12 +67,16 @@ class CallKind:
 
 class Agreed(NamedTuple):
     """The group's answer for one call: its largest token count, whether it is a training
-    call, and whether it goes routed (the ranks with tokens agree on it; False where no rank
-    has a preference)."""
+    call, and whether it goes routed (the ranks with tokens agree on it; None where no rank has
+    tokens: each rank then takes its own way, the same on every rank of one strategy)."""
 
     tokens: int
     train: bool
-    routed: bool
+    routed: bool | None
+
+
+def _routing(flags: int) -> bool | None:
+    return True if flags & _ROUTED else False if flags & _UNROUTED else None
 
 
 def _ranks(flags: list[int], bit: int) -> list[int]:
@@ -83,7 +88,7 @@ def decide(values: tuple[int, ...], where: str) -> Agreed:
     where the ranks' kinds of call differ."""
     kind = values[0] >> TOKEN_BITS
     if all(v >> TOKEN_BITS == kind for v in values):  # (the usual call: every rank's kind alike)
-        return Agreed(max(values) & MAX_TOKENS, bool(kind & _TRAIN), bool(kind & _ROUTED))
+        return Agreed(max(values) & MAX_TOKENS, bool(kind & _TRAIN), _routing(kind))
     tokens = [v & MAX_TOKENS for v in values]
     flags = [v >> TOKEN_BITS for v in values]
     train, infer = _ranks(flags, _TRAIN), _ranks(flags, _INFER)
@@ -96,7 +101,7 @@ def decide(values: tuple[int, ...], where: str) -> Agreed:
         raise RuntimeError(f"{where}: ranks {routed} hand the call over with the router and ranks {unrouted} route it "
                            f"first (expert_indices given, a balance loss, or torch.compile): every rank that has "
                            f"tokens must route alike, or the ranks would run different strategies")
-    return Agreed(max(tokens), bool(train), bool(routed))
+    return Agreed(max(tokens), bool(train), True if routed else False if unrouted else None)
 
 
 _SIDE_CHANNELS: dict[tuple, dist.ProcessGroup] = {}
@@ -255,11 +260,14 @@ class CallAgreement:
         seq = self._guard(lambda: self.counter.post(tokens | kind.flags() << TOKEN_BITS), None)
         self._pending, self._answer = (seq, tokens, kind), None
 
-    def routed(self) -> bool:
-        """Whether the posted call goes routed: this rank's own kind where it has one, else
-        (no tokens here) the group's (a wait)."""
-        kind = self._pending[2]
-        return kind.routed if kind.routed is not None else self.wait().routed
+    def routed(self, mine: bool) -> bool:
+        """Whether the posted call goes routed, ``mine`` being this rank's own way: that, where
+        this rank has tokens; else (a wait) the way of the ranks that have tokens, or ``mine``
+        where none has (every rank without tokens takes the same way: its strategy's)."""
+        if self._pending[2].routed is not None:
+            return self._pending[2].routed
+        group = self.wait().routed
+        return mine if group is None else group
 
     def wait(self) -> Agreed:
         """The group's answer for the posted call (waits for the last rank's post once; later

@@ -399,7 +399,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         if self._agree is None:
             return routed
         self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
-        return self._agree.routed()
+        return self._agree.routed(routed)
 
     def _agreed(self, tokens: int, train: bool, routed: bool) -> Agreed:
         """The group's answer for this call (posted by ``begin_call``, or here where the caller

@@ -196,7 +196,7 @@ class PersistentStrategy(Strategy):
         if self._agree is None:
             return routed
         self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
-        return self._agree.routed()
+        return self._agree.routed(routed)
 
     def _agreed_tokens(self, tokens: int, train: bool, routed: bool) -> int:
         """W > 1: the group's largest count of this call (posted here where the layer did not);

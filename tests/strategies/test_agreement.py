@@ -25,7 +25,8 @@ def _word(tokens, train, routed):
 def test_decide_keys_and_mismatches():
     assert decide((_word(3, False, None), _word(5, False, False)), "x") == Agreed(5, False, False)
     assert decide((_word(0, False, None), _word(2, False, True)), "x") == Agreed(2, False, True)
-    assert decide((_word(0, True, None), _word(0, True, None)), "x") == Agreed(0, True, False)
+    assert decide((_word(0, True, None), _word(0, True, None)), "x") == Agreed(0, True, None)  # (each its own way)
+    assert decide((_word(0, False, None), _word(0, False, False)), "x") == Agreed(0, False, False)
     with pytest.raises(RuntimeError, match=r"ranks \[1\] make a training call .* ranks \[0\] an inference"):
         decide((_word(1, False, False), _word(1, True, False)), "layer 7")
     with pytest.raises(RuntimeError, match=r"layer 7: ranks \[0, 2\] hand the call over .* ranks \[1\] route"):
