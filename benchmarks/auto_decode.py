@@ -8,7 +8,8 @@ Per shape (the presets and :data:`SHAPES`, shapes outside them) and token count 
 layer with the router's own (random) routing: a fresh ``auto`` (empty decision cache in a
 temporary folder, no shipped decisions) is called until it has decided; then ``auto`` and the
 strategy it chose, that strategy on its own layer object with the same weights, are timed in
-alternation: with a barrier before each call (``--iters`` calls, median, max over ranks) and back to back
+alternation: with a barrier before each call (``--iters`` calls each, alternating call by call,
+median, max over ranks) and back to back
 (``--back-to-back`` calls issued together, ms per call; median of ``--rounds``, max over ranks).
 Outputs of both are checked against each other (bf16 tolerance). Rows go to ``DIR/rows.jsonl`` as
 they finish and, at the end, with the run's meta to ``DIR/results.json``; last, a table and the
@@ -42,7 +43,7 @@ def parse_args():
     p.add_argument("--tokens", nargs="+", type=int, default=[8, 32, 128, 512], help="tokens per GPU")
     p.add_argument("--presets", nargs="*", default=list(PRESETS), help="presets to run (none: grid shapes only)")
     p.add_argument("--grid", type=int, default=len(SHAPES), help="how many of the non-preset shapes")
-    p.add_argument("--iters", type=int, default=30, help="calls timed with a barrier before each")
+    p.add_argument("--iters", type=int, default=90, help="calls timed with a barrier before each (alternating)")
     p.add_argument("--back-to-back", type=int, default=20, help="calls issued together per round")
     p.add_argument("--rounds", type=int, default=5, help="back-to-back rounds (median)")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes (CPU, gloo)")
@@ -75,15 +76,20 @@ def run_row(env, name: str, cfg: MoEConfig, tokens: int, args, decisions: str) -
         err = rel_err(auto(x), alone(x))
         timer = time_cuda if x.is_cuda else time_cpu
         barrier_ms = {"auto": [], spec: []}
-        for _ in range(3):  # alternating blocks: drift between them hits both alike
-            for key, layer in (("auto", auto), (spec, alone)):
-                barrier_ms[key] += timer(lambda: layer(x), 3, max(1, args.iters // 3), env)
+        pair = (("auto", auto), (spec, alone))
+        for key, layer in pair:
+            timer(lambda: layer(x), 3, 0, env)  # (warm-up only)
+        for i in range(args.iters):  # alternating calls, the order rotated: drift hits both alike
+            for key, layer in pair[::1 if i % 2 else -1]:
+                barrier_ms[key] += timer(lambda: layer(x), 0, 1, env)
         b2b = {"auto": [], spec: []}
         if x.is_cuda:
             for _ in range(args.rounds):
                 for key, layer in (("auto", auto), (spec, alone)):
                     b2b[key].append(time_back_to_back(lambda: layer(x), args.back_to_back, env))
-    row = {"shape": name, "tokens": tokens, "runs": spec, "rel_err": reduce_max(env, err)}
+    row = {"shape": name, "tokens": tokens, "runs": spec, "rel_err": reduce_max(env, err),
+           "decided_by": None if choice is None else choice.source,
+           "calibration_ms": None if choice is None else choice.times_ms}
     for key, label in (("auto", "auto"), (spec, "alone")):
         row[f"{label}_barrier_ms"] = reduce_max(env, statistics.median(barrier_ms[key]))
         row[f"{label}_b2b_ms"] = reduce_max(env, statistics.median(b2b[key])) if b2b[key] else None

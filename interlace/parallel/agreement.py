@@ -279,6 +279,26 @@ class CallAgreement:
             self._answer = decide(values, where)
         return self._answer
 
+    def begin(self, tokens: int, train: bool, routed: bool) -> bool:
+        """Post this call (``Strategy.begin_call``: before the router runs) and return whether
+        it goes routed (a rank without tokens posts no preference and follows the group)."""
+        self.post(tokens, CallKind(train, routed if tokens else None))
+        return self.routed(routed)
+
+    def settle(self, tokens: int, train: bool, routed: bool) -> Agreed:
+        """The group's answer for this call, which ends here on every rank alike (the answer or
+        the same error). Posted here where the caller did not (a compiled call); where it did,
+        ``tokens`` must be the count it posted."""
+        try:
+            if self._pending is None:
+                self.post(tokens, CallKind(train, routed))
+            elif self._pending[1] != tokens:
+                raise RuntimeError(f"{self.label}: begin_call announced {self._pending[1]} tokens but the call has "
+                                   f"{tokens}")
+            return self.wait()
+        finally:
+            self.finish()
+
     def finish(self) -> None:
         """End the posted call (the next call posts anew)."""
         self._pending, self._answer = None, None

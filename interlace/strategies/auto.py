@@ -90,7 +90,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from interlace.parallel.agreement import Agreed, CallAgreement, CallKind
+from interlace.parallel.agreement import MAX_TOKENS, CallAgreement
 from interlace.planning.profile import machine_key
 from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
@@ -178,7 +178,9 @@ class AutoStrategy(RoutedCalls, Strategy):
         self.choices: dict[tuple[int, str], Choice] = {}
         self._keys: dict[tuple[int, str], _KeyState] = {}
         self._impls: dict[str, Strategy] = {}
-        self._ready: dict[tuple[int, str], Strategy] = {}  # W > 1: decided keys → their strategy (not fused)
+        # W > 1: decided keys → (their strategy, the most tokens per rank it serves as it is: a fused
+        # strategy's buffers hold a fixed count, and a larger call takes the path that grows them; spec)
+        self._ready: dict[tuple[int, str], tuple[Strategy, int, str]] = {}
         self._fused_tokens = opts.capacity or 0  # agreed tokens per rank the fused buffers hold
         # The side channel is made here, where every rank builds the layer alike (a collective).
         distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
@@ -371,6 +373,8 @@ class AutoStrategy(RoutedCalls, Strategy):
                     impl.synchronize_and_check()
                     if self.ep.world > 1:
                         dist.barrier(group=self._agree.group)
+                if impl is not None:  # (decided keys that ran the old buffers take the slow path once more)
+                    self._ready = {k: v for k, v in self._ready.items() if v[2] != spec}
                 impl = self._impls[spec] = make_strategy(spec, self.config, self.ep, max_tokens=self._fused_tokens)
         elif impl is None and spec == PERSISTENT and self.ep.world > 1:
             # (buffers for persistent_max_tokens per rank, sized once: the largest routed bucket)
@@ -379,6 +383,12 @@ class AutoStrategy(RoutedCalls, Strategy):
         elif impl is None:
             impl = self._impls[spec] = make_strategy(spec, self.config, self.ep)
         return impl
+
+    def _mark_ready(self, key, spec: str, impl: Strategy) -> None:
+        """W > 1: calls of the decided ``key`` go straight to ``impl`` from now on, up to the count
+        its buffers hold (a fused strategy's ``max_tokens``)."""
+        if self._agree is not None:
+            self._ready[key] = (impl, self._impls[spec].max_tokens if spec in FUSED_SPECS else MAX_TOKENS, spec)
 
     def close(self) -> None:
         for impl in self._impls.values():
@@ -393,29 +403,6 @@ class AutoStrategy(RoutedCalls, Strategy):
         bucket = token_bucket(tokens)
         return (mode == "fwd" and self.choices.get((bucket, ROUTED))) or self.choices.get((bucket, mode))
 
-    def begin_call(self, num_tokens: int, train: bool, routed: bool) -> bool:
-        """Post this call (its token count and kind) on the group's agreement, before the router
-        runs; returns whether the call goes routed (a rank without tokens follows the group)."""
-        if self._agree is None:
-            return routed
-        self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
-        return self._agree.routed(routed)
-
-    def _agreed(self, tokens: int, train: bool, routed: bool) -> Agreed:
-        """The group's answer for this call (posted by ``begin_call``, or here where the caller
-        did not post: a compiled call), after checking the count ``begin_call`` announced. The
-        call ends here on every rank alike, whether the answer came or an error."""
-        agree = self._agree
-        posted = agree.posted_tokens
-        try:
-            if posted is None:
-                agree.post(tokens, CallKind(train, routed))
-            elif posted != tokens:
-                raise RuntimeError(f"auto: begin_call announced {posted} tokens but the call has {tokens}")
-            return agree.wait()
-        finally:
-            agree.finish()
-
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weight, w_up, w_down))
         args = (x, topk_idx, topk_weight, w_up, w_down)
@@ -424,19 +411,18 @@ class AutoStrategy(RoutedCalls, Strategy):
             if key not in self.choices:
                 self._record(key, Choice("sequential", "predicted", notes=["world size 1: nothing to overlap"]))
             return self._impl("sequential", x.shape[0])(*args)
-        agreed = self._agreed(x.shape[0], needs_grad, False)
+        agreed = self._agree.settle(x.shape[0], needs_grad, False)
         key = (token_bucket(agreed.tokens), "fwdbwd" if agreed.train else "fwd")
-        impl = self._ready.get(key)
-        if impl is not None:  # (a decided key: straight to its strategy)
-            return impl(*args)
+        ready = self._ready.get(key)
+        if ready is not None and agreed.tokens <= ready[1]:  # (a decided key: straight to its strategy)
+            return ready[0](*args)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = self._key_state(key, x.device)
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
             impl = self._impl(state.choice.spec, agreed.tokens)
-            if state.choice.spec not in FUSED_SPECS:  # (a fused strategy's buffers may grow)
-                self._ready[key] = impl
+            self._mark_ready(key, state.choice.spec, impl)
             return impl(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
             return self._impl(state.plan["candidates"][0], agreed.tokens)(*args)

@@ -100,14 +100,13 @@ class RoutedCalls:
         """x (T, N) → (T, N): this call's strategy (routing inside, or the router first), or a
         calibration call of the scheduled candidate, timed with its routing."""
         args = (x, router, w_up, w_down)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._agree is None:
-            return self._routed_key_call(x.shape[0], "fwd", args, capturing)
-        agreed = self._agreed(x.shape[0], False, True).tokens
-        impl = self._ready.get((token_bucket(agreed), ROUTED))
-        if impl is not None:  # (a decided key: straight to its strategy)
-            return self._run_routed(impl, *args)
-        return self._routed_key_call(agreed, None, args, capturing)
+            return self._routed_key_call(x.shape[0], "fwd", args, x.is_cuda and torch.cuda.is_current_stream_capturing())
+        agreed = self._agree.settle(x.shape[0], False, True).tokens
+        ready = self._ready.get((token_bucket(agreed), ROUTED))
+        if ready is not None and agreed <= ready[1]:  # (a decided key: straight to its strategy)
+            return self._run_routed(ready[0], *args)
+        return self._routed_key_call(agreed, None, args, x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def _routed_mode(self, bucket: int) -> str:
         """W > 1: the key mode of a routed call of ``bucket``: :data:`ROUTED` where
@@ -125,9 +124,9 @@ class RoutedCalls:
         if state.choice is None and state.pos == len(state.schedule) and not capturing:
             self._decide(key, state, Clock(x.device))
         if state.choice is not None:
-            if self._agree is not None and state.choice.spec not in FUSED_SPECS:  # (their buffers may grow)
-                self._ready[(bucket, ROUTED)] = self._impl(state.choice.spec, agreed)
-            return self._routed(state.choice.spec, agreed, *args)
+            impl = self._impl(state.choice.spec, agreed)
+            self._mark_ready((bucket, ROUTED), state.choice.spec, impl)
+            return self._run_routed(impl, *args)
         if capturing:  # nothing timed or recorded inside a capture
             return self._routed(state.plan["candidates"][0], agreed, *args)
         clock = Clock(x.device)

@@ -68,6 +68,9 @@ class Strategy:
     # The dataclass whose fields the constructor also takes as keyword options (through
     # ``**fields``), for the names :func:`make_strategy` accepts; None: the named parameters only.
     options_class: ClassVar[type | None] = None
+    # The strategy's agreement with its peers on each call (:class:`~interlace.parallel.agreement.
+    # CallAgreement`), for those whose choice depends on every rank's call; None: no agreement.
+    _agree = None
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, **options):
         if options:
@@ -116,7 +119,7 @@ class Strategy:
         (:meth:`routes_call`). Returns whether it does: a strategy that agrees with its peers
         (:mod:`interlace.parallel.agreement`) posts here, under the router's work, and may make a
         rank without tokens follow the group. By default: ``routed``."""
-        return routed
+        return routed if self._agree is None else self._agree.begin(num_tokens, train, routed)
 
     def routes_call(self, x: torch.Tensor, router, w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
         """(``routes_itself`` strategies) Whether this call goes to :meth:`forward_layer`."""

@@ -74,7 +74,7 @@ from interlace.kernels.persistent.launch import (
     DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
 )
 from interlace.kernels.rows import _INTERPRET
-from interlace.parallel.agreement import CallAgreement, CallKind
+from interlace.parallel.agreement import CallAgreement
 from interlace.parallel.peer_buffer import on_release
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
@@ -191,23 +191,10 @@ class PersistentStrategy(Strategy):
         if self._agree is not None:
             self._agree.label = value
 
-    def begin_call(self, num_tokens: int, train: bool, routed: bool) -> bool:
-        """W > 1: post this call's count and kind (a rank without tokens follows the group)."""
-        if self._agree is None:
-            return routed
-        self._agree.post(num_tokens, CallKind(train, routed if num_tokens else None))
-        return self._agree.routed(routed)
-
     def _agreed_tokens(self, tokens: int, train: bool, routed: bool) -> int:
-        """W > 1: the group's largest count of this call (posted here where the layer did not);
-        the call ends on every rank alike, with the answer or the same error."""
-        agree = self._agree
-        try:
-            if not agree.posted:
-                agree.post(tokens, CallKind(train, routed))
-            agreed = agree.wait()
-        finally:
-            agree.finish()
+        """W > 1: the group's largest count of this call (:meth:`CallAgreement.settle`), checked
+        against ``max_tokens`` on every rank alike."""
+        agreed = self._agree.settle(tokens, train, routed)
         if routed and self.max_tokens is not None and agreed.tokens > self.max_tokens:
             raise ValueError(f"persistent: a rank passed {agreed.tokens} tokens, over max_tokens={self.max_tokens} "
                              f"(strategy option; every rank raises)")

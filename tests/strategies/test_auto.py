@@ -237,6 +237,21 @@ def _decided_keys_and_capacity(rank, world, tmp):
     with pytest.raises(ValueError, match="over capacity=4"):
         run(fused, [2, 6])
     run(fused, [4, 3])
+    # A decided fused key goes straight to its strategy while its buffers hold the call; where
+    # another bucket grows them, the keys that ran the old buffers are dropped and re-enter.
+    grow = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                    strategy_options={"candidates": ("fused",), "warmup": 0, "samples": 1, "cache": False})
+    auto = grow.strategy
+    for counts in ([3, 4], [4, 2], [1, 3]):
+        run(grow, counts)
+    old = auto._impls["fused"]
+    assert auto._ready[(4, "fwd")] == (old, 4, "fused")
+    for counts in ([16, 2], [9, 12], [5, 16]):
+        run(grow, counts)
+    new = auto._impls["fused"]
+    assert new is not old and new.max_tokens == 16 and (4, "fwd") not in auto._ready
+    run(grow, [4, 3])
+    assert auto._ready[(4, "fwd")] == (new, 16, "fused") == auto._ready[(16, "fwd")]
 
 
 def test_decided_keys_and_capacity(tmp_path):
