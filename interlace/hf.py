@@ -59,12 +59,12 @@ from torch import nn
 
 from interlace import shared_overlap
 from interlace.config import MoEConfig
+from interlace.experts import ExpertShard
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import route_logits
 from interlace.strategies import make_strategy
 from interlace.strategies.base import strategy_class
-from interlace.strategies.custom_op import run_strategy
 
 
 # ----------------------------------------------------------------------------- families
@@ -190,13 +190,16 @@ def _router_class(hf_class: type) -> type:
     return _ROUTER_CLASSES[hf_class]
 
 
-class ShardedExperts(nn.Module):
-    """This rank's routed experts in HF's fused layout.
+class ShardedExperts(ExpertShard):
+    """This rank's routed experts in HF's fused layout, run by the block's call of this module
+    (:meth:`interlace.experts.ExpertShard.forward`).
 
     Parameters: ``gate_up_proj`` (E/W, 2K, N), gate rows [0, K) then up rows [K, 2K) (HF's
     ``chunk(2)`` order, which is interlace's SwiGLU layout); ``down_proj`` (E/W, N, K).
     ``load_state_dict`` also takes HF's full (E, ...) tensors and keeps this rank's slice.
     """
+
+    weight_names = ("gate_up_proj", "down_proj")
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel):
         super().__init__()
@@ -323,11 +326,12 @@ class InterlaceMoeBlock(nn.Module):
         # the routing and the strategy on this stream; joined below (same sum as HF's).
         shared = None if self.family.shared is None else shared_overlap.start(
             self._shared, hidden_states, overlap=self.config.shared_overlap)
+        # (the experts through their module's call: a data-parallel wrapper's hooks see it)
         if routed:
-            out = self.strategy.forward_layer(x, self.kernel_router, w_up, w_down).reshape(shape)
+            out = self.experts(x, strategy=self.strategy, router=self.kernel_router).reshape(shape)
         else:
             _, weight, idx = self.gate(x)
-            out = run_strategy(self.strategy, x, idx, weight, w_up, w_down).reshape(shape)
+            out = self.experts(x, idx, weight, strategy=self.strategy).reshape(shape)
         if shared is not None:
             out = out + shared.join()
         return out
