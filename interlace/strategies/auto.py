@@ -84,6 +84,7 @@ import logging
 import math
 import statistics
 import warnings
+from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -103,6 +104,8 @@ log = logging.getLogger("interlace.auto")
 # Calibration rounds a key may add while some candidate has no complete timing (training calls
 # whose backward has not run: gradient accumulation); past them it decides on what it has.
 MAX_EXTRA_ROUNDS = 16
+# Training calls whose strategy a recompute may still ask for (activation checkpointing).
+MAX_SERVED = 64
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,9 @@ class AutoStrategy(RoutedCalls, Strategy):
         self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
         self._persistent_ok: dict[str, bool] = {}  # W > 1: device type → persistent a routed candidate
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
+        # Training calls' strategies, latest last: an activation checkpoint's recompute (a forward
+        # run inside the backward) takes the one its forward ran, and is neither timed nor counted.
+        self._served: deque[Strategy] = deque(maxlen=MAX_SERVED)
 
     @property
     def label(self) -> str:
@@ -426,8 +432,14 @@ class AutoStrategy(RoutedCalls, Strategy):
             return self._impl("sequential", x.shape[0])(*args)
         agreed = self._agreed(x.shape[0], needs_grad, False)
         key = (token_bucket(agreed.tokens), "fwdbwd" if agreed.train else "fwd")
+        if agreed.train and torch._C._current_graph_task_id() != -1 and self._served:
+            # A recompute (torch.utils.checkpoint): backwards run latest forward first, so the
+            # latest unrecomputed training call is this one; every rank pops alike.
+            return self._served.pop()(*args)
         impl = self._ready.get(key)
         if impl is not None:  # (a decided key: straight to its strategy)
+            if agreed.train:
+                self._served.append(impl)
             return impl(*args)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = self._key_state(key, x.device)
@@ -437,6 +449,8 @@ class AutoStrategy(RoutedCalls, Strategy):
             impl = self._impl(state.choice.spec, agreed.tokens)
             if state.choice.spec not in FUSED_SPECS:  # (a fused strategy's buffers may grow)
                 self._ready[key] = impl
+            if agreed.train:
+                self._served.append(impl)
             return impl(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
             return self._impl(state.plan["candidates"][0], agreed.tokens)(*args)
@@ -453,6 +467,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         marks = [clock.mark()]
         impl = self._impl(state.plan["candidates"][c], agreed)
         if needs_grad:
+            self._served.append(impl)
             marks += [None, None, None]
 
             def at(i):
