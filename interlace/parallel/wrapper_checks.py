@@ -25,8 +25,8 @@ def _ep_peers(experts, mesh_ranks) -> tuple[list[int], list[int]]:
 
 def _what(experts) -> str:
     ep = experts.ep
-    return (f"{type(experts).__name__} (this rank's experts {ep.first_expert}..{ep.first_expert + ep.num_local - 1}, "
-            f"expert-parallel group of {ep.world})")
+    return (f"{type(experts).__name__} (this rank's experts {ep.first_expert}..{ep.first_expert + ep.num_local - 1} "
+            f"of {ep.num_local * ep.world})")
 
 
 def check_dtensor_mesh(experts, name: str, value) -> None:
@@ -35,13 +35,17 @@ def check_dtensor_mesh(experts, name: str, value) -> None:
     ranks hold other experts; FSDP would all-gather and average them as one tensor."""
     if experts.ep.world == 1 or experts.ep.group is None:
         return
-    mesh_ranks = value.device_mesh.mesh.flatten().tolist()
+    mesh = value.device_mesh
+    if experts.__dict__.get("_checked_mesh") is mesh:  # (FSDP assigns its shards again at every reshard)
+        return
+    mesh_ranks = mesh.mesh.flatten().tolist()
     ep_ranks, clash = _ep_peers(experts, mesh_ranks)
     if clash:
-        raise ValueError(f"fully_shard over ranks {sorted(mesh_ranks)} would shard {_what(experts)}.{name} together "
-                         f"with ranks {clash} of its expert-parallel group {ep_ranks}, which hold other experts: "
-                         f"FSDP would gather and average different experts as one tensor. {_FIX}: it shards the "
-                         f"experts with fully_shard(experts, mesh=mesh['dp']) and the rest over all ranks.")
+        raise ValueError(f"fully_shard over ranks {sorted(mesh_ranks)} would shard {name} of {_what(experts)} "
+                         f"together with ranks {clash} of its expert-parallel group {ep_ranks}, which hold other "
+                         f"experts: FSDP would gather and average different experts as one tensor. {_FIX}: it "
+                         f"shards the experts with fully_shard(experts, mesh=mesh['dp']) and the rest over all ranks.")
+    experts.__dict__["_checked_mesh"] = mesh
 
 
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # DDP wrapper → experts modules passed
@@ -69,8 +73,8 @@ def check_ddp_wrapper(experts) -> None:
         group_ranks = dist.get_process_group_ranks(ddp.process_group)
         ep_ranks, clash = _ep_peers(experts, group_ranks)
         if clash:
-            raise ValueError(f"DistributedDataParallel over ranks {group_ranks} manages {_what(experts)}: "
-                             f"{', '.join(synced)}, with ranks {clash} of its expert-parallel group {ep_ranks}, "
+            raise ValueError(f"DistributedDataParallel over ranks {group_ranks} manages {' and '.join(synced)} of "
+                             f"{_what(experts)} with ranks {clash} of its expert-parallel group {ep_ranks}, "
                              f"which hold other experts. It broadcast rank {group_ranks[0]}'s experts to them when "
                              f"it was built (the weights are already overwritten: rebuild the model) and would "
                              f"average different experts' gradients. {_FIX}: it leaves the experts out of DDP and "
