@@ -52,6 +52,8 @@ A training call is timed forward + backward (marks on the output's and the input
 a key decides only on complete timings: where some candidate's backward has not run yet on some
 rank (gradient accumulation: several forwards, then the backwards), the key serves another round
 of candidates instead (at most ``MAX_EXTRA_ROUNDS``).
+An activation checkpoint's recomputed forward (a training call inside a backward) runs the
+strategy its forward ran (the latest training call not yet recomputed), untimed and uncounted.
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
 under the profile dir's ``decisions/``, one file per device key, above the decisions shipped
 for the presets) and reused by later processes; a bucket between two measured ones takes their
