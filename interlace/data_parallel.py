@@ -126,7 +126,8 @@ def _check_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
     try:
         world_mesh = mesh["dp_ep"]
     except (KeyError, RuntimeError, ValueError):
-        world_mesh = mesh._flatten("dp_ep")  # NOTE: private, as torchtitan uses it; one collective (new_group) once
+        # (DeviceMesh._flatten is private; torchtitan flattens so too. Collective: a new group, once.)
+        world_mesh = mesh._flatten("dp_ep")
     return mesh["dp"], mesh["ep"], world_mesh
 
 

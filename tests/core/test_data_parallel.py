@@ -179,12 +179,31 @@ def _all_layouts(rank, world, cases=CASES, plain_wrappers=True):
     references = {}
     for (dp, ep), wrapper, mode in cases:
         if mode not in references:  # (the same for every layout)
-            references[mode] = reference_run(world, 1 if mode == "plain" else 2, mode != "plain", reference_group)
+            # (never checkpointed: the checkpointed runs must give the gradients of plain ones)
+            references[mode] = reference_run(world, 1 if mode == "plain" else 2, False, reference_group)
         check_layout(rank, world, dp, ep, wrapper, mode, references[mode])
 
 
 def test_gloo_four_ranks_fsdp_and_ddp_match_one_process():
     run_gloo(_all_layouts, 4)
+
+
+@pytest.mark.parametrize("strategy", ["naive", "sequential"])
+def test_checkpointed_layer_gives_the_gradients_of_a_plain_one(strategy):
+    """torch.utils.checkpoint (use_reentrant=False) around a layer (balance loss on): the same
+    output, input, router and expert gradients as the layer without it, bit for bit."""
+    layer = MoELayer(CFG, strategy=strategy, seed=2, device="cpu")
+    x = torch.randn(TOKENS, CFG.hidden)
+    g = torch.randn(TOKENS, CFG.hidden)
+    runs = []
+    for checkpointed in (False, True):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = checkpoint(layer, xi, use_reentrant=False) if checkpointed else layer(xi)
+        out.backward(g)
+        runs.append([out.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters()])
+    for got, want in zip(runs[1], runs[0]):
+        assert torch.equal(got, want)
 
 
 def test_balance_loss_gradient_follows_aux_loss_scale():
