@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from interlace.data_parallel import unwrapped
 from interlace.experts import ExpertShard
 
 
@@ -38,7 +39,7 @@ def expert_sharded_state_dict(model: nn.Module, mesh: DeviceMesh) -> dict[str, t
 
     ``mesh``: the ("dp", "ep") mesh given to :func:`interlace.parallelize` (a model without a
     data-parallel wrapper: a (1, ep) mesh)."""
-    model = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    model = unwrapped(model)
     ep_dp = _ep_dp_mesh(mesh)
     state = model.state_dict()
     for prefix, experts in model.named_modules():

@@ -51,6 +51,14 @@ def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper (state-dict keys without "module."),
+    else ``model`` (FSDP2 shards in place)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """Every ``MoELayer``'s :attr:`~interlace.MoELayer.aux_loss_scale`: the factor the training
     loop multiplies its loss by before ``backward()`` (1/n for n accumulated micro-batches),

@@ -45,9 +45,9 @@ over a ``("dp", "ep")`` DeviceMesh; docs/training.md) shards or replicates them 
 and reduces their gradients there (each rank's expert gradient already sums its EP group's
 tokens, through the all-to-all's backward); every other parameter (:func:`replicated_parameters`)
 is data-parallel over all ranks. A plain ``DDP(model)`` / ``fully_shard(model)`` over EP ranks
-raises. Without a wrapper and with one data-parallel replica (dp = 1), all-reduce the replicated
-gradients and divide the expert gradients by W (examples/train_hf_moe.py ``--impl interlace``
-without ``--ddp``/``--fsdp``).
+raises. Without a wrapper and with one data-parallel replica (dp = 1, W = ep ranks): divide each
+rank's loss by W before ``backward()`` and sum-all-reduce the replicated gradients; the expert
+gradients then need nothing (examples/train_hf_moe.py without ``--ddp``/``--fsdp``).
 """
 
 from __future__ import annotations
@@ -437,7 +437,7 @@ def gather_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (E, ...) tensors, FSDP's DTensors gathered: the state dict of the plain transformers model,
     on every rank, in any layout of :func:`interlace.parallelize` (``model``: the parallelized
     model or its DDP wrapper). A collective: call it on every rank."""
-    model = _unwrapped(model)
+    model = data_parallel.unwrapped(model)
     state = {name: _whole(t) for name, t in model.state_dict().items()}
     for name, module in model.named_modules():
         if not isinstance(module, ShardedExperts) or module.ep.world == 1:
@@ -457,7 +457,7 @@ def load_hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
     and, under FSDP, its shard of every tensor. Every key of the model must be in ``state``."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    model = _unwrapped(model)
+    model = data_parallel.unwrapped(model)
     owners = {f"{name}.{attr}" if name else attr: module for name, module in model.named_modules()
               if isinstance(module, ShardedExperts) for attr in module.weight_names}
     missing = [key for key in model.state_dict() if key not in state]
@@ -474,11 +474,6 @@ def load_hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             if isinstance(target, DTensor):  # (this rank's shard of the full tensor every rank holds)
                 source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=None)
             target.copy_(source)
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model inside a ``DistributedDataParallel`` wrapper (its state-dict keys have no "module.")."""
-    return model.module if type(model).__name__ == "DistributedDataParallel" else model
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
