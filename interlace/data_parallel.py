@@ -190,21 +190,28 @@ def _apply_ddp(model, experts, dp_mesh, world_mesh, factor: int, options: DataPa
 class ExpertGradSync:
     """DDP's missing half: the expert gradients, summed over ``dp`` and divided by ``dp·ep``
     once the backward ends (one all-reduce of them all), in the backwards DDP synchronizes
-    (not under ``no_sync()``: gradient accumulation). Installed by :func:`parallelize`."""
+    (not under ``no_sync()``: gradient accumulation). Installed by :func:`parallelize`.
+
+    The reduction is queued when the backward reaches the wrapper's output (a hook on its
+    tensors), not when an expert gradient arrives: a rank whose experts got no tokens may get no
+    expert gradient, and its dp peers would wait for it in the all-reduce."""
 
     def __init__(self, ddp, params: list[nn.Parameter], dp_group, dp: int, factor: int):
         self.params, self.dp_group, self.dp, self.factor = params, dp_group, dp, factor
-        self.sync_next = False  # whether the pending backward synchronizes (set per forward, as DDP decides)
         self.queued = False
-        ddp.register_forward_pre_hook(self._forward)
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._accumulated)
+        ddp.register_forward_hook(self._forward)
 
-    def _forward(self, ddp, args) -> None:
-        self.sync_next = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+    def _forward(self, ddp, args, output) -> None:
+        # As DDP decides: a forward with grad enabled outside no_sync() synchronizes its backward.
+        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+            return
+        tensors = [t for t in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_reached, mode="any")
 
-    def _accumulated(self, param) -> None:
-        if self.sync_next and not self.queued:
+    def _backward_reached(self, grad) -> None:
+        if not self.queued:
             self.queued = True
             # NOTE: at the end of this backward, on every rank alike (no collective mid-backward,
             # where it could interleave with the layers' all-to-alls in a rank-dependent order).
