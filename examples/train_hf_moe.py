@@ -5,6 +5,8 @@ On 2 GPUs (NCCL; experts sharded over the 2 ranks, bf16):
     torchrun --nproc-per-node 2 examples/train_hf_moe.py
     torchrun --nproc-per-node 2 examples/train_hf_moe.py --impl hf          # HF's blocks, data parallel
     torchrun --nproc-per-node 2 examples/train_hf_moe.py --compare --steps 50
+    torchrun --nproc-per-node 4 examples/train_hf_moe.py --fsdp --ep 2   # FSDP2, DP 2 x EP 2 (docs/training.md)
+    torchrun --nproc-per-node 4 examples/train_hf_moe.py --ddp --ep 2    # DDP, DP 2 x EP 2
 
 On a CPU (gloo, fp32). ``sequential``, ``pipelined`` and ``auto`` fall back to torch ops there;
 TRITON_INTERPRET=1, set before Python starts, runs their Triton kernels instead (slowly), and the
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+import interlace
 import interlace.hf
 import interlace.parallel
 
@@ -77,6 +80,12 @@ def parse_args():
     p.add_argument("--compare", action="store_true", help="train both impls from the same weights and data")
     p.add_argument("--show", type=int, default=10, help="--compare: steps shown side by side")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    wrap = p.add_mutually_exclusive_group()
+    wrap.add_argument("--fsdp", action="store_true", help="FSDP2 through interlace.parallelize (experts over dp)")
+    wrap.add_argument("--ddp", action="store_true", help="DDP through interlace.parallelize (experts reduced over dp)")
+    p.add_argument("--ep", type=int, default=None, help="--fsdp/--ddp: expert-parallel size (default: all ranks); "
+                                                         "the data-parallel size is the world size / ep")
+    p.add_argument("--save", default=None, help="write the trained model's full HF state dict here (torch.save)")
     return p.parse_args()
 
 
@@ -108,16 +117,46 @@ def token_batches(args, rank, device):
     return ids.view(args.steps, args.batch, args.seq).to(device)
 
 
+def wrap(model, impl, args, device, world):
+    """--fsdp / --ddp: the model on a ("dp", "ep") DeviceMesh (interlace's blocks over its 'ep' groups,
+    interlace.parallelize for the wrapper); returns (the module to train through, the mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = args.ep or world
+    if world % ep:
+        raise SystemExit(f"error: --ep {ep} does not divide the world size {world}")
+    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    if impl == "hf":  # HF's blocks: every weight replicated, the wrappers as they are
+        if args.ddp:
+            return torch.nn.parallel.DistributedDataParallel(model), mesh
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model), mesh
+    interlace.hf.replace_moe_blocks(model, group=mesh["ep"].get_group(), strategy=args.strategy)
+    units = tuple(model.model.layers) if args.fsdp else ()
+    return interlace.parallelize(model, mesh, wrapper="fsdp" if args.fsdp else "ddp", units=units), mesh
+
+
 def train(model, impl, args, data, device, world, say):
     """Trains ``model`` in place; returns (per-step loss averaged over ranks, tokens/s after step 1)."""
-    if impl == "interlace":
+    wrapped = None
+    if args.fsdp or args.ddp:
+        # Experts sharded (FSDP) or replicated (DDP) over the dp ranks of one EP index, gradients
+        # reduced over dp with the right scale; the rest over all ranks; the loss each rank's mean.
+        wrapped, _ = wrap(model, impl, args, device, world)
+        synced = []
+    elif impl == "interlace":
         try:
             interlace.hf.replace_moe_blocks(model, strategy=args.strategy)
         except ValueError as exc:  # e.g. a Triton-only strategy on a CPU without TRITON_INTERPRET=1
             raise SystemExit(f"error: {exc}") from None
-        # Expert parallelism: rank r holds only experts [r*E/W, (r+1)*E/W). Their gradients already
-        # sum every rank's tokens (the all-to-all's backward brought them here): no all-reduce.
-        # Everything else (attention, norms, embeddings, routers) is replicated: all-reduce it.
+        # Expert parallelism over every rank (one data-parallel replica): rank r holds only experts
+        # [r*E/W, (r+1)*E/W); their gradients already sum every rank's tokens (the all-to-all's
+        # backward brought them here), so with dp = 1 nothing else reduces them. Everything else
+        # (attention, norms, embeddings, routers) is replicated: all-reduce it. With dp > 1 the experts
+        # need a reduction over dp too: --fsdp / --ddp (interlace.parallelize) do both.
         synced = interlace.hf.replicated_parameters(model)
     else:
         synced = list(model.parameters())  # HF's blocks: plain data parallel, every weight replicated
@@ -145,13 +184,17 @@ def train(model, impl, args, data, device, world, say):
     start = first = now()
     for step in range(args.steps):
         ids = data[step]
-        loss = model(ids, labels=ids).loss  # causal-LM loss + HF's auxiliary balance loss
-        # The global loss is the mean of the W ranks' losses: scale by 1/W here, then a SUM all-reduce
-        # of the replicated gradients (and the experts' sums through the all-to-all) give its gradient.
-        (loss / world).backward()
-        if world > 1:
-            for p in synced:
-                dist.all_reduce(p.grad)
+        if wrapped is not None:  # the wrapper reduces every gradient
+            loss = wrapped(ids, labels=ids).loss
+            loss.backward()
+        else:
+            loss = model(ids, labels=ids).loss  # causal-LM loss + HF's auxiliary balance loss
+            # The global loss is the mean of the W ranks' losses: scale by 1/W here, then a SUM all-reduce
+            # of the replicated gradients (and the experts' sums through the all-to-all) give its gradient.
+            (loss / world).backward()
+            if world > 1:
+                for p in synced:
+                    dist.all_reduce(p.grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
         pending.append(loss.detach().float())  # read at the log step: no host sync per step
@@ -169,6 +212,12 @@ def train(model, impl, args, data, device, world, say):
             start, pending = now(), []
     end = now()
     rate = (args.steps - 1) * tokens_per_step / seconds(first, end) if args.steps > 1 else float("nan")
+    if args.save and impl == "interlace":
+        # every layout: experts all-gathered, FSDP's shards gathered (a collective on every rank)
+        state = interlace.hf.gather_hf_state_dict(wrapped if wrapped is not None else model)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(state, args.save)
+            say(f"[{impl}] saved the HF state dict ({len(state)} tensors) to {args.save}")
     return losses, rate
 
 

@@ -2,6 +2,7 @@
 
 from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
+from interlace.data_parallel import DataParallelOptions, expert_parameters, parallelize, set_aux_loss_scale
 from interlace.reference import reference_moe
 from interlace.strategies import STRATEGIES
 from interlace.kernels.interpreter_compat import patch_interpreter
@@ -10,5 +11,6 @@ from interlace.kernels.interpreter_compat import patch_interpreter
 # to run our kernels under NumPy >= 2.4 and Triton 3.9 (see interlace.kernels.interpreter_compat).
 patch_interpreter()
 
-__all__ = ["MoEConfig", "MoELayer", "PRESETS", "preset", "reference_moe", "STRATEGIES"]
+__all__ = ["MoEConfig", "MoELayer", "PRESETS", "preset", "reference_moe", "STRATEGIES", "parallelize",
+           "DataParallelOptions", "expert_parameters", "set_aux_loss_scale"]
 __version__ = "0.1.0"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from interlace.config import MoEConfig
 from interlace.kernels.activation import activation_reference
+from interlace.parallel.comm import ExpertParallel
+from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
+from interlace.strategies.custom_op import run_strategy
 
 
 def init_expert_weights(
@@ -49,9 +55,48 @@ def shard_ffn(w_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig, lo: i
     return torch.cat(rows, dim=1).contiguous(), w_down[:, :, lo:hi].contiguous()
 
 
-class GroupedExperts(nn.Module):
-    """Experts ``first .. first + num_local - 1`` of the layer: weights only; the strategy
-    runs them (rows grouped by expert through one grouped GEMM per projection).
+class ExpertShard(nn.Module):
+    """This rank's block of a layer's routed experts: the base of :class:`GroupedExperts`
+    (``MoELayer``) and :class:`interlace.hf.ShardedExperts` (HF blocks).
+
+    The layer runs its experts by *calling* this module (``experts(x, topk_idx, topk_weight,
+    strategy=...)``), never by reading the weights beside it, so a wrapper's module hooks see the
+    call: FSDP2's pre-forward hook all-gathers the weights of ``fully_shard(experts, mesh=dp)``
+    before the strategy reads them, its pre-backward hook again before their gradients.
+
+    Data parallelism over an expert-parallel layer: these parameters differ between the ranks
+    of the layer's EP group (``ep``), so a wrapper must replicate / shard / reduce them over the
+    data-parallel replicas of this rank only (:func:`interlace.parallelize`). A ``DTensor``
+    assigned to a weight (what ``fully_shard`` does) whose mesh holds another rank of the EP
+    group raises ``ValueError`` there, before any step.
+    """
+
+    weight_names: ClassVar[tuple[str, str]] = ("w_up", "w_down")
+    ep: ExpertParallel
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_weight: torch.Tensor | None = None,
+                *, strategy, router=None) -> torch.Tensor:
+        """x (T, N), topk_idx (T, k), topk_weight (T, k) → (T, N): the strategy's dispatch, expert
+        GEMMs and combine with this rank's weights. With ``router`` (and no indices), a strategy
+        that routes inside its kernel takes the call (``strategy.forward_layer``)."""
+        if not torch.compiler.is_compiling():
+            check_ddp_wrapper(self)
+        w_up, w_down = (getattr(self, name) for name in self.weight_names)
+        if router is not None:
+            return strategy.forward_layer(x, router, w_up, w_down)
+        return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down)
+
+    def __setattr__(self, name: str, value) -> None:
+        # (fully_shard assigns through setattr where a module defines it: its sharded DTensor here)
+        if name in self.weight_names and isinstance(value, DTensor):
+            check_dtensor_mesh(self, name, value)
+        super().__setattr__(name, value)
+
+
+class GroupedExperts(ExpertShard):
+    """Experts ``first .. first + num_local - 1`` of the layer: weights; the strategy runs them
+    (rows grouped by expert through one grouped GEMM per projection) when the layer calls this
+    module (:meth:`ExpertShard.forward`).
 
     Shapes: E_local = ``num_local``, N = ``config.hidden``, K = ``config.ffn``, up_width =
     ``config.up_width`` (2K for SwiGLU, gate rows first; else K).
@@ -60,13 +105,14 @@ class GroupedExperts(nn.Module):
     :func:`shard_ffn` slices of them (K replaced by hi − lo).
     """
 
-    def __init__(self, config: MoEConfig, first: int, num_local: int, seed: int, device: torch.device,
+    def __init__(self, config: MoEConfig, ep: ExpertParallel, seed: int, device: torch.device,
                  ffn_slice: tuple[int, int] | None = None):
         super().__init__()
-        self.first = first
-        self.num_local = num_local
+        self.ep = ep
+        self.first = ep.first_expert
+        self.num_local = ep.num_local
         self.ffn_slice = ffn_slice or (0, config.ffn)
-        w_up, w_down = init_expert_weights(config, range(first, first + num_local), seed, device)
+        w_up, w_down = init_expert_weights(config, range(self.first, self.first + self.num_local), seed, device)
         w_up, w_down = shard_ffn(w_up, w_down, config, *self.ffn_slice)
         self.w_up = nn.Parameter(w_up)
         self.w_down = nn.Parameter(w_down)

@@ -39,12 +39,15 @@ fp32, its bias, and the dtype its logits GEMM rounds to, bf16 in a bf16 Mixtral/
 the kernel routes on the logits HF computes). Not while transformers collects the router
 logits (``output_router_logits``): the router's own forward then runs, and its hooks record them.
 
-Training with W > 1: the expert shards are not replicated; do not all-reduce their gradients
-(each rank's expert gradient already sums every rank's tokens, through the all-to-all's
-backward). All-reduce the others (:func:`replicated_parameters`) as data-parallel gradients.
-Both hold for a global loss that is the *sum* of the ranks' losses; for the usual data-parallel
-mean, divide each rank's loss by W before ``backward()`` and all-reduce the replicated gradients
-with a sum (examples/train_hf_moe.py does this).
+Training: the expert shards differ between the ranks of an EP group, so a data-parallel wrapper
+must leave them out of anything over those ranks. :func:`interlace.parallelize` (FSDP2 or DDP
+over a ``("dp", "ep")`` DeviceMesh; docs/training.md) shards or replicates them over ``dp`` only
+and reduces their gradients there (each rank's expert gradient already sums its EP group's
+tokens, through the all-to-all's backward); every other parameter (:func:`replicated_parameters`)
+is data-parallel over all ranks. A plain ``DDP(model)`` / ``fully_shard(model)`` over EP ranks
+raises. Without a wrapper and with one data-parallel replica (dp = 1, W = ep ranks): divide each
+rank's loss by W before ``backward()`` and sum-all-reduce the replicated gradients; the expert
+gradients then need nothing (examples/train_hf_moe.py without ``--ddp``/``--fsdp``).
 """
 
 from __future__ import annotations
@@ -57,14 +60,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from interlace import shared_overlap
+from interlace import data_parallel, shared_overlap
 from interlace.config import MoEConfig
+from interlace.experts import ExpertShard
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
 from interlace.routing import route_logits
 from interlace.strategies import make_strategy
 from interlace.strategies.base import strategy_class
-from interlace.strategies.custom_op import run_strategy
 
 
 # ----------------------------------------------------------------------------- families
@@ -190,13 +193,16 @@ def _router_class(hf_class: type) -> type:
     return _ROUTER_CLASSES[hf_class]
 
 
-class ShardedExperts(nn.Module):
-    """This rank's routed experts in HF's fused layout.
+class ShardedExperts(ExpertShard):
+    """This rank's routed experts in HF's fused layout, run by the block's call of this module
+    (:meth:`interlace.experts.ExpertShard.forward`).
 
     Parameters: ``gate_up_proj`` (E/W, 2K, N), gate rows [0, K) then up rows [K, 2K) (HF's
     ``chunk(2)`` order, which is interlace's SwiGLU layout); ``down_proj`` (E/W, N, K).
     ``load_state_dict`` also takes HF's full (E, ...) tensors and keeps this rank's slice.
     """
+
+    weight_names = ("gate_up_proj", "down_proj")
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel):
         super().__init__()
@@ -323,11 +329,12 @@ class InterlaceMoeBlock(nn.Module):
         # the routing and the strategy on this stream; joined below (same sum as HF's).
         shared = None if self.family.shared is None else shared_overlap.start(
             self._shared, hidden_states, overlap=self.config.shared_overlap)
+        # (the experts through their module's call: a data-parallel wrapper's hooks see it)
         if routed:
-            out = self.strategy.forward_layer(x, self.kernel_router, w_up, w_down).reshape(shape)
+            out = self.experts(x, strategy=self.strategy, router=self.kernel_router).reshape(shape)
         else:
             _, weight, idx = self.gate(x)
-            out = run_strategy(self.strategy, x, idx, weight, w_up, w_down).reshape(shape)
+            out = self.experts(x, idx, weight, strategy=self.strategy).reshape(shape)
         if shared is not None:
             out = out + shared.join()
         return out
@@ -415,34 +422,60 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
     return [name for name, _ in targets]
 
 
+# (the expert / replicated split is the same for MoELayer models: interlace.data_parallel)
+expert_parameters = data_parallel.expert_parameters
+replicated_parameters = data_parallel.replicated_parameters
+
+
 def moe_blocks(model: nn.Module) -> list[InterlaceMoeBlock]:
     """The :class:`InterlaceMoeBlock` modules of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, InterlaceMoeBlock)]
 
 
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The sharded expert parameters (not replicated across the expert-parallel group)."""
-    return [p for m in model.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
-
-
-def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Every other parameter: replicated on every rank, its gradient a data-parallel one
-    (all-reduce it across the group; the router's gradient is this rank's tokens' share)."""
-    sharded = {id(p) for p in expert_parameters(model)}
-    return [p for p in model.parameters() if id(p) not in sharded]
-
-
 def gather_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every expert shard all-gathered to HF's full (E, ...) tensor:
-    the state dict of the plain transformers model, on every rank. A collective: call it on
-    every rank of each expert-parallel group."""
-    state = model.state_dict()
+    """``model.state_dict()`` with every tensor whole: expert shards all-gathered to HF's full
+    (E, ...) tensors, FSDP's DTensors gathered: the state dict of the plain transformers model,
+    on every rank, in any layout of :func:`interlace.parallelize` (``model``: the parallelized
+    model or its DDP wrapper). A collective: call it on every rank."""
+    model = data_parallel.unwrapped(model)
+    state = {name: _whole(t) for name, t in model.state_dict().items()}
     for name, module in model.named_modules():
         if not isinstance(module, ShardedExperts) or module.ep.world == 1:
             continue
-        for attr in ("gate_up_proj", "down_proj"):
-            shard = getattr(module, attr).detach().contiguous()
+        for attr in module.weight_names:
+            key = f"{name}.{attr}" if name else attr
+            shard = state[key].contiguous()
             parts = [torch.empty_like(shard) for _ in range(module.ep.world)]
             dist.all_gather(parts, shard, group=module.ep.group)
-            state[f"{name}.{attr}" if name else attr] = torch.cat(parts)
+            state[key] = torch.cat(parts)
     return state
+
+
+def load_hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full HF state dict (the plain transformers model's, or :func:`gather_hf_state_dict`'s)
+    into ``model`` in any layout of :func:`interlace.parallelize`: each rank keeps its experts' rows
+    and, under FSDP, its shard of every tensor. Every key of the model must be in ``state``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model = data_parallel.unwrapped(model)
+    owners = {f"{name}.{attr}" if name else attr: module for name, module in model.named_modules()
+              if isinstance(module, ShardedExperts) for attr in module.weight_names}
+    missing = [key for key in model.state_dict() if key not in state]
+    if missing:
+        raise ValueError(f"load_hf_state_dict: the state dict lacks {len(missing)} of the model's keys, e.g. "
+                         f"{missing[:3]}")
+    with torch.no_grad():
+        for key, target in model.state_dict(keep_vars=True).items():
+            source = state[key]
+            experts = owners.get(key)
+            if experts is not None and source.shape[0] == experts.num_experts != experts.ep.num_local:
+                source = source[experts.ep.first_expert:experts.ep.first_expert + experts.ep.num_local]
+            source = source.to(device=target.device, dtype=target.dtype)
+            if isinstance(target, DTensor):  # (this rank's shard of the full tensor every rank holds)
+                source = distribute_tensor(source, target.device_mesh, target.placements, src_data_rank=None)
+            target.copy_(source)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's shard) gathered over its mesh; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

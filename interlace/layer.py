@@ -16,24 +16,27 @@ from interlace.parallel.mesh import MoEMesh
 from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import make_strategy  # (importing the package registers every strategy)
 from interlace.strategies.base import strategy_class
-from interlace.strategies.custom_op import run_strategy
 
 
 _LAYER_NUMBERS = itertools.count()  # names layers in errors: "MoELayer 3" is the process's fourth
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
-    """Returns ``out`` unchanged; in backward, adds d(aux)/d(params) as if ``aux`` had been
-    added to the loss. Lets the layer carry its balance loss without changing its output."""
+    """Returns ``out`` unchanged; in backward, adds ``scale`` · d(aux)/d(params) as if
+    ``scale · aux`` had been added to the loss. Lets the layer carry its balance loss without
+    changing its output; ``scale`` is the factor the loss itself is multiplied by before
+    ``backward()`` (:attr:`MoELayer.aux_loss_scale`), so the balance loss's gradient scales
+    like the loss's (a scalar output gradient cannot tell it: it mixes the loss's factor with
+    the loss's own derivative)."""
 
     @staticmethod
-    def forward(ctx, out, aux):
-        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+    def forward(ctx, out, aux, scale: float):
+        ctx.aux_dtype, ctx.aux_device, ctx.scale = aux.dtype, aux.device, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -124,9 +127,14 @@ class MoELayer(nn.Module):
         # The strategy first: one that cannot run here says so before any weight is built.
         self.strategy = self._make_strategy(strategy, strategy_options or {}, device)
         self.router = Router(config, seed, device)
-        self.experts = GroupedExperts(config, self.ep.first_expert, self.ep.num_local, seed, device, ffn_slice)
+        self.experts = GroupedExperts(config, self.ep, seed, device, ffn_slice)
         self.shared = SharedExpert(config, seed, device) if config.shared_ffn else None
         self.last_aux_loss: torch.Tensor | None = None
+        # The factor the training loop multiplies its loss by before backward() (1/n for n
+        # accumulated micro-batches, 1/W for a mean over W ranks taken by hand): the balance
+        # loss's gradient gets it too. Wrappers that average gradients (DDP, FSDP,
+        # interlace.parallelize) need none: 1. interlace.set_aux_loss_scale sets every layer's.
+        self.aux_loss_scale = 1.0
         # (weak reference, version) of the last forced expert_indices whose values were checked
         self._checked_indices: tuple[weakref.ref, int] | None = None
 
@@ -181,7 +189,8 @@ class MoELayer(nn.Module):
             shared expert's output ``shared(x[t])`` when the config has one.
 
         With ``config.aux_loss_coef > 0`` and in training mode, the balance loss times the coef
-        is folded into the backward pass and its value kept in ``last_aux_loss``.
+        is folded into the backward pass (times :attr:`aux_loss_scale`, the loss's own factor)
+        and its value kept in ``last_aux_loss``.
         """
         # (the submodules and parameters fetched once: each nn.Module attribute is a __getattr__
         # call, and a decode-sized call's host time is what a layer adds to the GPU's)
@@ -207,17 +216,19 @@ class MoELayer(nn.Module):
         # this stream routes and the strategy dispatches, computes and combines; joined below.
         shared = None if self.shared is None else shared_overlap.start(
             self.shared, x, overlap=self.config.shared_overlap)
+        # The experts run through their module's call (not with w_up, w_down read here): a
+        # data-parallel wrapper's hooks on it (FSDP2's all-gather) see the call.
         if routed:  # (its kernel routes: `persistent`)
-            out = self.strategy.forward_layer(x, router, w_up, w_down)
+            out = experts(x, strategy=self.strategy, router=router)
         else:
             topk_idx, topk_weight, logits = router(x, expert_indices, fused=self.strategy.fused_routing)
-            out = run_strategy(self.strategy, x, topk_idx, topk_weight, w_up, w_down)
+            out = experts(x, topk_idx, topk_weight, strategy=self.strategy)
         if shared is not None:
             out = out + shared.join()
         if self.config.aux_loss_coef > 0 and self.training:
             aux = load_balance_loss(logits, topk_idx, self.config) * self.config.aux_loss_coef
             self.last_aux_loss = aux.detach()
-            out = AddAuxiliaryLoss.apply(out, aux)
+            out = AddAuxiliaryLoss.apply(out, aux, float(self.aux_loss_scale))
         return out.reshape(shape)
 
     def _routes_in_strategy(self, x: torch.Tensor, expert_indices: torch.Tensor | None, router, w_up: torch.Tensor,

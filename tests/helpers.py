@@ -97,6 +97,26 @@ def assert_grads_match(layer, x, refs, rank: int, tokens: int, where: str, tol: 
         assert rel_err(got, ref) < tol, f"{where} {what} grad"
 
 
+def data_parallel_steps(wrapped, opt, wrapper: str, micro: int, micro_loss, ref_losses, where: str, tol: float):
+    """Train through a data-parallel wrapper (``wrapper``: "fsdp" or "ddp") for ``len(ref_losses)``
+    steps of ``micro`` micro-batches each (each loss ``micro_loss(step, m)`` / micro; DDP without
+    gradient sync but on the last, FSDP reducing each time, which sums the same), one optimizer
+    step per step; the ranks' mean loss of each step against ``ref_losses[step]``."""
+    import contextlib
+
+    for step, ref_loss in enumerate(ref_losses):
+        total = torch.zeros(())
+        for m in range(micro):
+            with wrapped.no_sync() if wrapper == "ddp" and m < micro - 1 else contextlib.nullcontext():
+                loss = micro_loss(step, m) / micro
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        assert rel_err(total / dist.get_world_size(), ref_loss) < tol, f"{where}: loss at step {step}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

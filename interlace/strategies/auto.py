@@ -52,6 +52,8 @@ A training call is timed forward + backward (marks on the output's and the input
 a key decides only on complete timings: where some candidate's backward has not run yet on some
 rank (gradient accumulation: several forwards, then the backwards), the key serves another round
 of candidates instead (at most ``MAX_EXTRA_ROUNDS``).
+An activation checkpoint's recomputed forward (a training call inside a backward) runs the
+strategy its forward ran (the latest training call not yet recomputed), untimed and uncounted.
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
 under the profile dir's ``decisions/``, one file per device key, above the decisions shipped
 for the presets) and reused by later processes; a bucket between two measured ones takes their
@@ -84,6 +86,7 @@ import logging
 import math
 import statistics
 import warnings
+from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -103,6 +106,8 @@ log = logging.getLogger("interlace.auto")
 # Calibration rounds a key may add while some candidate has no complete timing (training calls
 # whose backward has not run: gradient accumulation); past them it decides on what it has.
 MAX_EXTRA_ROUNDS = 16
+# Training calls whose strategy a recompute may still ask for (activation checkpointing).
+MAX_SERVED = 64
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,9 @@ class AutoStrategy(RoutedCalls, Strategy):
         self._routed_candidates: dict[str, tuple] = {}  # world size 1: device type → candidates of routed calls
         self._persistent_ok: dict[str, bool] = {}  # W > 1: device type → persistent a routed candidate
         self.measure_override = None  # tests: fn(spec, measured_ms) -> ms, injects timings
+        # Training calls' strategies, latest last: an activation checkpoint's recompute (a forward
+        # run inside the backward) takes the one its forward ran, and is neither timed nor counted.
+        self._served: deque[Strategy] = deque(maxlen=MAX_SERVED)
 
     @property
     def label(self) -> str:
@@ -395,6 +403,7 @@ class AutoStrategy(RoutedCalls, Strategy):
             impl.close()
         self._impls.clear()
         self._ready.clear()
+        self._served.clear()
 
     def choice_for(self, tokens: int, mode: str = "fwd") -> Choice | None:
         """The decision recorded for the bucket of ``tokens`` (the group's largest count) and
@@ -413,8 +422,14 @@ class AutoStrategy(RoutedCalls, Strategy):
             return self._impl("sequential", x.shape[0])(*args)
         agreed = self._agree.settle(x.shape[0], needs_grad, False)
         key = (token_bucket(agreed.tokens), "fwdbwd" if agreed.train else "fwd")
+        if agreed.train and torch._C._current_graph_task_id() != -1 and self._served:
+            # A recompute (torch.utils.checkpoint): backwards run latest forward first, so the
+            # latest unrecomputed training call is this one; every rank pops alike.
+            return self._served.pop()(*args)
         ready = self._ready.get(key)
         if ready is not None and agreed.tokens <= ready[1]:  # (a decided key: straight to its strategy)
+            if agreed.train:
+                self._served.append(ready[0])
             return ready[0](*args)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         state = self._key_state(key, x.device)
@@ -423,6 +438,8 @@ class AutoStrategy(RoutedCalls, Strategy):
         if state.choice is not None:
             impl = self._impl(state.choice.spec, agreed.tokens)
             self._mark_ready(key, state.choice.spec, impl)
+            if agreed.train:
+                self._served.append(impl)
             return impl(*args)
         if capturing:  # nothing timed or recorded inside a capture (see the module doc)
             return self._impl(state.plan["candidates"][0], agreed.tokens)(*args)
@@ -439,6 +456,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         marks = [clock.mark()]
         impl = self._impl(state.plan["candidates"][c], agreed)
         if needs_grad:
+            self._served.append(impl)
             marks += [None, None, None]
 
             def at(i):

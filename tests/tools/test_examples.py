@@ -51,6 +51,21 @@ def test_two_gloo_ranks_interlace_matches_hf():
         assert len(re.findall(rf"^\[{impl}\] done: 3 steps, final loss", out, re.M)) == 1, out
 
 
+def test_two_gloo_ranks_fsdp_matches_hf_and_saves(tmp_path):
+    """--fsdp --ep 2 (interlace.parallelize, DP 1 x EP 2) against HF's model under fully_shard,
+    and --save's full HF state dict (every expert, HF's shapes)."""
+    import torch
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+    path = tmp_path / "state.pt"
+    out = run(launcher, TINY + ["--compare", "--strategy", "naive", "--fsdp", "--ep", "2", "--save", str(path)])
+    for hf, interlace in compare_rows(out):
+        assert abs(interlace - hf) <= 1e-4 * abs(hf), out
+    state = torch.load(path)
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 48, 32)
+
+
 def test_world_size_one_without_torchrun():
     out = run([sys.executable], TINY + ["--compare", "--strategy", "sequential"])
     assert "1 rank(s)" in out
