@@ -392,3 +392,13 @@ def test_kernel_args_name_every_parameter():
     plan.state.check()
     assert torch.equal(out, by_name)
     check_against_reference(cfg, x, rw, bias, w_up, w_down, out)
+
+
+def test_activation_codes_are_the_tiles():
+    """protocol.Activation names the ACTIVATION codes of the expert GEMM tiles the kernels call
+    (expert_gemm.tile: ACTIVATION_ID, and 3 the plain product)."""
+    from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
+    from interlace.kernels.persistent.protocol import PLAIN, Activation
+
+    assert {a.name.lower(): int(a) for a in Activation if a is not Activation.PLAIN} == ACTIVATION_ID
+    assert int(Activation.PLAIN) == PLAIN.value == 3 and 3 not in ACTIVATION_ID.values()

@@ -32,19 +32,22 @@ Tensor = torch.Tensor
 
 
 class MoeCall(NamedTuple):
-    """Per call: x (T, N), out (T, N) in x's dtype, the grid (programs)."""
+    """Per call: x (T, N), out (T, N) in x's dtype, the grid (programs). (A plan's
+    :attr:`~interlace.kernels.persistent.launch.CallPlan.args` hold this group as built, with no
+    out: each launch passes its own.)"""
 
     x_ptr: Tensor
-    out_ptr: Tensor
+    out_ptr: Tensor | None
     n_programs: int
 
 
 class DistCall(NamedTuple):
     """Per launch at W > 1: x (T, N), out (T, N), the grid, the launch's task numbers
-    [task_lo, task_hi), and ``final`` (1: the launch ends the call, resetting the counters)."""
+    [task_lo, task_hi), and ``final`` (1: the launch ends the call, resetting the counters).
+    (A plan's args hold a placeholder: each launch passes its own.)"""
 
     x_ptr: Tensor
-    out_ptr: Tensor
+    out_ptr: Tensor | None
     n_programs: int
     task_lo: int
     task_hi: int
