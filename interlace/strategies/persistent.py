@@ -49,7 +49,7 @@ Inside a caller's own CUDA-graph capture the call runs eagerly with its own work
 the caller).
 
 Options (``strategy_options``): ``cuda_graph`` (bool, default True; ``"persistent:eager"`` turns
-it off), ``kernel`` (a :class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`),
+it off), ``kernel`` (a :class:`~interlace.kernels.persistent.config.PersistentKernelConfig`),
 ``max_spins`` (polls before a wait gives up; None: 2²² at world size 1, unbounded at W > 1),
 ``wait_timeout_s`` (W > 1 on a GPU: seconds a wait polls before it gives up, default 100: a
 peer's first call of a shape may start late by a whole kernel compile), ``max_tokens`` (W > 1:
@@ -68,16 +68,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from interlace.kernels.persistent import dist_tasks
+from interlace.kernels.persistent.config import PersistentKernelConfig, router_pieces
 from interlace.kernels.persistent.dist_launch import DEFAULT_TIMEOUT_S, DistBuffer, DistPlan, DistSpec
-from interlace.kernels.persistent.launch import (
-    DEFAULT_SPINS, CallPlan, PersistentKernelConfig, PersistentState, router_pieces,
-)
+from interlace.kernels.persistent.launch import DEFAULT_SPINS, CallPlan, PersistentState
+from interlace.kernels.persistent.protocol import describe_error
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.agreement import CallAgreement
 from interlace.parallel.peer_buffer import on_release
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
-from interlace.kernels.persistent.tasks import TASK_ORDERS, describe_error
+from interlace.kernels.persistent.tasks import TASK_ORDERS
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.graphs import CudaGraphRecorder
 from interlace.strategies.sequential import SequentialStrategy
@@ -364,8 +363,7 @@ class PersistentStrategy(Strategy):
             return
         self._record_pending = False
         if self._record_view[0] != 0:
-            describe = describe_error if self.ep.world == 1 else dist_tasks.describe_error
-            message = describe(self._record_view.tolist())
+            message = describe_error(self._record_view.tolist())
             self.state.error_record().zero_()
             self.state.host_error.zero_()
             raise RuntimeError(message)

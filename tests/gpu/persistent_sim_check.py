@@ -29,7 +29,7 @@ from interlace.config import MoEConfig, preset  # noqa: E402
 from interlace.experts import init_expert_weights  # noqa: E402
 from interlace.kernels.activation import activation_reference  # noqa: E402
 from interlace.kernels.persistent.dist_launch import DistPlan, DistSpec, run_simulated, simulated_world  # noqa: E402
-from interlace.kernels.persistent.launch import PersistentKernelConfig, router_pieces  # noqa: E402
+from interlace.kernels.persistent.config import PersistentKernelConfig, router_pieces  # noqa: E402
 from interlace.routing import route  # noqa: E402
 
 

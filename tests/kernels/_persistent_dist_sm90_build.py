@@ -1,13 +1,13 @@
 """sm90 build of the W > 1 persistent kernel (run by tests/kernels/test_persistent_dist.py, without the
 interpreter): prints BLOCK_M,E_PAD,EL_PAD,TOP_K[,TIMELINE[,BLOCK_N1[,ROUND_LOGITS[,WIDE[,CAPACITY]]]]], registers and spill
-stack bytes and shared memory per spec (WIDE 1: the wide tiles, launch.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
+stack bytes and shared memory per spec (WIDE 1: the wide tiles, config.WIDE_TILES on WIDE_WARPS with TMA weights, SwiGLU joint)."""
 import os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel as kernel
 from interlace.kernels.persistent.dist_launch import DIST_BLOCK_G, INDEX_BLOCK, LOGITS_TILE, WIDE_LOGITS_TILE
-from interlace.kernels.persistent.launch import WIDE_TILES, WIDE_WARPS, PersistentKernelConfig, wide_stages
+from interlace.kernels.persistent.config import WIDE_TILES, WIDE_WARPS, PersistentKernelConfig, wide_stages
 
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "logits_ptr": "*fp32"}

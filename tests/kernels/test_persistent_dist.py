@@ -14,9 +14,10 @@ import triton.language as tl
 from interlace.config import MoEConfig
 from interlace.experts import init_expert_weights
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.dist_kernel import _expert_slice_order
+from interlace.kernels.persistent.dist_kernel import expert_slice_order
+from interlace.kernels.persistent.config import PersistentKernelConfig, router_pieces
 from interlace.kernels.persistent.dist_launch import DistPlan, DistSpec, run_simulated, simulated_world
-from interlace.kernels.persistent.launch import PersistentKernelConfig, router_pieces
+from interlace.kernels.persistent.protocol import ERROR_WORDS, STATE_HEAD, Word
 from interlace.reference import reference_moe
 from interlace.routing import route
 
@@ -366,10 +367,10 @@ def test_bitwise_repeatable_epochs_and_changing_token_counts():
         assert all(torch.equal(a, b) for a, b in zip(first, grid))
     for buf in world.bufs:
         state = buf.state.tolist()
-        assert state[dt.EPOCH] == 5
-        assert state[dt.QUEUE] == state[dt.DONE] == state[dt.GATE_DONE] == state[dt.SEND_DONE] == 0
-        assert state[dt.RECV_DONE] == state[dt.GEMM1_DONE] == 0 and state[dt.READY] == 5
-        assert all(v == 0 for v in state[dt.STATE_HEAD:-dt.ERROR_WORDS])  # GEMM0 counters
+        assert state[Word.EPOCH] == 5
+        assert state[Word.QUEUE] == state[Word.DONE] == state[Word.GATE_DONE] == state[Word.SEND_DONE] == 0
+        assert state[Word.RECV_DONE] == state[Word.GEMM1_DONE] == 0 and state[Word.READY] == 5
+        assert all(v == 0 for v in state[STATE_HEAD:-ERROR_WORDS])  # GEMM0 counters
         assert buf.views["sent"].tolist() == [5, 5] and buf.views["done"].tolist() == [5, 5]
 
 
@@ -561,7 +562,7 @@ def test_gemm1_count_reaches_the_combine_without_a_skip():
     plan = w.plans[0]
     w.assert_matches(w.run(phases=(None,)))
     w.check_all()
-    assert int(w.bufs[0].state[dt.N_TILES]) == plan.layout.mt == 1  # (every tile real: no skip task)
+    assert int(w.bufs[0].state[Word.N_TILES]) == plan.layout.mt == 1  # (every tile real: no skip task)
 
 
 def _stress_on_gloo(rank, world, failures_path, broken, factor):
@@ -653,7 +654,7 @@ def test_dist_check_pick_comparison_on_gloo(tmp_path):
 @triton.jit
 def _slice_order_probe(tiles_ptr, out_ptr, mt, n_slices, BLOCK_M: tl.constexpr):
     rel = tl.program_id(0)
-    tile, piece, lx, first, end = _expert_slice_order(rel, rel // n_slices, n_slices, tiles_ptr, mt, BLOCK_M)
+    tile, piece, lx, first, end = expert_slice_order(rel, rel // n_slices, n_slices, tiles_ptr, mt, BLOCK_M)
     for i, v in enumerate((tile, piece, lx, first, end)):
         tl.store(out_ptr + 5 * rel + i, v)
 
@@ -683,3 +684,26 @@ def test_gemm_tasks_take_each_slice_over_an_experts_tiles_together():
         b += n_e
     assert got == want
     assert sorted(got) == [(t, s) for t in range(len(tiles)) for s in range(n_slices)]
+
+
+def test_kernel_args_name_every_parameter():
+    """DistKernelArgs name the kernel's parameters in order, and a launch's positional arguments
+    are its call group then the plan's cached rest; the phases' task ranges are the kernel's
+    numbering (protocol.kind_starts)."""
+    import inspect
+
+    from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
+
+    W, L, N, K, k, T = 2, 4, 64, 32, 2, 5
+    buf = simulated_world(DistSpec(W, L, N, k, 8, torch.float32))[0]
+    x = torch.randn(T, N)
+    plan = DistPlan(x, torch.randn(W * L, N), None, torch.empty(L, 2 * K, N), torch.empty(L, N, K), buf, top_k=k,
+                    softmax=True, renormalize=True, route_scale=1.0, activation="swiglu", w_pieces=0,
+                    config=PersistentKernelConfig(), max_spins=1)
+    assert list(plan.args.as_kwargs()) == list(inspect.signature(persistent_dist_kernel.fn).parameters)
+    out = torch.empty_like(x)
+    programs, args = plan.kernel_args(x, out, dt.PHASES[1])
+    assert args[:6] == (x, out, programs, *plan.layout.task_range(dt.PHASES[1]), 0)
+    assert args[6:] == plan.args.runtime(skip_call=True)
+    counts = plan.layout.counts()
+    assert [plan.layout.first(kind) for kind in range(len(counts))] == [sum(counts[:i]) for i in range(len(counts))]

@@ -9,8 +9,10 @@ import torch
 
 from interlace.config import MoEConfig
 from interlace.experts import init_expert_weights
-from interlace.kernels.persistent.launch import PersistentKernelConfig, PersistentState, persistent_moe
-from interlace.kernels.persistent.tasks import EPOCH, STATE_WORDS, reference_index
+from interlace.kernels.persistent.config import PersistentKernelConfig
+from interlace.kernels.persistent.launch import PersistentState, persistent_moe
+from interlace.kernels.persistent.protocol import Word, state_views
+from interlace.kernels.persistent.tasks import reference_index
 from interlace.reference import reference_moe
 from interlace.routing import route
 
@@ -30,7 +32,7 @@ def make_case(T, *, router="softmax", top_k=2, experts=6, hidden=48, ffn=40, act
 
 def run(cfg, x, router_weight, bias, w_up, w_down, state=None, workspace=None, **kw):
     state = PersistentState() if state is None else state
-    from interlace.kernels.persistent.launch import router_pieces
+    from interlace.kernels.persistent.config import router_pieces
 
     out = persistent_moe(x, router_weight, bias, w_up, w_down, state, top_k=cfg.top_k, softmax=cfg.router == "softmax",
                          renormalize=cfg.renormalize, route_scale=cfg.route_scale, activation=cfg.activation,
@@ -69,7 +71,7 @@ def test_matches_reference(T, router):
     assert torch.equal(ws["row_of_assignment"].long(), row_of)
     assert torch.equal(ws["assignment_of_row"].long(), asg_of)
     n_tiles = tiles.shape[1]
-    assert int(ws["state"][5]) == n_tiles <= ws["layout"].max_tiles
+    assert int(ws["state"][Word.N_TILES]) == n_tiles <= ws["layout"].max_tiles
     assert torch.equal(ws["tiles"].view(3, ws["layout"].max_tiles)[:, :n_tiles].long(), tiles)
 
 
@@ -140,10 +142,10 @@ def test_bitwise_repeatable_across_calls_and_grids():
     for programs in (1, 8):
         other, _ = run(*case, config=PersistentKernelConfig(programs=programs))
         assert torch.equal(first, other)
-    words = state.buffer[:STATE_WORDS].tolist()
-    assert words[EPOCH] == 2
-    assert words[1:5] == [0, 0, 0, 0]  # queue, programs done, gate and GEMM1 counters
-    assert (state.buffer[STATE_WORDS + 8:] == 0).all()  # per-tile GEMM0 counters
+    head, tile_counters, _ = state_views(state.buffer)
+    assert head[Word.EPOCH] == 2
+    assert [int(head[w]) for w in (Word.QUEUE, Word.DONE, Word.GATE_DONE, Word.GEMM1_DONE)] == [0, 0, 0, 0]
+    assert (tile_counters == 0).all()  # per-tile GEMM0 counters
     state.check()
 
 
@@ -201,7 +203,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from interlace.kernels.persistent.kernel import persistent_moe_kernel as kernel
-from interlace.kernels.persistent.launch import PersistentKernelConfig
+from interlace.kernels.persistent.config import PersistentKernelConfig
 
 names = [p.name for p in kernel.params]
 fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
@@ -217,7 +219,8 @@ for spec in sys.argv[1:]:
     consts = dict(TOP_K=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
                   BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0, BLOCK_N1=n1,
                   BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True,
-                  ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0, CAPACITY=bool(capacity and capacity[0]))
+                  ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0, TIMELINE=0, ROUND_LOGITS=0,
+                  CAPACITY=bool(capacity and capacity[0]))
     # (pointers and N, K, UP divisible by 16, as a launch specializes them at every preset: without
     # the hints the build loads the weights 2 bytes at a time and spills several times as much)
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -277,7 +280,7 @@ def test_kernel_builds_for_sm90():
 def test_row_tile_choice():
     """BLOCK_M by the busiest expert's expected rows (1.25 × T·k/E), 16 … 128, with the default
     N/K tiles of each; explicit fields win."""
-    from interlace.kernels.persistent.launch import TILES_BY_BLOCK_M
+    from interlace.kernels.persistent.config import TILES_BY_BLOCK_M
 
     c = PersistentKernelConfig()
     assert [c.rows_per_tile(T, 8, 64) for T in (1, 32, 64, 128, 256, 512, 4096)] == [16, 16, 16, 32, 64, 128, 128]
@@ -312,7 +315,7 @@ def test_large_row_tiles_match_reference(T, block_m, forced):
     check_against_reference(*case, out)
     topk_idx = route(case[1], case[2], case[3], case[0])[0]
     tiles = reference_index(topk_idx, case[0].num_experts, block_m)[2]
-    assert int(ws["state"][5]) == tiles.shape[1]
+    assert int(ws["state"][Word.N_TILES]) == tiles.shape[1]
 
 
 def test_one_build_per_row_tile_over_token_counts(monkeypatch):
@@ -361,3 +364,41 @@ def test_rounded_logits_choose_as_a_gemm_in_that_dtype(rounding, dtype):
     # the rounding decided something: ties (or near-ties straddling a rounding step, for fp16) move
     # tokens from 5 to 2
     assert (choices[0] == 5).sum() > (choices[rounding] == 5).sum()
+
+
+def test_kernel_args_name_every_parameter():
+    """A plan's MoeKernelArgs name the kernel's parameters in order (the launch by keywords runs
+    the same call, bit for bit, as the plan's positional one), and the host's task count is the
+    kernel's numbering (protocol.kind_starts)."""
+    import inspect
+
+    from interlace.kernels.persistent.config import router_pieces
+    from interlace.kernels.persistent.kernel import persistent_moe_kernel
+    from interlace.kernels.persistent.launch import CallPlan
+
+    cfg, x, rw, bias, w_up, w_down = make_case(9, router="sigmoid")
+    plan = CallPlan(x, rw, bias, w_up, w_down, PersistentState(), top_k=cfg.top_k, softmax=False,
+                    renormalize=cfg.renormalize, route_scale=cfg.route_scale, activation=cfg.activation,
+                    w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=PersistentKernelConfig(), max_spins=1 << 16,
+                    order="normal")
+    kwargs = plan.args.as_kwargs()
+    assert list(kwargs) == list(inspect.signature(persistent_moe_kernel.fn).parameters)
+    layout = plan.layout
+    assert layout.total == layout.n_gate + 1 + layout.max_tiles * (layout.n_k0 + layout.n_n1) \
+        + layout.n_comb_t * layout.n_comb_n
+    out = plan.run(x)
+    by_name = torch.full_like(out, float("nan"))
+    persistent_moe_kernel[(plan.programs,)](**{**kwargs, "x_ptr": x, "out_ptr": by_name})
+    plan.state.check()
+    assert torch.equal(out, by_name)
+    check_against_reference(cfg, x, rw, bias, w_up, w_down, out)
+
+
+def test_activation_codes_are_the_tiles():
+    """protocol.Activation names the ACTIVATION codes of the expert GEMM tiles the kernels call
+    (expert_gemm.tile: ACTIVATION_ID, and 3 the plain product)."""
+    from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
+    from interlace.kernels.persistent.protocol import PLAIN, Activation
+
+    assert {a.name.lower(): int(a) for a in Activation if a is not Activation.PLAIN} == ACTIVATION_ID
+    assert int(Activation.PLAIN) == PLAIN.value == 3 and 3 not in ACTIVATION_ID.values()

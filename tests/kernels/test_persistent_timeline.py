@@ -14,8 +14,10 @@ import torch
 
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_launch import DistPlan, run_simulated
-from interlace.kernels.persistent.launch import CallPlan, PersistentKernelConfig, PersistentState, router_pieces
-from interlace.kernels.persistent.tasks import EPOCH, TIMELINE_KINDS, reference_index
+from interlace.kernels.persistent.config import PersistentKernelConfig, router_pieces
+from interlace.kernels.persistent.launch import CallPlan, PersistentState
+from interlace.kernels.persistent.protocol import Word
+from interlace.kernels.persistent.tasks import TIMELINE_KINDS, reference_index
 from interlace.kernels.timeline import CLOCK_LOGICAL
 from interlace.routing import route
 from interlace.tools.task_timeline import summarize_tasks
@@ -100,7 +102,7 @@ def test_world1_records_every_task_once_in_dependency_order():
     s = summarize_tasks(recs, TIMELINE_KINDS, plan.programs)
     assert 0 < s["utilization"] <= 1
     assert s["kinds"]["gemm0"]["tasks"] == n_tiles * lay.n_k0 and s["kinds"]["gemm1"]["tasks"] == n_tiles * lay.n_n1
-    assert int(state.buffer[EPOCH]) == 2
+    assert int(state.buffer[Word.EPOCH]) == 2
 
 
 def test_timeline_off_has_no_table_and_bad_mode_raises():

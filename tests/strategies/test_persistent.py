@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from interlace import MoEConfig, MoELayer, reference_moe
-from interlace.kernels.persistent.launch import PersistentKernelConfig
+from interlace.kernels.persistent.config import PersistentKernelConfig
+from interlace.kernels.persistent.protocol import Wait
 from interlace.parallel.comm import ExpertParallel
 from interlace.strategies.persistent import PersistentStrategy
 
@@ -363,7 +364,7 @@ def test_landed_error_record_raises_on_the_next_call():
 
     with torch.no_grad():
         layer(torch.randn(3, 32))
-        strategy.state.host_error.copy_(torch.tensor([1, 0, 4, 17, 0, 3, 9, 2], dtype=torch.int32))
+        strategy.state.host_error.copy_(torch.tensor([1, 0, Wait.GEMM1, 17, 0, 3, 9, 2], dtype=torch.int32))
         strategy._record_view = strategy.state.host_error.numpy()
         strategy._record_event, strategy._record_pending = Event(), True
         layer(torch.randn(3, 32))  # not landed: nothing raised yet

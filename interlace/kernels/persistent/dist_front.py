@@ -3,8 +3,8 @@ the router's logits and top-k, the index (each assignment's slot at its expert's
 dispatch (each token row stored once into each peer owner's symmetric memory, each
 assignment's map entry, then the counts and the ``sent`` flag). Each task is a short chain
 that every GEMM tile waits for, so its loads are issued together, before the stores or sums
-that use them: one program's dependent loads cost a memory round trip each (about 1–2 µs on a
-busy H200), and the front runs before any weight is read.
+that use them: one program's dependent loads cost a memory round trip each, and the front runs
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ import triton
 import triton.language as tl
 
 from interlace.kernels.comet.flags import peer_region
-from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.kernel import _gate_choice, _gate_logits, round_logits
-
-SEND_DONE = tl.constexpr(dt.SEND_DONE)
+from interlace.kernels.persistent.protocol import SEND_DONE
+from interlace.kernels.persistent.routing import gate_choice, gate_logits, round_logits
 
 
 @triton.jit
-def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
+def logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr,
+                DOT_FP32: tl.constexpr):
     """logits[ks][tokens of block g, experts of block eb] (fp32, rows of E_PAD): the part over
     columns [ks·ls_chunk, (ks+1)·ls_chunk) of the router GEMM, split over expert blocks and
     column parts, so one token block's gate is many programs' work (one program's pass over the
@@ -37,18 +35,18 @@ def _logits_task(g, eb, ks, x_ptr, rw_ptr, logits_ptr, T, N, E, ls_chunk, E_PAD:
     # own 2-byte load, and every step waited for its tile).
     ls_chunk = (ls_chunk // BLOCK_G) * BLOCK_G
     n_lo = ks * ls_chunk
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
-                       BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
+    acc = gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, cols < E, N, n_lo, tl.minimum(N, n_lo + ls_chunk),
+                      BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32, 0)
     part = logits_ptr + ks * T * E_PAD  # (parts · T · E_PAD < 2³¹)
     tl.store(part + tokens[:, None].to(tl.int64) * E_PAD + cols[None, :], acc,
              mask=tmask[:, None] & (cols[None, :] < E))
 
 
 @triton.jit
-def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls, n_gate,
-                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                 SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr, CAPACITY: tl.constexpr):
+def choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale, n_ls, n_gate,
+                TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                ROUND_LOGITS: tl.constexpr, LS_MAX: tl.constexpr, CAPACITY: tl.constexpr):
     """Token block g's top-k from its logits rows, the ``n_ls`` (≤ LS_MAX) column parts summed in
     order (then rounded: ROUND_LOGITS), by the world-1 gate's choice rule. The parts' loads are
     unrolled and masked (a part past ``n_ls`` adds 0.0), so they are issued together."""
@@ -62,14 +60,14 @@ def _choice_task(g, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, 
     for ks in tl.static_range(1, LS_MAX):
         acc += tl.load(logits_ptr + ks * T * E_PAD + offs, mask=m & (ks < n_ls), other=0.0, cache_modifier=".cg")
     logits = tl.where(emask[None, :], round_logits(acc, ROUND_LOGITS), float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
-                 E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
+    gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
+                E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
 
 
 @triton.jit
-def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, capacity,
-                E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                G_CHUNK: tl.constexpr, CAPACITY: tl.constexpr):
+def index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, TK, capacity,
+               E_PAD: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
+               G_CHUNK: tl.constexpr, CAPACITY: tl.constexpr):
     """Per-expert counts and each assignment's slot (its rank among this rank's assignments to
     its expert: the block's base plus its rank within the block). The bases are a running sum
     of the gate blocks' histograms, G_CHUNK blocks a step (one load and a scan, not a load per
@@ -114,9 +112,9 @@ def block_assignments(first, T, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
-               capacity, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
-               CAPACITY: tl.constexpr):
+def send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, me, W, E_loc, max_tokens, T, N,
+              capacity, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr,
+              CAPACITY: tl.constexpr):
     """Tokens [sb·BLOCK_S, ...), columns [ns·BLOCK_NS, ...): each token row into recv[me][t]
     of every peer owner it chose an expert of, once per owner (a task per column slice: one
     program's stores over NVLink are latency bound, so the rows go out from many programs);
@@ -147,8 +145,8 @@ def _send_task(sb, ns, n_ns, x_ptr, idx_ptr, slot_ptr, recv_table, amap_table, m
 
 
 @triton.jit
-def _count_sends(pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch,
-                 EL_PAD: tl.constexpr):
+def count_sends(pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch,
+                EL_PAD: tl.constexpr):
     """Count this program's ``pending`` finished send tasks (acq_rel, system scope, after every
     thread's stores); the count that reaches ``n_send`` publishes the counts and the dispatch
     flag (:func:`_publish_sent`). A program counts its sends once, when it leaves the kind, not
@@ -165,7 +163,7 @@ def _count_sends(pending, n_send, state_ptr, counts_ptr, counts_table, sent_tabl
 @triton.jit
 def _publish_sent(counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD: tl.constexpr):
     """Every owner d: counts[me][:] = this rank's rows per d's local expert, then (release,
-    system scope, after every send task's rows: the caller's count, :func:`_count_sends`, was
+    system scope, after every send task's rows: the caller's count, :func:`count_sends`, was
     an acq_rel at system scope) sent[me] = epoch."""
     lo = tl.arange(0, EL_PAD)
     lmask = lo < E_loc

@@ -4,10 +4,13 @@ receive → GEMM0 + activation → GEMM1 (stored straight into the sources' symm
 combine, as tasks from one device-side queue per rank.
 
 Tasks, counts and the symmetric layout are in :mod:`interlace.kernels.persistent.dist_tasks`;
-the front's tasks (logits, top-k, index, send) in :mod:`interlace.kernels.persistent.dist_front`,
-their choice rule the world-1 kernel's (:mod:`interlace.kernels.persistent.kernel`). The GEMM
-tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
-:class:`~interlace.kernels.persistent.launch.PersistentKernelConfig`). In short:
+the state words, waits and task ranges shared with world size 1 in
+:mod:`interlace.kernels.persistent.protocol`; the front's tasks (logits, top-k, index, send) in
+:mod:`interlace.kernels.persistent.dist_front`, their choice rule the world-1 gate's
+(:mod:`interlace.kernels.persistent.routing`); the parameters in
+:class:`~interlace.kernels.persistent.args.DistKernelArgs`. The GEMM tasks run narrow or wide
+tiles (``W_TMA``/``JOINT``: see :class:`~interlace.kernels.persistent.config.PersistentKernelConfig`).
+In short:
 
 * index: per-(block, expert) bases from the gate's histograms; each assignment's slot = its
   rank among this rank's assignments to that expert (so slots of one (source, expert) pair are
@@ -15,8 +18,7 @@ tasks run narrow or wide tiles (``W_TMA``/``JOINT``: see
 * send (token block × column slice): each token row stored once into ``recv[me][t]`` of
   every peer owner of one of its k experts, and each assignment's ``amap[me][local
   expert][slot] = t·k + j`` at its owner (a row crosses NVLink once per owner, not once per
-  expert: top-8 over 2 ranks sent each row about 4 times). A program counts its send tasks
-  (acq_rel, system scope) when it leaves the kind; the count that reaches the total writes
+  expert). A program counts its send tasks (acq_rel, system scope) when it leaves the kind; the count that reaches the total writes
   this rank's per-(owner, local expert) counts into every owner's ``counts[me]`` and then,
   release at system scope, the epoch into every owner's ``sent[me]`` — also owners it sends
   no row to;
@@ -76,36 +78,21 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
 from interlace.kernels.comet.flags import peer_region
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_desc, gate_up_tile
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.dist_front import (
-    _choice_task, _count_sends, _index_task, _logits_task, _send_task, block_assignments,
+    block_assignments, choice_task, count_sends, index_task, logits_task, send_task,
 )
-from interlace.kernels.persistent.kernel import record_timeout, store_tile_table
+from interlace.kernels.persistent.protocol import (
+    DONE, EPOCH, GATE_DONE, GEMM1_DONE, HEAD, INDEX_FLAG, LOGITS_DONE, N_TILES, PLAIN, QUEUE, READY, RECV_DONE,
+    SEND_DONE, WAIT_DONE, WAIT_GATE, WAIT_GEMM0, WAIT_INDEX, WAIT_LOGITS, WAIT_READY, WAIT_SENT, kind_starts,
+    wait_at_least,
+)
+from interlace.kernels.persistent.routing import store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
-EPOCH = tl.constexpr(dt.EPOCH)
-QUEUE = tl.constexpr(dt.QUEUE)
-DONE = tl.constexpr(dt.DONE)
-GATE_DONE = tl.constexpr(dt.GATE_DONE)
-LOGITS_DONE = tl.constexpr(dt.LOGITS_DONE)
-WAIT_LOGITS = tl.constexpr(dt.WAIT_LOGITS)
-SEND_DONE = tl.constexpr(dt.SEND_DONE)
-INDEX_FLAG = tl.constexpr(dt.INDEX_FLAG)
-RECV_DONE = tl.constexpr(dt.RECV_DONE)
-READY = tl.constexpr(dt.READY)
-N_TILES = tl.constexpr(dt.N_TILES)
-GEMM1_DONE = tl.constexpr(dt.GEMM1_DONE)
-HEAD = tl.constexpr(dt.STATE_HEAD)
-WAIT_GATE = tl.constexpr(dt.WAIT_GATE)
-WAIT_INDEX = tl.constexpr(dt.WAIT_INDEX)
-WAIT_SENT = tl.constexpr(dt.WAIT_SENT)
-WAIT_READY = tl.constexpr(dt.WAIT_READY)
-WAIT_GEMM0 = tl.constexpr(dt.WAIT_GEMM0)
-WAIT_DONE = tl.constexpr(dt.WAIT_DONE)
 # Timeline record kinds: dt.TIMELINE_KINDS (the task kinds, then skip).
 REC_LOGITS = tl.constexpr(dt.LOGITS)
 REC_GATE = tl.constexpr(dt.GATE)
@@ -116,35 +103,6 @@ REC_GEMM0 = tl.constexpr(dt.GEMM0)
 REC_GEMM1 = tl.constexpr(dt.GEMM1)
 REC_COMBINE = tl.constexpr(dt.COMBINE)
 REC_SKIP = tl.constexpr(dt.SKIP)
-
-
-@triton.jit
-def _wait(ptr, target, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, kind, peer, epoch,
-          SCOPE: tl.constexpr, CLOCK: tl.constexpr):
-    """Acquire-poll ``*ptr`` (at ``SCOPE``) until ≥ ``target``; False after ``max_spins`` polls,
-    after ``timeout_ns`` of the GPU's global timer (``CLOCK``; the interpreter has no timer), or
-    once another wait timed out. The first timed-out wait writes the error record
-    [1, me, kind, task, peer, value, target, epoch], on the device and into its host mirror.
-
-    The time bound is what matters across ranks: a peer's launch can be seconds late (its host
-    compiling a kernel specialization this rank has cached), and a poll of system-scope memory
-    takes a time no poll count can promise."""
-    value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
-    spins = 0
-    if CLOCK:
-        start = globaltimer()
-    while (value < target) & (spins < max_spins):
-        value = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
-        spins += 1
-        if CLOCK:
-            if globaltimer() - start > timeout_ns:
-                spins = max_spins
-        if tl.load(err_ptr, volatile=True) != 0:
-            spins = max_spins
-    ok = value >= target
-    if not ok:
-        record_timeout(err_ptr, host_err_ptr, me, kind, task, peer, value, target, epoch)
-    return ok
 
 
 @triton.jit
@@ -241,7 +199,7 @@ def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, ret_ta
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
     acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, w_down_desc,
-                          lx * N + ns * BLOCK_N1, cols, cmask, K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
+                          lx * N + ns * BLOCK_N1, cols, cmask, K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
     y = acc.to(h_ptr.dtype.element_ty)
     for d in range(0, W):
         dst = peer_region(ret_table, d, h_ptr.dtype.element_ty)
@@ -250,7 +208,7 @@ def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, ret_ta
 
 
 @triton.jit
-def _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M: tl.constexpr):
+def expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M: tl.constexpr):
     """(tile, slice, local expert, first row, end row) of GEMM task ``rel`` of its kind,
     numbered expert by expert (the table's tiles are in expert order) and, within an expert,
     slice by slice over its tiles: the tiles of one expert take each weight slice at the same
@@ -303,8 +261,8 @@ def _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, host_err_ptr, me, W, E
     for d in range(0, W):
         uses = tl.sum(tl.sum(((owner == d) & amask).to(tl.int32), axis=1), axis=0)
         if (uses > 0) | (comb == 0):
-            ok = _wait(done + d, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_DONE, d, epoch,
-                       "sys", CLOCK)
+            ok = wait_at_least(done + d, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_DONE, d,
+                               epoch, "sys", CLOCK)
             failed += tl.where(ok, 0, 1)
     return failed == 0
 
@@ -349,38 +307,38 @@ def _combine_task(tb, nt, n_cs, ret_table, wt_ptr, slot_ptr, out_ptr, me, T, N, 
 
 
 # The arguments that change with the call's token count: not specialized (Triton would compile
-# the kernel again for each pattern of "divisible by 16" and "equal to 1" among them: 31 builds of
-# this kernel over 0–512 tokens per rank, each seconds of host time, where 4 row tiles need 4).
+# the kernel again for each pattern of "divisible by 16" and "equal to 1" among them, where one
+# build per row tile is enough; docs/persistent.md, Builds).
 BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "n_send", "n_comb_t", "n_comb_n",
                   "comb_slices", "task_lo", "task_hi", "capacity")
 
 
 @triton.jit(do_not_specialize=BY_TOKEN_COUNT)
 def persistent_dist_kernel(
-    x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E_loc, UP, N), (E_loc, N, K), (T, N)
-    logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr, h_ptr,
-    recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # (W,) int64: each rank's region
-    state_ptr, err_ptr, host_err_ptr,  # (state words,), (ERROR_WORDS,) int32 kept across calls; the record's
-    # host mirror (ERROR_WORDS,) int32, page-locked memory on CUDA
-    me, W, E_loc, max_tokens, T, N, K, E, UP, scale, max_spins, timeout_ns, n_programs, capacity,
-    n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices, task_lo,
-    task_hi, final,
-    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, EL_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_TK: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr,
-    G_CHUNK: tl.constexpr, LS_MAX: tl.constexpr,
-    BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
+    # The parameters in groups, each a dataclass of interlace.kernels.persistent.args (DistKernelArgs).
+    x_ptr, out_ptr, n_programs, task_lo, task_hi, final,  # DistCall
+    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr,  # Weights
+    logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr,  # DistWorkspace
+    h_ptr,
+    recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # PeerTables
+    state_ptr, err_ptr, host_err_ptr, max_spins, timeout_ns,  # DistSync
+    me, W, E_loc, max_tokens,  # World
+    T, N, K, E, UP, scale, capacity,  # Sizes
+    n_logits, n_eb, n_ls, ls_chunk, n_gate, n_send, n_ns, mt, n_k0, n_n1, n_comb_t, n_comb_n, comb_slices,  # DistTasks
+    timeline_ptr, timeline_clock, timeline_cap,  # TimelineArgs
+    BLOCK_T: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,  # DistFrontTiles
+    BLOCK_S: tl.constexpr, BLOCK_NS: tl.constexpr, BLOCK_A: tl.constexpr, G_CHUNK: tl.constexpr, LS_MAX: tl.constexpr,
+    K_PAD: tl.constexpr, EL_PAD: tl.constexpr,
+    BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,  # GemmTiles
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
-    W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, CLOCK: tl.constexpr,
-    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
-    ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (kernel._gate_logits)
-    W_TMA: tl.constexpr = False,  # wide tiles: expert weights through TMA descriptors (_weight_descriptors)
-    JOINT: tl.constexpr = False,  # wide SwiGLU tiles: gate and up rows in one load and one dot
-    CAPACITY: tl.constexpr = False,  # a capacity factor: ``capacity`` rows per expert (_index_task)
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,  # Routing
+    RENORMALIZE: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    ACTIVATION: tl.constexpr, CLOCK: tl.constexpr, TIMELINE: tl.constexpr, W_TMA: tl.constexpr,  # DistModes
+    JOINT: tl.constexpr,
 ):
-    """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module.
+    """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module and, for
+    each parameter, :class:`~interlace.kernels.persistent.args.DistKernelArgs`.
 
     TIMELINE (:mod:`interlace.kernels.timeline`): every task taken writes one record into slot
     = its task number: [epoch, program, SM, kind (dt.TIMELINE_KINDS), task, start, end of its
@@ -389,14 +347,9 @@ def persistent_dist_kernel(
     epoch = tl.load(state_ptr + EPOCH) + 1
     w_up_desc, w_down_desc = _weight_descriptors(w_up_ptr, w_down_ptr, E_loc, UP, N, K, BLOCK_K0, BLOCK_N0, BLOCK_N1,
                                                  BLOCK_K1, W_TMA, JOINT)
-    g0_done_ptr = state_ptr + HEAD
-    f_gate = n_logits
-    f_index = f_gate + n_gate
-    f_send = f_index + 1
-    f_recv = f_send + n_send
-    f_g0 = f_recv + W
-    f_g1 = f_g0 + n_k0 * mt
-    f_comb = f_g1 + n_n1 * mt
+    g0_done_ptr = state_ptr + HEAD  # the per-tile GEMM0 counters
+    f_gate, f_index, f_send, f_recv, f_g0, f_g1, f_comb, _ = kind_starts(n_logits, n_gate, n_send, W, n_k0 * mt,
+                                                                         n_n1 * mt, n_comb_t * n_comb_n)
     table_seen = tl.full((), 0, tl.int32)  # this program has seen the call's tile table (READY)
     n_tiles = tl.full((), 0, tl.int32)
     g1_pending = tl.full((), 0, tl.int32)  # GEMM1 tasks finished here, not yet counted
@@ -404,46 +357,46 @@ def persistent_dist_kernel(
     task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < task_hi:
         if task >= f_recv:  # (past the sends for good: count this program's before any later wait)
-            send_pending = _count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W,
-                                        E_loc, epoch, EL_PAD)
+            send_pending = count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W,
+                                       E_loc, epoch, EL_PAD)
         t_start = timeline_now(timeline_clock, TIMELINE)
         t_waited = t_start
         rec_kind = tl.full((), REC_LOGITS, tl.int32)
         if task < f_gate:
-            _logits_task(task // (n_eb * n_ls), (task // n_ls) % n_eb, task % n_ls, x_ptr, rw_ptr, logits_ptr, T,
-                         N, E, ls_chunk, E_PAD, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32)
+            logits_task(task // (n_eb * n_ls), (task // n_ls) % n_eb, task % n_ls, x_ptr, rw_ptr, logits_ptr, T,
+                        N, E, ls_chunk, E_PAD, BLOCK_T, BLOCK_E, BLOCK_G, W_PIECES, DOT_FP32)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + LOGITS_DONE, 1, sem="release", scope="gpu")
         elif task < f_index:
-            have_logits = _wait(state_ptr + LOGITS_DONE, n_logits, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
-                                task, WAIT_LOGITS, me, epoch, "gpu", CLOCK)
+            have_logits = wait_at_least(state_ptr + LOGITS_DONE, n_logits, max_spins, timeout_ns, err_ptr, host_err_ptr,
+                                        me, task, WAIT_LOGITS, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_GATE, tl.int32)
             if have_logits:
-                _choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
-                             n_ls, n_gate, TOP_K, E_PAD, BLOCK_TK, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS,
-                             LS_MAX, CAPACITY)
+                choice_task(task - f_gate, logits_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, E, scale,
+                            n_ls, n_gate, TOP_K, E_PAD, BLOCK_TK, SOFTMAX, HAS_BIAS, RENORMALIZE, ROUND_LOGITS,
+                            LS_MAX, CAPACITY)
             tl.debug_barrier()
             tl.atomic_add(state_ptr + GATE_DONE, 1, sem="release", scope="gpu")
         elif task < f_send:
-            gated = _wait(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
-                          WAIT_GATE, me, epoch, "gpu", CLOCK)
+            gated = wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                                  WAIT_GATE, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
-                _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, capacity,
-                            E_PAD, TOP_K, BLOCK_TK, BLOCK_A, G_CHUNK, CAPACITY)
+                index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, counts_ptr, slot_ptr, n_gate, T * TOP_K, capacity,
+                           E_PAD, TOP_K, BLOCK_TK, BLOCK_A, G_CHUNK, CAPACITY)
             tl.debug_barrier()
             tl.atomic_xchg(state_ptr + INDEX_FLAG, epoch, sem="release", scope="gpu")
         elif task < f_recv:
-            indexed = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
-                            WAIT_INDEX, me, epoch, "gpu", CLOCK)
+            indexed = wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
+                                    task, WAIT_INDEX, me, epoch, "gpu", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_SEND, tl.int32)
             if indexed:
-                _send_task((task - f_send) // n_ns, (task - f_send) % n_ns, n_ns, x_ptr, idx_ptr, slot_ptr,
-                           recv_table, amap_table, me, W, E_loc, max_tokens, T, N, capacity, TOP_K, K_PAD, BLOCK_S,
-                           BLOCK_NS, CAPACITY)
+                send_task((task - f_send) // n_ns, (task - f_send) % n_ns, n_ns, x_ptr, idx_ptr, slot_ptr,
+                          recv_table, amap_table, me, W, E_loc, max_tokens, T, N, capacity, TOP_K, K_PAD, BLOCK_S,
+                          BLOCK_NS, CAPACITY)
                 # (a failed wait counts nothing: the owners then time out naming this rank)
                 send_pending += 1  # (counted when this program leaves the kind: _count_sends)
         elif task < f_g0:
@@ -451,8 +404,8 @@ def persistent_dist_kernel(
             sent = peer_region(sent_table, me, tl.int32)
             # (a failed wait still counts: the table is then built from stale counts, which are
             # bounded, and every later wait of this rank gives up at once on the error record)
-            _wait(sent + s, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_SENT, s, epoch,
-                  "sys", CLOCK)
+            wait_at_least(sent + s, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task, WAIT_SENT, s, epoch,
+                          "sys", CLOCK)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_RECEIVE, tl.int32)
             tl.debug_barrier()
@@ -464,7 +417,7 @@ def persistent_dist_kernel(
                 tl.debug_barrier()
                 tl.atomic_xchg(state_ptr + READY, epoch, sem="release", scope="gpu")
         elif task < f_comb:
-            # GEMM tasks: expert, then slice, then the expert's row tile (_expert_slice_order).
+            # GEMM tasks: expert, then slice, then the expert's row tile (expert_slice_order).
             is_g0 = task < f_g1
             n_slices = tl.where(is_g0, n_k0, n_n1)
             first = tl.where(is_g0, f_g0, f_g1)
@@ -474,8 +427,8 @@ def persistent_dist_kernel(
             # The tile table is this call's once seen: a program waits for it (and reads the
             # tile count) at its first GEMM task only.
             if table_seen == 0:
-                ready = _wait(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
-                              WAIT_READY, me, epoch, "gpu", CLOCK)
+                ready = wait_at_least(state_ptr + READY, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
+                                      WAIT_READY, me, epoch, "gpu", CLOCK)
                 n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
                 table_seen = tl.where(ready, 1, 0)
             real = (table_seen != 0) & (tile < n_tiles)
@@ -483,7 +436,7 @@ def persistent_dist_kernel(
             row0 = tl.full((), 0, tl.int32)
             row_end = tl.full((), 0, tl.int32)
             if real:
-                tile, piece, lx, row0, row_end = _expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
+                tile, piece, lx, row0, row_end = expert_slice_order(rel, tile, n_slices, tiles_ptr, mt, BLOCK_M)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.where(tile < n_tiles, tl.where(is_g0, REC_GEMM0, REC_GEMM1), REC_SKIP)
             if real:
@@ -494,8 +447,8 @@ def persistent_dist_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
-                    tile_ready = _wait(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
-                                       task, WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
+                    tile_ready = wait_at_least(g0_done_ptr + tile, n_k0, max_spins, timeout_ns, err_ptr, host_err_ptr,
+                                               me, task, WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
                         _gemm1_task(tile, piece, lx, row0, row_end, h_ptr, w_down_ptr, w_down_desc, ret_table,
@@ -514,8 +467,8 @@ def persistent_dist_kernel(
             # can be taken while the gate still runs (a grid with more programs than tasks takes
             # every number at once), and one that read a stale expert index naming no owner
             # would wait for nobody and read its rows at stale slots.
-            returned = _wait(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me, task,
-                             WAIT_INDEX, me, epoch, "gpu", CLOCK)
+            returned = wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, timeout_ns, err_ptr, host_err_ptr, me,
+                                     task, WAIT_INDEX, me, epoch, "gpu", CLOCK)
             if returned:
                 returned = _combine_wait(comb, tb, idx_ptr, done_table, err_ptr, host_err_ptr, me, W, E_loc, T,
                                          max_spins, timeout_ns, task, epoch, TOP_K, K_PAD, BLOCK_TC, CLOCK)
@@ -528,7 +481,7 @@ def persistent_dist_kernel(
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,
                             t_waited, timeline_now(timeline_clock, TIMELINE), TIMELINE)
         task = task_lo + tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
-    _count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
+    count_sends(send_pending, n_send, state_ptr, counts_ptr, counts_table, sent_table, me, W, E_loc, epoch, EL_PAD)
     _count_gemm1(g1_pending, n_tiles * n_n1, state_ptr, done_table, me, W, epoch)
     # The last program out resets the queue; after the call's last launch, also the counters,
     # and publishes the epoch.

@@ -16,8 +16,7 @@ are this state's call counts. Transports (as :class:`interlace.parallel.peer_buf
 
 Memory per rank: ``recv`` ``W · max_tokens · N`` elements (a row per source token), ``ret``
 ``max_tokens · k · N`` (a row per own assignment) and ``amap`` ``W · E_loc · max_tokens`` int32
-(one source never sends an expert more rows than it has tokens). For dsv3-like (N 7168, k 8,
-128 local experts) at 512 tokens and W = 2: 15 MB, 59 MB and 0.5 MB.
+(one source never sends an expert more rows than it has tokens).
 """
 
 from __future__ import annotations
@@ -31,11 +30,16 @@ from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.tile import ACTIVATION_ID
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
-from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
-from interlace.kernels.persistent.launch import (
-    ROW_TILES, WIDE_WARPS, PersistentKernelConfig, _programs_per_sm, host_error_record, timeline_args,
+from interlace.kernels.persistent.args import (
+    DistCall, DistFrontTiles, DistKernelArgs, DistModes, DistSync, DistTasks, DistWorkspace, GemmTiles,
+    PeerTables, Routing, Sizes, TimelineArgs, Weights, World, check_signature,
+)
+from interlace.kernels.persistent.config import (
+    ROW_TILES, WIDE_WARPS, PersistentKernelConfig, host_error_record, programs_per_sm, timeline_args,
     timeline_buffer, wide_stages,
 )
+from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
+from interlace.kernels.persistent.protocol import Word, describe_error, state_views, state_words
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.peer_buffer import pack_regions, region_views
 
@@ -43,6 +47,8 @@ from interlace.parallel.peer_buffer import pack_regions, region_views
 # start late by a whole kernel compile on its host (this rank polls meanwhile).
 DEFAULT_TIMEOUT_S = 100.0
 _OCCUPANCY: dict = {}  # (device index, kernel key) → programs per SM
+
+check_signature(persistent_dist_kernel, DistKernelArgs)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,8 @@ class DistBuffer:
     def __init__(self, spec: DistSpec, rank: int, raw: torch.Tensor, kind: str, group=None):
         self.spec, self.rank, self.raw, self.kind, self.group = spec, rank, raw, kind, group
         self.views = _views(raw, spec)
-        self.state = torch.zeros(dt.state_words(spec.mt_max), dtype=torch.int32, device=raw.device)
+        self.state = torch.zeros(state_words(spec.mt_max), dtype=torch.int32, device=raw.device)
+        self.error = state_views(self.state)[2]  # (the error record)
         self.host_error = host_error_record(raw.device)  # (the record's host mirror)
         self.tables: dict[str, torch.Tensor] = {}
 
@@ -161,17 +168,13 @@ class DistBuffer:
         """The local state tensor (as :class:`~interlace.kernels.persistent.launch.PersistentState`'s)."""
         return self.state
 
-    @property
-    def error(self) -> torch.Tensor:
-        return self.state[-dt.ERROR_WORDS:]
-
     def error_record(self) -> torch.Tensor:
         return self.error
 
     def check(self) -> None:
         """Raise ``RuntimeError`` if a wait timed out (reads the record: a host sync); clear it
         and its mirror."""
-        message = dt.describe_error(self.error.tolist())
+        message = describe_error(self.error.tolist())
         if message:
             self.error.zero_()
             self.host_error.zero_()
@@ -219,11 +222,9 @@ INDEX_BLOCK = 2048  # assignments per step of the index task's slot loop (at 512
 MAX_LOGITS_SPLITS = 8
 # (tokens, experts) of a logits task: narrow tiles (two programs per SM) and wide tiles (one
 # 8-warp program per SM). A logits task is a chain of steps over N, each about a memory round
-# trip whatever its tile, so wide tiles take 4× the tile in a quarter of the steps: on 2×H200 at
-# 512 tokens per GPU (32 × 64 in 4 parts against 16 × 32 in 2 parts, one process, back to back)
-# qwen3-30b-a3b 0.283 -> 0.271 ms, qwen2-moe 0.245 -> 0.235, mixtral-8x7b 0.998 -> 0.981,
-# flashdmoe-cfg 0.279 -> 0.274, phi3.5-moe unchanged. (Narrow builds keep the small tile: the
-# large one doubles their shared memory, one program per SM.)
+# trip whatever its tile, so wide tiles take 4× the tile in a quarter of the steps (measured:
+# docs/persistent.md). Narrow builds keep the small tile: the large one doubles their shared
+# memory, leaving one program per SM.
 LOGITS_TILE = (16, 32)
 WIDE_LOGITS_TILE = (32, 64)
 TOP_K_TASKS = 32  # top-k tasks a call aims at (top_k_block)
@@ -232,11 +233,10 @@ TOP_K_TASKS = 32  # top-k tasks a call aims at (top_k_block)
 def top_k_block(T: int) -> int:
     """Tokens per W > 1 top-k task: a power of 2 from 4 to 16 that makes about
     :data:`TOP_K_TASKS` tasks. A top-k task is a chain of k reductions over the experts whose
-    cost grows with the (tokens × experts) elements each thread holds (the sm90 build of 16
-    tokens × 128 experts, top-8, on 4 warps is twice the instructions of 8 tokens): at decode a
-    few 16-token tasks sat on the critical path of every call (19 µs each for qwen3-30b-a3b at
-    128 tokens per GPU), while 4-token tasks run side by side on more SMs. More tasks than about
-    32 would lengthen the index's running sum over their histograms."""
+    cost grows with the (tokens × experts) elements each thread holds: at decode a few large
+    tasks would sit on the critical path of every call, while small ones run side by side on
+    more SMs (measured: docs/persistent.md). More tasks than about 32 would lengthen the
+    index's running sum over their histograms."""
     return max(4, min(16, next_power_of_2(cdiv(max(T, 1), TOP_K_TASKS))))
 
 
@@ -339,28 +339,42 @@ class DistPlan:
         h = alloc.empty((layout.mt * block_m, K), dtype=x.dtype, device=x.device)
         self.workspace = dict(idx=idx, weight=wt.view(torch.float32), slot=slot, counts=counts, tiles=tiles,
                               block_m=block_m, layout=layout)
-        self.constexprs = dict(
-            TOP_K=top_k, K_PAD=next_power_of_2(top_k), E_PAD=e_pad, EL_PAD=el_pad, BLOCK_T=block_t,
-            BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_G=block_gl, BLOCK_S=block_s, BLOCK_NS=block_ns,
-            BLOCK_A=INDEX_BLOCK,
-            G_CHUNK=max(1, min(16, 4096 // e_pad)), LS_MAX=max(MAX_LOGITS_SPLITS, c.logits_splits or 1),
-            BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0, BLOCK_N0=block_n0,
-            BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc, BLOCK_NC=c.block_nc, SOFTMAX=softmax,
-            HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize, ACTIVATION=ACTIVATION_ID[activation],
-            W_PIECES=w_pieces, DOT_FP32=_INTERPRET, CLOCK=x.device.type == "cuda" and not _INTERPRET,
-            TIMELINE=timeline, ROUND_LOGITS=round_logits, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu",
-            CAPACITY=capacity is not None)
-        tb = buf.tables
-        self._weights_args = (router_weight, expert_bias if expert_bias is not None else router_weight, w_up, w_down)
-        self._ws_args = (logits, idx, wt.view(torch.float32), lrank, slot, hist, base, counts, offs, tiles, h,
-                         tb["recv"], tb["amap"], tb["ret"], tb["counts"], tb["sent"], tb["done"], buf.state, buf.error,
-                         buf.host_error,
-                         buf.rank, spec.world, L, spec.max_tokens, T, N, K, E, up_width, float(route_scale),
-                         int(max_spins), int(timeout_s * 1e9))
-        self._layout_args = (capacity or 0, layout.n_logits, n_eb, n_ls, ls_chunk, layout.n_gate, layout.n_send, cdiv(N, block_ns),
-                             layout.mt, layout.n_k0, layout.n_n1, layout.n_comb_t, layout.n_comb_n, comb_slices)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
-        self._timeline_args = timeline_args(self.timeline)
+        tb = buf.tables
+        self.args = DistKernelArgs(
+            call=DistCall(x_ptr=x, out_ptr=None, n_programs=0, task_lo=0, task_hi=0, final=0),  # (set per launch)
+            weights=Weights(rw_ptr=router_weight, bias_ptr=expert_bias if expert_bias is not None else router_weight,
+                            w_up_ptr=w_up, w_down_ptr=w_down),
+            workspace=DistWorkspace(logits_ptr=logits, idx_ptr=idx, wt_ptr=wt.view(torch.float32), lrank_ptr=lrank,
+                                    slot_ptr=slot, hist_ptr=hist, base_ptr=base, counts_ptr=counts, offs_ptr=offs,
+                                    tiles_ptr=tiles, h_ptr=h),
+            peers=PeerTables(recv_table=tb["recv"], amap_table=tb["amap"], ret_table=tb["ret"],
+                             counts_table=tb["counts"], sent_table=tb["sent"], done_table=tb["done"]),
+            sync=DistSync(state_ptr=buf.state, err_ptr=buf.error, host_err_ptr=buf.host_error,
+                          max_spins=int(max_spins), timeout_ns=int(timeout_s * 1e9)),
+            world=World(me=buf.rank, W=spec.world, E_loc=L, max_tokens=spec.max_tokens),
+            sizes=Sizes(T=T, N=N, K=K, E=E, UP=up_width, scale=float(route_scale), capacity=capacity or 0),
+            tasks=DistTasks(n_logits=layout.n_logits, n_eb=n_eb, n_ls=n_ls, ls_chunk=ls_chunk, n_gate=layout.n_gate,
+                            n_send=layout.n_send, n_ns=cdiv(N, block_ns), mt=layout.mt, n_k0=layout.n_k0,
+                            n_n1=layout.n_n1, n_comb_t=layout.n_comb_t, n_comb_n=layout.n_comb_n,
+                            comb_slices=comb_slices),
+            timeline=TimelineArgs(*timeline_args(self.timeline)),
+            front_tiles=DistFrontTiles(BLOCK_T=block_t, BLOCK_TK=block_tk, BLOCK_E=block_e, BLOCK_G=block_gl,
+                                       BLOCK_S=block_s, BLOCK_NS=block_ns, BLOCK_A=INDEX_BLOCK,
+                                       G_CHUNK=max(1, min(16, 4096 // e_pad)),
+                                       LS_MAX=max(MAX_LOGITS_SPLITS, c.logits_splits or 1),
+                                       K_PAD=next_power_of_2(top_k), EL_PAD=el_pad),
+            gemm_tiles=GemmTiles(BLOCK_J=max(16, min(64, 2048 // el_pad)), BLOCK_M=block_m, BLOCK_K0=block_k0,
+                                 BLOCK_N0=block_n0, BLOCK_N1=block_n1, BLOCK_K1=block_k1, BLOCK_TC=c.block_tc,
+                                 BLOCK_NC=c.block_nc),
+            routing=Routing(TOP_K=top_k, E_PAD=e_pad, SOFTMAX=softmax, HAS_BIAS=expert_bias is not None,
+                            RENORMALIZE=renormalize, W_PIECES=w_pieces, DOT_FP32=_INTERPRET, ROUND_LOGITS=round_logits,
+                            CAPACITY=capacity is not None),
+            modes=DistModes(ACTIVATION=ACTIVATION_ID[activation], CLOCK=x.device.type == "cuda" and not _INTERPRET,
+                            TIMELINE=timeline, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu"),
+        )
+        self.constexprs = self.args.constexprs()
+        self._rest = self.args.runtime(skip_call=True)  # (the arguments after the launch's call group)
         self._dummy = alloc.empty((1, N), dtype=x.dtype, device=x.device) if T == 0 else None
         self._occupancy_key = (x.device.index, block_m, block_n1, e_pad, el_pad, top_k, activation, x.dtype, c,
                                timeline, round_logits, self.wide, capacity is not None)
@@ -370,7 +384,7 @@ class DistPlan:
         """The last call's task records (``timeline`` on; a host sync): see
         :meth:`~interlace.kernels.timeline.TimelineBuffer.task_records`, kinds
         :data:`~dist_tasks.TIMELINE_KINDS`."""
-        return self.timeline.task_records(int(self.buf.state[dt.EPOCH]), dt.TIMELINE_KINDS)
+        return self.timeline.task_records(int(self.buf.state[Word.EPOCH]), dt.TIMELINE_KINDS)
 
     def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
         return (x.shape[0] == self.T and x.dtype == self.dtype and x.device == self.device
@@ -402,8 +416,7 @@ class DistPlan:
             x = out = self._dummy
         programs = self._programs(task_hi - task_lo)
         final = int(task_hi == self.layout.total)
-        return programs, (x, *self._weights_args, out, *self._ws_args, programs, *self._layout_args, task_lo, task_hi,
-                          final, *self._timeline_args)
+        return programs, (x, out, programs, task_lo, task_hi, final, *self._rest)
 
     def launch_phase(self, x: torch.Tensor, out: torch.Tensor, phase: tuple[int, int] | None) -> None:
         """Tasks of kinds ``phase`` = (first kind, last kind) (None: all, one launch per call)."""
@@ -414,7 +427,7 @@ class DistPlan:
         compiled = launch(persistent_dist_kernel, (programs,), *args, num_warps=self.num_warps,
                           num_stages=self.num_stages, **self.constexprs)
         if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:
-            _OCCUPANCY.setdefault(self._occupancy_key, _programs_per_sm(compiled, self.device, self.num_warps))
+            _OCCUPANCY.setdefault(self._occupancy_key, programs_per_sm(compiled, self.device, self.num_warps))
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """out (T, N): the whole call in one launch (symmetric transport)."""

@@ -54,20 +54,20 @@ A slot is the assignment's rank among its source's assignments to that expert (t
 computes it from the gate's per-block histograms), so sources never write the same address and
 no count exchange precedes the rows. An owner gathers a tile's rows through ``amap`` (source s,
 expert l, slot → token a // k of s) and returns each output row to ``ret[a]`` of its source.
-Local state (one int32 tensor per rank, never shared)::
-
-    [EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE,
-     LOGITS_DONE, -, -, -, -, -]  then GEMM0_DONE (MT_max: per row tile), then the error record (ERROR_WORDS)
+Local state: one int32 tensor per rank, never shared, laid out as at world size 1
+(:mod:`interlace.kernels.persistent.protocol`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from interlace.kernels.launch import cdiv
+from interlace.kernels.persistent.protocol import Kind, kind_starts
 
-LOGITS, GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = range(8)
-KINDS = ("logits", "gate", "index", "send", "receive", "gemm0", "gemm1", "combine")
+LOGITS, GATE, INDEX, SEND, RECEIVE, GEMM0, GEMM1, COMBINE = Kind
+KINDS = tuple(kind.name.lower() for kind in Kind)
 # Kinds of the kernel's timeline records (``TIMELINE`` on; :mod:`interlace.kernels.timeline`), by
 # index: the task kinds above, then "skip" (the GEMM task that finds itself past the real row
 # tiles and moves the queue past the rest of its kind's range; the tasks jumped over have no record).
@@ -76,26 +76,6 @@ TIMELINE_KINDS = KINDS + ("skip",)
 # Phases of the simulated and staged transports: every rank runs a phase before any rank runs
 # the next (the producer-before-consumer order one GPU launch gets from its waits).
 PHASES = ((LOGITS, SEND), (RECEIVE, GEMM1), (COMBINE, COMBINE))
-
-EPOCH, QUEUE, DONE, GATE_DONE, SEND_DONE, INDEX_FLAG, RECV_DONE, READY, N_TILES, GEMM1_DONE, LOGITS_DONE = range(11)
-STATE_HEAD = 16
-ERROR_WORDS = 8  # [set, rank, wait kind, task, peer rank, value, target, epoch]
-
-WAIT_GATE, WAIT_INDEX, WAIT_SENT, WAIT_READY, WAIT_GEMM0, WAIT_DONE, WAIT_LOGITS = 1, 2, 3, 4, 5, 6, 7
-_WAIT_NAMES = {
-    WAIT_GATE: "its gate tasks' counter (index task)",
-    WAIT_LOGITS: "its logits tasks' counter (gate task)",
-    WAIT_INDEX: "its index flag (send or combine task)",
-    WAIT_SENT: "the dispatch flag of source rank {peer} (rows and counts sent here)",
-    WAIT_READY: "its tile table (built after every source's rows arrived)",
-    WAIT_GEMM0: "a row tile's GEMM0 counter (tile {peer})",
-    WAIT_DONE: "the return flag of owner rank {peer} (expert outputs returned here)",
-}
-
-
-def state_words(mt_max: int) -> int:
-    """int32 words of one rank's local state: head, per-tile GEMM0 counters, error record."""
-    return STATE_HEAD + mt_max + ERROR_WORDS
 
 
 def max_tiles(world: int, max_tokens: int, top_k: int, num_local: int, block_m: int) -> int:
@@ -107,7 +87,7 @@ def max_tiles(world: int, max_tokens: int, top_k: int, num_local: int, block_m: 
 @dataclass(frozen=True)
 class DistLayout:
     """Static task counts of one rank's call (T tokens here, sized by ``max_tokens`` for what
-    peers send), from shapes only. ``first[kind]`` is the kind's first task number."""
+    peers send), from shapes only. ``first(kind)`` is the kind's first task number."""
 
     world: int
     n_logits: int
@@ -138,12 +118,19 @@ class DistLayout:
         return (self.n_logits, self.n_gate, 1, self.n_send, self.world, self.n_k0 * self.mt, self.n_n1 * self.mt,
                 self.n_comb_t * self.n_comb_n)
 
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """The first task number of each kind, in kind order, then the total (as the kernel
+        numbers them: :func:`~interlace.kernels.persistent.protocol.kind_starts`)."""
+        n_logits, n_gate, _, n_send, n_receive, n_gemm0, n_gemm1, n_combine = self.counts()
+        return (0, *kind_starts.fn(n_logits, n_gate, n_send, n_receive, n_gemm0, n_gemm1, n_combine))
+
     def first(self, kind: int) -> int:
-        return sum(self.counts()[:kind])
+        return self.starts[kind]
 
     @property
     def total(self) -> int:
-        return sum(self.counts())
+        return self.starts[-1]
 
     def task_range(self, phase: tuple[int, int] | None = None) -> tuple[int, int]:
         """[lo, hi) task numbers of kinds ``phase`` = (first kind, last kind); None: every task
@@ -152,14 +139,3 @@ class DistLayout:
             return 0, self.total
         lo_kind, hi_kind = phase
         return self.first(lo_kind), self.first(hi_kind + 1)
-
-
-def describe_error(record: list[int]) -> str | None:
-    """The message of an error record (see :data:`ERROR_WORDS`), or None if no wait timed out."""
-    if not record or record[0] == 0:
-        return None
-    _, rank, kind, task, peer, value, target, epoch = record[:ERROR_WORDS]
-    waited = _WAIT_NAMES.get(kind, f"flag kind {kind}").format(peer=peer)
-    return (f"persistent MoE kernel, rank {rank}: task {task} timed out waiting for {waited}: value {value}, "
-            f"expected ≥ {target} (call epoch {epoch}); a peer did not run the same call, the task or phase "
-            f"order is broken, or a program stopped (raise max_spins if the GPU is only slow)")

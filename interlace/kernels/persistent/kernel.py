@@ -3,7 +3,10 @@ activation → GEMM1 → combine, as tasks taken from one device-side queue.
 
 A fixed grid of programs (no more than are co-resident) loops: take the next task number from
 a global atomic counter, run it, repeat until the numbers run out. The task kinds, their counts
-and their dependencies are listed in :mod:`interlace.kernels.persistent.tasks`; in short:
+and their dependencies are listed in :mod:`interlace.kernels.persistent.tasks`; the state words,
+waits and task ranges (shared with W > 1) in :mod:`interlace.kernels.persistent.protocol`; the
+gate's device code in :mod:`interlace.kernels.persistent.routing`; the parameters in
+:class:`~interlace.kernels.persistent.args.MoeKernelArgs`. In short:
 
 * gate task g: fp32 router logits of tokens [g·BLOCK_T, (g+1)·BLOCK_T), top-k, routing weights,
   and this block's per-expert histogram plus each assignment's rank among the block's
@@ -47,25 +50,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from interlace.kernels.comet.flags import record_error_fields
 from interlace.kernels.expert_gemm.tile import activation_epilogue, gate_up_tile
 from interlace.kernels.persistent import tasks
-from interlace.kernels.router_gemm import _piece
-from interlace.kernels.router_topk import scores_and_top_k
+from interlace.kernels.persistent.protocol import (
+    DONE, EPOCH, GATE_DONE, GEMM1_DONE, HEAD, INDEX_FLAG, N_TILES, PLAIN, QUEUE, WAIT_GATE, WAIT_GEMM0, WAIT_GEMM1,
+    WAIT_INDEX, kind_starts, wait_at_least,
+)
+from interlace.kernels.persistent.routing import gate_choice, gate_logits, store_tile_table
 from interlace.kernels.timeline import timeline_now, timeline_record
 
-# The state words and wait kinds of tasks.py as constexprs (a kernel may read only constexpr globals).
-EPOCH = tl.constexpr(tasks.EPOCH)
-QUEUE = tl.constexpr(tasks.QUEUE)
-DONE = tl.constexpr(tasks.DONE)
-GATE_DONE = tl.constexpr(tasks.GATE_DONE)
-GEMM1_DONE = tl.constexpr(tasks.GEMM1_DONE)
-N_TILES = tl.constexpr(tasks.N_TILES)
-INDEX_FLAG = tl.constexpr(tasks.INDEX_FLAG)
-WAIT_GATE = tl.constexpr(tasks.WAIT_GATE)
-WAIT_INDEX = tl.constexpr(tasks.WAIT_INDEX)
-WAIT_GEMM0 = tl.constexpr(tasks.WAIT_GEMM0)
-WAIT_GEMM1 = tl.constexpr(tasks.WAIT_GEMM1)
 # Timeline record kinds (tasks.TIMELINE_KINDS).
 REC_GATE = tl.constexpr(tasks.TIMELINE_KINDS.index("gate"))
 REC_INDEX = tl.constexpr(tasks.TIMELINE_KINDS.index("index"))
@@ -76,131 +69,10 @@ REC_SKIP = tl.constexpr(tasks.TIMELINE_KINDS.index("skip"))
 
 
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, err_ptr, host_err_ptr, task, kind, what, epoch):
-    """Acquire-poll ``*ptr`` until it is ≥ ``target``; False after ``max_spins`` polls, or at once
-    once another wait has timed out (the error record is set). The first timed-out wait writes
-    the record: [1, rank 0, kind, task, what, value, target, epoch], into the device record and
-    into its host mirror (:func:`~interlace.kernels.persistent.launch.host_error_record`)."""
-    value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (value < target) & (spins < max_spins):
-        value = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-        if tl.load(err_ptr, volatile=True) != 0:
-            spins = max_spins
-    ok = value >= target
-    if not ok:
-        record_timeout(err_ptr, host_err_ptr, 0, kind, task, what, value, target, epoch)
-    return ok
-
-
-@triton.jit
-def record_timeout(err_ptr, host_err_ptr, rank, kind, task, what, value, target, epoch):
-    """A timed-out wait's error record, if it is the first: claimed on the device (the record
-    other waits poll), then written there and into its host mirror."""
-    if tl.atomic_cas(err_ptr, 0, 1) == 0:
-        record_error_fields(err_ptr, rank, kind, task, what, value, target, epoch)
-        record_error_fields(host_err_ptr, rank, kind, task, what, value, target, epoch)
-        tl.store(host_err_ptr, 1)
-
-
-@triton.jit
 def _signal(ptr):
     """Count one finished task: this program's earlier stores (all threads), then a release add."""
     tl.debug_barrier()
     tl.atomic_add(ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, n_lo, n_hi, BLOCK_T: tl.constexpr,
-                 BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr,
-                 ROUND_LOGITS: tl.constexpr):
-    """(BLOCK_T, BLOCK_C) fp32 logits x[tokens] (·, N) @ W_r[cols] (·, N)ᵀ (bf16 x: W_r's W_PIECES
-    bf16 pieces as ``router_gemm`` "split" (3) or "input" (1); else an fp32 dot); 0 where masked.
-    ROUND_LOGITS 1 / 2: the fp32 sums rounded to bf16 / fp16 (a router whose logits come from a
-    GEMM in that dtype, as a transformers model in bf16 computes them: fp32 sums, rounded once).
-    ``n_lo``, ``n_hi``: the part of the sum over columns [n_lo, n_hi) (0, N: all of it)."""
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for n0 in range(n_lo, n_hi, BLOCK_G):
-        nn = n0 + tl.arange(0, BLOCK_G)
-        nmask = nn < n_hi
-        a = tl.load(x_ptr + tokens[:, None].to(tl.int64) * N + nn[None, :], mask=tmask[:, None] & nmask[None, :],
-                    other=0.0)
-        w = tl.load(rw_ptr + cols[None, :].to(tl.int64) * N + nn[:, None], mask=emask[None, :] & nmask[:, None],
-                    other=0.0).to(tl.float32)  # (BLOCK_G, BLOCK_C): W_rᵀ
-        if W_PIECES == 0:
-            acc = tl.dot(a.to(tl.float32), w, acc, input_precision="ieee")
-        else:
-            ab = _piece(a, 0, 1, DOT_FP32)
-            for i in tl.static_range(W_PIECES):
-                acc = tl.dot(ab, _piece(w, i, 3, DOT_FP32), acc)
-    return round_logits(acc, ROUND_LOGITS)
-
-
-@triton.jit
-def round_logits(acc, ROUND_LOGITS: tl.constexpr):
-    """fp32 logit sums rounded to bf16 (1) or fp16 (2), as values in fp32; 0: unchanged."""
-    if ROUND_LOGITS == 1:
-        acc = acc.to(tl.bfloat16).to(tl.float32)
-    elif ROUND_LOGITS == 2:
-        acc = acc.to(tl.float16).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate,
-                 TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, CAPACITY: tl.constexpr = False):
-    """The choice rule of :mod:`interlace.kernels.router_topk` (slot 0 the best; NaN never wins;
-    ties to the lower expert) on a token block's logits (BLOCK_T, E_PAD) fp32 (−inf past E).
-    Writes idx/weight/rank per assignment a = t·k + j, and the block's histogram hist[g, :].
-
-    CAPACITY (a capacity factor: experts served slot-major, MoEConfig.capacity_factor): a
-    histogram per pick, hist[j·n_gate + g, :], and each assignment's rank among the block's
-    assignments of its expert with the same pick j; the index's running sum over those rows in
-    that order (pick-major) is the policy's order."""
-    cols = tl.arange(0, E_PAD)
-    weights, slot = scores_and_top_k(logits, bias_ptr, tl.where(tmask, tokens, -1), cols, E, scale, TOP_K, E_PAD,
-                                     SOFTMAX, HAS_BIAS, RENORMALIZE)
-    chosen = (slot >= 0).to(tl.int32)
-    if CAPACITY:
-        before = tl.zeros(slot.shape, dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            pick = (slot == j).to(tl.int32)
-            before = tl.where(slot == j, tl.cumsum(pick, axis=0) - pick, before)
-            tl.store(hist_ptr + (j * n_gate + g) * E_PAD + cols, tl.sum(pick, axis=0))
-    else:
-        # Rank of (t, j) among the block's assignments of its expert, in assignment order t·k + j:
-        # a token picks k distinct experts, so it is the number of earlier tokens that picked it.
-        before = tl.cumsum(chosen, axis=0) - chosen
-        tl.store(hist_ptr + g * E_PAD + cols, tl.sum(chosen, axis=0))
-    a = tokens[:, None].to(tl.int64) * TOP_K + slot
-    tl.store(idx_ptr + a, tl.broadcast_to(cols[None, :], slot.shape), mask=slot >= 0)
-    tl.store(lrank_ptr + a, before, mask=slot >= 0)
-    tl.store(wt_ptr + a, weights, mask=slot >= 0)
-
-
-@triton.jit
-def store_tile_table(tiles_ptr, stride, rows, starts, experts, BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr):
-    """The row-tile table of experts with ``rows`` rows each (vectors over the experts; expert
-    ``experts[i]``'s rows start at row ``starts[i]``), BLOCK_M rows a tile, in expert order:
-    tiles_ptr[j], [stride + j], [2·stride + j] = expert, first row, end row of tile j. Returns
-    the number of tiles (shared with the W > 1 kernel's table)."""
-    n_tiles_e = (rows + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(n_tiles_e, axis=0)
-    tile_beg = tile_end - n_tiles_e
-    n_tiles = tl.sum(n_tiles_e, axis=0)
-    for j0 in range(0, n_tiles, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        inside = (j[:, None] >= tile_beg[None, :]) & (j[:, None] < tile_end[None, :])  # at most one expert
-        expert = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
-        first = tl.sum(tl.where(inside, starts[None, :] + (j[:, None] - tile_beg[None, :]) * BLOCK_M, 0), axis=1)
-        end = tl.sum(tl.where(inside, (starts + rows)[None, :], 0), axis=1)
-        jmask = j < n_tiles
-        tl.store(tiles_ptr + j, expert, mask=jmask)
-        tl.store(tiles_ptr + stride + j, first, mask=jmask)
-        tl.store(tiles_ptr + 2 * stride + j, end, mask=jmask)
-    return n_tiles
 
 
 @triton.jit
@@ -214,11 +86,11 @@ def _gate_task(g, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr,
     tmask = tokens < T
     cols = tl.arange(0, E_PAD)
     emask = cols < E
-    acc = _gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, 0, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES,
-                       DOT_FP32, ROUND_LOGITS)
+    acc = gate_logits(x_ptr, rw_ptr, tokens, tmask, cols, emask, N, 0, N, BLOCK_T, E_PAD, BLOCK_G, W_PIECES,
+                      DOT_FP32, ROUND_LOGITS)
     logits = tl.where(emask[None, :], acc, float("-inf"))
-    _gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
-                 E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
+    gate_choice(logits, g, tokens, tmask, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, E, scale, n_gate, TOP_K,
+                E_PAD, SOFTMAX, HAS_BIAS, RENORMALIZE, CAPACITY)
 
 
 @triton.jit
@@ -293,7 +165,7 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
     acc, _ = gate_up_tile(h_ptr + rows.to(tl.int64) * K, rmask, w_down_ptr + e * N * K, None, 0, cols, cmask,
-                          K, K, 3, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+                          K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
@@ -331,49 +203,51 @@ BY_TOKEN_COUNT = ("T", "n_programs", "n_gate", "max_tiles", "n_comb_t", "capacit
 
 @triton.jit(do_not_specialize=BY_TOKEN_COUNT)
 def persistent_moe_kernel(
-    x_ptr, rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, out_ptr,  # (T, N), (E, N), (E,), (E, UP, N), (E, N, K), (T, N)
-    idx_ptr, wt_ptr, lrank_ptr, row_of_ptr, asg_of_ptr,  # (T·k,) each: int32, fp32, int32 ×3
-    hist_ptr, base_ptr, offs_ptr, tiles_ptr,  # (n_gate, E_PAD) ×2, (E_PAD,), (3, max_tiles) int32
-    h_ptr, y_ptr,  # (T·k, K), (T·k, N) in x's dtype
-    state_ptr, err_ptr, gemm0_done_ptr,  # persistent: (STATE_WORDS,), (ERROR_WORDS,), (≥ max_tiles,) int32
-    host_err_ptr,  # (ERROR_WORDS,) int32: the record's host mirror (page-locked memory on CUDA)
-    T, N, K, E, UP, scale, max_spins, n_programs,
-    n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n, capacity,  # capacity: per expert (CAPACITY)
-    timeline_ptr, timeline_clock, timeline_cap,  # (cap, 8) int64 records, (1,) int64 clock: see below
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_A: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
-    BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr,
-    BLOCK_NC: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    ACTIVATION: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ORDER: tl.constexpr,
-    TIMELINE: tl.constexpr = 0,  # 0 off (compiled out), 1 GPU clock, 2 logical clock (interpreter)
-    ROUND_LOGITS: tl.constexpr = 0,  # 1 / 2: the router logits rounded to bf16 / fp16 (_gate_logits)
-    CAPACITY: tl.constexpr = False,  # a capacity factor: hist (TOP_K·n_gate, E_PAD); _index_task
+    # The parameters in groups, each a dataclass of interlace.kernels.persistent.args (MoeKernelArgs).
+    x_ptr, out_ptr, n_programs,  # MoeCall
+    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr,  # Weights
+    idx_ptr, wt_ptr, lrank_ptr, row_of_ptr, asg_of_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, h_ptr,  # MoeWorkspace
+    y_ptr,
+    state_ptr, err_ptr, host_err_ptr, max_spins,  # Sync
+    T, N, K, E, UP, scale, capacity,  # Sizes
+    n_gate, max_tiles, n_k0, n_n1, n_comb_t, n_comb_n,  # TaskLayout
+    timeline_ptr, timeline_clock, timeline_cap,  # TimelineArgs
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_A: tl.constexpr,  # MoeFrontTiles
+    BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,  # GemmTiles
+    BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, BLOCK_TC: tl.constexpr, BLOCK_NC: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,  # Routing
+    RENORMALIZE: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    ACTIVATION: tl.constexpr, ORDER: tl.constexpr, TIMELINE: tl.constexpr,  # MoeModes
 ):
-    """One MoE layer call; see the module. ORDER 1 (tests only) dequeues the combine tasks right
-    after the index, before the GEMM tasks: a broken order the waits must catch.
+    """One MoE layer call; see the module and, for each parameter,
+    :class:`~interlace.kernels.persistent.args.MoeKernelArgs`. ORDER 1 (tests only) dequeues the
+    combine tasks right after the index, before the GEMM tasks: a broken order the waits must
+    catch.
 
     TIMELINE (:mod:`interlace.kernels.timeline`): every task taken writes one record into slot
     = its task number: [epoch, program, SM, kind (tasks.TIMELINE_KINDS), task, start, end of its
     waits, end]; a GEMM task past the real tile count is recorded as kind "skip"."""
     epoch = tl.load(state_ptr + EPOCH) + 1
+    gemm0_done_ptr = state_ptr + HEAD  # the per-tile GEMM0 counters
     n_gemm0 = max_tiles * n_k0
     n_gemm1 = max_tiles * n_n1
     n_comb = n_comb_t * n_comb_n
-    first_gemm = n_gate + 1
-    total = first_gemm + n_gemm0 + n_gemm1 + n_comb
+    # (world size 1: no logits, send or receive task)
+    _, f_index, _, _, first_gemm, _, _, total = kind_starts(0, n_gate, 0, 0, n_gemm0, n_gemm1, n_comb)
     task = tl.atomic_add(state_ptr + QUEUE, 1, sem="relaxed", scope="gpu")
     while task < total:
         t_start = timeline_now(timeline_clock, TIMELINE)
         t_waited = t_start
         rec_kind = tl.full((), REC_GATE, tl.int32)
-        if task < n_gate:
+        if task < f_index:
             _gate_task(task, x_ptr, rw_ptr, bias_ptr, idx_ptr, wt_ptr, lrank_ptr, hist_ptr, T, N, E, scale, n_gate,
                        TOP_K, E_PAD, BLOCK_T, BLOCK_G, SOFTMAX, HAS_BIAS, RENORMALIZE, W_PIECES, DOT_FP32,
                        ROUND_LOGITS, CAPACITY)
             _signal(state_ptr + GATE_DONE)
         elif task < first_gemm:
-            gated = _wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, err_ptr, host_err_ptr, task, WAIT_GATE, 0,
-                                   epoch)
+            gated = wait_at_least(state_ptr + GATE_DONE, n_gate, max_spins, 0, err_ptr, host_err_ptr, 0, task,
+                                  WAIT_GATE, 0, epoch, "gpu", False)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             rec_kind = tl.full((), REC_INDEX, tl.int32)
             if gated:
@@ -391,14 +265,14 @@ def persistent_moe_kernel(
                 is_comb = rel < n_comb
                 comb = rel
                 rel = rel - n_comb
-            ready = _wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, err_ptr, host_err_ptr, task, WAIT_INDEX, 0,
-                                   epoch)
+            ready = wait_at_least(state_ptr + INDEX_FLAG, epoch, max_spins, 0, err_ptr, host_err_ptr, 0, task,
+                                  WAIT_INDEX, 0, epoch, "gpu", False)
             n_tiles = tl.load(state_ptr + N_TILES, volatile=True)
             t_waited = timeline_now(timeline_clock, TIMELINE)
             if is_comb:
                 if ready:
-                    ready = _wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, err_ptr, host_err_ptr,
-                                           task, WAIT_GEMM1, 0, epoch)
+                    ready = wait_at_least(state_ptr + GEMM1_DONE, n_tiles * n_n1, max_spins, 0, err_ptr,
+                                          host_err_ptr, 0, task, WAIT_GEMM1, 0, epoch, "gpu", False)
                 t_waited = timeline_now(timeline_clock, TIMELINE)
                 rec_kind = tl.full((), REC_COMBINE, tl.int32)
                 if ready:
@@ -415,8 +289,8 @@ def persistent_moe_kernel(
                 tile = (rel - n_gemm0) % max_tiles
                 rec_kind = tl.where(tile < n_tiles, REC_GEMM1, REC_SKIP)
                 if ready & (tile < n_tiles):
-                    tile_ready = _wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, err_ptr, host_err_ptr, task,
-                                                WAIT_GEMM0, tile, epoch)
+                    tile_ready = wait_at_least(gemm0_done_ptr + tile, n_k0, max_spins, 0, err_ptr, host_err_ptr, 0,
+                                               task, WAIT_GEMM0, tile, epoch, "gpu", False)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
                         _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,

@@ -1,5 +1,5 @@
-"""The persistent MoE kernel's task list, state layout and error records, and torch references
-of its index math (for tests).
+"""The persistent MoE kernel's task list (world size 1) and a torch reference of its index math
+(for tests); the state layout and error records are :mod:`interlace.kernels.persistent.protocol`'s.
 
 One launch runs five kinds of task, numbered so that every task depends only on tasks with
 smaller numbers (see :mod:`interlace.kernels.persistent.kernel` for why that cannot deadlock):
@@ -28,26 +28,12 @@ HBM once and from L2 by the expert's other tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from interlace.kernels.launch import cdiv
-
-# state (int32) words: the call counter, the task queue, the programs that finished, two
-# completion counters, the real number of row tiles and the index flag.
-EPOCH, QUEUE, DONE, GATE_DONE, GEMM1_DONE, N_TILES, INDEX_FLAG = range(7)
-STATE_WORDS = 8
-ERROR_WORDS = 8  # [set, rank, flag kind, task, flag index, flag value, target, epoch]
-
-# What a timed-out wait was for (the error record's flag kind).
-WAIT_GATE, WAIT_INDEX, WAIT_GEMM0, WAIT_GEMM1 = 1, 2, 3, 4
-_WAIT_NAMES = {
-    WAIT_GATE: "the gate tasks' counter (the index task waits for every gate task)",
-    WAIT_INDEX: "the index flag (expert offsets and the sorted row list)",
-    WAIT_GEMM0: "a row tile's GEMM0 counter (a GEMM1 task waits for every K-slice of its tile)",
-    WAIT_GEMM1: "the GEMM1 counter (a combine task waits for every GEMM1 task of a real tile)",
-}
+from interlace.kernels.persistent.protocol import kind_starts
 
 # Kinds of the kernel's timeline records (``TIMELINE`` on; :mod:`interlace.kernels.timeline`), by
 # index: the five task kinds in task-number order, then "skip" (a GEMM task past the real tile count:
@@ -59,9 +45,9 @@ TIMELINE_KINDS = ("gate", "index", "gemm0", "gemm1", "combine", "skip")
 TASK_ORDERS = ("normal", "combine_first")
 
 
-@dataclass(frozen=True)
-class TaskLayout:
-    """Static task counts of one call (T tokens), from its shape only (no routing).
+class TaskLayout(NamedTuple):
+    """Static task counts of one call (T tokens), from its shape only (no routing); the
+    kernel's task-count arguments (:class:`~interlace.kernels.persistent.args.MoeKernelArgs`).
 
     Attributes: ``n_gate``, ``max_tiles``, ``n_k0`` (GEMM0 K-slices per tile), ``n_n1`` (GEMM1
     N-slices per tile), ``n_comb_t`` × ``n_comb_n`` combine tasks; ``total`` of them all.
@@ -84,8 +70,11 @@ class TaskLayout:
 
     @property
     def total(self) -> int:
-        return (self.n_gate + 1 + self.max_tiles * (self.n_k0 + self.n_n1)
-                + self.n_comb_t * self.n_comb_n)
+        """Every task of the call (numbered as the kernel numbers them:
+        :func:`~interlace.kernels.persistent.protocol.kind_starts`, no logits, send or receive
+        task at world size 1)."""
+        return kind_starts.fn(0, self.n_gate, 0, 0, self.max_tiles * self.n_k0, self.max_tiles * self.n_n1,
+                              self.n_comb_t * self.n_comb_n)[-1]
 
 
 def reference_index(topk_idx: torch.Tensor, num_experts: int, block_m: int):
@@ -109,14 +98,3 @@ def reference_index(topk_idx: torch.Tensor, num_experts: int, block_m: int):
              for e in range(num_experts) for i in range(cdiv(int(counts[e]), block_m))]
     tiles_t = torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3).t()
     return row_of, order, tiles_t
-
-
-def describe_error(record: list[int]) -> str | None:
-    """The message of an error record (see :data:`ERROR_WORDS`), or None if no wait timed out."""
-    if not record or record[0] == 0:
-        return None
-    _, rank, kind, task, what, value, target, epoch = record[:ERROR_WORDS]
-    waited = _WAIT_NAMES.get(kind, f"flag kind {kind}")
-    return (f"persistent MoE kernel, rank {rank}: task {task} timed out waiting for {waited} "
-            f"[index {what}]: value {value}, expected ≥ {target} (call epoch {epoch}); the task order "
-            f"is broken or a program stopped (raise max_spins if the GPU is only slow)")
