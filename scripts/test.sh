@@ -8,4 +8,5 @@ bash scripts/setup.sh
 # single-threaded process, so two cores run the suite in about two thirds of the serial time.
 workers=()
 "${PYTHON:-python3}" -c "import xdist" 2>/dev/null && workers=(-n 2 --dist loadfile)
-exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider "${workers[@]}" "$@"
+# The slowest tests are listed at the end (CI's time budget is 15 minutes on 2 cores).
+exec "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider --durations=15 "${workers[@]}" "$@"
