@@ -24,8 +24,10 @@ import torch
 from interlace.parallel.comm import all_to_all, all_to_all_counts
 from interlace.kernels.expert_gemm.autograd import TritonExpertFFN, supports
 from interlace.kernels.expert_gemm.configs import ExpertKernelOptions
+from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8
 from interlace.kernels.activation import activation_fused
 from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
+from interlace.fp8 import BlockFP8Weight
 from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
 from interlace.kernels.rows import CombineRows, DispatchRows, PermuteRows
 from interlace.strategies.base import Strategy, register_strategy
@@ -46,8 +48,11 @@ def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, 
 
     ``torch``: a gather kernel, then torch._grouped_mm + SwiGLU kernel + torch._grouped_mm.
     ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load
-    (``kernels``: their options).
+    (``kernels``: their options). FP8 weights (:class:`~interlace.fp8.BlockFP8Weight`) take the
+    W8A8 kernels whatever the backend.
     """
+    if isinstance(w_up, BlockFP8Weight):
+        return expert_ffn_fp8(x, src_row, 1, num_rows, w_up, w_down, offs, activation)
     if backend == "triton" and supports(x, w_up):
         return TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse, kernels)
     return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
@@ -86,7 +91,9 @@ class SequentialStrategy(Strategy):
         if ep.world == 1:
             # Host sync only with a capacity: the number of kept rows sizes the buffers.
             rows = T * k if capacity is None else int(expert_end[-1])
-            if self.expert_backend == "triton" and supports(x, w_up):
+            if isinstance(w_up, BlockFP8Weight):
+                y = expert_ffn_fp8(x, assignment_of_row, k, rows, w_up, w_down, expert_end, cfg.activation)
+            elif self.expert_backend == "triton" and supports(x, w_up):
                 # The dispatch gather is fused into the first GEMM: rows read x[assignment // k].
                 y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows, expert_end,
                                           cfg.activation, row_of_assignment, self.kernels)

@@ -1,0 +1,163 @@
+"""Block-scaled FP8 expert weights (inference): the format, its quantizers and a plain reference.
+
+The layout is DeepSeek-V3's checkpoints' (and vLLM's, SGLang's, transformers' ``FP8Experts``):
+a weight ``W`` (..., R, C) is stored as e4m3 values ``q`` (..., R, C) and one fp32 scale per
+128 × 128 block, ``scale_inv`` (..., ⌈R/128⌉, ⌈C/128⌉), with
+
+    W[r, c] ≈ q[r, c] · scale_inv[r // 128, c // 128].
+
+R and C need not be multiples of 128: the last block of a row or column is partial and has a
+scale of its own (what DeepSeek's and transformers' quantizers write).
+
+Activations (W8A8): each row of the GEMM's left operand is quantized per group of 128 columns,
+``a[m, c] ≈ aq[m, c] · a_scale[m, c // 128]`` with ``a_scale = amax(|group|) / 448`` (1 for an
+all-zero group), so a GEMM's k step of 128 columns meets one activation scale per row and one
+weight scale per output column: ``Σ_blocks (aq · qᵀ)_block · a_scale · scale_inv``, fp32
+accumulation. A row's NaN stays in its row (its group's amax is NaN, no other row's is).
+
+:func:`expert_ffn_fp8_reference` is the expert FFN of this arithmetic in fp32 on expert-major
+rows: the reference the FP8 kernels are checked against (it counts no quantization error that
+the kernels do not also make), and the CPU path where Triton does not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from interlace.kernels.activation import activation_reference
+
+FP8_BLOCK = 128
+"""Rows and columns of one weight scale block, and columns of one activation scale group."""
+E4M3_MAX = 448.0
+"""The largest finite float8_e4m3fn value: a group's amax maps to it."""
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def blocks(n: int) -> int:
+    """Scale blocks along a dimension of ``n``: ⌈n / 128⌉."""
+    return -(-n // FP8_BLOCK)
+
+
+@dataclass(frozen=True)
+class BlockFP8Weight:
+    """A block-scaled FP8 weight: ``weight`` (..., R, C) float8_e4m3fn and ``scale_inv``
+    (..., ⌈R/128⌉, ⌈C/128⌉) float32 on the same device (the checkpoints' names).
+
+    What the experts module hands a strategy in place of a dense weight. ``shape`` is the
+    weight's, so shape checks read the same as for a dense one.
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_block_fp8(self.weight, self.scale_inv)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (..., R, C) in ``dtype``: ``q · scale_inv`` per block, computed in fp32."""
+        return dequantize_weight(self.weight, self.scale_inv).to(dtype)
+
+
+def check_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> None:
+    """``ValueError``/``TypeError`` unless ``weight`` is float8_e4m3fn (..., R, C) and
+    ``scale_inv`` fp32 (..., ⌈R/128⌉, ⌈C/128⌉) on the same device."""
+    if weight.dtype != FP8_DTYPE:
+        raise TypeError(f"FP8 {name} must be torch.float8_e4m3fn, got {weight.dtype}")
+    if scale_inv.dtype != torch.float32:
+        raise TypeError(f"{name}'s block scales must be float32, got {scale_inv.dtype} (ue8m0 scales: convert "
+                        f"them to float32 first)")
+    if weight.dim() < 2:
+        raise ValueError(f"FP8 {name} must have at least 2 dims (..., R, C), got shape {tuple(weight.shape)}")
+    want = (*weight.shape[:-2], blocks(weight.shape[-2]), blocks(weight.shape[-1]))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name}'s block scales have shape {tuple(scale_inv.shape)}; a weight of shape "
+                         f"{tuple(weight.shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks needs {want}")
+    if weight.device != scale_inv.device:
+        raise ValueError(f"FP8 {name} is on {weight.device} and its scales on {scale_inv.device}")
+
+
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """(..., ⌈R/128⌉, ⌈C/128⌉) → (..., R, C): each block's scale on each of its elements."""
+    return scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :rows, :].repeat_interleave(FP8_BLOCK, dim=-1)[..., :cols]
+
+
+def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., R, C) = ``weight · scale_inv`` per 128 × 128 block."""
+    check_block_fp8(weight, scale_inv)
+    return weight.float() * _expand_blocks(scale_inv, weight.shape[-2], weight.shape[-1])
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → float8_e4m3fn, round to nearest even, finite values saturated at ±448 (Hopper's
+    ``cvt.rn.satfinite``; a plain cast would turn |x| > 464 into NaN). NaN stays NaN."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight(w: torch.Tensor) -> BlockFP8Weight:
+    """A dense weight (..., R, C) → :class:`BlockFP8Weight` with one scale per 128 × 128 block:
+    ``scale_inv = amax(|block|) / 448`` (1 for an all-zero block), ``q = e4m3(w / scale_inv)``."""
+    if not w.is_floating_point() or w.dtype == FP8_DTYPE:
+        raise TypeError(f"quantize_weight takes a dense floating-point weight, got {w.dtype}")
+    R, C = w.shape[-2:]
+    lead = w.shape[:-2]
+    rb, cb = blocks(R), blocks(C)
+    padded = torch.zeros(*lead, rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32, device=w.device)
+    padded[..., :R, :C] = w.float()
+    tiles = padded.view(*lead, rb, FP8_BLOCK, cb, FP8_BLOCK)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = to_e4m3(w.float() / _expand_blocks(scale, R, C))
+    return BlockFP8Weight(q.contiguous(), scale.contiguous())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations (M, C) → (q (M, C) float8_e4m3fn, scale (M, ⌈C/128⌉) fp32), per row and group
+    of 128 columns: ``scale = amax(|group|) / 448`` (1 for an all-zero group), ``q = e4m3(x / scale)``.
+    The kernels' quantizer computes exactly this (IEEE division, round to nearest even)."""
+    M, C = x.shape
+    g = blocks(C)
+    padded = torch.zeros(M, g * FP8_BLOCK, dtype=torch.float32, device=x.device)
+    padded[:, :C] = x.float()
+    amax = padded.view(M, g, FP8_BLOCK).abs().amax(dim=-1)
+    amax = torch.where(torch.isnan(padded.view(M, g, FP8_BLOCK)).any(dim=-1), torch.nan, amax)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    q = to_e4m3(x.float() / scale.repeat_interleave(FP8_BLOCK, dim=-1)[:, :C])
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 (M, C) from :func:`quantize_rows`'s output."""
+    return q.float() * scale.repeat_interleave(FP8_BLOCK, dim=-1)[:, :q.shape[1]]
+
+
+def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
+                             activation: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The W8A8 expert FFN on expert-major rows, in fp32: x (M, N) → (M, N) in ``out_dtype``
+    (default x's dtype).
+
+    Rows of expert e are ``[ends[e-1], ends[e])`` (``ends`` inclusive cumulative counts, (E,)).
+    The rows are quantized per 128-column group (:func:`quantize_rows`); GEMM0 runs in fp32 on
+    the dequantized operands, the activation in fp32, its output is quantized again, and GEMM1
+    runs like GEMM0: exactly the roundings the FP8 kernels make, with fp32 sums.
+    """
+    xq = dequantize_rows(*quantize_rows(x))
+    up = w_up.dequantize()
+    down = w_down.dequantize()
+    out = torch.empty(x.shape[0], down.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            h = activation_reference(xq[start:end] @ up[e].t(), activation)
+            out[start:end] = (dequantize_rows(*quantize_rows(h)) @ down[e].t()).to(out.dtype)
+        start = end
+    return out
