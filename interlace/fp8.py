@@ -130,7 +130,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:, :C] = x.float()
     amax = padded.view(M, g, FP8_BLOCK).abs().amax(dim=-1)
     amax = torch.where(torch.isnan(padded.view(M, g, FP8_BLOCK)).any(dim=-1), torch.nan, amax)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
+    # (a tensor divisor: CUDA torch divides by a Python number as a product with its reciprocal,
+    # one ulp off the kernels' IEEE division)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, E4M3_MAX))
     q = to_e4m3(x.float() / scale.repeat_interleave(FP8_BLOCK, dim=-1)[:, :C])
     return q, scale
 
@@ -141,7 +143,8 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
-                             activation: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                             activation: str, out_dtype: torch.dtype | None = None,
+                             act: tuple[torch.Tensor, torch.Tensor] | None = None, return_act: bool = False):
     """The W8A8 expert FFN on expert-major rows, in fp32: x (M, N) → (M, N) in ``out_dtype``
     (default x's dtype).
 
@@ -149,15 +152,55 @@ def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: Bloc
     The rows are quantized per 128-column group (:func:`quantize_rows`); GEMM0 runs in fp32 on
     the dequantized operands, the activation in fp32, its output is quantized again, and GEMM1
     runs like GEMM0: exactly the roundings the FP8 kernels make, with fp32 sums.
+
+    ``act``: the quantized activation (q (M, K), scale (M, ⌈K/128⌉)) GEMM1 takes instead of its
+    own (to check a kernel's GEMM1 on the kernel's GEMM0 output); ``return_act``: return
+    (out, (q, scale)) with the activation GEMM1 used.
     """
     xq = dequantize_rows(*quantize_rows(x))
     up = w_up.dequantize()
     down = w_down.dequantize()
+    K = down.shape[2]
     out = torch.empty(x.shape[0], down.shape[1], dtype=out_dtype or x.dtype, device=x.device)
+    if act is None:
+        act_q = torch.empty(x.shape[0], K, dtype=FP8_DTYPE, device=x.device)
+        act_scale = torch.empty(x.shape[0], blocks(K), dtype=torch.float32, device=x.device)
+    else:
+        act_q, act_scale = act
     start = 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            h = activation_reference(xq[start:end] @ up[e].t(), activation)
-            out[start:end] = (dequantize_rows(*quantize_rows(h)) @ down[e].t()).to(out.dtype)
+            if act is None:
+                h = activation_reference(xq[start:end] @ up[e].t(), activation)
+                act_q[start:end], act_scale[start:end] = quantize_rows(h)
+            h = dequantize_rows(act_q[start:end], act_scale[start:end])
+            out[start:end] = (h @ down[e].t()).to(out.dtype)
         start = end
-    return out
+    return (out, (act_q, act_scale)) if return_act else out
+
+
+def act_agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """(fraction of values more than half an e4m3 step apart, largest distance in e4m3 steps)
+    between two quantized activations (q, scale) of the same rows: the measure of a kernel's
+    GEMM0 against the reference.
+
+    On Hopper the FP8 tensor cores sum a k block's 128 products with about 1e-4 relative error
+    (of the row's scale, so more for its small values), so a value near an e4m3 rounding
+    boundary may round to its neighbour, one step away, and a group's scale (amax / 448) moves
+    a little: a few percent of values one step apart is what a right kernel shows; a wrong one
+    is many steps off. A step is that of the larger code (3 mantissa bits; 2^-9 below 2^-6, the
+    subnormals) times the larger scale; NaNs must agree."""
+    qa, qb = got[0].float(), want[0].float()
+    cols = qa.shape[1]
+    sa = got[1].repeat_interleave(FP8_BLOCK, dim=-1)[:, :cols]
+    sb = want[1].repeat_interleave(FP8_BLOCK, dim=-1)[:, :cols]
+    a, b = qa * sa, qb * sb
+    if not torch.equal(a.isnan(), b.isnan()):
+        return 1.0, float("inf")
+    keep = ~a.isnan() & ((a != 0) | (b != 0))
+    if not keep.any():
+        return 0.0, 0.0
+    code = torch.maximum(qa.abs(), qb.abs())[keep]
+    step = torch.exp2(torch.floor(torch.log2(code)).clamp_min(-6) - 3) * torch.maximum(sa, sb)[keep]
+    steps = (a - b).abs()[keep] / step
+    return (steps > 0.5).float().sum().item() / a.numel(), steps.max().item()

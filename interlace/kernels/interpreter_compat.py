@@ -18,6 +18,12 @@ under the interpreter came out ~1e10 (fp16, fp32 and fp8 operands are converted 
 The fix widens bf16 operands to fp32 first (exact: a bf16 value is the high half of an fp32)
 before the interpreter's own dot, again only where the installed interpreter shows the bug.
 
+And one for FP8 (Triton 3.6): the interpreter's cast of fp32 to float8e4nv drops the carry of a
+mantissa that rounds up (7.9 became 4.0, not 8.0), rounds ties away from zero and flushes
+subnormals, so the FP8 kernels' activation quantizers disagreed with the GPU's
+``cvt.rn.satfinite``. The fix casts through torch's float8_e4m3fn (round to nearest even) of the
+value clamped to ±448, only where the installed interpreter shows the bug.
+
 And a third, for newer Triton (seen on 3.9.0): the interpreter's comparison of a scalar (``first =
 tl.program_id(0) == 0``) keeps its operand's int32 type on the handle, so a mask built from it
 (``(offs < n) & first``) is held as int32 0/1 values, not bools. Triton 3.6's native load and store
@@ -105,6 +111,42 @@ def _fix_bf16_dot(interpreter) -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _has_fp8_cast_bug(interpreter) -> bool:
+    """Whether this interpreter's fp32 → float8e4nv cast of 7.9 is not 8.0 (Triton 3.6 drops the
+    carry of a mantissa that rounds up, rounds ties away from zero and flushes subnormals)."""
+    import numpy as np
+    import triton.language as tl
+
+    try:
+        src = interpreter.TensorHandle(np.array([7.9], dtype=np.float32), tl.float32)
+        out = interpreter.InterpreterBuilder.create_fp_to_fp(None, src, tl.float8e4nv, None)
+        return int(np.asarray(out.data).reshape(-1)[0]) != 0x50  # 8.0 = 0 1010 000
+    except Exception:  # a layout we do not know: leave the interpreter alone
+        return False
+
+
+def _fix_fp8_cast(interpreter) -> None:
+    """Wrap the interpreter's float casts: to float8e4nv through torch's cast (round to nearest
+    even, subnormals kept) of the value clamped to ±448, as Hopper's ``cvt.rn.satfinite`` does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16, tl.bfloat16):
+            return original(self, src, dst_type, rounding_mode)
+        if src.dtype.scalar == tl.bfloat16:  # held as uint16 bit patterns
+            values = (np.asarray(src.data).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            values = np.asarray(src.data).astype(np.float32)
+        fp8 = torch.from_numpy(np.ascontiguousarray(values)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(fp8.view(torch.uint8).numpy(), dst_type.scalar)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 def _has_int_mask_bug(interpreter) -> bool:
     """Whether this interpreter's native load rejects an int32 mask (all false: nothing is read)."""
     import numpy as np
@@ -150,7 +192,7 @@ class _BoolMasks:
 
 def patch_interpreter() -> bool:
     """Fix ``tensor.__index__`` of Triton's interpreter for NumPy ≥ 2.4, its bf16 ``tl.dot``, and
-    its int masks (Triton 3.9), each only if the installed interpreter needs it.
+    its int masks (Triton 3.9) and its casts to float8e4nv, each only if the installed interpreter needs it.
 
     Does nothing unless Triton runs in interpreter mode (``triton.knobs.runtime.interpret``).
     Idempotent. Returns whether a fix is in place.
@@ -168,6 +210,9 @@ def patch_interpreter() -> bool:
         return False
     if _has_bf16_dot_bug(interpreter):
         _fix_bf16_dot(interpreter)
+        _patched = True
+    if _has_fp8_cast_bug(interpreter):
+        _fix_fp8_cast(interpreter)
         _patched = True
     if _has_scalar_index_bug(interpreter):
         original = interpreter._patch_lang_tensor

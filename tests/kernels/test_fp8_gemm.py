@@ -1,0 +1,183 @@
+"""FP8 (W8A8, 128 × 128 block scales) expert GEMMs under the interpreter against the fp32
+reference of the same arithmetic (interlace.fp8), outputs poisoned (conftest).
+
+Tolerances: with fp32 activations the kernels and the reference make the same roundings except
+the order of fp32 sums, and where such a difference tips the e4m3 rounding of an activation
+value between GEMM0 and GEMM1, that one value moves by one e4m3 step (1/16 of itself): relative
+Frobenius error < 2e-4 (measured 3e-7 without a tip, 2.4e-5 with one). With bf16 activations
+the output is rounded to bf16 (2^-9 relative per element): < 5e-3.
+"""
+
+import pytest
+import torch
+
+from interlace.fp8 import (
+    FP8_DTYPE, BlockFP8Weight, act_agreement, dequantize_weight, expert_ffn_fp8_reference, quantize_rows, quantize_weight,
+)
+from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8, quantize_rows_fp8
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_interpreter_casts_to_e4m3_like_the_gpu():
+    """fp32 → e4m3 inside a kernel rounds to nearest even with the carry (7.9 → 8), keeps
+    subnormals (0.001 → 2^-9) and saturates at ±448 (Hopper's cvt.rn.satfinite): a group whose
+    amax is 448 has scale 1, so its e4m3 values are the kernel's casts themselves."""
+    values = [7.9, 1.0625, 1.1875, 0.001, -0.0009, 239.0, -448.0, 448.0]
+    x = torch.tensor([values + [0.5] * 120])
+    q, scale = quantize_rows_fp8(x)
+    assert scale.item() == 1.0
+    assert torch.equal(q.view(torch.uint8), x.to(FP8_DTYPE).view(torch.uint8))
+    assert q[0, :4].float().tolist() == [8.0, 1.0, 1.25, 2.0**-9]
+
+
+@pytest.mark.parametrize("cols", [128, 200, 64, 257])
+def test_quantize_rows_kernel_equals_reference_bitwise(cols):
+    x = torch.randn(37, cols) * torch.logspace(-3, 3, 37)[:, None]
+    x[4] = 0.0  # an all-zero row: scale 1
+    x[9, cols - 1] = float("nan")  # a NaN: its group's scale is NaN, no other group's
+    q, s = quantize_rows_fp8(x.bfloat16())
+    qr, sr = quantize_rows(x.bfloat16())
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s[~s.isnan()], sr[~sr.isnan()])
+    assert s.isnan().sum() == 1 and (s[4] == 1).all()
+
+
+def random_block_fp8(*shape) -> BlockFP8Weight:
+    """e4m3 values and block scales drawn independently (powers of two times [1, 2)), so a wrong
+    block index for any block shows in the output."""
+    q = (torch.randn(*shape) * 64).clamp(-448, 448).to(FP8_DTYPE)
+    rb, cb = -(-shape[-2] // 128), -(-shape[-1] // 128)
+    scale = torch.rand(*shape[:-2], rb, cb) * 2.0 ** torch.randint(-14, -6, (*shape[:-2], rb, cb)).float()
+    return BlockFP8Weight(q, scale + 2.0**-12)
+
+
+CASES = [  # (activation, N, K, counts per expert)
+    ("swiglu", 160, 200, [10, 0, 17, 1, 18]),
+    ("swiglu", 256, 128, [0, 0, 33]),
+    ("gelu", 130, 300, [7, 0, 40]),
+    ("relu", 96, 64, [1, 2, 3, 0]),
+]
+
+
+@pytest.mark.parametrize("activation,N,K,counts", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_ffn_fp8_matches_reference(activation, N, K, counts, dtype):
+    E = len(counts)
+    up = random_block_fp8(E, (2 if activation == "swiglu" else 1) * K, N)
+    down = random_block_fp8(E, N, K)
+    ends = torch.tensor(counts).cumsum(0).int()
+    R = sum(counts)
+    k = 2
+    T = -(-R // k)
+    x = (torch.randn(T, N) * 2).to(dtype)
+    gather = torch.randperm(T * k)[:R].int()
+    y, act = expert_ffn_fp8(x, gather, k, R, up, down, ends, activation, return_act=True)
+    ref, ref_act = expert_ffn_fp8_reference(x[gather.long() // k], up, down, ends, activation, torch.float32,
+                                            return_act=True)
+    assert y.dtype == dtype and y.shape == (R, N)
+    assert not y.isnan().any()
+    assert rel(y, ref) < (2e-4 if dtype == torch.float32 else 5e-3)
+    flipped, steps = act_agreement(act, ref_act)
+    assert flipped < 5e-2 and steps <= 1.5, (flipped, steps)  # one step, and the scale's drift
+    # bitwise repeatable
+    assert torch.equal(expert_ffn_fp8(x, gather, k, R, up, down, ends, activation), y)
+
+
+def test_expert_ffn_fp8_ungathered_and_empty():
+    E, N, K = 3, 128, 128
+    up, down = random_block_fp8(E, 2 * K, N), random_block_fp8(E, N, K)
+    x = torch.randn(20, N)
+    ends = torch.tensor([5, 5, 20]).int()
+    y = expert_ffn_fp8(x, None, 1, 20, up, down, ends, "swiglu")
+    assert rel(y, expert_ffn_fp8_reference(x, up, down, ends, "swiglu")) < 1e-5
+    empty = expert_ffn_fp8(x[:0], None, 1, 0, up, down, torch.zeros(E, dtype=torch.int32), "swiglu")
+    assert empty.shape == (0, N)
+
+
+def test_nan_token_stays_in_its_rows():
+    E, N, K = 2, 128, 256
+    up, down = random_block_fp8(E, 2 * K, N), random_block_fp8(E, N, K)
+    x = torch.randn(8, N)
+    x[3, 17] = float("nan")
+    gather = torch.arange(16).int()
+    y = expert_ffn_fp8(x, gather, 2, 16, up, down, torch.tensor([9, 16]).int(), "swiglu")
+    bad = (gather.long() // 2) == 3
+    assert y[bad].isnan().all(dim=1).all() and not y[~bad].isnan().any()
+
+
+def test_quantized_layer_error_against_bf16_weights():
+    """What block FP8 costs against the dense weights it came from (not a kernel error): on
+    random Gaussian data the W8A8 FFN is 6.4% (relative Frobenius) off the fp32 FFN: e4m3 keeps 3
+    mantissa bits (relative rounding error up to 2^-4, about 3% RMS per value), and four operands
+    are rounded (x, W_up, the activation, W_down); the weights alone are 3% off."""
+    E, N, K = 2, 256, 384
+    w_up, w_down = torch.randn(E, 2 * K, N) / N**0.5, torch.randn(E, N, K) / K**0.5
+    up, down = quantize_weight(w_up), quantize_weight(w_down)
+    assert rel(dequantize_weight(up.weight, up.scale_inv), w_up) < 0.04
+    x = torch.randn(64, N)
+    ends = torch.tensor([30, 64]).int()
+    y = expert_ffn_fp8(x, None, 1, 64, up, down, ends, "swiglu")
+    dense = torch.cat([
+        (torch.nn.functional.silu(x[s:e] @ w_up[i, :K].t()) * (x[s:e] @ w_up[i, K:].t())) @ w_down[i].t()
+        for i, (s, e) in enumerate([(0, 30), (30, 64)])
+    ])
+    assert 0.02 < rel(y, dense) < 0.09
+
+
+def test_wrong_weight_shapes_raise():
+    up, down = random_block_fp8(2, 256, 128), random_block_fp8(2, 128, 64)
+    with pytest.raises(ValueError, match="do not form"):
+        expert_ffn_fp8(torch.randn(4, 128), None, 1, 4, up, down, torch.tensor([2, 4]).int(), "swiglu")
+
+
+# Compiles the FP8 GEMM for sm90 without a GPU (a child process: the tests' interpreter mode
+# replaces the kernels): e4m3 operands, fp32 scales, int32 tile lists, 16-divisible sizes.
+_SM90_FP8 = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from interlace.kernels.expert_gemm import fp8
+
+TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+         "out_scale_ptr": "*fp32"}
+found = []
+configs = {c for rows in (1, 2000, 100000) for c in fp8.choose_configs(rows, 16)}
+for config in sorted(configs, key=lambda c: c.block_m):
+    for epilogue in (0, 1):
+        kernel = fp8.fp8_gemm_kernel
+        constexprs = dict(EPILOGUE=epilogue, GATHER=epilogue == 1, BLOCK_M=config.block_m, BLOCK_N=128,
+                          BLOCK_K=128, GROUP_M=config.group_m)
+        sig, attrs = {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if name in constexprs:
+                sig[name] = "constexpr"
+                continue
+            pointer = name.endswith("_ptr")
+            out = "*fp8e4nv" if epilogue else "*bf16"
+            sig[name] = (TYPES.get(name, out if name == "out_ptr" else "*i32")) if pointer else "i32"
+            if pointer or name in ("COLS", "RED", "W_ROWS"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+        mma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.e4m3\.e4m3|mma\.sync",
+                                    compiled.asm["ptx"])))
+        found.append([config.block_m, epilogue, compiled.metadata.shared, mma])
+print(json.dumps(found))
+"""
+
+
+def test_fp8_gemm_builds_for_sm90_within_shared_memory():
+    """Every config :func:`choose_configs` picks builds for sm90 (bundled ptxas, no GPU) within
+    Hopper's 227 KB of shared memory per block; tiles of 64 rows and more run e4m3 wgmma."""
+    from test_grouped_gemm import _run_sm90
+
+    found = _run_sm90(_SM90_FP8)
+    assert len(found) >= 6, found
+    for block_m, epilogue, shared, mma in found:
+        assert shared <= 232448, (block_m, epilogue, shared)
+        if block_m >= 64:
+            assert mma and all(m.startswith("wgmma") and m.endswith("e4m3.e4m3") for m in mma), (block_m, mma)
