@@ -9,11 +9,14 @@ rounds (each round times each variant once with ``do_bench``; medians over round
 
 * ``bf16:torch`` — gather + ``torch._grouped_mm`` + SwiGLU + ``torch._grouped_mm``;
 * ``bf16:triton`` — interlace's Triton GEMMs (gather fused into GEMM0's A load);
-* ``fp8`` — interlace's W8A8 kernels (:mod:`interlace.kernels.expert_gemm.fp8`).
+* ``fp8:triton`` — interlace's W8A8 Triton kernels (:mod:`interlace.kernels.expert_gemm.fp8`);
+* ``fp8:blockwise`` — cuBLAS's block-scaled GEMM per expert (:mod:`~interlace.kernels.expert_gemm.fp8_blockwise`);
+* ``fp8`` — what ``expert_ffn_fp8`` picks (``backend="auto"``).
 
 Correctness, per row before timing: the FP8 block against the fp32 reference of the same
 arithmetic (:func:`interlace.fp8.expert_ffn_fp8_reference`, end to end relative Frobenius error
-≤ 3e-2: tests/gpu/fp8_check.py says why and checks each GEMM tighter), and against the fp32 block of the bf16 weights it was quantized from
+≤ 3e-2: tests/gpu/fp8_check.py says why and checks each GEMM tighter), and against the fp32 block
+of the bf16 weights it was quantized from
 (reported: what block FP8 costs). Floors (``../shared/BENCHMARKS.md``): max(FLOPs ÷ matmul peak,
 touched expert weight bytes ÷ HBM read bandwidth); FP8 bytes are 1 per element plus the fp32
 block scales, its FLOPs term uses an e4m3 ``torch._scaled_mm`` of 8192³ measured in the run.
@@ -32,6 +35,7 @@ from interlace.experts import init_expert_weights
 from interlace.fp8 import expert_ffn_fp8_reference, quantize_weight
 from interlace.kernels.expert_gemm.autograd import TritonExpertFFN
 from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8
+from interlace.kernels.expert_gemm.fp8_blockwise import supports_blockwise
 from interlace.kernels.routing_index import build_dispatch_index
 from interlace.kernels.rows import CombineRows, DispatchRows
 from interlace.strategies.sequential import expert_ffn
@@ -49,8 +53,9 @@ def block(variant: str, x, weights, index, w, activation: str):
     """x (T, N) → (T, N): dispatch, expert FFN, combine, with the variant's weights ``w``."""
     row_of_assignment, assignment_of_row, ends, rows = index
     k = row_of_assignment.shape[1]
-    if variant == "fp8":
-        y = expert_ffn_fp8(x, assignment_of_row, k, rows, w[0], w[1], ends, activation)
+    if variant.startswith("fp8"):
+        y = expert_ffn_fp8(x, assignment_of_row, k, rows, w[0], w[1], ends, activation,
+                           backend=variant[4:] or "auto")
     elif variant == "bf16:triton":
         y = TritonExpertFFN.apply(x, w[0], w[1], assignment_of_row, k, rows, ends, activation, row_of_assignment, None)
     else:
@@ -125,7 +130,10 @@ def main():
         E = cfg.num_experts // args.world
         w_up, w_down = init_expert_weights(cfg, range(E), seed=1, device=dev, dtype=torch.bfloat16)
         q_up, q_down = quantize_weight(w_up), quantize_weight(w_down)
-        weights_of = {"bf16:torch": (w_up, w_down), "bf16:triton": (w_up, w_down), "fp8": (q_up, q_down)}
+        weights_of = {"bf16:torch": (w_up, w_down), "bf16:triton": (w_up, w_down), "fp8:triton": (q_up, q_down),
+                      "fp8:blockwise": (q_up, q_down), "fp8": (q_up, q_down)}
+        if not supports_blockwise(w_up, q_up, q_down):
+            del weights_of["fp8:blockwise"]
         elems = w_up[0].numel() + w_down[0].numel()
         scale_elems = q_up.scale_inv[0].numel() + q_down.scale_inv[0].numel()
         for T in args.tokens:
@@ -134,24 +142,25 @@ def main():
             index = (row_of_assignment, assignment_of_row, ends, T * cfg.top_k)
             x = torch.randn(T, cfg.hidden, device=dev).to(torch.bfloat16)
             with torch.no_grad():
-                y8 = block("fp8", x, weights, index, (q_up, q_down), cfg.activation)
+                y8 = {v: block(v, x, weights, index, (q_up, q_down), cfg.activation)
+                      for v in ("fp8:triton", "fp8:blockwise") if v in weights_of}
                 sub = min(T, 1024)  # the references on the first tokens' rows (memory)
                 idx_s, _ = idx[:sub], None
                 r_s, a_s, _, e_s = build_dispatch_index(idx_s, E, None)
                 ref = CombineRows.apply(expert_ffn_fp8_reference(x[:sub][a_s.long() // cfg.top_k], q_up, q_down, e_s,
                                                                  cfg.activation, torch.float32),
                                         weights[:sub], r_s, torch.float32)
-                err_ref = rel(y8[:sub], ref)
+                err_ref = {v: rel(y[:sub], ref) for v, y in y8.items()}
                 dense = fp32_dense_block(x[:sub], weights[:sub], (r_s, a_s, e_s, sub * cfg.top_k), w_up, w_down,
                                          cfg.activation)
-                err_dense = rel(y8[:sub], dense)
+                err_dense = {v: rel(y[:sub], dense) for v, y in y8.items()}
                 y16 = block("bf16:triton", x, weights, index, (w_up, w_down), cfg.activation)
                 err_bf16 = rel(y16[:sub], dense)
             touched = int((torch.bincount(idx.flatten().long(), minlength=E) > 0).sum())
             flops = 2 * T * cfg.top_k * cfg.hidden * (cfg.up_width + cfg.ffn)
             floors = {}
             for variant in weights_of:
-                fp8 = variant == "fp8"
+                fp8 = variant.startswith("fp8")
                 wbytes = touched * (elems + 4 * scale_elems if fp8 else 2 * elems)
                 floors[variant] = max(flops / (meta["fp8_tflops" if fp8 else "bf16_tflops"] * 1e9),
                                       wbytes / (meta["hbm_read_tbps"] * 1e9))
@@ -164,11 +173,12 @@ def main():
             for variant in weights_of:
                 ms = statistics.median(times[variant])
                 row = {"config": name, "tokens": T, "mode": "fwd", "strategy": variant, "median_ms": ms,
-                       "x_floor": ms / floors[variant], "floor_ms": floors[variant], "speedup_vs_best_bf16": best16 / ms,
+                       "x_floor": ms / floors[variant], "floor_ms": floors[variant],
+                       "speedup_vs_best_bf16": best16 / ms,
                        "rounds_ms": times[variant]}
-                if variant == "fp8":
-                    row.update(err_vs_fp8_reference=err_ref, err_vs_dense_fp32=err_dense,
-                               check="PASS" if err_ref <= 3e-2 else "FAIL")
+                if variant in err_ref:
+                    row.update(err_vs_fp8_reference=err_ref[variant], err_vs_dense_fp32=err_dense[variant],
+                               check="PASS" if err_ref[variant] <= 3e-2 else "FAIL")
                 else:
                     row["err_vs_dense_fp32"] = err_bf16 if variant == "bf16:triton" else None
                 rows.append(row)
@@ -179,10 +189,10 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\n{'preset':15} {'T':>6} {'variant':12} {'ms':>8} {'x floor':>8} {'vs bf16':>8} {'err ref':>8} "
+    print(f"\n{'preset':15} {'T':>6} {'variant':14} {'ms':>8} {'x floor':>8} {'vs bf16':>8} {'err ref':>8} "
           f"{'err dense':>9}")
     for r in rows:
-        print(f"{r['config']:15} {r['tokens']:6} {r['strategy']:12} {r['median_ms']:8.3f} {r['x_floor']:8.2f} "
+        print(f"{r['config']:15} {r['tokens']:6} {r['strategy']:14} {r['median_ms']:8.3f} {r['x_floor']:8.2f} "
               f"{r['speedup_vs_best_bf16']:8.2f} {r.get('err_vs_fp8_reference') or 0:8.1e} "
               f"{r.get('err_vs_dense_fp32') or 0:9.1e} {r.get('check', '')}")
 

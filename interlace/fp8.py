@@ -179,17 +179,18 @@ def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: Bloc
     return (out, (act_q, act_scale)) if return_act else out
 
 
-def act_agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
-    """(fraction of values more than half an e4m3 step apart, largest distance in e4m3 steps)
-    between two quantized activations (q, scale) of the same rows: the measure of a kernel's
-    GEMM0 against the reference.
+def act_agreement(got: tuple[torch.Tensor, torch.Tensor],
+                  want: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """(fraction of values more than half an e4m3 step apart, largest difference in units of
+    the larger group scale) between two quantized activations (q, scale) of the same rows: the
+    measure of a kernel's GEMM0 against the reference.
 
-    On Hopper the FP8 tensor cores sum a k block's 128 products with about 1e-4 relative error
-    (of the row's scale, so more for its small values), so a value near an e4m3 rounding
-    boundary may round to its neighbour, one step away, and a group's scale (amax / 448) moves
-    a little: a few percent of values one step apart is what a right kernel shows; a wrong one
-    is many steps off. A step is that of the larger code (3 mantissa bits; 2^-9 below 2^-6, the
-    subnormals) times the larger scale; NaNs must agree."""
+    On Hopper the FP8 tensor cores sum a k block's 128 products with about 1e-4 relative error,
+    so a value near an e4m3 rounding boundary may round to its neighbour, one step away (the
+    step of a code v is 2^(⌊log2 |v|⌋ − 3), 2^-9 for subnormals; at most 32 for codes of
+    256-448), and a group's scale (amax / 448) moves a little. A right kernel shows a few
+    percent of values one step apart and no difference above 32 units of its group's scale; a
+    wrong one shows many. NaNs must agree."""
     qa, qb = got[0].float(), want[0].float()
     cols = qa.shape[1]
     sa = got[1].repeat_interleave(FP8_BLOCK, dim=-1)[:, :cols]
@@ -200,7 +201,8 @@ def act_agreement(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tens
     keep = ~a.isnan() & ((a != 0) | (b != 0))
     if not keep.any():
         return 0.0, 0.0
+    diff = (a - b).abs()[keep]
+    scale = torch.maximum(sa, sb)[keep]
     code = torch.maximum(qa.abs(), qb.abs())[keep]
-    step = torch.exp2(torch.floor(torch.log2(code)).clamp_min(-6) - 3) * torch.maximum(sa, sb)[keep]
-    steps = (a - b).abs()[keep] / step
-    return (steps > 0.5).float().sum().item() / a.numel(), steps.max().item()
+    step = torch.exp2(torch.floor(torch.log2(code)).clamp_min(-6) - 3) * scale
+    return (diff > 0.5 * step).float().sum().item() / a.numel(), (diff / scale).max().item()

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from interlace.fp8 import (
-    FP8_DTYPE, BlockFP8Weight, act_agreement, dequantize_weight, expert_ffn_fp8_reference, quantize_rows, quantize_weight,
+    FP8_DTYPE, BlockFP8Weight, act_agreement, dequantize_rows, dequantize_weight, expert_ffn_fp8_reference,
+    quantize_rows, quantize_weight,
 )
 from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8, quantize_rows_fp8
 
@@ -80,8 +81,9 @@ def test_expert_ffn_fp8_matches_reference(activation, N, K, counts, dtype):
     assert y.dtype == dtype and y.shape == (R, N)
     assert not y.isnan().any()
     assert rel(y, ref) < (2e-4 if dtype == torch.float32 else 5e-3)
-    flipped, steps = act_agreement(act, ref_act)
-    assert flipped < 5e-2 and steps <= 1.5, (flipped, steps)  # one step, and the scale's drift
+    flipped, units = act_agreement(act, ref_act)
+    # one e4m3 step at most (32 units of the scale at the top), and the scale's drift
+    assert flipped < 5e-2 and units <= 33, (flipped, units)
     # bitwise repeatable
     assert torch.equal(expert_ffn_fp8(x, gather, k, R, up, down, ends, activation), y)
 
@@ -181,3 +183,33 @@ def test_fp8_gemm_builds_for_sm90_within_shared_memory():
         assert shared <= 232448, (block_m, epilogue, shared)
         if block_m >= 64:
             assert mma and all(m.startswith("wgmma") and m.endswith("e4m3.e4m3") for m in mma), (block_m, mma)
+
+
+def fake_blockwise_mm(a, a_scale, w, w_scale, out):
+    """cuBLAS's block-scaled GEMM in fp32 torch, with its layout rules: a_scale (m, ⌈k/128⌉)
+    column-major with strides exactly (1, m), w_scale (⌈n/128⌉, ⌈k/128⌉) row-major."""
+    m = a.shape[0]
+    assert m % 4 == 0 and a_scale.shape == (m, -(-a.shape[1] // 128)) and a_scale.stride() == (1, m), a_scale.stride()
+    assert w_scale.is_contiguous() and a.is_contiguous() and out.is_contiguous()
+    out.copy_(dequantize_rows(a, a_scale.contiguous()) @ dequantize_weight(w, w_scale).t())
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_blockwise_backend_layouts_on_cpu(activation):
+    """The blockwise backend's quantize kernels (interpreter) and per-expert slicing, with a
+    torch stand-in for cuBLAS's GEMM: the reference's result but for GEMM0's bf16 output."""
+    from interlace.kernels.expert_gemm.fp8_blockwise import expert_ffn_fp8_blockwise
+
+    E, N, K = 4, 512, 512
+    counts = [5, 0, 37, 16]
+    up = random_block_fp8(E, (2 if activation == "swiglu" else 1) * K, N)
+    down = random_block_fp8(E, N, K)
+    ends = torch.tensor(counts).cumsum(0).int()
+    R, k = sum(counts), 2
+    x = torch.randn(-(-R // k), N).bfloat16()
+    gather = torch.randperm(x.shape[0] * k)[:R].int()
+    y = expert_ffn_fp8_blockwise(x, gather, k, R, up, down, ends, activation, mm=fake_blockwise_mm)
+    ref = expert_ffn_fp8_reference(x[gather.long() // k], up, down, ends, activation, torch.float32)
+    assert not y.isnan().any()
+    # GEMM0's bf16 output moves some activation values one e4m3 step (measured 1.7e-2 here)
+    assert rel(y, ref) < 3e-2

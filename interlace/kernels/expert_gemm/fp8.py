@@ -1,9 +1,10 @@
-"""Block-scaled FP8 (W8A8) grouped GEMMs of the expert FFN, inference only.
+"""Block-scaled FP8 (W8A8) grouped GEMMs of the expert FFN, inference only, and the entry point
+:func:`expert_ffn_fp8` that picks between them and cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`).
 
 The arithmetic is :mod:`interlace.fp8`'s: weights e4m3 with one fp32 scale per 128 × 128 block,
 activations quantized per row and 128 columns. Three launches per expert block:
 
-1. :func:`quantize_rows_kernel` — the T token rows (not the T·k dispatched rows: each token is
+1. :func:`~.fp8_quant.quantize_rows_kernel` — the T token rows (not the T·k dispatched rows: each token is
    quantized once) → e4m3 rows and their group scales;
 2. :func:`fp8_gemm_kernel` GEMM0 — the up (and gate) projection of the gathered rows, the
    activation, and the activation's quantization in the epilogue: a column block of 128 is one
@@ -27,60 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import E4M3_MAX, FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, blocks, expert_ffn_fp8_reference
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, blocks, expert_ffn_fp8_reference
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.configs import num_programs
 from interlace.kernels.expert_gemm.schedule import tile_schedule, tile_work
+from interlace.kernels.expert_gemm.fp8_blockwise import expert_ffn_fp8_blockwise, supports_blockwise
+from interlace.kernels.expert_gemm.fp8_quant import (
+    ACTIVATION_CODES, _quantize_groups, apply_activation, quantize_rows_fp8,
+)
 from interlace.kernels.launch import cdiv, launch
 from interlace.kernels.rows import use_triton
-
-ACTIVATION_CODES = {"swiglu": 1, "gelu": 2, "relu": 3}
-"""GEMM0's epilogue code of each activation (0: GEMM1's plain store)."""
-
-
-@triton.jit
-def _quantize_groups(x, valid):
-    """(rows, 128) fp32 → (e4m3 values, (rows,) fp32 scales) of one 128-column group per row:
-    scale = amax / 448 (1 for an all-zero group, NaN for a group holding a NaN), IEEE divisions
-    (torch's, in :func:`interlace.fp8.quantize_rows`), round to nearest even, saturated at ±448."""
-    x = tl.where(valid, x, 0.0)
-    amax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.sum((x != x).to(tl.int32), axis=1) > 0
-    scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)))
-    scale = tl.where(has_nan, float("nan"), scale)
-    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    return q.to(tl.float8e4nv), scale
-
-
-@triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, C, G, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
-    """x (M, C) → q (M, C) e4m3, scale (M, G) fp32; program (row block, group)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)
-    rows64 = rows.to(tl.int64)
-    rmask = rows < M
-    valid = rmask[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * C + cols[None, :], mask=valid, other=0.0).to(tl.float32)
-    q, scale = _quantize_groups(x, valid)
-    tl.store(q_ptr + rows64[:, None] * C + cols[None, :], q, mask=valid)
-    tl.store(scale_ptr + rows64 * G + g, scale, mask=rmask)
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, C) → (q (M, C) float8_e4m3fn, scale (M, ⌈C/128⌉) fp32): :func:`interlace.fp8.quantize_rows`
-    on the device."""
-    M, C = x.shape
-    G = blocks(C)
-    q = alloc.empty((M, C), FP8_DTYPE, x.device)
-    scale = alloc.empty((M, G), torch.float32, x.device)
-    if M:
-        block_m = 16
-        launch(quantize_rows_kernel, (cdiv(M, block_m), G), x.contiguous(), q, scale, M, C, G,
-               BLOCK_M=block_m, GROUP=FP8_BLOCK, num_warps=4)
-    return q, scale
-
 
 @triton.jit
 def _block_dot(a, w_ptr, w_scale_ptr, w_rows, kk, kmask, cmask, kb, RED, RB):
@@ -153,12 +110,7 @@ def fp8_gemm_kernel(
         if EPILOGUE == 0:
             tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
         else:
-            if EPILOGUE == 1:
-                act = acc * tl.sigmoid(acc) * acc_up
-            elif EPILOGUE == 2:
-                act = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
-            else:
-                act = tl.maximum(acc, 0.0)
+            act = apply_activation(acc, acc_up if EPILOGUE == 1 else acc, EPILOGUE)
             q, scale = _quantize_groups(act, omask)
             tl.store(out_ptr + rows64[:, None] * COLS + cols[None, :], q, mask=omask)
             tl.store(out_scale_ptr + rows64 * n_blocks + nb, scale, mask=rmask)
@@ -214,20 +166,52 @@ def check_fp8_weights(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Wei
                          f"(E, {N}, {K})")
 
 
+FP8_BACKENDS = ("auto", "triton", "blockwise")
+BLOCKWISE_GEMM_FLOPS = 1.2e15
+BLOCKWISE_HOST_S_PER_GEMM = 30e-6
+"""``auto`` takes cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`) where their GPU time (the FFN's
+FLOPs at ``BLOCKWISE_GEMM_FLOPS``, the rate of a large one on an H200) is at least the host's
+time to issue them (``BLOCKWISE_HOST_S_PER_GEMM`` per GEMM, two per expert: a ``_scaled_mm``
+call measured 25-30 µs of host time there): prefill of coarse experts (mixtral-8x7b from 512
+tokens, dsv3-like at 16384), where the Triton kernels run at half cuBLAS's rate."""
+
+
+def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_width: int) -> bool:
+    """Whether ``auto`` takes the blockwise backend for this call (host-known sizes: no sync)."""
+    gpu_s = 2 * num_rows * hidden * (up_width + ffn) / BLOCKWISE_GEMM_FLOPS
+    return gpu_s >= 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM
+
+
 def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, w_up: BlockFP8Weight,
-                   w_down: BlockFP8Weight, ends: torch.Tensor, activation: str, return_act: bool = False):
+                   w_down: BlockFP8Weight, ends: torch.Tensor, activation: str, return_act: bool = False,
+                   backend: str = "auto"):
     """y (num_rows, N) in x's dtype, expert-major: row r is the W8A8 FFN of expert e (rows
     ``[ends[e-1], ends[e])``, ``ends`` (E,) int32 inclusive) on ``x[gather[r] // divisor]``
     (``gather`` None: ``x[r]``). Without Triton (a CPU without the interpreter), the fp32
     reference of the same arithmetic. ``return_act``: (y, (act q (R, K), act scale (R, ⌈K/128⌉)))
-    with GEMM0's quantized output, for checks."""
+    with GEMM0's quantized output, for checks (Triton kernels only).
+
+    ``backend``: ``"triton"`` (these kernels: no host sync, graph-capturable), ``"blockwise"``
+    (cuBLAS's block-scaled GEMM per expert, :mod:`.fp8_blockwise`: one host sync; CUDA, Hopper,
+    hidden and ffn multiples of 512), or ``"auto"``: blockwise where it runs and
+    :func:`blockwise_pays`, else triton."""
     check_fp8_weights(x, w_up, w_down, activation)
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"FP8 expert backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    E = w_up.shape[0]
+    if backend != "triton" and not return_act:
+        runs = supports_blockwise(x, w_up, w_down)
+        if backend == "blockwise" and not runs:
+            raise ValueError("the blockwise FP8 backend needs a CUDA device of compute capability 9.0 or newer and "
+                             "hidden and ffn sizes that are multiples of 512")
+        if backend == "blockwise" or (runs and blockwise_pays(num_rows, E, x.shape[1], w_down.shape[2],
+                                                                w_up.shape[1])):
+            return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation)
     if not use_triton(x):
         rows = x if gather is None else x[gather[:num_rows].long() // divisor]
         return expert_ffn_fp8_reference(rows, w_up, w_down, ends, activation, return_act=return_act)
     N = x.shape[1]
     K = w_down.shape[2]
-    E = w_up.shape[0]
     y = alloc.empty((num_rows, N), x.dtype, x.device)
     h = alloc.empty((num_rows, K), FP8_DTYPE, x.device)
     h_scale = alloc.empty((num_rows, blocks(K)), torch.float32, x.device)
@@ -242,4 +226,4 @@ def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, n
     return (y, (h, h_scale)) if return_act else y
 
 
-__all__ = ["E4M3_MAX", "expert_ffn_fp8", "quantize_rows_fp8", "launch_fp8_gemm", "choose_configs"]
+__all__ = ["expert_ffn_fp8", "quantize_rows_fp8", "launch_fp8_gemm", "choose_configs", "FP8_BACKENDS"]

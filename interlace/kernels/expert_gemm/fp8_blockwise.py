@@ -1,0 +1,151 @@
+"""The FP8 expert FFN at prefill sizes: per-expert block-scaled GEMMs of cuBLAS (``torch._scaled_mm``).
+
+Each k block of a W8A8 GEMM must be scaled before it is summed, and Triton's Hopper GEMM waits
+for each block's dot to scale it: :mod:`.fp8` runs its GEMMs at 430-670 TF/s on an H200, where
+cuBLAS's block-scaled GEMM (1 × 128 activation scales, 128 × 128 weight scales, the layout of
+:mod:`interlace.fp8`) runs a dense 8192 × 4096 × 14336 one at 1250 TF/s. cuBLAS has no grouped
+form of it, so this path runs one GEMM per expert, which needs each expert's row count on the
+host: one host sync per call, and one launch per expert and GEMM. It is for prefill (many rows
+per expert), where those costs are small beside the GEMMs; decode stays on :mod:`.fp8`.
+
+The same arithmetic as :func:`interlace.fp8.expert_ffn_fp8_reference` but for one rounding:
+GEMM0's output reaches the activation as bf16 (cuBLAS's output type), not fp32.
+
+Launches: a gather-and-quantize kernel (the token rows, expert-major), GEMM0 per expert into
+(R, up_width) bf16, the activation-and-quantize kernel, GEMM1 per expert into the output.
+cuBLAS wants each expert's activation scales column-major ((⌈C/128⌉, m_e) contiguous, viewed as
+(m_e, ⌈C/128⌉)), so both quantize kernels write the scales expert-blocked: expert e's block
+starts at ``start_e · G`` and holds scale (row r, group g) at ``g · m_e + (r − start_e)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, blocks
+from interlace.kernels import alloc
+from interlace.kernels.expert_gemm.fp8_quant import ACTIVATION_CODES, _quantize_groups, apply_activation
+from interlace.kernels.launch import cdiv, launch, next_power_of_2
+from interlace.kernels.rows import gather_rows
+
+
+@triton.jit
+def quantize_blocked_kernel(
+    src_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
+    R, C, SRC_COLS, E, divisor,
+    ACTIVATION: tl.constexpr,  # 0: rows as they are; 1 SwiGLU of [gate | up], 2 GELU, 3 ReLU
+    GATHER: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """Row r (expert-major, expert e's rows ``[ends[e-1], ends[e])``) = act(src[gather[r] //
+    divisor]) (or src[r]), quantized per 128 columns into the padded layout: expert e's rows
+    start at pad_ends[e-1], its q rows there, its scales expert-blocked (module doc), and
+    pos[r] = its padded row. Program (row block, column group)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    G = tl.cdiv(C, GROUP)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    rmask = rows < R
+    valid = rmask[:, None] & (cols < C)[None, :]
+    # each row's expert: the number of experts whose rows end at or before it
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(ends_ptr + e, mask=e < E, other=2147483647)
+    expert = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+    start = tl.load(ends_ptr + expert - 1, mask=rmask & (expert > 0), other=0)
+    pad_start = tl.load(pad_ends_ptr + expert - 1, mask=rmask & (expert > 0), other=0)
+    pad_rows = tl.load(pad_ends_ptr + expert, mask=rmask, other=0) - pad_start
+    pos = pad_start + rows - start
+    if GATHER:
+        src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    if ACTIVATION == 0:
+        x = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    else:
+        pre = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        up = pre
+        if ACTIVATION == 1:
+            up = tl.load(src_ptr + src[:, None] * SRC_COLS + C + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        x = apply_activation(pre, up, ACTIVATION)
+    q, scale = _quantize_groups(x, valid)
+    tl.store(q_ptr + pos.to(tl.int64)[:, None] * C + cols[None, :], q, mask=valid)
+    tl.store(scale_ptr + pad_start.to(tl.int64) * G + g * pad_rows + (rows - start), scale, mask=rmask)
+    if g == 0:
+        tl.store(pos_ptr + rows, pos, mask=rmask)
+
+
+def quantize_blocked(src: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, cols: int,
+                     ends: torch.Tensor, pad_ends: torch.Tensor, padded_rows: int, activation: int):
+    """(q (P, cols) e4m3, expert-blocked scales (P·⌈cols/128⌉,) fp32, pos (R,) int32) of the R
+    rows ``act(src[gather[r] // divisor])`` in the padded layout of ``pad_ends`` (P rows; the
+    padding rows are not written). ``activation`` 0: none, else :data:`ACTIVATION_CODES`
+    (SwiGLU reads [gate | up] rows of 2·cols)."""
+    G = blocks(cols)
+    q = alloc.empty((padded_rows, cols), FP8_DTYPE, src.device)
+    scale = alloc.empty((padded_rows * G,), torch.float32, src.device)
+    pos = alloc.empty((num_rows,), torch.int32, src.device)
+    if num_rows:
+        E = ends.numel()
+        block_r = 16
+        launch(quantize_blocked_kernel, (cdiv(num_rows, block_r), G),
+               src, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
+               src.shape[1], E, divisor, ACTIVATION=activation, GATHER=gather is not None, BLOCK_R=block_r,
+               GROUP=FP8_BLOCK, E_PAD=next_power_of_2(max(E, 1)), num_warps=4)
+    return q, scale, pos
+
+
+def blockwise_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """out (m, n) = a (m, k) e4m3 · wᵀ (w (n, k) e4m3), with a_scale (m, ⌈k/128⌉) column-major
+    (strides (1, m)) and w_scale (⌈n/128⌉, ⌈k/128⌉): cuBLAS's block-scaled GEMM."""
+    torch._scaled_mm(a, w.t(), a_scale, w_scale.t(), out_dtype=out.dtype, out=out)
+
+
+ROW_ALIGN = 4
+"""cuBLAS reads a scale matrix whose leading dimension is a multiple of 4 fp32 (16 bytes): an
+expert's rows (the activation scales' leading dimension) are padded to it."""
+
+
+def supports_blockwise(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Weight) -> bool:
+    """cuBLAS's block-scaled GEMM: CUDA, Hopper or newer, and each weight's scale rows a
+    multiple of 16 bytes (``⌈C/128⌉`` a multiple of 4: hidden and ffn multiples of 512; others
+    gave wrong results on an H200 with torch 2.11)."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    N, K = w_down.shape[1], w_down.shape[2]
+    return N % (FP8_BLOCK * ROW_ALIGN) == 0 and K % (FP8_BLOCK * ROW_ALIGN) == 0
+
+
+def expert_ffn_fp8_blockwise(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
+                             w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor, activation: str,
+                             mm=blockwise_mm) -> torch.Tensor:
+    """:func:`interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`'s contract on cuBLAS's
+    block-scaled GEMMs, one per expert (``mm``: the GEMM, replaceable for CPU tests). Each
+    expert's rows are padded to :data:`ROW_ALIGN` in the GEMMs' buffers; the output rows are
+    gathered back (the padding rows are never read)."""
+    N, K = w_down.shape[1], w_down.shape[2]
+    up_width = w_up.shape[1]
+    if num_rows == 0:
+        return alloc.empty((0, N), x.dtype, x.device)
+    # NOTE: a host sync: each expert's GEMM takes its row count on the host.
+    bounds = [0] + ends.tolist()
+    pad_bounds = [0]
+    for s, t in zip(bounds[:-1], bounds[1:]):
+        pad_bounds.append(pad_bounds[-1] + cdiv(t - s, ROW_ALIGN) * ROW_ALIGN)
+    P = pad_bounds[-1]
+    pad_ends = torch.tensor(pad_bounds[1:], dtype=torch.int32).to(x.device, non_blocking=True)
+    xq, x_scale, pos = quantize_blocked(x, gather, divisor, num_rows, x.shape[1], ends, pad_ends, P, 0)
+    h = alloc.empty((P, up_width), torch.bfloat16, x.device)
+    Gx, Gh = blocks(x.shape[1]), blocks(K)
+    live = [(e, s, t) for e, (s, t) in enumerate(zip(pad_bounds[:-1], pad_bounds[1:])) if t > s]
+    for e, s, t in live:
+        mm(xq[s:t], x_scale[s * Gx:t * Gx].view(Gx, t - s).t(), w_up.weight[e], w_up.scale_inv[e], h[s:t])
+    # (the padding rows of h are GEMM0 of unwritten rows: quantized and multiplied, never read)
+    hq, h_scale, _ = quantize_blocked(h, None, 1, P, K, pad_ends, pad_ends, P, ACTIVATION_CODES[activation])
+    del h
+    y_padded = alloc.empty((P, N), x.dtype, x.device)
+    for e, s, t in live:
+        mm(hq[s:t], h_scale[s * Gh:t * Gh].view(Gh, t - s).t(), w_down.weight[e], w_down.scale_inv[e],
+           y_padded[s:t])
+    return gather_rows(y_padded, pos)
