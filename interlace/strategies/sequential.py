@@ -14,7 +14,10 @@ Options (``MoELayer(..., strategy="sequential", strategy_options={...})``):
 * ``expert_backend``: ``"torch"`` (``torch._grouped_mm``, the default) or ``"triton"``
   (interlace's grouped GEMMs; the spelling ``"sequential:triton"`` says the same);
 * ``kernels``: an :class:`~interlace.kernels.expert_gemm.configs.ExpertKernelOptions` for the
-  Triton backend (configs and TMA; default: the tuning tables' choice).
+  Triton backend (configs and TMA; default: the tuning tables' choice);
+* ``fp8_backend``: for FP8 experts, ``"auto"`` (default), ``"triton"`` (no host sync: what a
+  captured decode step needs) or ``"blockwise"`` (cuBLAS per expert):
+  :func:`~interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from interlace.parallel.comm import all_to_all, all_to_all_counts
 from interlace.kernels.expert_gemm.autograd import TritonExpertFFN, supports
 from interlace.kernels.expert_gemm.configs import ExpertKernelOptions
-from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8
+from interlace.kernels.expert_gemm.fp8 import FP8_BACKENDS, expert_ffn_fp8
 from interlace.kernels.activation import activation_fused
 from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
 from interlace.fp8 import BlockFP8Weight
@@ -43,16 +46,16 @@ EXPERT_BACKENDS = ("torch", "triton")
 
 
 def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, w_down, offs, activation,
-                        kernels: ExpertKernelOptions | None = None):
+                        kernels: ExpertKernelOptions | None = None, fp8_backend: str = "auto"):
     """Expert FFN of rows ``x[src_row[q]]`` (expert-major order) → (num_rows, N).
 
     ``torch``: a gather kernel, then torch._grouped_mm + SwiGLU kernel + torch._grouped_mm.
     ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load
     (``kernels``: their options). FP8 weights (:class:`~interlace.fp8.BlockFP8Weight`) take the
-    W8A8 kernels whatever the backend.
+    W8A8 kernels whatever the backend (``fp8_backend``: theirs).
     """
     if isinstance(w_up, BlockFP8Weight):
-        return expert_ffn_fp8(x, src_row, 1, num_rows, w_up, w_down, offs, activation)
+        return expert_ffn_fp8(x, src_row, 1, num_rows, w_up, w_down, offs, activation, backend=fp8_backend)
     if backend == "triton" and supports(x, w_up):
         return TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse, kernels)
     return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
@@ -63,10 +66,13 @@ class SequentialStrategy(Strategy):
     name = "sequential"
     fused_routing = True
 
-    def __init__(self, config, ep, expert_backend: str = "torch", kernels: ExpertKernelOptions | None = None):
+    def __init__(self, config, ep, expert_backend: str = "torch", kernels: ExpertKernelOptions | None = None,
+                 fp8_backend: str = "auto"):
         super().__init__(config, ep)
         if expert_backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}")
+        if fp8_backend not in FP8_BACKENDS:
+            raise ValueError(f"fp8_backend must be one of {FP8_BACKENDS}, got {fp8_backend!r}")
         if kernels is not None and not isinstance(kernels, ExpertKernelOptions):
             raise TypeError(f"strategy option 'kernels' must be an ExpertKernelOptions "
                             f"(interlace.kernels.expert_gemm.configs), got {type(kernels).__name__}")
@@ -75,6 +81,7 @@ class SequentialStrategy(Strategy):
                              "expert_backend='triton' (strategy 'sequential:triton')")
         self.expert_backend = expert_backend
         self.kernels = kernels
+        self.fp8_backend = fp8_backend
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -92,7 +99,8 @@ class SequentialStrategy(Strategy):
             # Host sync only with a capacity: the number of kept rows sizes the buffers.
             rows = T * k if capacity is None else int(expert_end[-1])
             if isinstance(w_up, BlockFP8Weight):
-                y = expert_ffn_fp8(x, assignment_of_row, k, rows, w_up, w_down, expert_end, cfg.activation)
+                y = expert_ffn_fp8(x, assignment_of_row, k, rows, w_up, w_down, expert_end, cfg.activation,
+                                   backend=self.fp8_backend)
             elif self.expert_backend == "triton" and supports(x, w_up):
                 # The dispatch gather is fused into the first GEMM: rows read x[assignment // k].
                 y = TritonExpertFFN.apply(x, w_up, w_down, assignment_of_row[:rows], k, rows, expert_end,
@@ -117,7 +125,7 @@ class SequentialStrategy(Strategy):
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
         y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
-                                        offs, cfg.activation, self.kernels)
+                                        offs, cfg.activation, self.kernels, self.fp8_backend)
         del x_recv
         y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
         del y_grouped

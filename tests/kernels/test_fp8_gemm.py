@@ -213,3 +213,17 @@ def test_blockwise_backend_layouts_on_cpu(activation):
     assert not y.isnan().any()
     # GEMM0's bf16 output moves some activation values one e4m3 step (measured 1.7e-2 here)
     assert rel(y, ref) < 3e-2
+
+
+def test_fp8_backend_is_checked_and_reaches_the_sequential_strategy():
+    from interlace.strategies.sequential import SequentialStrategy
+
+    assert SequentialStrategy(object(), object(), fp8_backend="triton").fp8_backend == "triton"
+    with pytest.raises(ValueError, match="fp8_backend must be one of"):
+        SequentialStrategy(object(), object(), fp8_backend="cublas")
+    up, down = random_block_fp8(2, 256, 128), random_block_fp8(2, 128, 128)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        expert_ffn_fp8(torch.randn(4, 128), None, 1, 4, up, down, torch.tensor([2, 4]).int(), "swiglu", backend="x")
+    with pytest.raises(ValueError, match="compute capability 9.0"):  # a CPU tensor: cuBLAS's path cannot run
+        expert_ffn_fp8(torch.randn(4, 128), None, 1, 4, up, down, torch.tensor([2, 4]).int(), "swiglu",
+                       backend="blockwise")
