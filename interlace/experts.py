@@ -99,7 +99,26 @@ class ExpertShard(nn.Module):
             raise ValueError(f"{type(self).__name__}: the experts are FP8 already")
         set_fp8_weights(self, [quantize_weight(getattr(self, name).detach()) for name in self.weight_names])
 
-    def _state_names(self) -> tuple[str, ...]:
+    def load_fp8_(self, w_up: BlockFP8Weight, w_down: BlockFP8Weight) -> None:
+        """Copy FP8 expert weights into this FP8 module (built with ``expert_quant="fp8"``, or
+        after :func:`interlace.quantize_experts`): this rank's experts (E_local, ...), or every
+        expert's (E, ...) of which it keeps its own (:mod:`interlace.fp8_checkpoint` reads other
+        layouts into these)."""
+        if self.scale_names is None:
+            raise ValueError(f"{type(self).__name__}: the experts are dense; build the layer with "
+                             f"expert_quant='fp8' or quantize it (interlace.quantize_experts) first")
+        lo, n = self.ep.first_expert, self.ep.num_local
+        with torch.no_grad():
+            for name, scale_name, w in zip(self.weight_names, self.scale_names, (w_up, w_down)):
+                target = getattr(self, name)
+                if w.shape[0] == n * self.ep.world != n:  # (every expert's: this rank's slice)
+                    w = BlockFP8Weight(w.weight[lo:lo + n], w.scale_inv[lo:lo + n])
+                if w.shape != target.shape:
+                    raise ValueError(f"{name}: got shape {tuple(w.shape)}, this rank's experts have {tuple(target.shape)}")
+                target.copy_(w.weight)
+                getattr(self, scale_name).copy_(w.scale_inv)
+
+    def tensor_names(self) -> tuple[str, ...]:
         """The expert-sharded tensors (E_local, ...): the weights and, FP8, their scales."""
         return self.weight_names + (self.scale_names or ())
 

@@ -152,6 +152,7 @@ def _moe_experts_backward_fake(handle, grad_out, topk_weight, w_up, w_down, need
 def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales = inputs
     ctx.needs_grad = list(needs_grad)
+    ctx.num_scales = len(scales)  # (FP8: none of them gets a gradient; the call refuses one)
     ctx.save_for_backward(output[1], topk_weight, w_up, w_down)
 
 
@@ -159,7 +160,7 @@ def _backward(ctx, grad_out, _grad_handle):
     handle, topk_weight, w_up, w_down = ctx.saved_tensors
     grads = iter(moe_experts_backward(handle, grad_out, topk_weight, w_up, w_down, ctx.needs_grad))
     dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
-    return dx, None, dweight, dup, ddown, None, None, None
+    return dx, None, dweight, dup, ddown, None, None, [None] * ctx.num_scales
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
