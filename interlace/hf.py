@@ -501,9 +501,11 @@ def gather_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for attr in module.tensor_names():
             key = f"{name}.{attr}" if name else attr
             shard = state[key].contiguous()
+            if shard.dtype == FP8_DTYPE:  # (as bytes: gloo has no float8 type)
+                shard = shard.view(torch.uint8)
             parts = [torch.empty_like(shard) for _ in range(module.ep.world)]
             dist.all_gather(parts, shard, group=module.ep.group)
-            state[key] = torch.cat(parts)
+            state[key] = torch.cat(parts).view(state[key].dtype)
     return state
 
 

@@ -21,8 +21,10 @@ from interlace.routing import Router
 
 CFG = MoEConfig(hidden=160, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
 FP8 = CFG.with_(expert_quant="fp8")
-# The layer against fp32 W8A8 arithmetic of the same roundings: only the sums' order differs.
-TOL = 1e-5
+# The layer against fp32 W8A8 arithmetic of the same roundings: only the sums' order differs,
+# which may move an activation to the neighbouring e4m3 value (2⁻³ relative on that element) where
+# its fp32 value is within an ulp of a rounding boundary: one such step is ~1e-5 of the output here.
+TOL = 2e-4
 # Block FP8 (W8A8: x, w_up, the activation and w_down each rounded to e4m3) against the dense
 # layer of the same seed on random data: measured 0.059-0.065 relative Frobenius (fp32 and bf16,
 # N/K 160/72, 64/48, 256/256); the bound leaves a margin.
