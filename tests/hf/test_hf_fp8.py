@@ -248,3 +248,13 @@ def _gloo_hf_fp8(rank, world):
 def test_gloo_two_ranks_fp8_hf():
     pytest.importorskip("transformers")
     run_gloo(_gloo_hf_fp8, 2)
+
+
+@pytest.mark.parametrize("attr, value, match", [("block_size", (64, 64), "block_size"),
+                                                ("activation_scheme", "static", "activation_scheme")])
+def test_fp8_experts_interlace_cannot_take_raise(attr, value, match):
+    pytest.importorskip("transformers")
+    _, model = hf_fp8_model("qwen3_moe")
+    setattr(model.model.layers[0].mlp.experts, attr, value)
+    with pytest.raises(ValueError, match=match):
+        replace_moe_blocks(model, strategy="sequential")
