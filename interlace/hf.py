@@ -228,7 +228,7 @@ class ShardedExperts(ExpertShard):
             self.down_proj = _shard(down_proj, ep)
         else:
             weights = from_transformers(gate_up_proj, scales[0], down_proj, scales[1])
-            set_fp8_weights(self, [BlockFP8Weight(_shard(w.weight, ep).detach(), _shard(w.scale_inv, ep).detach())
+            set_fp8_weights(self, [BlockFP8Weight(_rank_experts(w.weight, ep), _rank_experts(w.scale_inv, ep))
                                    for w in weights])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -259,6 +259,12 @@ def hf_fp8_scales(experts: nn.Module, where: str) -> tuple[torch.Tensor, torch.T
     if why:
         raise ValueError(f"{where}: FP8 experts with {why}")
     return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+
+
+def _rank_experts(tensor: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Rank ``ep.rank``'s experts of an (E, ...) tensor: the tensor itself at W = 1, else a copy."""
+    lo = ep.first_expert
+    return tensor if ep.world == 1 else tensor[lo:lo + ep.num_local].clone()
 
 
 def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:

@@ -182,11 +182,13 @@ def test_fp8_model_matches_hf(family, monkeypatch):
     experts = [m for m in ref.modules() if isinstance(m, FP8Experts)]
     assert experts and experts[0].gate_up_proj.dtype == torch.float8_e4m3fn
     model = copy.deepcopy(ref)
+    pointers = {k: v.data_ptr() for k, v in model.state_dict().items()}
     replace_moe_blocks(model, strategy="auto")
     blocks = moe_blocks(model)
     assert blocks and all(b.config.expert_quant == "fp8" and b.config.dtype == torch.float32 for b in blocks)
     # taken as they are: no dequantization, no copy at world size 1
     assert [k for k in model.state_dict()] == [k for k in ref.state_dict()]
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == pointers
     ex = blocks[0].experts
     assert ex.gate_up_proj.dtype == torch.float8_e4m3fn and ex.scale_names == ("gate_up_proj_scale_inv",
                                                                                "down_proj_scale_inv")
