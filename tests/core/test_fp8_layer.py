@@ -23,8 +23,12 @@ CFG = MoEConfig(hidden=160, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
 FP8 = CFG.with_(expert_quant="fp8")
 # The layer against fp32 W8A8 arithmetic of the same roundings: only the sums' order differs,
 # which may move an activation to the neighbouring e4m3 value (2⁻³ relative on that element) where
-# its fp32 value is within an ulp of a rounding boundary: one such step is ~1e-5 of the output here.
+# its fp32 value is within an ulp of a rounding boundary: one such step is ~4e-5 of the output
+# here. Measured (fp32, 3 seeds): 0 with the reference path, ≤ 3.9e-5 with the Triton kernels
+# under the interpreter. bf16: the experts' outputs round to bf16 before the combine (2⁻⁸
+# relative): measured 4.4e-3 (reference path), 7.3e-3 (kernels).
 TOL = 2e-4
+TOL_BF16 = 2e-2
 # Block FP8 (W8A8: x, w_up, the activation and w_down each rounded to e4m3) against the dense
 # layer of the same seed on random data: measured 0.059-0.065 relative Frobenius (fp32 and bf16,
 # N/K 160/72, 64/48, 256/256); the bound leaves a margin.
@@ -81,7 +85,7 @@ def test_output_matches_reference_and_dense_twin(dtype):
     x = torch.randn(24, cfg.hidden).to(dtype)
     with torch.no_grad():
         out, ref = layer(x), dense(x)
-    tol = TOL if dtype == torch.float32 else 1e-2  # (bf16: the experts' outputs round to bf16 before the combine)
+    tol = TOL if dtype == torch.float32 else TOL_BF16
     assert rel_err(out, fp8_expected(cfg, 0, x)) < tol
     assert rel_err(out, ref) < FP8_VS_DENSE
     assert all(c.spec == "sequential" for c in layer.strategy.choices.values())

@@ -126,9 +126,10 @@ FP8_FAMILIES = {
 # Logits of the interlace model against HF's FP8 forward, both W8A8, fp32: the same roundings,
 # but an activation whose fp32 value differs in its last bits (GEMMs over other row batches sum
 # in another order) may round to the neighbouring e4m3 value, a step of 2⁻³ relative on that
-# element. Measured: 2.9e-7 (qwen3_moe), 7.8e-8 (deepseek_v3) at world size 1; 3.4e-7 and
-# 3.6e-5 (one or a few such steps) on the 2 gloo ranks.
-TOL = 2e-4
+# element. Measured with the fp32 reference path: 2.9e-7 (qwen3_moe), 7.8e-8 (deepseek_v3) at
+# world size 1, 3.4e-7 and 3.6e-5 on the 2 gloo ranks; with the Triton W8A8 kernels under the
+# interpreter (they sum each 128-column block's e4m3 products before scaling): 3.6e-5, 6.0e-4.
+TOL = 2e-3
 
 
 def w8a8_linear(self, input, weight, weight_scale_inv, activation_scale=None):
