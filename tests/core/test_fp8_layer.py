@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import rel_err, run_gloo
-from interlace import MoEConfig, MoELayer, quantize_experts
+from interlace import MoEConfig, MoELayer, parallelize, quantize_experts
 from interlace.experts import GroupedExperts, init_expert_weights
 from interlace.fp8 import BlockFP8Weight, expert_ffn_fp8_reference, quantize_weight
 from interlace.parallel.comm import ExpertParallel
@@ -201,6 +201,10 @@ def _gloo_fp8(rank, world):
             assert rel_err(out, fp8_expected(FP8, 2, xs[0])) < TOL
         if spec == "auto":
             assert {c.spec for c in layer.strategy.choices.values()} == {"sequential"}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match="inference-only"):  # (data-parallel wrappers are for training)
+        parallelize(layer, init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep")))
 
 
 def test_gloo_two_ranks():
