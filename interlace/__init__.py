@@ -4,6 +4,7 @@ from interlace.config import PRESETS, MoEConfig, preset
 from interlace.layer import MoELayer
 from interlace.data_parallel import DataParallelOptions, expert_parameters, parallelize, set_aux_loss_scale
 from interlace.reference import reference_moe
+from interlace.quantize import quantize_experts
 from interlace.strategies import STRATEGIES
 from interlace.kernels.interpreter_compat import patch_interpreter
 
@@ -12,5 +13,5 @@ from interlace.kernels.interpreter_compat import patch_interpreter
 patch_interpreter()
 
 __all__ = ["MoEConfig", "MoELayer", "PRESETS", "preset", "reference_moe", "STRATEGIES", "parallelize",
-           "DataParallelOptions", "expert_parameters", "set_aux_loss_scale"]
+           "DataParallelOptions", "expert_parameters", "set_aux_loss_scale", "quantize_experts"]
 __version__ = "0.1.0"

@@ -45,7 +45,7 @@ def expert_sharded_state_dict(model: nn.Module, mesh: DeviceMesh) -> dict[str, t
     for prefix, experts in model.named_modules():
         if not isinstance(experts, ExpertShard):
             continue
-        for name in experts.weight_names:
+        for name in experts.tensor_names():  # (the weights, and FP8 weights' block scales)
             key = f"{prefix}.{name}" if prefix else name
             tensor = state[key]
             if isinstance(tensor, DTensor):  # FSDP: this rank's dp shard of its ep block

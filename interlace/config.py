@@ -18,11 +18,15 @@ Activation = Literal["swiglu", "gelu", "relu"]
 RouterKind = Literal["softmax", "sigmoid"]
 RouterGemm = Literal["split", "input", "upcast"]
 GroupScore = Literal["top2_sum", "max"]
+ExpertQuant = Literal[None, "fp8"]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gelu", "relu")
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid")
 ROUTER_GEMMS: tuple[str, ...] = ("split", "input", "upcast")
 GROUP_SCORES: tuple[str, ...] = ("top2_sum", "max")
+EXPERT_QUANTS: tuple[str | None, ...] = (None, "fp8")
+# Activation dtypes the FP8 expert kernels take (their rows are quantized to e4m3 inside them).
+FP8_ACTIVATION_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 # Activation / weight dtypes the fast paths support. fp64 is for references and CPU tests.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUTER_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
@@ -101,6 +105,17 @@ class MoEConfig:
             shared-expert overlap, :mod:`interlace.shared_overlap`); False runs it after them on
             the current stream. The result is the same either way (not part of
             :meth:`fingerprint`); nothing changes on a CPU.
+        expert_quant: how the routed experts' weights are stored. None: dense, in ``dtype``.
+            ``"fp8"``: block-scaled FP8 (:mod:`interlace.fp8`, DeepSeek-V3's checkpoint layout):
+            each expert weight is float8_e4m3fn with one fp32 scale per 128 × 128 block
+            (``experts.w_up`` + ``experts.w_up_scale_inv``, ``experts.w_down`` +
+            ``experts.w_down_scale_inv``), so the expert weights are then *not* in ``dtype``
+            (``dtype`` stays the activations', bf16/fp16/fp32, and the router's and shared
+            expert's weights'). The expert GEMMs are W8A8: their input rows are quantized per
+            token and group of 128 columns inside the kernels, accumulation in fp32. Inference
+            only (a call that builds an autograd graph raises); strategies whose
+            ``fp8_experts`` is True run it (``sequential``; ``auto`` picks among those).
+            :func:`interlace.quantize_experts` converts a dense model in place; docs/fp8.md.
         source: where the shape comes from (for presets).
     """
 
@@ -124,6 +139,7 @@ class MoEConfig:
     shared_ffn: int = 0
     shared_gate: bool = False
     shared_overlap: bool = True
+    expert_quant: ExpertQuant = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -186,6 +202,10 @@ class MoEConfig:
             raise TypeError(f"MoEConfig.shared_overlap must be a bool, got {self.shared_overlap!r}")
         if self.shared_gate and not self.shared_ffn:
             raise ValueError("shared_gate needs a shared expert (shared_ffn > 0)")
+        if self.expert_quant not in EXPERT_QUANTS:
+            raise ValueError(f"unsupported expert_quant {self.expert_quant!r}; choose one of {EXPERT_QUANTS}")
+        if self.expert_quant == "fp8" and self.dtype not in FP8_ACTIVATION_DTYPES:
+            raise ValueError(f"expert_quant='fp8' takes bf16/fp16/fp32 activations (dtype), got {self.dtype}")
 
     # ----------------------------------------------------------------- derived
     @property

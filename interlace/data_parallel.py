@@ -106,7 +106,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
         wrappers do it (``no_sync()`` / ``set_requires_gradient_sync(False)``, or nothing).
 
     ``ValueError`` (before anything is wrapped) for a mesh without those dims, a model without
-    interlace experts, or a layer whose expert-parallel group is not this rank's ``ep`` group.
+    interlace experts, FP8 experts (inference-only: nothing to train), or a layer whose
+    expert-parallel group is not this rank's ``ep`` group.
     """
     if options is None:
         options = DataParallelOptions(**given)
@@ -117,6 +118,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, options: DataParallelOptions
     if not experts:
         raise ValueError(f"parallelize: {type(model).__name__} has no interlace experts (MoELayer, or HF blocks after "
                          f"interlace.hf.replace_moe_blocks); wrap a model without them with DDP / fully_shard directly")
+    fp8 = [name or type(model).__name__ for name, m in experts if m.expert_quant is not None]
+    if fp8:
+        raise ValueError(f"parallelize: {fp8[0]} holds FP8 experts, which are inference-only (MoEConfig.expert_quant); "
+                         f"data-parallel wrappers are for training: train the dense model, then quantize_experts")
     _check_ep_groups(experts, ep_mesh)
     factor = dp_mesh.size() * ep_mesh.size()
     if options.wrapper == "fsdp":

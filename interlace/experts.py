@@ -9,9 +9,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from interlace.config import MoEConfig
+from interlace.fp8 import FP8_BLOCK, BlockFP8Weight, quantize_weight
 from interlace.kernels.activation import activation_reference
 from interlace.parallel.comm import ExpertParallel
 from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
+from interlace.strategies.base import fp8_strategy_names
 from interlace.strategies.custom_op import run_strategy
 
 
@@ -72,7 +74,53 @@ class ExpertShard(nn.Module):
     """
 
     weight_names: ClassVar[tuple[str, str]] = ("w_up", "w_down")
+    # FP8 experts (MoEConfig.expert_quant="fp8"): the names of the fp32 block scales beside each
+    # of ``weight_names`` (``<weight>_scale_inv``, the checkpoints' names); None: dense weights.
+    scale_names: tuple[str, str] | None = None
     ep: ExpertParallel
+
+    @property
+    def expert_quant(self) -> str | None:
+        """``"fp8"`` when the weights are block-scaled FP8, else None."""
+        return None if self.scale_names is None else "fp8"
+
+    def expert_weights(self) -> tuple:
+        """(w_up, w_down) as the strategy takes them: the parameters, or with FP8 weights
+        :class:`~interlace.fp8.BlockFP8Weight` pairs of each weight and its block scales."""
+        weights = [getattr(self, name) for name in self.weight_names]
+        if self.scale_names is None:
+            return tuple(weights)
+        return tuple(BlockFP8Weight(w, getattr(self, s)) for w, s in zip(weights, self.scale_names))
+
+    def quantize_(self) -> None:
+        """Replace the dense weights by block-scaled FP8 ones in place (e4m3 + fp32 scales, as
+        :func:`~interlace.fp8.quantize_weight` computes them), parameters without gradients."""
+        if self.scale_names is not None:
+            raise ValueError(f"{type(self).__name__}: the experts are FP8 already")
+        set_fp8_weights(self, [quantize_weight(getattr(self, name).detach()) for name in self.weight_names])
+
+    def load_fp8_(self, w_up: BlockFP8Weight, w_down: BlockFP8Weight) -> None:
+        """Copy FP8 expert weights into this FP8 module (built with ``expert_quant="fp8"``, or
+        after :func:`interlace.quantize_experts`): this rank's experts (E_local, ...), or every
+        expert's (E, ...) of which it keeps its own (:mod:`interlace.fp8_checkpoint` reads other
+        layouts into these)."""
+        if self.scale_names is None:
+            raise ValueError(f"{type(self).__name__}: the experts are dense; build the layer with "
+                             f"expert_quant='fp8' or quantize it (interlace.quantize_experts) first")
+        lo, n = self.ep.first_expert, self.ep.num_local
+        with torch.no_grad():
+            for name, scale_name, w in zip(self.weight_names, self.scale_names, (w_up, w_down)):
+                target = getattr(self, name)
+                if w.shape[0] == n * self.ep.world != n:  # (every expert's: this rank's slice)
+                    w = BlockFP8Weight(w.weight[lo:lo + n], w.scale_inv[lo:lo + n])
+                if w.shape != target.shape:
+                    raise ValueError(f"{name}: got shape {tuple(w.shape)}, this rank's experts have {tuple(target.shape)}")
+                target.copy_(w.weight)
+                getattr(self, scale_name).copy_(w.scale_inv)
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The expert-sharded tensors (E_local, ...): the weights and, FP8, their scales."""
+        return self.weight_names + (self.scale_names or ())
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None, topk_weight: torch.Tensor | None = None,
                 *, strategy, router=None) -> torch.Tensor:
@@ -82,15 +130,31 @@ class ExpertShard(nn.Module):
         if not torch.compiler.is_compiling():
             check_ddp_wrapper(self)
         w_up, w_down = (getattr(self, name) for name in self.weight_names)
-        if router is not None:
-            return strategy.forward_layer(x, router, w_up, w_down)
-        return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down)
+        scales = None
+        if self.scale_names is not None:
+            if not strategy.fp8_experts:  # (the layers refuse such a strategy when they build it)
+                raise ValueError(f"strategy {strategy.name!r} does not run FP8 experts; "
+                                 f"strategies that do: {', '.join(fp8_strategy_names())}")
+            scales = tuple(getattr(self, name) for name in self.scale_names)
+        if router is not None:  # (never under torch.compile: the layers route first there)
+            return strategy.forward_layer(x, router, *self.expert_weights())
+        return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
 
     def __setattr__(self, name: str, value) -> None:
         # (fully_shard assigns through setattr where a module defines it: its sharded DTensor here)
         if name in self.weight_names and isinstance(value, DTensor):
             check_dtensor_mesh(self, name, value)
         super().__setattr__(name, value)
+
+
+def set_fp8_weights(module: ExpertShard, weights) -> None:
+    """Make ``module``'s experts the FP8 ``weights`` (one :class:`BlockFP8Weight` per name of
+    ``weight_names``): each weight and its ``<name>_scale_inv`` scales become parameters without
+    gradients (frozen, as transformers' FP8 experts; the state dict then holds both)."""
+    for name, weight in zip(module.weight_names, weights):
+        setattr(module, name, nn.Parameter(weight.weight, requires_grad=False))
+        setattr(module, name + "_scale_inv", nn.Parameter(weight.scale_inv, requires_grad=False))
+    module.scale_names = tuple(name + "_scale_inv" for name in module.weight_names)
 
 
 class GroupedExperts(ExpertShard):
@@ -103,6 +167,12 @@ class GroupedExperts(ExpertShard):
     Parameters: ``w_up`` (E_local, up_width, N), ``w_down`` (E_local, N, K), in
     ``config.dtype``; with a tensor-parallel slice ``ffn_slice=(lo, hi)`` of K, the
     :func:`shard_ffn` slices of them (K replaced by hi − lo).
+
+    FP8 (``config.expert_quant == "fp8"``): ``w_up`` (E_local, up_width, N) and ``w_down``
+    (E_local, N, K) float8_e4m3fn, ``w_up_scale_inv`` (E_local, ⌈up_width/128⌉, ⌈N/128⌉) and
+    ``w_down_scale_inv`` (E_local, ⌈N/128⌉, ⌈K/128⌉) fp32, all without gradients: the
+    same seeded init quantized (:func:`~interlace.fp8.quantize_weight`), so an FP8 layer is
+    the quantized dense layer of the same seed. No tensor-parallel slice (``ValueError``).
     """
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, seed: int, device: torch.device,
@@ -116,6 +186,18 @@ class GroupedExperts(ExpertShard):
         w_up, w_down = shard_ffn(w_up, w_down, config, *self.ffn_slice)
         self.w_up = nn.Parameter(w_up)
         self.w_down = nn.Parameter(w_down)
+        if config.expert_quant == "fp8":
+            check_fp8_ffn_slice(self.ffn_slice, config.ffn)
+            self.quantize_()
+
+
+def check_fp8_ffn_slice(ffn_slice: tuple[int, int], ffn: int) -> None:
+    """``ValueError`` for a tensor-parallel slice of FP8 experts: a slice of K cuts the 128-wide
+    scale blocks of ``w_down``'s columns and (SwiGLU) of ``w_up``'s gate and up rows, so a
+    shard's blocks would not be the full weight's. Not supported yet (tp = 1 only)."""
+    if tuple(ffn_slice) != (0, ffn):
+        raise ValueError(f"FP8 experts are not sharded over a tensor-parallel group yet (ffn slice {tuple(ffn_slice)} "
+                         f"of K={ffn}; the {FP8_BLOCK}x{FP8_BLOCK} scale blocks would be cut): use tp=1")
 
 
 def shared_expert_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor | None,

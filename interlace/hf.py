@@ -33,6 +33,13 @@ path (the torch grouped-GEMM path's activation kernel, the Triton GEMM epilogues
 need the new activation and the two biases with their gradients; biases through the torch paths
 alone would leave the default strategy unable to run the model.
 
+FP8 models (transformers' ``FP8Experts``: ``FineGrainedFP8Config`` with 128 × 128 blocks and
+dynamic activation scales): the e4m3 experts and their fp32 block scales are taken as they are
+(their layout is interlace's, :func:`interlace.fp8_checkpoint.from_transformers`), the block's
+config gets ``expert_quant="fp8"`` and the model's dtype for the activations, and the experts
+run W8A8 through a strategy that runs FP8 experts. Inference only. A dense model's blocks become
+FP8 with :func:`interlace.quantize_experts` (or ``block.quantize_experts_()``).
+
 Inference calls may route inside the strategy's kernel (``persistent``, or ``auto`` weighing
 it): the block hands the strategy a view of HF's router (:class:`KernelRouter`: its weight in
 fp32, its bias, and the dtype its logits GEMM rounds to, bf16 in a bf16 Mixtral/Qwen/OLMoE, so
@@ -62,12 +69,16 @@ from torch import nn
 
 from interlace import data_parallel, shared_overlap
 from interlace.config import MoEConfig
-from interlace.experts import ExpertShard
+from interlace.experts import ExpertShard, set_fp8_weights
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight
+from interlace.fp8_checkpoint import from_transformers
 from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.parallel.mesh import MoEMesh
+from interlace.quantize import quantize_experts
 from interlace.routing import route_logits
 from interlace.strategies import make_strategy
 from interlace.strategies.base import strategy_class
+from interlace.strategies.custom_op import FP8_TRAINING
 
 
 # ----------------------------------------------------------------------------- families
@@ -199,21 +210,30 @@ class ShardedExperts(ExpertShard):
 
     Parameters: ``gate_up_proj`` (E/W, 2K, N), gate rows [0, K) then up rows [K, 2K) (HF's
     ``chunk(2)`` order, which is interlace's SwiGLU layout); ``down_proj`` (E/W, N, K).
+    FP8 (``scales``: HF's ``gate_up_proj_scale_inv``, ``down_proj_scale_inv``): the weights e4m3
+    and ``gate_up_proj_scale_inv`` (E/W, ⌈2K/128⌉, ⌈N/128⌉), ``down_proj_scale_inv``
+    (E/W, ⌈N/128⌉, ⌈K/128⌉) fp32, all without gradients (HF's names and layout).
     ``load_state_dict`` also takes HF's full (E, ...) tensors and keeps this rank's slice.
     """
 
     weight_names = ("gate_up_proj", "down_proj")
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ep: ExpertParallel,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.ep = ep
         self.num_experts = gate_up_proj.shape[0]
-        self.gate_up_proj = _shard(gate_up_proj, ep)
-        self.down_proj = _shard(down_proj, ep)
+        if scales is None:
+            self.gate_up_proj = _shard(gate_up_proj, ep)
+            self.down_proj = _shard(down_proj, ep)
+        else:
+            weights = from_transformers(gate_up_proj, scales[0], down_proj, scales[1])
+            set_fp8_weights(self, [BlockFP8Weight(_rank_experts(w.weight, ep), _rank_experts(w.scale_inv, ep))
+                                   for w in weights])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         lo, n = self.ep.first_expert, self.ep.num_local
-        for name in ("gate_up_proj", "down_proj"):
+        for name in self.tensor_names():
             tensor = state_dict.get(prefix + name)
             if tensor is not None and n != self.num_experts and tensor.shape[0] == self.num_experts:
                 state_dict[prefix + name] = tensor[lo:lo + n]
@@ -221,6 +241,30 @@ class ShardedExperts(ExpertShard):
 
     def extra_repr(self) -> str:
         return f"experts {self.ep.first_expert}..{self.ep.first_expert + self.ep.num_local - 1} of {self.num_experts}"
+
+
+def hf_fp8_scales(experts: nn.Module, where: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' FP8 experts' (``FP8Experts``) block scales (gate_up's, down's), or None for
+    dense experts; ``ValueError`` for FP8 experts interlace does not run as they are."""
+    if getattr(experts, "gate_up_proj", None) is None or experts.gate_up_proj.dtype != FP8_DTYPE:
+        return None
+    block = tuple(getattr(experts, "block_size", None) or ())
+    why = None
+    if block != (FP8_BLOCK, FP8_BLOCK):
+        why = f"block_size {block or None}, interlace's scales are {FP8_BLOCK}x{FP8_BLOCK} blocks"
+    elif getattr(experts, "activation_scheme", "dynamic") != "dynamic":
+        why = f"activation_scheme {experts.activation_scheme!r}; interlace quantizes activations per token (dynamic)"
+    elif not getattr(experts, "is_concatenated", True) or getattr(experts, "is_transposed", False):
+        why = "gate/up interleaved or transposed; interlace stacks gate rows over up rows"
+    if why:
+        raise ValueError(f"{where}: FP8 experts with {why}")
+    return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+
+
+def _rank_experts(tensor: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Rank ``ep.rank``'s experts of an (E, ...) tensor: the tensor itself at W = 1, else a copy."""
+    lo = ep.first_expert
+    return tensor if ep.world == 1 else tensor[lo:lo + ep.num_local].clone()
 
 
 def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:
@@ -308,7 +352,7 @@ class InterlaceMoeBlock(nn.Module):
                 child.interlace_config, child.interlace_family = config, family
                 child.interlace_fused = strategy.fused_routing
             elif attr == "experts":
-                child = ShardedExperts(child.gate_up_proj, child.down_proj, ep)
+                child = ShardedExperts(child.gate_up_proj, child.down_proj, ep, hf_fp8_scales(child, name))
             setattr(self, attr, child)
         self.kernel_router = KernelRouter(self.gate, family, config)  # (a plain attribute: no state)
 
@@ -319,11 +363,16 @@ class InterlaceMoeBlock(nn.Module):
             hidden_states = hidden_states * noise
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
         w_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
+        compiling = torch.compiler.is_compiling()
+        # (compiled: the custom op refuses an FP8 training call, with the same message)
+        train = not compiling and torch.is_grad_enabled() and (
+            x.requires_grad or w_up.requires_grad or w_down.requires_grad
+            or any(p.requires_grad for p in self.gate.parameters()))
+        if train and self.experts.scale_names is not None:
+            raise RuntimeError(f"{self.strategy.label}: {FP8_TRAINING}")
         routed = self._routes_in_strategy(x)
-        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+        if not compiling:  # (compiled: the strategy posts inside its own call)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
-            train = torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad
-                                                 or any(p.requires_grad for p in self.gate.parameters()))
             routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared experts first, on a side stream on CUDA (MoEConfig.shared_overlap), beside
         # the routing and the strategy on this stream; joined below (same sum as HF's).
@@ -358,9 +407,18 @@ class InterlaceMoeBlock(nn.Module):
         new = make_strategy(name, self.config, self.ep, device=self.experts.down_proj.device, **given)
         new.label = self.strategy.label
         self._strategy_options[base] = given
+        self.strategy_spec = name
         old, self.strategy = self.strategy, new
         old.close()
         self.gate.interlace_fused = self.strategy.fused_routing
+
+    def quantize_experts_(self, quant: str = "fp8", strategy: str | None = None) -> None:
+        """Make this block's experts FP8 in place (:func:`interlace.quantize_experts`)."""
+        quantize_experts(self, quant, strategy)
+
+    def replace_config(self, config: MoEConfig) -> None:
+        """(:func:`interlace.quantize_experts`) Take ``config`` (the experts' storage changed)."""
+        self.config = self.gate.interlace_config = self.kernel_router.config = config
 
     def extra_repr(self) -> str:
         c = self.config
@@ -409,14 +467,18 @@ def replace_moe_blocks(model: nn.Module, group=None, mesh: MoEMesh | None = None
         family_name = type(block).__name__
         family = FAMILIES[family_name]
         w = block.experts.gate_up_proj
-        config = MoEConfig(**{**family.config(block), "dtype": w.dtype, "router_dtype": torch.float32,
-                              "source": f"{family_name} {name}", **config_changes})
+        fp8 = w.dtype == FP8_DTYPE  # (transformers' FP8Experts: the activations are in the model's dtype)
+        dtype = block.gate.weight.dtype if fp8 else w.dtype
+        config = MoEConfig(**{**family.config(block), "dtype": dtype, "router_dtype": torch.float32,
+                              "expert_quant": "fp8" if fp8 else None, "source": f"{family_name} {name}",
+                              **config_changes})
         ep = ExpertParallel.build(group, config.num_experts)
         check_same_across_ranks(config.fingerprint(), ep, f"MoEConfig of {name}", config.math_fields())
         impl = make_strategy(strategy, config, ep, device=w.device, **(strategy_options or {}))
         impl.label = f"{name} (interlace)"
         replacement = InterlaceMoeBlock(block, family, config, ep, impl, family_name)
         replacement._strategy_options = {impl.name: dict(strategy_options or {})}
+        replacement.strategy_spec = strategy
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
     return [name for name, _ in targets]
@@ -442,12 +504,14 @@ def gather_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if not isinstance(module, ShardedExperts) or module.ep.world == 1:
             continue
-        for attr in module.weight_names:
+        for attr in module.tensor_names():
             key = f"{name}.{attr}" if name else attr
             shard = state[key].contiguous()
+            if shard.dtype == FP8_DTYPE:  # (as bytes: gloo has no float8 type)
+                shard = shard.view(torch.uint8)
             parts = [torch.empty_like(shard) for _ in range(module.ep.world)]
             dist.all_gather(parts, shard, group=module.ep.group)
-            state[key] = torch.cat(parts)
+            state[key] = torch.cat(parts).view(state[key].dtype)
     return state
 
 
@@ -459,7 +523,7 @@ def load_hf_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None
 
     model = data_parallel.unwrapped(model)
     owners = {f"{name}.{attr}" if name else attr: module for name, module in model.named_modules()
-              if isinstance(module, ShardedExperts) for attr in module.weight_names}
+              if isinstance(module, ShardedExperts) for attr in module.tensor_names()}
     missing = [key for key in model.state_dict() if key not in state]
     if missing:
         raise ValueError(f"load_hf_state_dict: the state dict lacks {len(missing)} of the model's keys, e.g. "

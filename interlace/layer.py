@@ -13,9 +13,11 @@ from interlace.parallel.comm import ExpertParallel, check_same_across_ranks
 from interlace.config import MoEConfig
 from interlace.experts import GroupedExperts, SharedExpert
 from interlace.parallel.mesh import MoEMesh
+from interlace.quantize import quantize_experts
 from interlace.routing import Router, check_expert_indices, load_balance_loss
 from interlace.strategies import make_strategy  # (importing the package registers every strategy)
 from interlace.strategies.base import strategy_class
+from interlace.strategies.custom_op import FP8_TRAINING
 
 
 _LAYER_NUMBERS = itertools.count()  # names layers in errors: "MoELayer 3" is the process's fourth
@@ -93,6 +95,10 @@ class MoELayer(nn.Module):
     2K for SwiGLU (gate rows first) else K; ``experts.w_down`` (E/W, N, K); with
     ``config.shared_ffn`` > 0, ``shared.w_up``, ``shared.w_down`` (and ``shared.gate``), the
     replicated shared expert (:class:`interlace.experts.SharedExpert`).
+    With ``config.expert_quant == "fp8"`` the experts are e4m3 with fp32 block scales
+    (``experts.w_up_scale_inv``, ``experts.w_down_scale_inv``; :class:`interlace.experts.GroupedExperts`),
+    the strategy must run them (``Strategy.fp8_experts``: ``sequential``, ``auto``), and the layer
+    is inference-only: a call that builds an autograd graph raises ``RuntimeError``.
     """
 
     def __init__(
@@ -162,7 +168,19 @@ class MoELayer(nn.Module):
         strategy = make_strategy(name, self.config, self.ep, device=device, **options)
         strategy.label = self.label
         self._strategy_options[cls.name] = given  # (kept once they built a strategy)
+        self.strategy_spec = name  # (as given: quantize_experts_ builds it again for FP8 experts)
         return strategy
+
+    def quantize_experts_(self, quant: str = "fp8", strategy: str | None = None) -> None:
+        """Make this layer's experts FP8 in place (:func:`interlace.quantize_experts`): the
+        weights e4m3 with fp32 block scales, ``config.expert_quant="fp8"``, the strategy
+        (``strategy``, default the current one) built again. Call it on every rank alike."""
+        quantize_experts(self, quant, strategy)
+
+    def replace_config(self, config: MoEConfig) -> None:
+        """(:func:`interlace.quantize_experts`) Take ``config``, which differs from the current one
+        in how the experts are stored only; the caller builds the strategy again."""
+        self.config = config
 
     def _check_input(self, x: torch.Tensor, weight_device: torch.device) -> None:
         cfg = self.config
@@ -197,6 +215,12 @@ class MoELayer(nn.Module):
         router, experts = self.router, self.experts
         w_up, w_down = experts.w_up, experts.w_down
         self._check_input(x, w_up.device)
+        compiling = torch.compiler.is_compiling()
+        # (compiled: the custom op refuses an FP8 training call, with the same message)
+        train = not compiling and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, router.weight, w_up, w_down))
+        if train and experts.scale_names is not None:
+            raise RuntimeError(f"{self.label}: {FP8_TRAINING}")
         shape = x.shape
         x = x.reshape(-1, self.config.hidden).contiguous()
         if expert_indices is not None:
@@ -208,9 +232,8 @@ class MoELayer(nn.Module):
             self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
         # (a rank without tokens has no indices to honour: it may take either path, as its peers do)
         routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
-        if not torch.compiler.is_compiling():  # (compiled: the strategy posts inside its own call)
+        if not compiling:  # (compiled: the strategy posts inside its own call)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
-            train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))
             routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared expert first, on a side stream on CUDA (config.shared_overlap): it runs while
         # this stream routes and the strategy dispatches, computes and combines; joined below.
@@ -244,4 +267,5 @@ class MoELayer(nn.Module):
         c = self.config
         return (f"hidden={c.hidden}, ffn={c.ffn}, experts={c.num_experts} ({self.ep.num_local}/rank, "
                 f"tp={self.mesh.tp}), "
-                f"top_k={c.top_k}, activation={c.activation}, router={c.router}, strategy={self.strategy.name}")
+                f"top_k={c.top_k}, activation={c.activation}, router={c.router}, strategy={self.strategy.name}"
+                + (f", experts {c.expert_quant}" if c.expert_quant else ""))

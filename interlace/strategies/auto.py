@@ -78,6 +78,11 @@ at world size 1 against ``sequential``; at W > 1 beside the model's candidates, 
 to ``persistent_max_tokens`` tokens per rank, under key mode ``"fwd-routed"``. Each candidate
 is timed with its routing. At world size 1 there is nothing to overlap or agree on: training
 calls, and everything else, run ``sequential``.
+
+**FP8 experts** (``MoEConfig.expert_quant="fp8"``). Only candidates whose strategy runs them
+(``Strategy.fp8_experts``) are considered: the model's, the ``candidates`` option's, routed calls'
+``persistent``, a cached or profile-only decision (another is replaced by ``sequential``, which
+runs every form of experts). Their decisions are cached under their own shape key (``-fp8``).
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes,
 from interlace.strategies.auto_decisions import (SHIPPED_DIR, BackwardMark, Choice, Clock, DecisionCache,
                                                  decision_shape, token_bucket)
 from interlace.strategies.auto_routed import FUSED_SPECS, PERSISTENT, ROUTED, RoutedCalls
-from interlace.strategies.base import Strategy, check_names, make_strategy, register_strategy, strategy_class
+from interlace.strategies.base import (Strategy, check_names, make_strategy, register_strategy, runs_experts_of,
+                                       strategy_class)
 
 log = logging.getLogger("interlace.auto")
 
@@ -170,6 +176,7 @@ class AutoStrategy(RoutedCalls, Strategy):
     options_class = AutoOptions
     fused_routing = True
     routes_itself = True  # inference calls may come with the router (auto_routed.RoutedCalls.routes_call)
+    fp8_experts = True  # it picks among the candidates that run them (runs_experts_of)
 
     def __init__(self, config, ep, options: AutoOptions | dict | None = None, **given):
         super().__init__(config, ep)
@@ -179,6 +186,9 @@ class AutoStrategy(RoutedCalls, Strategy):
         check_names(given, valid, "auto options")
         base = options or AutoOptions()
         self.options = opts = AutoOptions(**{**{f: getattr(base, f) for f in valid}, **given})
+        if opts.candidates is not None and not any(self.runs_experts(c) for c in opts.candidates):
+            raise ValueError(f"auto: none of the candidates {list(opts.candidates)} runs FP8 experts "
+                             f"(MoEConfig.expert_quant={config.expert_quant!r})")
         self._profile = opts.profile
         self.choices: dict[tuple[int, str], Choice] = {}
         self._keys: dict[tuple[int, str], _KeyState] = {}
@@ -212,6 +222,10 @@ class AutoStrategy(RoutedCalls, Strategy):
             self._agree.label = value
 
     # -- what a key runs ------------------------------------------------------------------------
+    def runs_experts(self, spec: str) -> bool:
+        """Whether candidate ``spec`` runs this layer's experts as stored (FP8: ``fp8_experts``)."""
+        return runs_experts_of(strategy_class(spec), self.config)
+
     def _device_cache(self, device: torch.device) -> DecisionCache | None:
         if self.options.cache and self._cache is None:
             opts = self.options
@@ -230,7 +244,7 @@ class AutoStrategy(RoutedCalls, Strategy):
         if world == 1:  # a routed inference call (routes_call): its candidates, each timed with its routing
             cache = self._device_cache(device)
             cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
-            if cached is not None:
+            if cached is not None and self.runs_experts(cached.spec):
                 return {"choice": cached}
             return {"candidates": list(self._world1_candidates(torch.device(device))),
                     "notes": ["world size 1: each candidate timed with its routing"]}
@@ -240,10 +254,13 @@ class AutoStrategy(RoutedCalls, Strategy):
                                               opts.train_fused)
             except FileNotFoundError as err:
                 spec, notes = "sequential", [f"auto: {err}; running sequential (run `interlace profile` to plan)"]
+            if not self.runs_experts(spec):
+                spec, notes = "sequential", notes + [f"{spec}: does not run {cfg.expert_quant} experts"]
             return {"choice": Choice(spec, "predicted", notes=notes)}
         cache = self._device_cache(device)
         cached = cache.lookup(self._shape, mode, bucket) if cache is not None else None
-        if cached is not None and not (cached.spec == PERSISTENT and bucket > opts.persistent_max_tokens):
+        if (cached is not None and not (cached.spec == PERSISTENT and bucket > opts.persistent_max_tokens)
+                and self.runs_experts(cached.spec)):
             return {"choice": cached}
         prior_mode = "fwd" if mode == ROUTED else mode  # (a routed call is a forward call)
         if opts.candidates is not None:
@@ -254,6 +271,11 @@ class AutoStrategy(RoutedCalls, Strategy):
             predicted = self.routed_candidates(predicted, bucket, device)
         else:
             predicted.pop(PERSISTENT, None)  # (it needs the router: only routed calls run it)
+        for spec in [s for s in predicted if not self.runs_experts(s)]:
+            predicted.pop(spec)
+            notes.append(f"{spec}: does not run {cfg.expert_quant} experts")
+        if not predicted:
+            predicted = {"sequential": None}
         for spec in [s for s in predicted if s in FUSED_SPECS]:
             why = self._fused_excluded(spec, prior_mode, bucket, device)
             if why:

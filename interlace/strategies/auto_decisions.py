@@ -28,8 +28,10 @@ def token_bucket(tokens: int) -> int:
 
 def decision_shape(cfg: MoEConfig, world: int) -> str:
     """What a decision depends on besides the token bucket, the mode and the device key:
-    the profile's shape class plus top-k and dtype (``N…-K…-El…-act-k2-bfloat16``)."""
-    return f"{shape_key(cfg, world)}-k{cfg.top_k}-{str(cfg.dtype).removeprefix('torch.')}"
+    the profile's shape class plus top-k and dtype (``N…-K…-El…-act-k2-bfloat16``), and ``-fp8``
+    for FP8 experts (``MoEConfig.expert_quant``: other kernels, other decisions)."""
+    quant = f"-{cfg.expert_quant}" if cfg.expert_quant else ""
+    return f"{shape_key(cfg, world)}-k{cfg.top_k}-{str(cfg.dtype).removeprefix('torch.')}{quant}"
 
 
 @dataclass

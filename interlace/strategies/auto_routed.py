@@ -64,7 +64,8 @@ class RoutedCalls:
                 found = (PERSISTENT, "sequential")
             else:
                 found = ("sequential",)
-            found = self._routed_candidates[device.type] = tuple(s for s in found if _runs(s, device))
+            found = self._routed_candidates[device.type] = tuple(
+                s for s in found if _runs(s, device) and self.runs_experts(s))
         return found
 
     def _persistent_here(self, device: torch.device) -> bool:
@@ -81,7 +82,7 @@ class RoutedCalls:
                      and (PERSISTENT in opts.candidates if opts.candidates is not None else device.type == "cuda")
                      and (opts.memory_cap is None
                           or persistent_buffer_bytes(self.config, self.ep.world, cap) <= opts.memory_cap)
-                     and _runs(PERSISTENT, device))
+                     and _runs(PERSISTENT, device) and self.runs_experts(PERSISTENT))
             self._persistent_ok[device.type] = found
         return found
 

@@ -63,6 +63,10 @@ class Strategy:
     # Whether the strategy can route inside its own kernel: the layer then asks routes_call and,
     # if it says yes, calls forward_layer with the router instead of routing first.
     routes_itself: ClassVar[bool] = False
+    # Whether the strategy runs block-scaled FP8 experts (MoEConfig.expert_quant="fp8"): its
+    # __call__ / forward_layer take w_up, w_down as interlace.fp8.BlockFP8Weight. make_strategy
+    # refuses an FP8 config for a strategy without it; ``auto`` picks among those with it.
+    fp8_experts: ClassVar[bool] = False
     # What errors call the layer this strategy serves (the layer sets it: "MoELayer 3").
     label: str = "an interlace layer"
     # The dataclass whose fields the constructor also takes as keyword options (through
@@ -207,14 +211,36 @@ def option_names(cls: type[Strategy]) -> list[str]:
     return fields + [p.name for p in parameters if p.kind in keyword and p.name not in ("self", "config", "ep")]
 
 
+def runs_experts_of(cls: type[Strategy], config: MoEConfig) -> bool:
+    """Whether strategy class ``cls`` runs ``config``'s experts as they are stored (dense, or
+    FP8 where ``cls.fp8_experts``)."""
+    return config.expert_quant is None or (config.expert_quant == "fp8" and cls.fp8_experts)
+
+
+def check_expert_quant(spec: str, config: MoEConfig) -> None:
+    """``ValueError`` naming the strategies that run FP8 experts, where ``spec``'s does not
+    run ``config``'s."""
+    cls = strategy_class(spec)
+    if not runs_experts_of(cls, config):
+        raise ValueError(f"strategy {spec!r} does not run FP8 experts (MoEConfig.expert_quant={config.expert_quant!r}); "
+                         f"strategies that do: {', '.join(fp8_strategy_names())}")
+
+
+def fp8_strategy_names() -> list[str]:
+    """The registered strategies that run FP8 experts (``fp8_experts``), sorted."""
+    return sorted(name for name, cls in STRATEGIES.items() if cls.fp8_experts)
+
+
 def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, device: torch.device | str | None = None,
                   **options) -> Strategy:
     """Build a strategy by name; ``"name:arg"`` passes ``arg`` through ``Strategy.parse_arg``.
 
     With ``device``, :meth:`Strategy.check_runtime` runs first (the layer passes its device).
+    A strategy that does not run ``config``'s FP8 experts raises ``ValueError`` (:func:`check_expert_quant`).
     Strategies may create process groups: construct them on every rank in the same order.
     """
     cls = strategy_class(name)
+    check_expert_quant(name, config)
     _, _, arg = name.partition(":")
     if arg:
         options = {**cls.parse_arg(arg), **options}

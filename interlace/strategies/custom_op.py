@@ -10,7 +10,7 @@ ordinary compiled torch code. The op runs the strategy eagerly, exactly as an ea
 
 Forward and backward, without recomputing the forward:
 
-* ``moe_experts(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad)`` →
+* ``moe_experts(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)`` →
   ``(out (T, N) x.dtype, handle (1,) int64 CPU)``. ``strategy_key`` is the strategy's
   ``op_key``, a (1,) int64 CPU tensor naming it in a weak table
   (:func:`interlace.strategies.base.strategy_by_key`): an op takes tensors and numbers, not
@@ -44,6 +44,9 @@ Why this is correct:
   its inputs). A strategy that saved its output would have to return a copy.
 * ``torch.compile``'s CUDA graphs (``mode="reduce-overhead"``) skip a graph with this op (its
   handle lives on the host); ``fused`` replays its own CUDA graphs inside the op.
+* FP8 experts (:class:`~interlace.fp8.BlockFP8Weight`): the op takes the e4m3 weights as
+  ``w_up``/``w_down`` and their block scales as ``scales`` (an op takes tensors, not objects) and
+  hands the strategy the pairs again. Inference only: a call that wants a gradient raises there.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from interlace.fp8 import BlockFP8Weight
 from interlace.strategies.base import Strategy, strategy_by_key
 
 _CALL_KEYS = itertools.count(1)
@@ -91,11 +95,16 @@ class _SavedCall(bytearray):
 
 @torch.library.custom_op("interlace::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
-                strategy_key: Tensor, needs_grad: list[bool]) -> tuple[Tensor, Tensor]:
+                strategy_key: Tensor, needs_grad: list[bool], scales: list[Tensor]) -> tuple[Tensor, Tensor]:
     """x (T, N), topk_idx (T, k) int64, topk_weight (T, k), w_up (E_local, up_width, N),
-    w_down (E_local, N, K), strategy_key (1,) int64 on the CPU → out (T, N) in x.dtype, handle
-    (1,) int64 on the CPU."""
+    w_down (E_local, N, K), strategy_key (1,) int64 on the CPU, ``scales``: [] for dense weights,
+    or FP8 weights' block scales [w_up's, w_down's] → out (T, N) in x.dtype, handle (1,) int64
+    on the CPU."""
     strategy = strategy_by_key(int(strategy_key[0]))
+    if scales:
+        if any(needs_grad):
+            raise RuntimeError(FP8_TRAINING)
+        w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
     key = next(_CALL_KEYS)
     saved = _SavedCall(key.to_bytes(8, "little", signed=True))
     handle = torch.frombuffer(saved, dtype=torch.int64)
@@ -110,7 +119,7 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, 
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad):
+def _moe_experts_fake(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(1, dtype=torch.int64)
 
 
@@ -141,8 +150,9 @@ def _moe_experts_backward_fake(handle, grad_out, topk_weight, w_up, w_down, need
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad = inputs
+    x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales = inputs
     ctx.needs_grad = list(needs_grad)
+    ctx.num_scales = len(scales)  # (FP8: none of them gets a gradient; the call refuses one)
     ctx.save_for_backward(output[1], topk_weight, w_up, w_down)
 
 
@@ -150,7 +160,7 @@ def _backward(ctx, grad_out, _grad_handle):
     handle, topk_weight, w_up, w_down = ctx.saved_tensors
     grads = iter(moe_experts_backward(handle, grad_out, topk_weight, w_up, w_down, ctx.needs_grad))
     dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
-    return dx, None, dweight, dup, ddown, None, None
+    return dx, None, dweight, dup, ddown, None, None, [None] * ctx.num_scales
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)
@@ -163,24 +173,34 @@ def _no_double_backward(ctx, *grads):
 moe_experts_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+FP8_TRAINING = ("FP8 experts are inference-only: this call would build an autograd graph (grad mode is on and the "
+                "input or a parameter requires grad); wrap the call in torch.no_grad() or torch.inference_mode(), "
+                "or freeze the layer (layer.requires_grad_(False)) and pass an input without requires_grad")
+
+
 def strategy_op(strategy: Strategy, x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor,
-                w_down: Tensor) -> Tensor:
+                w_down: Tensor, scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``strategy(x, topk_idx, topk_weight, w_up, w_down)`` through the custom op (what a
-    compiled layer runs; callable eagerly too, e.g. by tests). Shapes as :class:`Strategy`."""
+    compiled layer runs; callable eagerly too, e.g. by tests). Shapes as :class:`Strategy`;
+    ``scales``: FP8 weights' block scales (w_up's, w_down's), the weights then e4m3."""
     key = getattr(strategy, "op_key", None)
     if key is None:
         raise TypeError(f"strategy {type(strategy).__name__} has no op_key: its __init__ must call "
                         f"Strategy.__init__ (the compiled layer finds strategies by that key)")
     grad = torch.is_grad_enabled()
     needs_grad = [grad and t.requires_grad for t in (x, topk_weight, w_up, w_down)]
-    out, _handle = moe_experts(x, topk_idx, topk_weight, w_up, w_down, key, needs_grad)
+    out, _handle = moe_experts(x, topk_idx, topk_weight, w_up, w_down, key, needs_grad, list(scales or ()))
     return out
 
 
 def run_strategy(strategy: Strategy, x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor,
-                 w_down: Tensor) -> Tensor:
+                 w_down: Tensor, scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The layer's strategy call: the strategy itself eagerly, :func:`strategy_op` while
-    ``torch.compile`` traces (Dynamo then sees one op instead of the strategy's Python)."""
+    ``torch.compile`` traces (Dynamo then sees one op instead of the strategy's Python).
+    ``scales``: FP8 weights' block scales (w_up's, w_down's; ``w_up``, ``w_down`` are then the
+    e4m3 tensors): the strategy gets :class:`~interlace.fp8.BlockFP8Weight` pairs."""
     if torch.compiler.is_compiling():
-        return strategy_op(strategy, x, topk_idx, topk_weight, w_up, w_down)
+        return strategy_op(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
+    if scales is not None:
+        w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
     return strategy(x, topk_idx, topk_weight, w_up, w_down)

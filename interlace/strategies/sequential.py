@@ -65,6 +65,7 @@ def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, 
 class SequentialStrategy(Strategy):
     name = "sequential"
     fused_routing = True
+    fp8_experts = True
 
     def __init__(self, config, ep, expert_backend: str = "torch", kernels: ExpertKernelOptions | None = None,
                  fp8_backend: str = "auto"):
