@@ -100,25 +100,16 @@ SOURCES = [
                "forward)",
          device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4", command=DECODE_COMMAND, timing="back_to_back",
          barrier_line=True,
-         notes=["ms: 20 calls issued back to back (one barrier before them, CUDA events around them all) ÷ 20, the "
-                "median of 3 rounds (round-robin over the strategies), the slowest rank's: a call's host time hides "
-                "under the previous call's GPU work unless the strategy syncs. Same input every call (the touched "
-                "experts' weights, 75 MB and more per rank at these sizes, exceed the 50 MB L2). With a barrier "
-                "(the line above the table): CUDA events around each call, a barrier before it, the median of 20 "
-                "timed calls after 5 warm-ups, the slowest rank's. Every strategy's output checked against `naive` "
-                "before and after timing.",
-                "Decode floor: the largest of the prefill floor (FLOPs ÷ matmul peak, peer bytes ÷ peer bandwidth), "
-                "the touched expert weights of the busiest rank ÷ the HBM read bandwidth, and two peer latencies, "
-                "all measured in the run: the 1-token floors, where the weights are few, are the two peer latencies. "
-                "Below 1.00× (dsv3-like from 8 tokens) `persistent` streamed the weights faster than the run's "
-                "measurement of the HBM read bandwidth.",
-                "fastest: the fastest strategy of the row, `auto` aside (it runs one of the others); auto ran: its "
-                "decision for the row's token count, calibrated on the first calls of the bucket (at world size > 1 "
-                "`persistent` is a candidate of inference calls up to 512 tokens per rank).",
-                "`persistent` here: the kernel docs/persistent.md describes, at 59ce3d4. With it, in the same "
-                "session, tests/gpu/persistent_dist_check.py passed its checks (qwen3-30b-a3b at 512 tokens per "
-                "rank, worst relative error 2.9e-3; with a capacity factor of 0.75; mixtral-8x7b), and so did "
-                "tests/gpu/gpu_check.py with `GPU_CHECK_STRATEGIES=persistent` (106 passed)."]),
+         notes=["ms: 20 calls back to back (one barrier before them, CUDA events around them all) ÷ 20, median of 3 "
+                "round-robin rounds, the slowest rank's; same input every call (the touched weights exceed the L2). "
+                "The line above the table: a barrier and CUDA events around each call, median of 20. Every output "
+                "checked against `naive` before and after timing.",
+                "Decode floor: the largest of the prefill floor, the busiest rank's touched expert weights ÷ the HBM "
+                "read bandwidth, and two peer latencies, all measured in the run (below 1.00×: `persistent` streamed "
+                "faster than the run's bandwidth measurement).",
+                "fastest: `auto` aside; auto ran: its decision for the row, calibrated on the bucket's first calls. "
+                "In the same session tests/gpu/persistent_dist_check.py and gpu_check.py (`persistent`, 106 checks) "
+                "passed."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
          device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4",
@@ -159,6 +150,8 @@ SECTIONS = [
     ("prefill", "Prefill / inference forward",
      "Random routing (softmax top-k over random router weights), bf16. Training-size token counts per GPU."),
     ("decode", "Decode", "1 to 512 tokens per GPU, random routing, bf16."),
+    ("fp8", "FP8 experts (inference)",
+     "Block-scaled e4m3 expert weights (docs/fp8.md) against bf16, one GPU's share of a 2-GPU layer, world size 1."),
     ("training", "Training (forward + backward)",
      "One training call: forward, then backward with a random output gradient; floor with 3× the FLOPs term."),
     ("hf", "Hugging Face models",
@@ -624,8 +617,34 @@ def summary_table(chosen):
     return lines + [""]
 
 
+def fp8_experts_table(src):
+    """benchmarks/fp8_experts.py's rows: per preset and tokens, the best bf16 block against FP8."""
+    data = load(src["file"])
+    meta = data["meta"]
+    lines = header(src, meta)
+    lines[2] += (f" · measured in the run: HBM read {meta['hbm_read_tbps']:.2f} TB/s, bf16 matmul "
+                 f"{meta['bf16_tflops']:.0f} TFLOP/s, e4m3 matmul {meta['fp8_tflops']:.0f} TFLOP/s")
+    lines += ["| preset | tokens/GPU | best bf16 ms (× floor) | FP8 ms (× FP8 floor) | FP8 speed-up | FP8 triton ms | "
+              "FP8 blockwise ms | FP8 error vs fp32 dense |", "|" + "---|" * 8]
+    cases = {}
+    for r in data["rows"]:
+        cases.setdefault((r["config"], r["tokens"]), {})[r["strategy"]] = r
+    for (config, tokens), by in cases.items():
+        bf16 = min((by[v] for v in ("bf16:torch", "bf16:triton") if v in by), key=lambda r: r["median_ms"])
+        fp8 = by.get("fp8", {})
+        err = by.get("fp8:triton", {}).get("err_vs_dense_fp32")
+        cells = [config, str(tokens), f"{bf16['median_ms']:.3f} ({bf16['x_floor']:.2f})",
+                 f"{fmt(fp8.get('median_ms'), '.3f')} ({fmt(fp8.get('x_floor'), '.2f')})",
+                 fmt(fp8.get("speedup_vs_best_bf16"), ".2f") + "×",
+                 fmt(by.get("fp8:triton", {}).get("median_ms"), ".3f"),
+                 fmt(by.get("fp8:blockwise", {}).get("median_ms"), ".3f"), fmt(err, ".1e")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
-         "hf_models": hf_models_table, "auto_grid": auto_grid_table, "soak": soak_table}
+         "hf_models": hf_models_table, "auto_grid": auto_grid_table, "soak": soak_table,
+         "fp8_experts": fp8_experts_table}
 
 
 def current_sources(sources=SOURCES):

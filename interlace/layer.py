@@ -225,11 +225,14 @@ class MoELayer(nn.Module):
         x = x.reshape(-1, self.config.hidden).contiguous()
         if expert_indices is not None:
             # The value check reads the indices on the host; a caller that passes the same tensor
-            # call after call (a benchmark) pays it once, until the tensor is modified in place.
+            # call after call (a benchmark) pays it once, until the tensor is modified in place
+            # (an inference tensor has no version counter: checked every call).
+            version = None if expert_indices.is_inference() else expert_indices._version
             seen = self._checked_indices
-            again = seen is not None and seen[0]() is expert_indices and seen[1] == expert_indices._version
+            again = (version is not None and seen is not None and seen[0]() is expert_indices
+                     and seen[1] == version)
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
-            self._checked_indices = (weakref.ref(expert_indices), expert_indices._version)
+            self._checked_indices = (weakref.ref(expert_indices), version)
         # (a rank without tokens has no indices to honour: it may take either path, as its peers do)
         routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
         if not compiling:  # (compiled: the strategy posts inside its own call)

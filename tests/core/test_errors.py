@@ -60,6 +60,13 @@ def test_bad_inputs():
         layer(torch.randn(3, 16), expert_indices=torch.zeros(3, 2))
     with pytest.raises(ValueError, match="out of range"):
         layer(torch.randn(3, 16), expert_indices=torch.full((3, 2), 4, dtype=torch.long))
+    with torch.inference_mode():  # inference tensors (no version counter) are checked every call
+        bad = torch.full((3, 2), 4, dtype=torch.long)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="out of range"):
+                layer(torch.randn(3, 16), expert_indices=bad)
+        good = torch.tensor([[0, 1]] * 3)
+        assert layer(torch.randn(3, 16), expert_indices=good).shape == (3, 16)
 
 
 def test_bad_expert_indices_name_the_row():

@@ -209,3 +209,18 @@ def _gloo_fp8(rank, world):
 
 def test_gloo_two_ranks():
     run_gloo(_gloo_fp8, 2)
+
+
+def test_reference_moe_takes_fp8_experts():
+    """interlace.reference_moe with BlockFP8Weight experts equals fp8_expected (the same routing,
+    each expert's FFN the W8A8 reference), for the layer's own weights and router."""
+    from interlace import reference_moe
+
+    layer = MoELayer(FP8, seed=2, device="cpu", strategy="sequential")
+    x = torch.randn(24, FP8.hidden)
+    ex = layer.experts
+    ref, _ = reference_moe(x, layer.router.weight, BlockFP8Weight(ex.w_up, ex.w_up_scale_inv),
+                           BlockFP8Weight(ex.w_down, ex.w_down_scale_inv), FP8, compute_dtype=torch.float32)
+    assert rel_err(ref, fp8_expected(FP8, 2, x)) < 1e-5
+    with torch.no_grad():
+        assert rel_err(layer(x), ref) < TOL
