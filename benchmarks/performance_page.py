@@ -14,7 +14,7 @@ To record a new standing: copy the run's ``results.json`` (``interlace bench --o
 ``device`` and ``command`` may be left out where the JSON's ``meta`` has them; give them where it does
 not (hand-kept or older files). Then run this script and commit the page with its source.
 The other kinds draw what their own scripts write (benchmarks/hf_models.py, auto_grid.py's rows.jsonl,
-soak.py), copied the same way. The timing protocol behind every number is docs/benchmarking.md.
+fp8_experts.py), copied the same way. The timing protocol behind every number is docs/benchmarking.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 
 # One entry per table source. Keys: section (prefill, decode, training, hf, scaling, planner, auto), table
 # (the table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
-# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, soak), file or
+# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, fp8_experts), file or
 # files (under benchmarks/results/; auto_grid reads JSON lines), title, and where the
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
 # compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
@@ -52,6 +52,17 @@ DECODE_COMMAND = ("torchrun --nproc-per-node 2 -m interlace.tools.bench --config
                   "qwen2-moe flashdmoe-cfg dsv3-like --tokens 1 8 32 128 512 --strategies fused sequential persistent "
                   "auto --interleave --back-to-back 20 --out DIR")
 SOURCES = [
+    dict(section="fp8", table="fp8-experts-h200", kind="fp8_experts", file="h200-fp8-experts.json",
+         title="FP8 expert block against bf16, 1× H200 (one GPU's share of a 2-GPU layer)",
+         device="1× NVIDIA H200", commit="b9eb602", command="python benchmarks/fp8_experts.py --rounds 3", env="",
+         notes=["`sequential`'s expert block at world size 1 (dispatch, expert GEMMs, combine), balanced routing, "
+                "bf16 activations; `do_bench` medians, 3 interleaved rounds. best bf16: torch's grouped_mm or "
+                "interlace's Triton GEMMs. FP8: the `auto` backend; triton and blockwise (cuBLAS per expert; hidden "
+                "and ffn multiples of 512) forced. FP8 against the fp32 block of its dense weights: 6.3-6.4e-2 on "
+                "every row (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.4e-2.",
+                "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. The Triton FP8 "
+                "GEMMs run at 430-670 TFLOP/s (each k block waits to be scaled), cuBLAS's at 1250 with 30-80 µs "
+                "of host time per expert GEMM. Rows under 0.3 ms move with the host."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential and fused:train", baseline="sequential",
          date="2026-11-23", commit="f68ceb6",
@@ -72,9 +83,8 @@ SOURCES = [
          command="CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 -m interlace.tools.bench --configs "
                  "qwen3-30b-a3b --tokens 128 512 --strategies fused persistent --interleave --back-to-back 20 "
                  "--out W2; then --nproc-per-node 4 on all four, --out W4",
-         notes=["Every output checked against `naive` at both world sizes. At W = 4 a rank holds half the "
-                "experts of W = 2, so its decode floor halves while `persistent`'s time stays: at these sizes "
-                "the call is bound by its fixed latencies, not by the weight stream."]),
+         notes=["Outputs checked against `naive`. At W = 4 a rank holds half the experts, so its floor halves "
+                "while `persistent`'s fixed latencies stay."]),
     dict(section="scaling", table="mesh-h200x4", kind="mesh", file="h200x4-mesh.json",
          title="EP × TP at equal layer tokens M, mixtral-8x7b forward, 4× H200",
          device="4× NVIDIA H200", date="2026-11-22", commit="0032977",
@@ -107,43 +117,31 @@ SOURCES = [
                 "Decode floor: the largest of the prefill floor, the busiest rank's touched expert weights ÷ the HBM "
                 "read bandwidth, and two peer latencies, all measured in the run (below 1.00×: `persistent` streamed "
                 "faster than the run's bandwidth measurement).",
-                "fastest: `auto` aside; auto ran: its decision for the row, calibrated on the bucket's first calls. "
-                "In the same session tests/gpu/persistent_dist_check.py and gpu_check.py (`persistent`, 106 checks) "
-                "passed."]),
+                "auto ran: its decision for the row. In the same session tests/gpu/persistent_dist_check.py and "
+                "gpu_check.py (`persistent`) passed."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
          device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4",
          command="torchrun --nproc-per-node 2 -m interlace.tools.timeline --strategy persistent --config "
                  "qwen3-30b-a3b --tokens T --iters 10 --out $OUT   # T = 128, then 512",
-         source="interlace.tools.timeline --strategy persistent on qwen3-30b-a3b at 128 and 512 tokens per GPU, "
-                "per-task %globaltimer records of the last of 5 calls (rank 0's records; rank 1's spans 186.3 and "
-                "244.2 µs); windows from the first task's end of waits to the last task's end."),
+         source="Per-task %globaltimer records of the last of 5 calls, rank 0 (rank 1's spans: 186.3 and 244.2 "
+                "µs); windows from the first task's end of waits to the last task's end."),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
          command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile",
-         notes=["HF's blocks run data parallel (all experts on every rank, their experts through grouped_mm); "
-                "interlace shards the experts over the 2 ranks.",
-                "DeepSeek trains with SGD on both sides (Adam's states do not fit with HF's blocks); Qwen3 with AdamW.",
-                "interlace ran its default strategy at that commit, the profile-only `auto` (`calibrate=False` "
-                "today)."]),
+         notes=["HF's blocks data parallel (all experts on every rank); interlace shards the experts over the 2 "
+                "ranks, with the profile-only `auto` of that commit. DeepSeek: SGD on both sides; Qwen3: AdamW."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
          command="torchrun --nproc-per-node 2 benchmarks/auto_grid.py --part 1/2 --no-presets --budget-s 480 --out "
                  "grid1; ... --part 2/2 --no-presets --budget-s 330 --out grid2; ... --part 2/2 --limit 0 --ship "
                  "--budget-s 150 --out presets   # rows.jsonl of the three, concatenated",
-         notes=["Grid: all 32 shapes × tokens {128, 3000, 8192} × {fwd, fwd+bwd}; parts 1 and 2 in two device "
-                "calls (two leases); within a row, every candidate and auto are timed interleaved in one call.",
-                "Preset rows: `old` is `auto` with `calibrate=False` (the profile-only choice; this device key has "
-                "no shipped profile, so it ran `sequential`), `new` is a fresh self-calibrating `auto`; the "
-                "decisions of `new` are shipped in interlace/tuning/decisions/.",
-                "First-call overhead: the calibration calls' time minus as many calls at auto's steady time, "
-                "Triton compiles of a shape's first fused call included (the 0.7–2.4 s preset rows)."]),
-    dict(section="auto", table="soak-h100x2", kind="soak", file="h100x2-soak.json",
-         title="Soak of `MoELayer` with `auto` among the strategies, 2× H100",
-         device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
-         command="torchrun --nproc-per-node 2 benchmarks/soak.py --budget-s 250 --out soak-out"),
+         notes=["32 shapes × tokens {128, 3000, 8192} × {fwd, fwd+bwd}, candidates and auto interleaved per row. "
+                "Presets: `old` = `auto` with `calibrate=False`, `new` = a fresh self-calibrating `auto` (its "
+                "decisions ship in interlace/tuning/decisions/). First-call overhead: the calibration calls minus "
+                "as many steady calls, Triton compiles included."]),
 ]
 
 SECTIONS = [
@@ -151,7 +149,7 @@ SECTIONS = [
      "Random routing (softmax top-k over random router weights), bf16. Training-size token counts per GPU."),
     ("decode", "Decode", "1 to 512 tokens per GPU, random routing, bf16."),
     ("fp8", "FP8 experts (inference)",
-     "Block-scaled e4m3 expert weights (docs/fp8.md) against bf16, one GPU's share of a 2-GPU layer, world size 1."),
+     "Block-scaled e4m3 experts ([fp8.md](fp8.md)) against bf16."),
     ("training", "Training (forward + backward)",
      "One training call: forward, then backward with a random output gradient; floor with 3× the FLOPs term."),
     ("hf", "Hugging Face models",
@@ -160,7 +158,7 @@ SECTIONS = [
     ("scaling", "Scaling", "Weak scaling from 2 to 4 GPUs (T(4): the 4-GPU times) and EP × TP factorisations."),
     ("planner", "Planner accuracy", "How close the planners' predictions come to measured layer times."),
     ("auto", "Strategy choice (auto)",
-     "Whether `auto` runs the fastest strategy on shapes it never saw, what its first calls cost, and a soak."),
+     "Whether `auto` runs the fastest strategy on shapes it never saw, and what its first calls cost."),
 ]
 
 # What to run for a section that has no source yet.
@@ -404,19 +402,6 @@ def auto_grid_table(src):
     return lines
 
 
-def soak_table(src):
-    d = load(src["file"])
-    lines = header(src)
-    lines += ["| calls per rank | training calls | zero-token calls | checked calls | worst rel. error (tolerance) | "
-              "allocated MiB after warm-up → end | failures |", "|" + "---|" * 7,
-              f"| {d['calls']} | {d['train_calls']} | {d['zero_calls']} | {d['checked']} | {d['worst_err']:.2e} "
-              f"({d['tolerance']:g}) | {fmt(d.get('base_mib'), '.0f')} → {fmt(d.get('end_mib'), '.0f')} | "
-              f"{len(d['failures'])} |", "",
-              "Calls per layer: " + ", ".join(f"{k} {v}" for k, v in d["per_layer"].items()) + "; per routing: "
-              + ", ".join(f"{k} {v}" for k, v in d["per_routing"].items()) + ".", ""]
-    return lines
-
-
 def persistent_decode_table(src):
     d = load(src["file"])
     meta = d.get("meta", {})
@@ -625,25 +610,24 @@ def fp8_experts_table(src):
     lines[2] += (f" · measured in the run: HBM read {meta['hbm_read_tbps']:.2f} TB/s, bf16 matmul "
                  f"{meta['bf16_tflops']:.0f} TFLOP/s, e4m3 matmul {meta['fp8_tflops']:.0f} TFLOP/s")
     lines += ["| preset | tokens/GPU | best bf16 ms (× floor) | FP8 ms (× FP8 floor) | FP8 speed-up | FP8 triton ms | "
-              "FP8 blockwise ms | FP8 error vs fp32 dense |", "|" + "---|" * 8]
+              "FP8 blockwise ms |", "|" + "---|" * 7]
     cases = {}
     for r in data["rows"]:
         cases.setdefault((r["config"], r["tokens"]), {})[r["strategy"]] = r
     for (config, tokens), by in cases.items():
         bf16 = min((by[v] for v in ("bf16:torch", "bf16:triton") if v in by), key=lambda r: r["median_ms"])
         fp8 = by.get("fp8", {})
-        err = by.get("fp8:triton", {}).get("err_vs_dense_fp32")
         cells = [config, str(tokens), f"{bf16['median_ms']:.3f} ({bf16['x_floor']:.2f})",
                  f"{fmt(fp8.get('median_ms'), '.3f')} ({fmt(fp8.get('x_floor'), '.2f')})",
                  fmt(fp8.get("speedup_vs_best_bf16"), ".2f") + "×",
                  fmt(by.get("fp8:triton", {}).get("median_ms"), ".3f"),
-                 fmt(by.get("fp8:blockwise", {}).get("median_ms"), ".3f"), fmt(err, ".1e")]
+                 fmt(by.get("fp8:blockwise", {}).get("median_ms"), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
 
 KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
-         "hf_models": hf_models_table, "auto_grid": auto_grid_table, "soak": soak_table,
+         "hf_models": hf_models_table, "auto_grid": auto_grid_table,
          "fp8_experts": fp8_experts_table}
 
 

@@ -169,17 +169,20 @@ def check_fp8_weights(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Wei
 FP8_BACKENDS = ("auto", "triton", "blockwise")
 BLOCKWISE_GEMM_FLOPS = 1.2e15
 BLOCKWISE_HOST_S_PER_GEMM = 30e-6
+BLOCKWISE_MARGIN = 4.0
 """``auto`` takes cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`) where their GPU time (the FFN's
-FLOPs at ``BLOCKWISE_GEMM_FLOPS``, the rate of a large one on an H200) is at least the host's
-time to issue them (``BLOCKWISE_HOST_S_PER_GEMM`` per GEMM, two per expert: a ``_scaled_mm``
-call measured 25-30 µs of host time there): prefill of coarse experts (mixtral-8x7b from 512
-tokens, dsv3-like at 16384), where the Triton kernels run at half cuBLAS's rate."""
+FLOPs at ``BLOCKWISE_GEMM_FLOPS``, the rate of a large one on an H200) is at least
+``BLOCKWISE_MARGIN`` times the host's time to issue them (``BLOCKWISE_HOST_S_PER_GEMM`` per GEMM,
+two per expert: a ``_scaled_mm`` call took 25-30 µs of host time there, and twice that on a
+slower host): prefill of few large experts (mixtral-8x7b from about 2048 tokens per GPU), where
+the Triton kernels run at half cuBLAS's rate. With many experts (dsv3-like's 128 per GPU) the
+host's launches cost about what the faster GEMMs save, so the margin keeps them on Triton."""
 
 
 def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_width: int) -> bool:
     """Whether ``auto`` takes the blockwise backend for this call (host-known sizes: no sync)."""
     gpu_s = 2 * num_rows * hidden * (up_width + ffn) / BLOCKWISE_GEMM_FLOPS
-    return gpu_s >= 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM
+    return gpu_s >= BLOCKWISE_MARGIN * 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM
 
 
 def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, w_up: BlockFP8Weight,
