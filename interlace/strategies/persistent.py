@@ -350,7 +350,9 @@ class PersistentStrategy(Strategy):
         if not x.is_cuda:
             self.state.check()
             return
-        if self._record_pending:
+        if self._record_pending or torch.cuda.is_current_stream_capturing():
+            # (inside a user's CUDA graph capture nothing is marked: an event query is not allowed
+            # there, and a replay's record is read by the next eager call's mark)
             return
         if self._record_event is None:
             self._record_event = torch.cuda.Event()
@@ -359,7 +361,7 @@ class PersistentStrategy(Strategy):
         self._record_pending = True
 
     def _raise_landed_error(self) -> None:
-        if not self._record_pending or not self._record_event.query():
+        if not self._record_pending or torch.cuda.is_current_stream_capturing() or not self._record_event.query():
             return
         self._record_pending = False
         if self._record_view[0] != 0:
