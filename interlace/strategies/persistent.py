@@ -124,6 +124,11 @@ class PersistentGraph:
     out: torch.Tensor
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @register_strategy
 class PersistentStrategy(Strategy):
     name = "persistent"
@@ -361,7 +366,7 @@ class PersistentStrategy(Strategy):
         self._record_pending = True
 
     def _raise_landed_error(self) -> None:
-        if not self._record_pending or torch.cuda.is_current_stream_capturing() or not self._record_event.query():
+        if not self._record_pending or _capturing() or not self._record_event.query():
             return
         self._record_pending = False
         if self._record_view[0] != 0:

@@ -377,6 +377,22 @@ def test_landed_error_record_raises_on_the_next_call():
         assert (layer(x).double() - reference(layer, x)).abs().max() < 1e-4
 
 
+def test_no_event_query_inside_a_capture(monkeypatch):
+    """Inside a user's CUDA graph capture the strategy neither queries nor marks the error
+    record's event (CUDA refuses an event query while the stream captures): stand-ins on the CPU."""
+    strategy = layer_for().strategy
+
+    class Event:
+        def query(self):
+            raise AssertionError("queried inside a capture")
+
+    strategy._record_event, strategy._record_pending = Event(), True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    strategy._raise_landed_error()  # no query
+    assert strategy._record_pending
+
+
 def test_timeline_option_records_the_last_call_and_runs_eagerly():
     """``timeline=True``: no CUDA graph (the recorder is never asked), the records of the last
     call only (task numbers 0 .. total−1 once each at world size 1), the same bits as with the
