@@ -261,10 +261,13 @@ def hf_fp8_scales(experts: nn.Module, where: str) -> tuple[torch.Tensor, torch.T
     return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
 
 
-def _rank_experts(tensor: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
-    """Rank ``ep.rank``'s experts of an (E, ...) tensor: the tensor itself at W = 1, else a copy."""
+def _rank_experts(tensor: torch.Tensor, ep: ExpertParallel, copy: bool = False) -> torch.Tensor:
+    """Rank ``ep.rank``'s experts of an (E, ...) tensor: at W = 1 the tensor itself (unless
+    ``copy``), else a copy of the slice (a view would keep the whole tensor alive)."""
+    if ep.world == 1 and not copy:
+        return tensor
     lo = ep.first_expert
-    return tensor if ep.world == 1 else tensor[lo:lo + ep.num_local].clone()
+    return tensor[lo:lo + ep.num_local].clone()
 
 
 def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:
@@ -272,8 +275,7 @@ def _shard(param: torch.Tensor, ep: ExpertParallel) -> nn.Parameter:
     else a copy of the slice (a view would keep the whole tensor alive)."""
     if ep.world == 1 and isinstance(param, nn.Parameter):
         return param
-    lo = ep.first_expert
-    return nn.Parameter(param.detach()[lo:lo + ep.num_local].clone(), requires_grad=param.requires_grad)
+    return nn.Parameter(_rank_experts(param.detach(), ep, copy=True), requires_grad=param.requires_grad)
 
 
 class KernelRouter:

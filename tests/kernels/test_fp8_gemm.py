@@ -135,13 +135,9 @@ def test_wrong_weight_shapes_raise():
         expert_ffn_fp8(torch.randn(4, 128), None, 1, 4, up, down, torch.tensor([2, 4]).int(), "swiglu")
 
 
-# Compiles the FP8 GEMM for sm90 without a GPU (a child process: the tests' interpreter mode
-# replaces the kernels): e4m3 operands, fp32 scales, int32 tile lists, 16-divisible sizes.
+# Compiles the FP8 GEMM for sm90 without a GPU (test_grouped_gemm's child-process helper): e4m3
+# operands, fp32 scales, int32 tile lists.
 _SM90_FP8 = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from interlace.kernels.expert_gemm import fp8
 
 TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
@@ -150,21 +146,10 @@ found = []
 configs = {c for rows in (1, 2000, 100000) for c in fp8.choose_configs(rows, 16)}
 for config in sorted(configs, key=lambda c: c.block_m):
     for epilogue in (0, 1):
-        kernel = fp8.fp8_gemm_kernel
         constexprs = dict(EPILOGUE=epilogue, GATHER=epilogue == 1, BLOCK_M=config.block_m, BLOCK_N=128,
                           BLOCK_K=128, GROUP_M=config.group_m)
-        sig, attrs = {}, {}
-        for i, name in enumerate(kernel.arg_names):
-            if name in constexprs:
-                sig[name] = "constexpr"
-                continue
-            pointer = name.endswith("_ptr")
-            out = "*fp8e4nv" if epilogue else "*bf16"
-            sig[name] = (TYPES.get(name, out if name == "out_ptr" else "*i32")) if pointer else "i32"
-            if pointer or name in ("COLS", "RED", "W_ROWS"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+        types = dict(TYPES, out_ptr="*fp8e4nv" if epilogue else "*bf16")
+        compiled = compile_sm90(fp8.fp8_gemm_kernel, constexprs, config.num_warps, config.num_stages, types)
         mma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.e4m3\.e4m3|mma\.sync",
                                     compiled.asm["ptx"])))
         found.append([config.block_m, epilogue, compiled.metadata.shared, mma])

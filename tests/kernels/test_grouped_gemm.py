@@ -370,14 +370,15 @@ from interlace.kernels.expert_gemm import gemm0, grouped, wgrad
 DATA = ("x_ptr", "w_ptr", "out_ptr", "h_ptr", "a_ptr", "b_ptr")
 
 
-def compile_sm90(kernel, constexprs, warps, stages):
+def compile_sm90(kernel, constexprs, warps, stages, types=None):
+    # types: pointer types by name that override bf16 data / int32 lists
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         pointer = name.endswith("_ptr")
-        sig[name] = ("*bf16" if name in DATA else "*i32") if pointer else "i32"
+        sig[name] = ((types or {}).get(name) or ("*bf16" if name in DATA else "*i32")) if pointer else "i32"
         if pointer or name in ("N", "K", "COLS", "RED", "P", "Q"):  # (16-divisible, as on launch)
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
