@@ -242,13 +242,14 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     A cached buffer is reused when it matches ``spec`` in everything but ``max_tokens`` and is
     at least as large (layers run one after another on the stream, so they can share it);
     otherwise a new one replaces it. Every rank makes the same decision (same specs, same
-    order), as the symmetric rendezvous requires.
+    order), as the symmetric rendezvous requires. Each call counts one more user of the buffer
+    (:func:`leave_shared`).
     """
     key = (kind, id(group), str(device))  # (a cached buffer holds its group: no other group has its id)
     cached = _CACHE.get(key)
     if cached is not None and cached.group is group and cached.spec.max_tokens >= spec.max_tokens and \
             replace(cached.spec, max_tokens=spec.max_tokens) == spec:
-        return cached
+        return take_shared(cached)
     _CACHE.pop(key, None)
     if kind == "symmetric":
         buf = PeerBuffer.symmetric(spec, group, device, backend)
@@ -257,7 +258,28 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     else:
         buf = simulated_world(spec, device)[0]
     _CACHE[key] = buf
+    return take_shared(buf)
+
+
+def take_shared(buf):
+    """Count one more strategy using ``buf``, a buffer of a process-wide cache."""
+    buf.users = getattr(buf, "users", 0) + 1
     return buf
+
+
+def leave_shared(buf, cache: dict | None = None) -> bool:
+    """A strategy that took ``buf`` from ``cache`` (default: :func:`shared_buffer`'s) is done
+    with it (``Strategy.release_buffers``). The last user to leave takes it out of the cache, so
+    it is freed once nothing references it; returns whether it did. Counts, not garbage
+    collection, decide: every rank forgets the buffer at the same call, so the next allocation
+    (a collective rendezvous) happens on every rank alike."""
+    buf.users = getattr(buf, "users", 1) - 1
+    if buf.users > 0:
+        return False
+    cache = _CACHE if cache is None else cache
+    for key in [k for k, v in cache.items() if v is buf]:
+        del cache[key]
+    return True
 
 
 _RELEASE_HOOKS: list = []  # callables run first by release_shared_buffers (e.g. dropping CUDA graphs)

@@ -149,6 +149,12 @@ class Strategy:
         the layer calls it when it switches to another strategy. Buffers shared by every layer of
         the process stay until :func:`interlace.parallel.release_shared_buffers`. No-op by default."""
 
+    def release_buffers(self) -> None:
+        """After :meth:`close`, for good: leave the process-wide buffers this strategy took (the
+        last strategy to leave one frees it; ``auto`` calls it on the candidates it no longer
+        runs). The caller makes sure no launch, here or on a peer, still uses them. No-op by
+        default."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world={self.ep.world}, experts/rank={self.ep.num_local})"
 

@@ -74,7 +74,7 @@ from interlace.kernels.persistent.launch import DEFAULT_SPINS, CallPlan, Persist
 from interlace.kernels.persistent.protocol import describe_error
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.agreement import CallAgreement
-from interlace.parallel.peer_buffer import on_release
+from interlace.parallel.peer_buffer import leave_shared, on_release, take_shared
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS
 from interlace.strategies.base import Strategy, register_strategy
@@ -320,6 +320,10 @@ class PersistentStrategy(Strategy):
     def close(self) -> None:
         self.release_graphs()
 
+    def release_buffers(self) -> None:
+        if self.ep.world > 1 and self.state is not None:  # (still held here: a late call keeps it alive)
+            leave_shared(self.state, _DIST_BUFFERS)
+
     def release_graphs(self) -> int:
         """Drop the captured graphs and the plans (their workspaces); returns how many graphs."""
         n = len(self._graphs)
@@ -419,4 +423,4 @@ def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:
     if buf is None or buf.group is not ep.group:
         make = DistBuffer.symmetric if kind == "symmetric" else DistBuffer.staged
         buf = _DIST_BUFFERS[key] = make(spec, ep.group, x.device)
-    return buf
+    return take_shared(buf)

@@ -134,11 +134,11 @@ def test_auto_candidates_are_those_that_run_fp8():
     dense = MoELayer(CFG, device="cpu").strategy
     fp8 = MoELayer(FP8, device="cpu").strategy
     cuda = torch.device("cuda")  # (only the candidate lists: nothing runs there)
-    assert dense._world1_candidates(cuda) == ("persistent", "sequential")
-    assert fp8._world1_candidates(cuda) == ("sequential",)
+    assert dense.decider.world1_candidates(cuda) == ("persistent", "sequential")
+    assert fp8.decider.world1_candidates(cuda) == ("sequential",)
     with pytest.raises(ValueError, match="none of the candidates"):
         MoELayer(FP8, device="cpu", strategy_options={"candidates": ("pipelined:2", "fused")})
-    assert fp8._shape.endswith("-fp8") and not dense._shape.endswith("-fp8")
+    assert fp8.decider.shape.endswith("-fp8") and not dense.decider.shape.endswith("-fp8")
 
 
 def test_training_calls_raise():

@@ -152,11 +152,11 @@ def _calibration_outputs_and_cache(rank, world, tmp, phase):
     if phase == 0:
         assert choice.source == "measured" and choice.calibration_calls == 4
         if rank == 0:
-            stored = json.loads(layer.strategy._cache.path.read_text())
+            stored = json.loads(layer.strategy.decider.cache.path.read_text())
             assert stored["decisions"]
     else:
         assert choice.source == "cached" and choice.calibration_calls == 4  # the record kept its cost
-        assert not any(layer.strategy._keys[key].samples)  # nothing timed
+        assert not any(layer.strategy.decider.keys[key].samples)  # nothing timed
 
 
 def test_calibration_outputs_and_cache_round_trip(tmp_path):
@@ -200,6 +200,38 @@ def _fused_calibration(rank, world, tmp):
 
 def test_fused_candidate_uneven_counts(tmp_path):
     run_gloo(_fused_calibration, 2, str(tmp_path))
+
+
+def _losers_released(rank, world, tmp):
+    """Once a key decides, the candidates no key runs or still calibrates are dropped, and their
+    peer buffer leaves the process cache (the steady state holds what the winner holds)."""
+    from interlace.parallel import peer_buffer
+
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": ("sequential", "fused"), "warmup": 0, "samples": 1,
+                                       "cache": False})
+    auto = layer.strategy
+    auto.measure_override = lambda spec, ms: 1.0 if spec == "sequential" else 2.0
+    g = torch.Generator().manual_seed(5)
+    held = []
+    for counts in ([3, 4], [4, 2], [1, 3], [4, 4]):  # 1-2 calibrate, 3 decides sequential
+        xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
+        with torch.no_grad():
+            out = layer(xs[rank])
+        assert rel_err(out, ref) < 2e-6, counts
+        fused = auto._impls.get("fused")
+        held.append((fused is not None, len(peer_buffer._CACHE)))
+        if fused is not None:
+            buf = fused.buf
+    assert auto.choices[(4, "fwd")].spec == "sequential"
+    assert held == [(False, 0), (True, 1), (False, 0), (False, 0)], held
+    assert buf.users == 0
+
+
+def test_losing_candidates_are_dropped_with_their_buffers(tmp_path):
+    run_gloo(_losers_released, 2, str(tmp_path))
 
 
 def _decided_keys_and_capacity(rank, world, tmp):
@@ -349,11 +381,11 @@ def test_memory_cap_excludes_fused_train():
     need = fused_buffer_bytes(CFG, 2, 64)
     for cap, excluded in ((need - 1, True), (need, False)):
         s = AutoStrategy(CFG, ep, candidates=("sequential", "fused:train"), memory_cap=cap, cache=False)
-        plan = s._plan((64, "fwdbwd"), "cpu")
+        plan = s.decider.plan((64, "fwdbwd"), "cpu")
         if excluded:
-            assert plan["choice"].spec == "sequential" and any("memory_cap" in n for n in plan["choice"].notes)
+            assert plan.choice.spec == "sequential" and any("memory_cap" in n for n in plan.choice.notes)
         else:
-            assert plan["candidates"] == ["sequential", "fused:train"]
+            assert plan.candidates == ("sequential", "fused:train")
 
 
 def test_cache_interpolates_only_between_agreeing_neighbours(tmp_path):

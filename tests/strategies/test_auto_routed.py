@@ -1,4 +1,4 @@
-"""``auto``'s routed calls at world size W > 1 (interlace.strategies.auto_routed) on gloo ranks:
+"""``auto``'s routed calls at world size W > 1 (interlace.strategies.auto) on gloo ranks:
 inference calls come with the router, ``persistent`` (its kernel under the interpreter, the
 staged transport) is calibrated beside the other candidates under key mode ``"fwd-routed"``,
 every rank runs the same strategy on every call, and a call with more tokens on some rank than
@@ -12,7 +12,7 @@ import torch
 from helpers import reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
 from interlace.strategies.auto import AutoOptions
-from interlace.strategies.auto_routed import ROUTED
+from interlace.strategies.auto_plan import ROUTED
 
 CFG = MoEConfig(hidden=32, ffn=24, num_experts=8, top_k=2, dtype=torch.float32)
 TOL = 1e-4  # the kernel's fp32 dots under the interpreter against the fp64 reference
@@ -21,19 +21,20 @@ TOL = 1e-4  # the kernel's fp32 dots under the interpreter against the fp64 refe
 def _spy_routed(layer, log):
     """Record the name of the sub-strategy that serves each routed call."""
     strategy = layer.strategy
-    run = strategy._run_routed
+    run = strategy._run
 
-    def spy(impl, *args):
-        log.append(impl.name)
-        return run(impl, *args)
+    def spy(impl, args, routed):
+        if routed:
+            log.append(impl.name)
+        return run(impl, args, routed)
 
-    strategy._run_routed = spy
+    strategy._run = spy
 
 
-def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
+def _calibrating_layer(tmp, persistent_max_tokens: int, winner: str) -> MoELayer:
+    """An auto layer calibrating sequential against persistent, one timed call each, where
+    ``winner`` measures faster (the profile dir under ``tmp``)."""
     import os
-
-    import torch.distributed as dist
 
     from interlace import env
 
@@ -41,9 +42,18 @@ def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
     env.refresh()
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
                      strategy_options={"candidates": ("sequential", "persistent"), "warmup": 0, "samples": 1,
-                                       "cache": False, "persistent_max_tokens": 8})
+                                       "cache": False, "persistent_max_tokens": persistent_max_tokens})
+    layer.strategy.measure_override = lambda spec, ms: 1.0 if spec == winner else 2.0
+    return layer
+
+
+def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
+    import os
+
+    import torch.distributed as dist
+
+    layer = _calibrating_layer(tmp, 8, winner)
     strategy = layer.strategy
-    strategy.measure_override = lambda spec, ms: 1.0 if spec == winner else 2.0
     ran = []
     _spy_routed(layer, ran)
     g = torch.Generator().manual_seed(6)
@@ -68,7 +78,7 @@ def _persistent_calibrated_beside_sequential(rank, world, tmp, winner):
     assert strategy.choices[(4, ROUTED)].spec == winner
     assert strategy.choice_for(4, "fwd").spec == winner  # (the bench reads routed decisions as "fwd")
     if rank == 0:  # calls that come routed never have persistent among their candidates
-        assert "persistent" not in strategy._plan((4, "fwd"), "cpu").get("candidates", [])
+        assert "persistent" not in strategy.decider.plan((4, "fwd"), "cpu").candidates
     # A training call builds an autograd graph: it comes routed (the layer routes), never persistent.
     x = torch.randn(3, CFG.hidden, requires_grad=True)
     assert not strategy.routes_call(x, layer.router, layer.experts.w_up, layer.experts.w_down)
@@ -85,3 +95,38 @@ def test_persistent_max_tokens_option_is_checked():
     with pytest.raises(ValueError, match="persistent_max_tokens"):
         AutoOptions(persistent_max_tokens=True)
     assert AutoOptions(persistent_max_tokens=0).persistent_max_tokens == 0
+
+
+def _persistent_grows_and_is_released(rank, world, tmp):
+    """At W > 1 ``persistent``'s buffers are sized to the bucket it serves and grow with it (every
+    rank at the same call; the old buffer leaves the process cache); once every key has decided
+    against it, it is dropped and its buffer freed from the cache."""
+    from interlace.strategies import persistent as persistent_module
+
+    layer = _calibrating_layer(tmp, 16, "sequential")
+    strategy = layer.strategy
+    cache = persistent_module._DIST_BUFFERS
+    g = torch.Generator().manual_seed(8)
+    sizes, cached = [], []
+    # 1-2: bucket 4 calibrates (sequential, then persistent sized for 4); 3-4: bucket 16
+    # calibrates (sequential, then persistent grown to 16: the 4-token buffer leaves the cache);
+    # 5: bucket 16 decides sequential (bucket 4 still calibrates persistent: kept); 6: bucket 4
+    # decides sequential: no key needs persistent, dropped, its buffer gone from the cache.
+    for counts in ([3, 4], [4, 3], [9, 16], [16, 12], [12, 12], [4, 4]):
+        xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
+        ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
+        with torch.no_grad():
+            out = layer(xs[rank])
+        assert rel_err(out, ref) < TOL, (counts, rel_err(out, ref))
+        impl = strategy._impls.get("persistent")
+        sizes.append(None if impl is None else impl.max_tokens)
+        cached.append(sorted(key[-1].max_tokens for key in cache))
+    assert strategy.choices[(16, ROUTED)].spec == "sequential"
+    assert strategy.choices[(4, ROUTED)].spec == "sequential"
+    # Bucket 4 still calibrates persistent when bucket 16 decides (call 5): it stays until call 6.
+    assert sizes == [None, 4, 4, 16, 16, None], sizes
+    assert cached == [[], [4], [4], [16], [16], []], cached
+
+
+def test_persistent_grows_with_the_bucket_and_is_released_2_ranks(tmp_path):
+    run_gloo(_persistent_grows_and_is_released, 2, str(tmp_path))

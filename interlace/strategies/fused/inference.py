@@ -74,7 +74,7 @@ import torch.distributed as dist
 from interlace.kernels.comet.flags import describe_error
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.comm import all_gather_single
-from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, on_release, shared_buffer
+from interlace.parallel.peer_buffer import BufferSpec, PeerBuffer, leave_shared, on_release, shared_buffer
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
 from interlace.strategies.fused.options import GPU_CONFIG, INTERPRETER_CONFIG, FusedOptions
@@ -261,6 +261,10 @@ class FusedStrategy(Strategy):
 
     def close(self) -> None:
         self.release_graphs()
+
+    def release_buffers(self) -> None:
+        if self.buf is not None:  # (still held here: a pending backward keeps it alive)
+            leave_shared(self.buf)
 
     def release_graphs(self) -> int:
         """Drop this strategy's captured CUDA graphs (inference and training); returns how many.
