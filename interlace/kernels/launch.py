@@ -50,6 +50,18 @@ class _Unkeyed(Exception):
     """An argument whose specialization :func:`args_key` does not model."""
 
 
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of CUDA ``device`` (asked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _SMS.get(index)
+    if found is None:
+        found = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return found
+
+
 def args_key(args: tuple) -> tuple:
     """What Triton 3.6's specialization of these (non-constexpr) arguments depends on, one
     hashable per argument: a tensor's dtype and 16-byte alignment; an int's equality to 1, its

@@ -183,15 +183,22 @@ def test_split_bf16_is_exact():
 
 
 @pytest.mark.parametrize("pieces", [(1, 3), (3, 1), (2, 2)])
-@pytest.mark.parametrize("M,N,K", [(37, 20, 150), (5, 130, 64), (0, 8, 16), (9, 0, 16), (6, 7, 0)])
+@pytest.mark.parametrize("M,N,K", [(37, 20, 150), (5, 130, 64), (0, 8, 16), (9, 0, 16), (6, 7, 0), (6, 20, 1100)])
 def test_split_mm_kernel(pieces, M, N, K):
     """The one-launch piece GEMM (interpreter) against its torch twin and the exact product:
-    3 pieces reproduce the fp32 operand's GEMM; 2×2 keeps ~2^-16 relative. Poisoned output."""
+    3 pieces reproduce the fp32 operand's GEMM; 2×2 keeps ~2^-16 relative. Poisoned output.
+    K = 1100 on a one-tile output: the reduction split in 5 (the last one partial), the
+    partials summed."""
     from interlace.kernels.router_gemm import split_mm, split_mm_reference
 
     pa, pb = pieces
     a = torch.randn(M, K) if pa > 1 else torch.randn(M, K).to(torch.bfloat16)
     b = (torch.randn(N, K) / 8).t() if pb > 1 else torch.randn(K, N).to(torch.bfloat16)  # a transposed view
+    from interlace.kernels.router_gemm import CPU_PROGRAMS, _plan
+
+    if M and N and K:
+        splits = _plan(M, N, K, CPU_PROGRAMS)[4]
+        assert splits == (5 if K == 1100 else 1), splits
     got = split_mm(a, b, pa, pb, torch.float32)  # (outputs are poisoned: conftest)
     ref = split_mm_reference(a, b, pa, pb, torch.float32)
     exact = a.double() @ b.double()
