@@ -20,7 +20,7 @@ Checks, per strategy:
   ``rel(compiled, ref) ≤ C · rel(eager, ref) + A`` (relative ‖·‖₂), ``C``, ``A`` below;
 * the step's median time over ``--iters`` steps, eager and compiled, and a forward under no_grad.
 
-Prints one line per strategy; exits non-zero when a check fails or a compiled step (training or
+Prints per strategy the times, the routing counts and each quantity's three distances; exits non-zero when a check fails or a compiled step (training or
 forward) takes longer than ``--max-ratio`` × eager's.
 """
 
