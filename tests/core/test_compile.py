@@ -275,17 +275,21 @@ def test_bf16_split_router_compiles():
 
 def test_compiled_router_picks_the_eager_experts():
     """The compiled router's choice is the Triton top-k kernel's (the op interlace::route_topk):
-    softmax and sigmoid-with-bias routers, with near-ties that a different top-k could order
-    differently."""
+    softmax and sigmoid-with-bias routers, on rows where two experts' logits tie exactly or lie
+    within 3 fp32 ulps of each other, where a top-k of other scores (torch's softmax or sigmoid,
+    rounded otherwise than the kernel's) orders them differently in a few rows of each hundred."""
     from interlace.routing import route_logits
 
     for cfg in (CFG, CFG.with_(router="sigmoid", renormalize=True, route_scale=2.5)):
         gen = torch.Generator().manual_seed(12)
-        logits = torch.randn(40, cfg.num_experts, generator=gen)
-        logits[::3, 1] = logits[::3, 2]  # exact ties between two experts
-        bias = torch.randn(cfg.num_experts, generator=gen) if cfg.router == "sigmoid" else None
+        logits = torch.randn(400, cfg.num_experts, generator=gen)
+        ulps = (torch.arange(400) % 7 - 3).to(torch.int32)  # expert 2 within -3..3 ulps of expert 1
+        logits[:, 2] = (logits[:, 1].view(torch.int32) + ulps).view(torch.float32)
+        logits[:, 1:3] += 2.0  # (mostly among the top 2, where their order is the choice's order)
+        bias = torch.randn(cfg.num_experts, generator=gen) * 1e-3 if cfg.router == "sigmoid" else None
         eager = route_logits(logits, bias, cfg, fused=True)
         compiled = torch.compile(lambda lg: route_logits(lg, bias, cfg, fused=True), fullgraph=True,
                                  backend="aot_eager")(logits)
-        assert torch.equal(compiled[0], eager[0]), cfg.router
+        assert torch.equal(compiled[0], eager[0]), (
+            f"{cfg.router}: {int((compiled[0] != eager[0]).any(1).sum())} of 400 rows chose otherwise")
         assert rel_err(compiled[1], eager[1]) < TOL, cfg.router

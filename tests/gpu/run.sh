@@ -5,8 +5,8 @@
 #                               persistent forward on the routing cases its router can make
 #   2. tests/gpu/fused_check.py the fused strategy on every preset against sequential and naive, then
 #                               many calls through CUDA-graph captures, replays and evictions
-#   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile against eager (bf16
-#                               tolerance), with compiled and eager step times
+#   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile and eager, each against
+#                               an fp32 twin, the routing, compiled and eager step times
 #   4. tests/gpu/persistent_check.py the persistent strategy (world size 1, GPU 0) against the fp32
 #                               reference: token counts, skewed routing, NaN rows, repeatability, stress
 #   5. tests/gpu/persistent_sim_check.py the W > 1 persistent kernel with simulated ranks on GPU 0
