@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,8 +39,10 @@ import torch  # noqa: E402
 from interlace import MoELayer  # noqa: E402
 from interlace.config import PRESETS  # noqa: E402
 from interlace.fp8 import BlockFP8Weight  # noqa: E402
+from interlace.tools.bench_timing import time_back_to_back  # noqa: E402
 
 VARIANTS = ("bf16:persistent", "fp8:persistent", "fp8:sequential")
+ONE_GPU = SimpleNamespace(world=1)  # (the harness's timing takes the run's env: one rank, no barrier)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,17 +64,6 @@ def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
             times.append(start.elapsed_time(end))
     del a
     return gib * 2**30 / (statistics.median(times) * 1e-3)
-
-
-def back_to_back_ms(fn, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def bench_preset(name: str, args, device, bandwidth: float) -> list[dict]:
@@ -110,7 +102,7 @@ def bench_preset(name: str, args, device, bandwidth: float) -> list[dict]:
                 order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
                 for v in order:
                     layer = layers[v]
-                    times[v].append(back_to_back_ms(lambda: layer(x), args.calls))
+                    times[v].append(time_back_to_back(lambda: layer(x), args.calls, ONE_GPU))
             again = fp8(x)  # a graph replay after the timed calls: the first call's bits
             row["replay_same"] = torch.equal(again, out["fp8:persistent"])
             row["ok"] = row["ok"] and row["replay_same"]
