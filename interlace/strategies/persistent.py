@@ -26,6 +26,10 @@ What runs ``sequential``'s path instead (the layer routes, then :meth:`__call__`
 * calls with user-given ``expert_indices``;
 * calls traced by ``torch.compile`` (the kernel is not a custom op yet).
 
+FP8 experts (``MoEConfig.expert_quant="fp8"``): the GEMM tasks read the e4m3 weights and their
+128 × 128 block scales and dequantize each weight block in registers before its dot (W8A16: a
+decode call reads half the weight bytes; the dots and h stay in x's dtype).
+
 Refused in this phase, each with a one-line ``ValueError`` when the strategy is built (before any
 weight): a world size that does not divide the experts, group-limited routing
 (``n_group``/``topk_group``), ``softmax_after_topk``, fp64 tensors or an fp64 router, fp16
@@ -72,6 +76,7 @@ from interlace.kernels.persistent.config import PersistentKernelConfig, router_p
 from interlace.kernels.persistent.dist_launch import DEFAULT_TIMEOUT_S, DistBuffer, DistPlan, DistSpec
 from interlace.kernels.persistent.launch import DEFAULT_SPINS, CallPlan, PersistentState
 from interlace.kernels.persistent.protocol import describe_error
+from interlace.fp8 import BlockFP8Weight
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.agreement import CallAgreement
 from interlace.parallel.peer_buffer import leave_shared, on_release, take_shared
@@ -135,6 +140,7 @@ class PersistentStrategy(Strategy):
     fused_routing = True
     needs_triton = True
     routes_itself = True
+    fp8_experts = True  # inference: W8A16 in the GEMM tasks (interlace.kernels.expert_gemm.tile.fp8_dequant)
 
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int | None = None,
                  task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None,
@@ -254,15 +260,19 @@ class PersistentStrategy(Strategy):
     def _new_plan(self, x: torch.Tensor, weights: tuple, rounding: int = 0) -> CallPlan:
         cfg = self.config
         timeline = 0 if not self.timeline else CLOCK_GPU if x.is_cuda and not _INTERPRET else CLOCK_LOGICAL
-        router_weight, bias, w_up, w_down = (None if w is None else w.detach() for w in weights)
+        # (FP8 experts come as BlockFP8Weight pairs, held as they are: e4m3 and scales contiguous)
+        router_weight, bias, w_up, w_down = (w if w is None or isinstance(w, BlockFP8Weight) else w.detach()
+                                             for w in weights)
+        if not isinstance(w_up, BlockFP8Weight):
+            w_up, w_down = w_up.contiguous(), w_down.contiguous()
         if self.ep.world > 1:
-            return DistPlan(x, router_weight.contiguous(), bias, w_up.contiguous(), w_down.contiguous(), self.state,
+            return DistPlan(x, router_weight.contiguous(), bias, w_up, w_down, self.state,
                             top_k=cfg.top_k, softmax=cfg.router == "softmax", renormalize=cfg.renormalize,
                             route_scale=cfg.route_scale, activation=cfg.activation,
                             w_pieces=router_pieces(x.dtype, cfg.router_gemm), config=self.kernel,
                             max_spins=self.max_spins, timeout_s=self.wait_timeout_s, timeline=timeline,
                             round_logits=rounding, capacity=cfg.capacity(x.shape[0]))
-        return CallPlan(x, router_weight, bias, w_up.contiguous(), w_down.contiguous(), self.state, top_k=cfg.top_k,
+        return CallPlan(x, router_weight, bias, w_up, w_down, self.state, top_k=cfg.top_k,
                         softmax=cfg.router == "softmax", renormalize=cfg.renormalize, route_scale=cfg.route_scale,
                         activation=cfg.activation, w_pieces=router_pieces(x.dtype, cfg.router_gemm),
                         config=self.kernel, max_spins=self.max_spins, order=self.task_order, timeline=timeline,

@@ -9,6 +9,9 @@ JOINT, in one double-width dot over a 3-D weight descriptor, :func:`joint_gate_u
 fused backward multiplies by W_down and W_up untransposed. ``window_map`` and ``store_tile``
 bound TMA loads and stores at a row without a descriptor per tile (the flat loops).
 ACTIVATION: 0 SwiGLU, 1 GELU (exact, erf), 2 ReLU, 3 none (the plain product; backward).
+``W_FP8`` (``gate_up_tile``): the weights are e4m3 with one fp32 scale per 128 × 128 block
+(:class:`interlace.fp8.BlockFP8Weight`), dequantized in registers before each dot (W8A16: the
+decode kernels read half the bytes; the dot stays in the activations' dtype).
 """
 
 from __future__ import annotations
@@ -32,10 +35,26 @@ def a_block(a_rows, rmask, a_desc, a_row0, k0, offs_k, RED, A_TMA: tl.constexpr)
 
 
 @triton.jit
+def fp8_dequant(b, w_scale, rows, rmask, k0, SCALE_COLS, ROWS_AXIS: tl.constexpr, dtype: tl.constexpr):
+    """An e4m3 weight block ``b`` at reduction offset ``k0`` in ``dtype``: each weight row times
+    the fp32 scale of its 128 × 128 block (``w_scale``: the expert's (⌈R/128⌉, SCALE_COLS) scales;
+    ``rows``: the block's weight rows, along axis ``ROWS_AXIS`` of ``b``). A reduction step never
+    crosses a scale block: its width divides 128 (the launchers check). (Scaling each step's
+    product per output column instead keeps the weights exact but gives up the chained
+    accumulator: 1.3-2.4x slower on H200 at 128-512 tokens.)"""
+    s = tl.load(w_scale + (rows // 128).to(tl.int64) * SCALE_COLS + k0 // 128, mask=rmask, other=0.0)
+    if ROWS_AXIS == 0:
+        w = b.to(tl.float32) * s[:, None]
+    else:
+        w = b.to(tl.float32) * s[None, :]
+    return w.to(dtype)
+
+
+@triton.jit
 def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVATION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
                  a_desc=None, a_row0=0, A_TMA: tl.constexpr = False, JOINT: tl.constexpr = False, w_expert=0,
-                 col0=0):
+                 col0=0, w_scale=None, SCALE_COLS=0, W_FP8: tl.constexpr = False):
     """(acc_gate, acc_up) of A[rows] @ W[cols]^T over the N reduction; W row-major (up_width, N)
     at ``w_base`` with the up rows K below the gate rows. acc_up is acc_gate without SwiGLU.
     With USE_TMA the weight tiles come through the tensor descriptor ``w_desc`` over all
@@ -48,7 +67,10 @@ def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVA
     and one load brings the tile's gate and up rows (expert ``w_expert``, columns ``col0 ..``)
     as a (2, BLOCK_N, BLOCK_K) block, so one BLOCK_M × 2·BLOCK_N dot (a single n256 wgmma per
     warpgroup for BLOCK_N = 128) replaces two BLOCK_M × BLOCK_N dots that each re-read A from
-    shared memory. The accumulator's gate and up halves split apart in registers."""
+    shared memory. The accumulator's gate and up halves split apart in registers.
+
+    W_FP8 (not with JOINT): W is e4m3 and ``w_scale`` its expert's fp32 block scales
+    (⌈up_width/128⌉, SCALE_COLS = ⌈N/128⌉), applied by :func:`fp8_dequant` before each dot."""
     offs_k = tl.arange(0, BLOCK_K)
     if JOINT:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
@@ -65,16 +87,26 @@ def gate_up_tile(a_rows, rmask, w_base, w_desc, w_row, cols, cmask, N, K, ACTIVA
             kmask = kk < N
             a = a_block(a_rows, rmask, a_desc, a_row0, k0, offs_k, N, A_TMA)
             if USE_TMA:
-                acc_g = tl.dot(a, w_desc.load([w_row, k0]).T, acc_g)
+                b = w_desc.load([w_row, k0])
+                if W_FP8:
+                    b = fp8_dequant(b, w_scale, cols, cmask, k0, SCALE_COLS, 0, a.dtype)
+                acc_g = tl.dot(a, b.T, acc_g)
                 if ACTIVATION == 0:
-                    acc_u = tl.dot(a, w_desc.load([w_row + K, k0]).T, acc_u)
+                    b = w_desc.load([w_row + K, k0])
+                    if W_FP8:
+                        b = fp8_dequant(b, w_scale, K + cols, cmask, k0, SCALE_COLS, 0, a.dtype)
+                    acc_u = tl.dot(a, b.T, acc_u)
             else:
                 wmask = kmask[:, None] & cmask[None, :]
-                acc_g = tl.dot(a, tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0),
-                               acc_g)
+                b = tl.load(w_base + cols[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0)
+                if W_FP8:
+                    b = fp8_dequant(b, w_scale, cols, cmask, k0, SCALE_COLS, 1, a.dtype)
+                acc_g = tl.dot(a, b, acc_g)
                 if ACTIVATION == 0:
-                    acc_u = tl.dot(a, tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask,
-                                              other=0.0), acc_u)
+                    b = tl.load(w_base + (K + cols)[None, :].to(tl.int64) * N + kk[:, None], mask=wmask, other=0.0)
+                    if W_FP8:
+                        b = fp8_dequant(b, w_scale, K + cols, cmask, k0, SCALE_COLS, 1, a.dtype)
+                    acc_u = tl.dot(a, b, acc_u)
     if ACTIVATION != 0:
         acc_u = acc_g
     return acc_g, acc_u

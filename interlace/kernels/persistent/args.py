@@ -56,12 +56,39 @@ class DistCall(NamedTuple):
 
 class Weights(NamedTuple):
     """Router (E, N) fp32, selection bias (E,) fp32 (the router weight where there is none:
-    ``HAS_BIAS`` off), w_up (E or E_loc, UP, N) and w_down (E or E_loc, N, K) in x's dtype."""
+    ``HAS_BIAS`` off), w_up (E or E_loc, UP, N) and w_down (E or E_loc, N, K) in x's dtype, or
+    e4m3 (``W_FP8``) with their fp32 128 × 128 block scales (E or E_loc, ⌈UP/128⌉, ⌈N/128⌉) and
+    (…, ⌈N/128⌉, ⌈K/128⌉) (the router weight where the weights are not FP8: never read)."""
 
     rw_ptr: Tensor
     bias_ptr: Tensor
     w_up_ptr: Tensor
     w_down_ptr: Tensor
+    w_up_scale_ptr: Tensor
+    w_down_scale_ptr: Tensor
+
+
+def weights_group(router_weight: Tensor, expert_bias: Tensor | None, w_up, w_down,
+                  reduction_steps: tuple[int, int]) -> tuple[Weights, bool]:
+    """(the :class:`Weights` group, whether the experts are FP8). ``w_up`` / ``w_down``: dense
+    tensors, or :class:`~interlace.fp8.BlockFP8Weight` pairs (their e4m3 tensors and block
+    scales, dequantized in the GEMM tasks, whose reduction steps ``reduction_steps`` = (GEMM0's
+    over N, GEMM1's over K) must each stay inside one 128-wide scale block: at most 128)."""
+    fp8 = hasattr(w_up, "scale_inv")
+    if fp8 != hasattr(w_down, "scale_inv"):
+        raise TypeError("persistent: w_up and w_down must both be FP8 (BlockFP8Weight) or both dense")
+    if fp8 and max(reduction_steps) > 128:
+        raise ValueError(f"persistent: FP8 experts need reduction steps of at most 128 (one scale block), got "
+                         f"block_n0, block_k1 = {reduction_steps}")
+    bias = expert_bias if expert_bias is not None else router_weight
+    if not fp8:
+        return Weights(router_weight, bias, w_up, w_down, router_weight, router_weight), False
+    return Weights(router_weight, bias, w_up.weight, w_down.weight, w_up.scale_inv, w_down.scale_inv), True
+
+
+def weight_tensors(*weights) -> tuple:
+    """Every tensor behind ``weights`` (None kept; an FP8 weight: its e4m3 tensor and scales)."""
+    return tuple(t for w in weights for t in ((w.weight, w.scale_inv) if hasattr(w, "scale_inv") else (w,)))
 
 
 class MoeWorkspace(NamedTuple):
@@ -250,23 +277,25 @@ class Routing(NamedTuple):
 class MoeModes(NamedTuple):
     """Constexpr: the activation (:class:`~interlace.kernels.persistent.protocol.Activation`),
     the task order (0 normal, 1 combine first: tests), the timeline (0 off, 1 GPU clock, 2
-    logical clock)."""
+    logical clock), FP8 expert weights (W_FP8: dequantized in registers, W8A16)."""
 
     ACTIVATION: int
     ORDER: int
     TIMELINE: int
+    W_FP8: bool
 
 
 class DistModes(NamedTuple):
     """Constexpr at W > 1: the activation, the GPU's global timer in waits (CLOCK), the
-    timeline, wide tiles (W_TMA: the weights through TMA descriptors) and the joint SwiGLU load
-    (JOINT)."""
+    timeline, wide tiles (W_TMA: the weights through TMA descriptors), the joint SwiGLU load
+    (JOINT) and FP8 expert weights (W_FP8; never with JOINT)."""
 
     ACTIVATION: int
     CLOCK: bool
     TIMELINE: int
     W_TMA: bool
     JOINT: bool
+    W_FP8: bool
 
 
 class KernelArgs:

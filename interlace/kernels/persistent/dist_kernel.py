@@ -165,10 +165,10 @@ def _row_assignments(lx, src, slot, rmask, amap_table, me, E_loc, max_tokens):
 
 
 @triton.jit
-def _gemm0_task(tile, ks, lx, first, end, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, h_ptr, offs_ptr, me,
-                W, E_loc, max_tokens, N, K, UP, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, EL_PAD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr, W_TMA: tl.constexpr,
-                JOINT: tl.constexpr):
+def _gemm0_task(tile, ks, lx, first, end, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc, w_up_scale_ptr, h_ptr,
+                offs_ptr, me, W, E_loc, max_tokens, N, K, UP, TOP_K: tl.constexpr, ACTIVATION: tl.constexpr,
+                EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr, BLOCK_N0: tl.constexpr,
+                W_TMA: tl.constexpr, JOINT: tl.constexpr, W_FP8: tl.constexpr):
     """h[tile rows, K-slice ks] = act(token rows @ W_up[l][gate (and up) rows]ᵀ): a row of
     source s ≠ me is recv[s][t], one of this rank's own tokens x[t] (t = amap[s][l][slot] // k)."""
     src, slot, rmask = _tile_rows(first, end, lx, offs_ptr, W, EL_PAD, BLOCK_M)
@@ -179,7 +179,9 @@ def _gemm0_task(tile, ks, lx, first, end, x_ptr, recv_table, amap_table, w_up_pt
     cmask = cols < K
     acc_g, acc_u = gate_up_tile(a_rows, rmask, w_up_ptr + lx.to(tl.int64) * UP * N, w_up_desc,
                                 lx * UP + ks * BLOCK_K0, cols, cmask, N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0,
-                                W_TMA, JOINT=JOINT, w_expert=lx, col0=ks * BLOCK_K0)
+                                W_TMA, JOINT=JOINT, w_expert=lx, col0=ks * BLOCK_K0,
+                                w_scale=w_up_scale_ptr + lx.to(tl.int64) * tl.cdiv(UP, 128) * tl.cdiv(N, 128),
+                                SCALE_COLS=tl.cdiv(N, 128), W_FP8=W_FP8)
     act = activation_epilogue(acc_g, acc_u, ACTIVATION)
     h_rows = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
@@ -187,9 +189,9 @@ def _gemm0_task(tile, ks, lx, first, end, x_ptr, recv_table, amap_table, w_up_pt
 
 
 @triton.jit
-def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, ret_table, amap_table, offs_ptr, me, W,
-                E_loc, max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
-                BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr):
+def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, w_down_scale_ptr, ret_table, amap_table,
+                offs_ptr, me, W, E_loc, max_tokens, N, K, EL_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, W_TMA: tl.constexpr, W_FP8: tl.constexpr):
     """Each row's source s and assignment a (amap[s][l][slot]): s's ret[a, N-slice ns] =
     h[row] @ W_down[l][slice]ᵀ (stored into s's memory)."""
     src, slot, rmask = _tile_rows(first, end, lx, offs_ptr, W, EL_PAD, BLOCK_M)
@@ -199,7 +201,9 @@ def _gemm1_task(tile, ns, lx, first, end, h_ptr, w_down_ptr, w_down_desc, ret_ta
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
     acc, _ = gate_up_tile(h_ptr + h_rows * K, rmask, w_down_ptr + lx.to(tl.int64) * N * K, w_down_desc,
-                          lx * N + ns * BLOCK_N1, cols, cmask, K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA)
+                          lx * N + ns * BLOCK_N1, cols, cmask, K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, W_TMA,
+                          w_scale=w_down_scale_ptr + lx.to(tl.int64) * tl.cdiv(N, 128) * tl.cdiv(K, 128),
+                          SCALE_COLS=tl.cdiv(K, 128), W_FP8=W_FP8)
     y = acc.to(h_ptr.dtype.element_ty)
     for d in range(0, W):
         dst = peer_region(ret_table, d, h_ptr.dtype.element_ty)
@@ -317,7 +321,7 @@ BY_TOKEN_COUNT = ("T", "n_programs", "n_logits", "n_ls", "ls_chunk", "n_gate", "
 def persistent_dist_kernel(
     # The parameters in groups, each a dataclass of interlace.kernels.persistent.args (DistKernelArgs).
     x_ptr, out_ptr, n_programs, task_lo, task_hi, final,  # DistCall
-    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr,  # Weights
+    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, w_up_scale_ptr, w_down_scale_ptr,  # Weights
     logits_ptr, idx_ptr, wt_ptr, lrank_ptr, slot_ptr, hist_ptr, base_ptr, counts_ptr, offs_ptr, tiles_ptr,  # DistWorkspace
     h_ptr,
     recv_table, amap_table, ret_table, counts_table, sent_table, done_table,  # PeerTables
@@ -335,7 +339,7 @@ def persistent_dist_kernel(
     RENORMALIZE: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr,
     CAPACITY: tl.constexpr,
     ACTIVATION: tl.constexpr, CLOCK: tl.constexpr, TIMELINE: tl.constexpr, W_TMA: tl.constexpr,  # DistModes
-    JOINT: tl.constexpr,
+    JOINT: tl.constexpr, W_FP8: tl.constexpr,
 ):
     """One rank's part of one MoE layer call (tasks [task_lo, task_hi)); see the module and, for
     each parameter, :class:`~interlace.kernels.persistent.args.DistKernelArgs`.
@@ -442,8 +446,8 @@ def persistent_dist_kernel(
             if real:
                 if is_g0:
                     _gemm0_task(tile, piece, lx, row0, row_end, x_ptr, recv_table, amap_table, w_up_ptr, w_up_desc,
-                                h_ptr, offs_ptr, me, W, E_loc, max_tokens, N, K, UP, TOP_K, ACTIVATION, EL_PAD,
-                                BLOCK_M, BLOCK_K0, BLOCK_N0, W_TMA, JOINT)
+                                w_up_scale_ptr, h_ptr, offs_ptr, me, W, E_loc, max_tokens, N, K, UP, TOP_K, ACTIVATION,
+                                EL_PAD, BLOCK_M, BLOCK_K0, BLOCK_N0, W_TMA, JOINT, W_FP8)
                     tl.debug_barrier()
                     tl.atomic_add(g0_done_ptr + tile, 1, sem="release", scope="gpu")
                 else:
@@ -451,9 +455,9 @@ def persistent_dist_kernel(
                                                me, task, WAIT_GEMM0, tile, epoch, "gpu", CLOCK)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
-                        _gemm1_task(tile, piece, lx, row0, row_end, h_ptr, w_down_ptr, w_down_desc, ret_table,
-                                    amap_table, offs_ptr, me, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M, BLOCK_N1,
-                                    BLOCK_K1, W_TMA)
+                        _gemm1_task(tile, piece, lx, row0, row_end, h_ptr, w_down_ptr, w_down_desc, w_down_scale_ptr,
+                                    ret_table, amap_table, offs_ptr, me, W, E_loc, max_tokens, N, K, EL_PAD, BLOCK_M,
+                                    BLOCK_N1, BLOCK_K1, W_TMA, W_FP8)
                     g1_pending += 1  # (counted when this program leaves the kind: _count_gemm1)
             else:
                 # Tiles past the real count are the rest of this kind's range: skip it at once.

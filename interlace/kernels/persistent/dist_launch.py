@@ -32,7 +32,7 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.persistent import dist_tasks as dt
 from interlace.kernels.persistent.args import (
     DistCall, DistFrontTiles, DistKernelArgs, DistModes, DistSync, DistTasks, DistWorkspace, GemmTiles,
-    PeerTables, Routing, Sizes, TimelineArgs, Weights, World, check_signature,
+    PeerTables, Routing, Sizes, TimelineArgs, World, check_signature, weight_tensors, weights_group,
 )
 from interlace.kernels.persistent.config import (
     ROW_TILES, WIDE_WARPS, PersistentKernelConfig, host_error_record, programs_per_sm, timeline_args,
@@ -280,7 +280,7 @@ class DistPlan:
         if T > spec.max_tokens:
             raise ValueError(f"persistent: {T} tokens exceed max_tokens={spec.max_tokens} (strategy option)")
         for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
-            if not t.is_contiguous():
+            if not all(p.is_contiguous() for p in weight_tensors(t)):
                 raise ValueError(f"persistent: {name} must be contiguous")
         E = router_weight.shape[0]
         L, up_width, _ = w_up.shape
@@ -290,13 +290,13 @@ class DistPlan:
                              f"buffer's {spec}")
         self.T, self.N, self.dtype, self.device, self.buf = T, N, x.dtype, x.device, buf
         self.weights = (router_weight, expert_bias, w_up, w_down)
-        self.weight_ptrs = tuple(0 if w is None else w.data_ptr() for w in self.weights)
+        self.weight_ptrs = tuple(0 if w is None else w.data_ptr() for w in weight_tensors(*self.weights))
         c = self.config = config
         # (a tile holds one expert's rows from all W sources; each rank expects W·T·k/E rows per
         # expert from its own T: decode ranks see similar counts)
         block_m = max(ROW_TILES[0], c.rows_per_tile(spec.world * T, top_k, E))
         rows_per_expert = spec.world * T * top_k / E
-        self.wide = c.wide_tiles(rows_per_expert, w_up, w_down)
+        self.wide = c.wide_tiles(rows_per_expert, *(getattr(w, "weight", w) for w in (w_up, w_down)))
         self.num_warps, self.num_stages = c.num_warps, c.num_stages
         if self.wide:
             block_m, block_k0, block_n0, block_n1, block_k1 = c.wide_tiles_for(
@@ -307,6 +307,7 @@ class DistPlan:
             if c.block_n1 is None and x.device.type == "cuda" and not _INTERPRET:
                 block_n1 = narrow_gemm1_slice(T, N, L, top_k, block_m, block_n1, x.device)
         self.block_m = block_m
+        weights, fp8 = weights_group(router_weight, expert_bias, w_up, w_down, (block_n0, block_k1))
         tile = WIDE_LOGITS_TILE if self.wide else LOGITS_TILE
         block_t, block_e = c.block_t or tile[0], c.block_e or tile[1]
         block_s, block_ns = c.block_s, min(c.block_ns, next_power_of_2(N))
@@ -343,8 +344,7 @@ class DistPlan:
         tb = buf.tables
         self.args = DistKernelArgs(
             call=DistCall(x_ptr=x, out_ptr=None, n_programs=0, task_lo=0, task_hi=0, final=0),  # (set per launch)
-            weights=Weights(rw_ptr=router_weight, bias_ptr=expert_bias if expert_bias is not None else router_weight,
-                            w_up_ptr=w_up, w_down_ptr=w_down),
+            weights=weights,
             workspace=DistWorkspace(logits_ptr=logits, idx_ptr=idx, wt_ptr=wt.view(torch.float32), lrank_ptr=lrank,
                                     slot_ptr=slot, hist_ptr=hist, base_ptr=base, counts_ptr=counts, offs_ptr=offs,
                                     tiles_ptr=tiles, h_ptr=h),
@@ -371,7 +371,8 @@ class DistPlan:
                             RENORMALIZE=renormalize, W_PIECES=w_pieces, DOT_FP32=_INTERPRET, ROUND_LOGITS=round_logits,
                             CAPACITY=capacity is not None),
             modes=DistModes(ACTIVATION=ACTIVATION_ID[activation], CLOCK=x.device.type == "cuda" and not _INTERPRET,
-                            TIMELINE=timeline, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu"),
+                            TIMELINE=timeline, W_TMA=self.wide, JOINT=self.wide and activation == "swiglu" and not fp8,
+                            W_FP8=fp8),
         )
         self.constexprs = self.args.constexprs()
         self._rest = self.args.runtime(skip_call=True)  # (the arguments after the launch's call group)
@@ -388,7 +389,8 @@ class DistPlan:
 
     def matches(self, x: torch.Tensor, router_weight, expert_bias, w_up, w_down) -> bool:
         return (x.shape[0] == self.T and x.dtype == self.dtype and x.device == self.device
-                and tuple(0 if w is None else w.data_ptr() for w in (router_weight, expert_bias, w_up, w_down))
+                and tuple(0 if w is None else w.data_ptr() for w in weight_tensors(router_weight, expert_bias, w_up,
+                                                                                  w_down))
                 == self.weight_ptrs)
 
     def _programs(self, n_tasks: int) -> int:

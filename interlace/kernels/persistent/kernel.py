@@ -134,10 +134,11 @@ def _index_task(idx_ptr, lrank_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, row
 
 
 @triton.jit
-def _gemm0_task(tile, ks, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
+def _gemm0_task(tile, ks, x_ptr, w_up_ptr, w_up_scale_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
                 TOP_K: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K0: tl.constexpr,
-                BLOCK_N0: tl.constexpr):
-    """h[rows, K-slice ks] = act(x[tokens of rows] @ W_up[e][gate (and up) rows of the slice]ᵀ)."""
+                BLOCK_N0: tl.constexpr, W_FP8: tl.constexpr):
+    """h[rows, K-slice ks] = act(x[tokens of rows] @ W_up[e][gate (and up) rows of the slice]ᵀ)
+    (W_FP8: e4m3 weights, ``w_up_scale_ptr`` their (E, ⌈UP/128⌉, ⌈N/128⌉) block scales)."""
     e = tl.load(tiles_ptr + tile).to(tl.int64)
     first = tl.load(tiles_ptr + max_tiles + tile)
     end = tl.load(tiles_ptr + 2 * max_tiles + tile)
@@ -146,17 +147,20 @@ def _gemm0_task(tile, ks, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_til
     token = tl.load(asg_of_ptr + rows, mask=rmask, other=0, cache_modifier=".cg") // TOP_K
     cols = ks * BLOCK_K0 + tl.arange(0, BLOCK_K0)
     cmask = cols < K
+    scale_cols = tl.cdiv(N, 128)
     acc_g, acc_u = gate_up_tile(x_ptr + token.to(tl.int64) * N, rmask, w_up_ptr + e * UP * N, None, 0, cols, cmask,
-                                N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False)
+                                N, K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, False,
+                                w_scale=w_up_scale_ptr + e * tl.cdiv(UP, 128) * scale_cols, SCALE_COLS=scale_cols,
+                                W_FP8=W_FP8)
     act = activation_epilogue(acc_g, acc_u, ACTIVATION)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], act.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
-def _gemm1_task(tile, ns, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
-                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr):
-    """y[rows, N-slice ns] = h[rows] @ W_down[e][slice]ᵀ."""
+def _gemm1_task(tile, ns, h_ptr, w_down_ptr, w_down_scale_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
+                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, W_FP8: tl.constexpr):
+    """y[rows, N-slice ns] = h[rows] @ W_down[e][slice]ᵀ (W_FP8: e4m3, (E, ⌈N/128⌉, ⌈K/128⌉) scales)."""
     e = tl.load(tiles_ptr + tile).to(tl.int64)
     first = tl.load(tiles_ptr + max_tiles + tile)
     end = tl.load(tiles_ptr + 2 * max_tiles + tile)
@@ -164,8 +168,11 @@ def _gemm1_task(tile, ns, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N, K,
     rmask = rows < end
     cols = ns * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     cmask = cols < N
+    scale_cols = tl.cdiv(K, 128)
     acc, _ = gate_up_tile(h_ptr + rows.to(tl.int64) * K, rmask, w_down_ptr + e * N * K, None, 0, cols, cmask,
-                          K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, False)
+                          K, K, PLAIN, BLOCK_M, BLOCK_N1, BLOCK_K1, False,
+                          w_scale=w_down_scale_ptr + e * tl.cdiv(N, 128) * scale_cols, SCALE_COLS=scale_cols,
+                          W_FP8=W_FP8)
     tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
@@ -205,7 +212,7 @@ BY_TOKEN_COUNT = ("T", "n_programs", "n_gate", "max_tiles", "n_comb_t", "capacit
 def persistent_moe_kernel(
     # The parameters in groups, each a dataclass of interlace.kernels.persistent.args (MoeKernelArgs).
     x_ptr, out_ptr, n_programs,  # MoeCall
-    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr,  # Weights
+    rw_ptr, bias_ptr, w_up_ptr, w_down_ptr, w_up_scale_ptr, w_down_scale_ptr,  # Weights
     idx_ptr, wt_ptr, lrank_ptr, row_of_ptr, asg_of_ptr, hist_ptr, base_ptr, offs_ptr, tiles_ptr, h_ptr,  # MoeWorkspace
     y_ptr,
     state_ptr, err_ptr, host_err_ptr, max_spins,  # Sync
@@ -218,7 +225,7 @@ def persistent_moe_kernel(
     TOP_K: tl.constexpr, E_PAD: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,  # Routing
     RENORMALIZE: tl.constexpr, W_PIECES: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_LOGITS: tl.constexpr,
     CAPACITY: tl.constexpr,
-    ACTIVATION: tl.constexpr, ORDER: tl.constexpr, TIMELINE: tl.constexpr,  # MoeModes
+    ACTIVATION: tl.constexpr, ORDER: tl.constexpr, TIMELINE: tl.constexpr, W_FP8: tl.constexpr,  # MoeModes
 ):
     """One MoE layer call; see the module and, for each parameter,
     :class:`~interlace.kernels.persistent.args.MoeKernelArgs`. ORDER 1 (tests only) dequeues the
@@ -282,8 +289,8 @@ def persistent_moe_kernel(
                 tile = rel % max_tiles
                 rec_kind = tl.where(tile < n_tiles, REC_GEMM0, REC_SKIP)
                 if ready & (tile < n_tiles):  # (a task past the real tiles exits: nobody waits for it)
-                    _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, h_ptr, asg_of_ptr, tiles_ptr, max_tiles, N, K, UP,
-                                TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0)
+                    _gemm0_task(tile, rel // max_tiles, x_ptr, w_up_ptr, w_up_scale_ptr, h_ptr, asg_of_ptr, tiles_ptr,
+                                max_tiles, N, K, UP, TOP_K, ACTIVATION, BLOCK_M, BLOCK_K0, BLOCK_N0, W_FP8)
                     _signal(gemm0_done_ptr + tile)
             else:
                 tile = (rel - n_gemm0) % max_tiles
@@ -293,8 +300,8 @@ def persistent_moe_kernel(
                                                task, WAIT_GEMM0, tile, epoch, "gpu", False)
                     t_waited = timeline_now(timeline_clock, TIMELINE)
                     if tile_ready:
-                        _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, y_ptr, tiles_ptr, max_tiles, N,
-                                    K, BLOCK_M, BLOCK_N1, BLOCK_K1)
+                        _gemm1_task(tile, (rel - n_gemm0) // max_tiles, h_ptr, w_down_ptr, w_down_scale_ptr, y_ptr,
+                                    tiles_ptr, max_tiles, N, K, BLOCK_M, BLOCK_N1, BLOCK_K1, W_FP8)
                     _signal(state_ptr + GEMM1_DONE)
         if TIMELINE:
             timeline_record(timeline_ptr, timeline_cap, task, epoch, tl.program_id(0), rec_kind, task, t_start,

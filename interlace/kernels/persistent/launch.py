@@ -19,7 +19,7 @@ from interlace.kernels.launch import direct_launcher, launch, next_power_of_2
 from interlace.kernels.launch import hooked as launch_hooked
 from interlace.kernels.persistent.args import (
     GemmTiles, MoeCall, MoeFrontTiles, MoeKernelArgs, MoeModes, MoeWorkspace, Routing, Sizes, Sync, TimelineArgs,
-    Weights, check_signature,
+    check_signature, weight_tensors, weights_group,
 )
 from interlace.kernels.persistent.config import (
     GATE_TOKENS, PersistentKernelConfig, host_error_record, programs_per_sm, timeline_args, timeline_buffer,
@@ -97,7 +97,7 @@ class CallPlan:
         if order not in TASK_ORDERS:
             raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
         for name, t in (("router_weight", router_weight), ("w_up", w_up), ("w_down", w_down)):
-            if not t.is_contiguous():
+            if not all(p.is_contiguous() for p in weight_tensors(t)):
                 raise ValueError(f"persistent: {name} must be contiguous")
         T, N = x.shape
         E, up_width, _ = w_up.shape
@@ -108,6 +108,7 @@ class CallPlan:
         self.config = c = config
         self.block_m = block_m = c.rows_per_tile(T, top_k, E)
         block_k0, block_n0, block_n1, block_k1 = c.tiles(block_m)
+        weights, fp8 = weights_group(router_weight, expert_bias, w_up, w_down, (block_n0, block_k1))
         self.layout = layout = TaskLayout.build(T, N, K, E, top_k, c.block_t or GATE_TOKENS, block_m, block_k0,
                                                 block_n1, c.block_tc, c.block_nc)
         e_pad = max(16, next_power_of_2(E))
@@ -136,8 +137,7 @@ class CallPlan:
         self.timeline = timeline_buffer(x.device, timeline, layout.total)
         self.args = MoeKernelArgs(
             call=MoeCall(x_ptr=x, out_ptr=None, n_programs=self.programs),  # (x, out: each call's own, run)
-            weights=Weights(rw_ptr=router_weight, bias_ptr=expert_bias if expert_bias is not None else router_weight,
-                            w_up_ptr=w_up, w_down_ptr=w_down),
+            weights=weights,
             workspace=MoeWorkspace(idx_ptr=idx, wt_ptr=wt, lrank_ptr=lrank, row_of_ptr=row_of, asg_of_ptr=asg_of,
                                    hist_ptr=hist, base_ptr=base, offs_ptr=offs, tiles_ptr=tiles, h_ptr=h, y_ptr=y),
             sync=Sync(state_ptr=self.state_buffer, err_ptr=err, host_err_ptr=state.host_error,
@@ -152,7 +152,8 @@ class CallPlan:
             routing=Routing(TOP_K=top_k, E_PAD=e_pad, SOFTMAX=softmax, HAS_BIAS=expert_bias is not None,
                             RENORMALIZE=renormalize, W_PIECES=w_pieces, DOT_FP32=_INTERPRET,
                             ROUND_LOGITS=round_logits, CAPACITY=capacity is not None),
-            modes=MoeModes(ACTIVATION=ACTIVATION_ID[activation], ORDER=TASK_ORDERS.index(order), TIMELINE=timeline),
+            modes=MoeModes(ACTIVATION=ACTIVATION_ID[activation], ORDER=TASK_ORDERS.index(order), TIMELINE=timeline,
+                           W_FP8=fp8),
         )
         self.constexprs = self.args.constexprs()
         self._rest = self.args.runtime(skip_call=True)  # (the arguments after the call's x, out, grid)
@@ -214,8 +215,7 @@ class CallPlan:
 
 def weight_ptrs(router_weight, expert_bias, w_up, w_down) -> tuple:
     """The weights' addresses: what a plan (and a CUDA graph of it) holds."""
-    return (router_weight.data_ptr(), 0 if expert_bias is None else expert_bias.data_ptr(), w_up.data_ptr(),
-            w_down.data_ptr())
+    return tuple(0 if t is None else t.data_ptr() for t in weight_tensors(router_weight, expert_bias, w_up, w_down))
 
 
 def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: torch.Tensor | None,
@@ -229,7 +229,8 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
     Args:
         x: (T, N) tokens, bf16/fp16/fp32.
         router_weight: (E, N) fp32; expert_bias: (E,) fp32 selection bias, or None.
-        w_up: (E, up_width, N) (SwiGLU: gate rows first); w_down: (E, N, K); x's dtype.
+        w_up: (E, up_width, N) (SwiGLU: gate rows first); w_down: (E, N, K); x's dtype, or both
+            :class:`~interlace.fp8.BlockFP8Weight` (e4m3, 128 × 128 block scales: W8A16).
         state: the caller's :class:`PersistentState` (counters and epoch, kept across calls).
         top_k, softmax, renormalize, route_scale: the routing (:class:`interlace.config.MoEConfig`).
         activation: ``"swiglu"``, ``"gelu"`` or ``"relu"``; w_pieces: :func:`router_pieces`.
@@ -244,7 +245,7 @@ def persistent_moe(x: torch.Tensor, router_weight: torch.Tensor, expert_bias: to
     """
     if order not in TASK_ORDERS:
         raise ValueError(f"order must be one of {TASK_ORDERS}, got {order!r}")
-    x, router_weight, w_up, w_down = (t.contiguous() for t in (x, router_weight, w_up, w_down))
+    x, router_weight = x.contiguous(), router_weight.contiguous()
     if x.shape[0] == 0:
         return alloc.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
     plan = CallPlan(x, router_weight, expert_bias, w_up, w_down, state, top_k=top_k, softmax=softmax,
