@@ -316,7 +316,7 @@ class AutoDecider:
 
     def needed_specs(self) -> set[str]:
         """The strategies some decided key runs or some key still calibrates."""
-        needed = set()
+        needed = {choice.spec for choice in self.choices.values()}  # (world size 1 records some without a state)
         for state in self.keys.values():
             needed.update([state.choice.spec] if state.choice is not None else state.plan.candidates)
         return needed

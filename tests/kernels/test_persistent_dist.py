@@ -480,7 +480,7 @@ def test_tiles_per_rank_bound_holds(block_m):
 def test_kernel_builds_for_sm90():
     """The interpreter accepts Python a GPU build refuses: build the W > 1 kernel for sm90
     (Triton's bundled ptxas, no GPU needed) without the interpreter, for small and large row
-    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE[, CAPACITY]]]]]),
+    tiles and gates (BLOCK_M, E_PAD, EL_PAD, TOP_K[, TIMELINE[, BLOCK_N1[, ROUND_LOGITS[, WIDE[, CAPACITY[, FP8]]]]]]),
     and bound its registers, spill stack and shared memory (the 128-wide GEMM1 slice of
     narrow_gemm1_slice and the wide tiles' 64- and 128-row builds included)."""
     import os
@@ -501,7 +501,8 @@ def test_kernel_builds_for_sm90():
     # ROUND_LOGITS 1: the gate's logits rounded to bf16, as for a transformers router in bf16)
     specs = ["16,16,16,2", "16,128,64,8", "128,16,16,2", "16,128,64,8,1", "32,128,64,8,0,128", "128,128,64,8,0,128",
              "32,128,64,8,0,128,1", "128,16,16,2,0,256,0,1", "64,256,128,8,0,128,1,1", "32,128,64,8,0,128,0,0,1",
-             "64,256,128,8,0,128,1,1,1", "128,128,64,8,0,128,0,1"]
+             "64,256,128,8,0,128,1,1,1", "128,128,64,8,0,128,0,1", "16,128,64,8,0,128,0,0,0,1",
+             "64,256,128,8,0,128,1,1,0,1"]
     proc = subprocess.run([sys.executable, str(script), *specs], env=env, cwd=root, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

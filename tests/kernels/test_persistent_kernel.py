@@ -206,21 +206,25 @@ from interlace.kernels.persistent.kernel import persistent_moe_kernel as kernel
 from interlace.kernels.persistent.config import PersistentKernelConfig
 
 names = [p.name for p in kernel.params]
-fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32"}
+fp = {"rw_ptr": "*fp32", "bias_ptr": "*fp32", "wt_ptr": "*fp32", "w_up_scale_ptr": "*fp32", "w_down_scale_ptr": "*fp32"}
 bf16 = {"x_ptr", "w_up_ptr", "w_down_ptr", "out_ptr", "h_ptr", "y_ptr"}
 i64 = {"timeline_ptr": "*i64", "timeline_clock": "*i64"}  # (unused with TIMELINE 0)
-sig = {n: "constexpr" if p.is_constexpr else i64[n] if n in i64 else fp.get(n, "*bf16" if n in bf16 else "*i32")
-       if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n, p in zip(names, kernel.params)}
+def signature(fp8):
+    types = {**fp, "w_up_ptr": "*fp8e4nv", "w_down_ptr": "*fp8e4nv"} if fp8 else fp
+    return {n: "constexpr" if p.is_constexpr else i64[n] if n in i64 else types.get(n, "*bf16" if n in bf16 else "*i32")
+            if n.endswith("_ptr") else "fp32" if n == "scale" else "i32" for n, p in zip(names, kernel.params)}
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 config = PersistentKernelConfig()
 for spec in sys.argv[1:]:
     block_m, e_pad, top_k, *capacity = map(int, spec.split(","))
+    fp8 = len(capacity) > 1 and capacity[1]
+    sig = signature(fp8)
     k0, n0, n1, k1 = config.tiles(block_m)
     consts = dict(TOP_K=top_k, E_PAD=e_pad, BLOCK_T=16, BLOCK_G=32, BLOCK_A=128,
                   BLOCK_J=max(16, min(64, 2048 // e_pad)), BLOCK_M=block_m, BLOCK_K0=k0, BLOCK_N0=n0, BLOCK_N1=n1,
                   BLOCK_K1=k1, BLOCK_TC=16, BLOCK_NC=128, SOFTMAX=False, HAS_BIAS=True, RENORMALIZE=True,
                   ACTIVATION=0, W_PIECES=3, DOT_FP32=False, ORDER=0, TIMELINE=0, ROUND_LOGITS=0,
-                  CAPACITY=bool(capacity and capacity[0]))
+                  CAPACITY=bool(capacity and capacity[0]), W_FP8=bool(fp8))
     # (pointers and N, K, UP divisible by 16, as a launch specializes them at every preset: without
     # the hints the build loads the weights 2 bytes at a time and spills several times as much)
     src = ASTSource(kernel, sig, constexprs={(names.index(n),): v for n, v in consts.items()},
@@ -237,14 +241,15 @@ for spec in sys.argv[1:]:
     print(spec, regs, stack, flush=True)
 """
 
-# (BLOCK_M, E_PAD, TOP_K[, CAPACITY]) → the most spill stack (bytes per thread) the sm90 build may use, with
+# (BLOCK_M, E_PAD, TOP_K[, CAPACITY[, FP8]]) → the most spill stack (bytes per thread) the sm90 build may use, with
 # the default 4 warps: specialized as a launch is, the configs measured 0–112 bytes (150–255
 # registers; the 128-row tiles and top-8 gates at the top), bounded here with room. Unspecialized
 # they measured 168–1168. Four warps, two programs per SM, measured 15–20% faster than eight on
 # an H100 at decode sizes: twice the weight loads are in flight.
 _SM90_CONFIGS = {(16, 16, 2): 64, (32, 16, 2): 64, (64, 16, 2): 64, (128, 16, 2): 64,
                  (16, 64, 8): 64, (32, 64, 8): 64, (64, 64, 8): 64, (16, 128, 8): 128, (64, 128, 8): 128,
-                 (128, 128, 8): 192, (16, 16, 2, 1): 64, (32, 64, 8, 1): 64, (128, 128, 8, 1): 256}
+                 (128, 128, 8): 192, (16, 16, 2, 1): 64, (32, 64, 8, 1): 64, (128, 128, 8, 1): 256,
+                 (16, 16, 2, 0, 1): 64, (64, 64, 8, 0, 1): 64, (128, 128, 8, 0, 1): 192}
 
 
 def test_kernel_builds_for_sm90():
