@@ -38,7 +38,7 @@ def _bench(rank, world, out):
     from interlace.tools.bench import main
 
     main(["--small", "--configs", "qwen2-moe", "--tokens", "16", "--strategies", "naive", "sequential",
-          "--iters", "3", "--out", out])
+          "--warmup", "1", "--iters", "3", "--out", out])
 
 
 def test_weak_scaling_report_divides_the_smallest_worlds_times(tmp_path, capsys):
