@@ -377,12 +377,14 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
 
 
 def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: int, show: bool = True,
-               warmup: int = 3, iters: int = 10, forms=("O0", "O1", "O2:2", "O3:2", "O2:4", "O3:4")) -> None:
+               warmup: int = 3, iters: int = 10, forms=("O0", "O1", "O2:2", "O3:2", "O2:4", "O3:4"),
+               expert_points: int = 8) -> None:
     """Measure each config's TP shard class on a TP = ``tp`` mesh over the whole world into
     ``prof.tp_shapes`` and fit it (:func:`interlace.planning.monta.tp_profile.fit_tp_shape`):
     the shard's expert stage (as :func:`profile_expert_stage` does for EP classes) and the
     ``tp_ep`` layer in each form forward and forward + backward at ``tokens`` (collective: every
-    rank calls it with the same arguments)."""
+    rank calls it with the same arguments). ``expert_points``: row counts of the expert-stage
+    sweep (fewer only for a smoke run)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % tp:
         raise ValueError(f"tp={tp} must divide the world size {world}")
@@ -396,7 +398,7 @@ def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: i
             continue
         # The shard's grouped GEMMs: E/ep experts of K/tp, rows arriving from `ep` sources.
         shard = replace(cfg, ffn=cfg.ffn // tp)
-        curve, _ = profile_expert_stage(timer, shard, ep, max(tokens) * cfg.top_k, show)
+        curve, _ = profile_expert_stage(timer, shard, ep, max(tokens) * cfg.top_k, show, expert_points)
         entry = prof.tp_shapes[key] = TPShapeProfile(tp, curve)
         for T in _progress(tokens, f"layer {key}", show):
             layer = MoELayer(cfg, mesh=mesh, strategy="tp_ep:O0", seed=0, device=device)
