@@ -249,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
     # points it was calibrated on.
     p.add_argument("--profile-tokens", nargs="+", type=int, default=[1000, 3000, 12000, 40000],
                    help="with --profile-first: tokens per rank of the calibration points")
+    p.add_argument("--expert-points", type=int, default=None, metavar="N",
+                   help="with --profile-first: row counts of each expert-stage sweep (default: the "
+                        "profiler's own; fewer only for a smoke run)")
     p.add_argument("--also-profile", nargs="*", default=[], metavar="PRESET",
                    help="with --profile-first: also profile these presets' shape classes")
     p.add_argument("--merge-points", nargs="*", default=[], metavar="PROFILE",
@@ -303,6 +306,8 @@ def main(argv=None) -> int:
         # (the tiny grid is a smoke run: few degrees, and the evaluation's own call counts)
         small = {} if args.grid == "default" else {"calibration_degrees": (2,), "fwdbwd_degrees": (2,), "timing": {
             "fwd": (args.warmup, args.iters), "fwdbwd": (args.warmup, args.iters)}}
+        if args.expert_points is not None:
+            small["expert_points"] = args.expert_points
         profile = run_profile(configs, tokens, env.group, env.device, show=env.rank == 0, existing=profile, **small)
         if args.merge_points:
             if env.rank == 0:

@@ -303,7 +303,7 @@ def add_fused_points(prof: Profile, results: dict, replace: bool = False) -> lis
 def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=None, show: bool = True,
                 existing: Profile | None = None, a2a_max_bytes: int | None = None,
                 calibration_degrees=(2, 3, 4, 6, 8, 12, 16), fwdbwd_degrees=(2, 4),
-                fused: bool = True, timing: dict | None = None) -> Profile:
+                fused: bool = True, timing: dict | None = None, expert_points: int = 8) -> Profile:
     """Measure everything the planner needs for ``configs`` (their shape classes) on this
     machine; returns the profile (``existing`` is extended, not re-measured, where it can be).
 
@@ -315,6 +315,7 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
     sequential's at each token count, also for shape classes ``existing`` has without them.
     ``timing``: (warm-up, timed) calls of each layer timing by mode, ``"fwd"`` and ``"fwdbwd"``
     (None: :data:`LAYER_TIMING`; fewer only for a smoke run: the planner fits these points).
+    ``expert_points``: row counts of each expert-stage sweep (:func:`profile_expert_stage`).
     """
     timing = timing or LAYER_TIMING
     world = dist.get_world_size(group) if group is not None else 1
@@ -347,7 +348,7 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
                     x = torch.randn(T, cfg.hidden, device=device, generator=gen).to(cfg.dtype)
                     profile_fused(prof.shapes[skey], cfg, x, group, timer, missing, timing)
             continue
-        curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show)
+        curve, e_host = profile_expert_stage(timer, cfg, world, max(tokens) * cfg.top_k, show, expert_points)
         shape = prof.shapes[skey] = ShapeProfile(curve, e_host)
         # Measured exactly as `interlace pipeline-eval` measures (interlace.tools.evaluate.run_eval):
         # a fresh layer per token count, one untimed call per degree, then the timed calls. One
@@ -376,12 +377,14 @@ def run_profile(configs: list[MoEConfig], tokens: list[int], group=None, device=
 
 
 def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: int, show: bool = True,
-               warmup: int = 3, iters: int = 10, forms=("O0", "O1", "O2:2", "O3:2", "O2:4", "O3:4")) -> None:
+               warmup: int = 3, iters: int = 10, forms=("O0", "O1", "O2:2", "O3:2", "O2:4", "O3:4"),
+               expert_points: int = 8) -> None:
     """Measure each config's TP shard class on a TP = ``tp`` mesh over the whole world into
     ``prof.tp_shapes`` and fit it (:func:`interlace.planning.monta.tp_profile.fit_tp_shape`):
     the shard's expert stage (as :func:`profile_expert_stage` does for EP classes) and the
     ``tp_ep`` layer in each form forward and forward + backward at ``tokens`` (collective: every
-    rank calls it with the same arguments)."""
+    rank calls it with the same arguments). ``expert_points``: row counts of the expert-stage
+    sweep (fewer only for a smoke run)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % tp:
         raise ValueError(f"tp={tp} must divide the world size {world}")
@@ -395,7 +398,7 @@ def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: i
             continue
         # The shard's grouped GEMMs: E/ep experts of K/tp, rows arriving from `ep` sources.
         shard = replace(cfg, ffn=cfg.ffn // tp)
-        curve, _ = profile_expert_stage(timer, shard, ep, max(tokens) * cfg.top_k, show)
+        curve, _ = profile_expert_stage(timer, shard, ep, max(tokens) * cfg.top_k, show, expert_points)
         entry = prof.tp_shapes[key] = TPShapeProfile(tp, curve)
         for T in _progress(tokens, f"layer {key}", show):
             layer = MoELayer(cfg, mesh=mesh, strategy="tp_ep:O0", seed=0, device=device)

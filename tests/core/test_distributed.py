@@ -19,12 +19,13 @@ CONFIGS = {
 }
 
 
-def _check_all(rank, world, strategy, config_names, cases, backward_cases=None):
-    """Every config × case forward; backward too for ``backward_cases`` (None: all cases)."""
+def _check_all(rank, world, strategy, config_names, cases, backward_cases=None, base=12):
+    """Every config × case forward; backward too for ``backward_cases`` (None: all cases).
+    ``base``: the first rank's token count (cases.case_tokens)."""
     for name in config_names:
         cfg = CONFIGS[name]
         for case in cases:
-            tokens = case_tokens(case, world)
+            tokens = case_tokens(case, world, base)
             indices = case_indices(case, cfg, world, tokens, seed=world)
             xs, gs = make_inputs(cfg, tokens, seed=world)
             layer = MoELayer(cfg, strategy=strategy, seed=11, device="cpu")
@@ -39,14 +40,26 @@ def _check_all(rank, world, strategy, config_names, cases, backward_cases=None):
                 out.backward(gs[rank])
                 assert_grads_match(layer, x, refs, rank, tokens[rank], where, TOL)
 
-@pytest.mark.parametrize("world,strategy", [
-    (world, strategy) for world in (2, 4)
-    for strategy in ["naive", "sequential", "sequential:triton", "pipelined:1", "pipelined:2", "pipelined:3",
-                     "pipelined:5"]
-    # every degree at 2 ranks; at 4 ranks only the degrees 2 and 5 (4-rank runs are CI's slow ones)
-    if world == 2 or strategy not in ("pipelined:1", "pipelined:3")])
-def test_gloo_matches_reference(world, strategy):
-    run_gloo(_check_all, world, strategy, list(CONFIGS), CASES)
+
+def _every_strategy(rank, world, strategies, config_names, cases, backward_cases=None, base=12):
+    for strategy in strategies:
+        _check_all(rank, world, strategy, config_names, cases, backward_cases, base)
+
+
+# Every degree at 2 ranks; at 4 ranks only the degrees 2 and 5 (4-rank runs are CI's slow ones).
+STRATEGIES = {2: ["naive", "sequential", "sequential:triton", "pipelined:1", "pipelined:2", "pipelined:3",
+                  "pipelined:5"],
+              4: ["naive", "sequential", "sequential:triton", "pipelined:2", "pipelined:5"]}
+# Tokens of the first rank (the others 3 more each; cases.case_tokens): 6 keeps every rank at
+# least one token per chunk of pipelined:5, at half the interpreted kernels' work of the default 12.
+BASE = 6
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_matches_reference(world):
+    """Every strategy of ``STRATEGIES[world]`` in one launch (the launch, 4 processes importing
+    torch on CI's 2 cores, cost more than a strategy's checks when each had its own)."""
+    run_gloo(_every_strategy, world, STRATEGIES[world], list(CONFIGS), CASES, None, BASE)
 
 
 def _mismatched_config(rank, world):
@@ -109,11 +122,6 @@ def test_pipeline_degree_disagreement_raises_instead_of_hanging():
     run_gloo(_degree_disagreement, 2)
 
 
-def _every_strategy(rank, world, strategies, config_names, cases, backward_cases=None):
-    for strategy in strategies:
-        _check_all(rank, world, strategy, config_names, cases, backward_cases)
-
-
 def test_gloo_eight_ranks_every_strategy():
     """EP=8 (the size of the 8-GPU runs): every strategy family on a config with two experts per
     rank and one with one expert per rank and capacity drops, forward on random routing, a rank
@@ -121,4 +129,4 @@ def test_gloo_eight_ranks_every_strategy():
     CI's 2 cores made backward on every case the suite's slowest test)."""
     strategies = ["naive", "sequential", "pipelined:2", "fused", "fused:train"]
     run_gloo(_every_strategy, 8, strategies, ["sigmoid-gelu", "capacity"],
-             ["random", "zero_recv_rank", "uneven_and_empty_rank"], ["uneven_and_empty_rank"])
+             ["random", "zero_recv_rank", "uneven_and_empty_rank"], ["uneven_and_empty_rank"], BASE)

@@ -134,7 +134,8 @@ def test_lookups_are_remembered_until_a_table_is_written(table_dir):
 def test_tuner_writes_tables_that_lookup_finds(table_dir):
     from interlace.tools.tune_experts import main
 
-    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--out", str(table_dir)])  # 1 expert, 16 rows
+    # 1 expert, 16 rows (qwen3-30b-a3b: the presets' smallest FFN, 768, the interpreted GEMMs' cost)
+    main(["--configs", "qwen3-30b-a3b", "--world", "128", "--tokens", "2", "--out", str(table_dir)])
     files = sorted(p.name for p in table_dir.glob("*.json"))
     kernels = ["expert_bwd_act", "expert_bwd_dx", "expert_gemm0", "expert_gemm0_train", "expert_gemm1", "expert_wgrad"]
     assert [f.split("-cpu-sm1")[0] for f in files] == kernels
@@ -147,8 +148,8 @@ def test_tuner_writes_tables_that_lookup_finds(table_dir):
     assert source == "tuned" and config == GemmConfig(**entry["config"])
     # --kernels: only the named kernels are tuned and only their tables written
     only = table_dir / "only"
-    main(["--configs", "qwen2-moe", "--world", "64", "--tokens", "4", "--kernels", "expert_gemm1", "--rounds", "2",
-          "--out", str(only)])
+    main(["--configs", "qwen3-30b-a3b", "--world", "128", "--tokens", "2", "--kernels", "expert_gemm1", "--rounds",
+          "2", "--out", str(only)])
     assert [p.name.split("-cpu-sm1")[0] for p in only.glob("*.json")] == ["expert_gemm1"]
     assert [e["rounds"] for e in json.loads(next(only.glob("*.json")).read_text())["entries"]] == [2]
 

@@ -61,7 +61,7 @@ def _profile_and_eval(rank, world, tmp):
     from interlace.tools import evaluate
 
     evaluate.main(["--grid", "tiny", "--profile-first", "--profile", f"{tmp}/profile.json", "--degrees", "1", "2",
-                   "--warmup", "1", "--iters", "2", "--out", f"{tmp}/eval"])
+                   "--warmup", "0", "--iters", "1", "--expert-points", "3", "--out", f"{tmp}/eval"])
     # The stored profile now drives the "auto" degree of the strategy.
     from interlace import MoELayer
 
