@@ -10,6 +10,11 @@ loads into any layout of the same mesh. The other entries stay as the model give
 DTensors over all ranks; DDP: replicated tensors). FP8 experts' block scales are expert-sharded
 the same way as their weights.
 
+The optimizer's state of an expert parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) is a per-rank
+slice too: :func:`expert_sharded_optimizer_state_dict` gives torch's
+``get_optimizer_state_dict`` with those entries so wrapped, and
+:func:`load_expert_sharded_optimizer_state_dict` puts a loaded one back into the optimizer.
+
 For HF checkpoints (full tensors, the plain transformers model's keys) use
 :func:`interlace.hf.gather_hf_state_dict`, which takes every layout too.
 """
@@ -96,3 +101,86 @@ def expert_sharded_state_dict(model: nn.Module, mesh: DeviceMesh | None) -> dict
             key = f"{prefix}.{name}" if prefix else name
             state[key] = _as_full_experts(state[key], module.ep.world, ep_dp)
     return state
+
+
+def _expert_params(experts: dict[str, ExpertShard]) -> dict[str, tuple[nn.Parameter, int]]:
+    """FQN → (parameter, EP world size) of every expert parameter of ``experts`` (FQN prefix → module)."""
+    out = {}
+    for prefix, module in experts.items():
+        for name, p in module.named_parameters():
+            out[f"{prefix}.{name}" if prefix else name] = (p, module.ep.world)
+    return out
+
+
+def expert_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                        mesh: DeviceMesh | None) -> dict:
+    """``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)``
+    (``{"state": {fqn: {...}}, "param_groups": [...]}``, FQN keys, FSDP2's state as its DTensors)
+    with every state tensor of an expert parameter shaped like the parameter (AdamW's
+    ``exp_avg``, ``exp_avg_sq``) as a DTensor of the full (E, ...) tensor, as
+    :func:`expert_sharded_state_dict` gives the parameter. Scalars (``step``, the same on every
+    rank) stay as they are. Like torch's, it first initializes an optimizer without state (a
+    step with zero gradients at lr 0; gradients already there are kept aside meanwhile), so a
+    fresh optimizer's dict can be ``dcp.load``-ed into; then
+    :func:`load_expert_sharded_optimizer_state_dict` sets it.
+
+    ``model``: the parallelized model, or its DDP wrapper; ``mesh`` as for
+    :func:`expert_sharded_state_dict`. ``ValueError`` for an expert parameter's state tensor of
+    another shape (an optimizer whose state does not mirror the parameter: not supported)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params = _expert_params(_expert_modules(unwrapped(model), mesh, "expert_sharded_optimizer_state_dict"))
+    held = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if optimizer.state or not held:
+        state = get_optimizer_state_dict(model, optimizer)
+    else:  # (torch initializes no state where gradients are set: the dict would load nothing)
+        grads = [p.grad for p in held]
+        for p in held:
+            p.grad = None
+        state = get_optimizer_state_dict(model, optimizer)
+        for p, grad in zip(held, grads):
+            p.grad = grad
+    if mesh is None:
+        return state
+    ep_dp = _ep_dp_mesh(mesh)
+    for fqn, entries in state["state"].items():
+        if fqn not in params:
+            continue
+        param, ep_world = params[fqn]
+        entries = state["state"][fqn] = dict(entries)  # (optimizer.state_dict() hands out its own dicts)
+        for key, value in list(entries.items()):
+            if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                continue
+            if value.shape != param.shape:
+                raise ValueError(f"expert_sharded_optimizer_state_dict: {type(optimizer).__name__}'s state {key!r} of "
+                                 f"the expert parameter {fqn} has shape {tuple(value.shape)}, the parameter "
+                                 f"{tuple(param.shape)}: only state shaped like the parameter (as Adam's, SGD's "
+                                 f"momentum) or scalars can be expert-sharded")
+            entries[key] = _as_full_experts(value, ep_world, ep_dp)
+    return state
+
+
+def load_expert_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                             state: dict) -> None:
+    """Set ``optimizer``'s state from ``state``, a dict of
+    :func:`expert_sharded_optimizer_state_dict` that ``dcp.load`` filled: its expert entries
+    back to this rank's tensors (FSDP: the DTensors of the optimizer's own), then torch's
+    ``set_optimizer_state_dict`` (the state and the param groups' hyperparameters)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    params = _expert_params({prefix: m for prefix, m in unwrapped(model).named_modules() if isinstance(m, ExpertShard)})
+    live = get_optimizer_state_dict(model, optimizer)["state"]
+    own = {}
+    for fqn, entries in state["state"].items():
+        if fqn not in params:
+            own[fqn] = entries
+            continue
+        own[fqn] = dict(entries)
+        for key, value in entries.items():
+            if isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == ("ep", "dp"):
+                template = live[fqn][key]
+                local = value.to_local()
+                own[fqn][key] = (DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                                                    shape=template.shape, stride=template.stride())
+                                 if isinstance(template, DTensor) else local)
+    set_optimizer_state_dict(model, optimizer, {"state": own, "param_groups": state["param_groups"]})
