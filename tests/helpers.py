@@ -117,6 +117,66 @@ def data_parallel_steps(wrapped, opt, wrapper: str, micro: int, micro_loss, ref_
         assert rel_err(total / dist.get_world_size(), ref_loss) < tol, f"{where}: loss at step {step}"
 
 
+def check_dcp_resume(model, wrapped, wrapper: str, mesh, make_fresh, step_loss, where: str) -> None:
+    """torch.distributed.checkpoint of a parallelized model and AdamW's state (interlace.checkpoint):
+    2 AdamW steps, save both, a third step (the parameters after it recorded); a fresh model of the
+    same layout, ``make_fresh()`` → (model, wrapper's return; other weights), and a fresh AdamW
+    (another lr: the checkpoint's param groups replace it) load the checkpoint: their parameters
+    equal the saved ones, and after the same third step the recorded ones, bit for bit.
+    ``step_loss(wrapped, step)``: this rank's loss of step ``step`` (fresh data per step).
+    ``mesh`` None: one process without a process group.
+
+    DDP: the fresh wrapper first runs one backward (its gradients dropped after the load). DDP
+    regroups its gradient buckets after its first backward, which moves the all-reduce's chunks
+    and so its summation order (measured: 1 ulp); the trained wrapper's are regrouped already."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from interlace.checkpoint import (expert_sharded_optimizer_state_dict, expert_sharded_state_dict,
+                                      load_expert_sharded_optimizer_state_dict)
+
+    def adam_step(wrapped, opt, step):
+        step_loss(wrapped, step).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def params(model):  # (full_tensor: a collective, in the same order on every rank)
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+                for name, p in model.named_parameters()}
+
+    def state_dicts(model, wrapped, opt):
+        return {"model": expert_sharded_state_dict(model, mesh),
+                "optim": expert_sharded_optimizer_state_dict(wrapped, opt, mesh)}
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(2):
+        adam_step(wrapped, opt, step)
+    distributed = dist.is_initialized()
+    path = [tempfile.mkdtemp(prefix="interlace-dcp-") if not distributed or dist.get_rank() == 0 else None]
+    if distributed:
+        dist.broadcast_object_list(path, src=0)
+    dcp.save(state_dicts(model, wrapped, opt), checkpoint_id=path[0])
+    saved = params(model)
+    adam_step(wrapped, opt, 2)
+    want = params(model)
+
+    fresh, fresh_wrapped = make_fresh()
+    if wrapper == "ddp":  # (its gradients stay until after the load: the optimizer's state is made beside them)
+        step_loss(fresh_wrapped, 0).backward()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5, weight_decay=0.1)
+    state = state_dicts(fresh, fresh_wrapped, fresh_opt)
+    dcp.load(state, checkpoint_id=path[0])
+    load_expert_sharded_optimizer_state_dict(fresh_wrapped, fresh_opt, state["optim"])
+    fresh_opt.zero_grad()
+    got = params(fresh)
+    assert list(got) == list(saved), where
+    for name, p in got.items():
+        assert torch.equal(p, saved[name]), f"{where}: {name} after the checkpoint round trip"
+    adam_step(fresh_wrapped, fresh_opt, 2)
+    for name, p in params(fresh).items():
+        assert torch.equal(p, want[name]), f"{where}: {name} after an AdamW step from the checkpoint"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

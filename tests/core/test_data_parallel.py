@@ -4,7 +4,8 @@ the mean of the ranks' losses: the loss of each of 3 SGD steps and every paramet
 (fp32, relative error < TOL), in the layouts DP 2 × EP 2, DP 1 × EP 4 and DP 4 × EP 1, plain,
 with gradient accumulation (2 micro-batches) and with activation checkpointing (``auto``
 calibrating while its forwards are recomputed). Also: plain DDP(model) / fully_shard(model) over
-EP > 1 raise before any step, and torch.distributed.checkpoint round trips in each layout.
+EP > 1 raise before any step, and in each layout a torch.distributed.checkpoint of the model and
+AdamW's state from which a fresh model and optimizer continue bit for bit (also at world size 1).
 
 One launch of 4 processes runs every check (a launch costs more than the checks)."""
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import data_parallel_steps, rel_err, run_gloo
+from helpers import check_dcp_resume, data_parallel_steps, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
 from interlace.data_parallel import expert_modules, expert_parameters, parallelize, set_aux_loss_scale
 
@@ -115,29 +116,34 @@ def check_layout(rank, world, dp, ep, wrapper, mode, reference):
             rows = got.shape[0]
             want = want[mesh["ep"].get_local_rank() * rows:][:rows]
         assert rel_err(got, want) < TOL, f"{where}: {name} after {STEPS} steps"
-    check_checkpoint_round_trip(rank, mesh, model, wrapper, where)
+    check_checkpoint_round_trip(rank, world, mesh, model, wrapped, wrapper, where)
 
 
-def check_checkpoint_round_trip(rank, mesh, model, wrapper, where):
-    """torch.distributed.checkpoint: save this layout's model, load it into a fresh model of the
-    same layout (other weights), compare every parameter."""
-    import tempfile
-
-    import torch.distributed.checkpoint as dcp
-    from interlace.checkpoint import expert_sharded_state_dict
-
-    path = [tempfile.mkdtemp(prefix="interlace-dcp-") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    dcp.save(expert_sharded_state_dict(model, mesh), checkpoint_id=path[0])
-    fresh = TinyModel(mesh["ep"].get_group(), "naive")
+def other_weights(model: TinyModel) -> TinyModel:
+    """``model`` with 1 added to every weight: a fresh model a checkpoint must overwrite."""
     with torch.no_grad():
-        for p in fresh.parameters():
+        for p in model.parameters():
             p.add_(1.0)
-    parallelize(fresh, mesh, wrapper=wrapper)
-    state = expert_sharded_state_dict(fresh, mesh)
-    dcp.load(state, checkpoint_id=path[0])
-    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
-        assert torch.equal(full_param(a), full_param(b)), f"{where}: {name} after the checkpoint round trip"
+    return model
+
+
+def check_checkpoint_round_trip(rank, world, mesh, model, wrapped, wrapper, where):
+    """helpers.check_dcp_resume on the trained model, naive and not checkpointed from here on
+    (the fresh model's computation, for bitwise equal steps), aux scale 1."""
+    for layer in model.moe:
+        layer.set_strategy("naive")
+    model.checkpointed = False
+    set_aux_loss_scale(model, 1.0)
+
+    def make_fresh():
+        fresh = other_weights(TinyModel(mesh["ep"].get_group(), "naive"))
+        return fresh, parallelize(fresh, mesh, wrapper=wrapper)
+
+    def step_loss(wrapped, step):
+        xs, ts = batches(world, 1, 10 + step)
+        return loss_fn(wrapped(xs[rank, 0]), ts[rank, 0])
+
+    check_dcp_resume(model, wrapped, wrapper, mesh, make_fresh, step_loss, where)
 
 
 def check_plain_wrappers_raise(rank, world):
@@ -165,6 +171,13 @@ def check_plain_wrappers_raise(rank, world):
     # and the helper's checks: a layer over another group than the mesh's 'ep'
     with pytest.raises(ValueError, match=r"moe.0.experts shards its experts over ranks \[0, 1, 2, 3\]"):
         parallelize(TinyModel(None, "naive"), mesh)
+    # interlace.checkpoint: an optimizer whose state of an expert parameter is not shaped like it
+    from interlace.checkpoint import expert_sharded_optimizer_state_dict
+
+    model = TinyModel(mesh["ep"].get_group(), "naive")
+    with pytest.raises(ValueError, match=r"Adafactor's state 'row_var' of the expert parameter moe.0.experts.w_up "
+                                         r"has shape \(4, 16, 1\), the parameter \(4, 16, 16\)"):
+        expert_sharded_optimizer_state_dict(model, torch.optim.Adafactor(model.parameters()), mesh)
 
 
 LAYOUTS = [(2, 2), (1, 4), (4, 1)]
@@ -186,6 +199,23 @@ def _all_layouts(rank, world, cases=CASES, plain_wrappers=True):
 
 def test_gloo_four_ranks_fsdp_and_ddp_match_one_process():
     run_gloo(_all_layouts, 4)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP in one process: as intended)
+def test_dcp_resume_world_one():
+    """helpers.check_dcp_resume without a process group (mesh None, no wrapper): the model and
+    AdamW's state saved, a fresh model continues bit for bit."""
+    model = TinyModel(None, "naive")
+
+    def make_fresh():
+        fresh = other_weights(TinyModel(None, "naive"))
+        return fresh, fresh
+
+    def step_loss(model, step):
+        xs, ts = batches(1, 1, step)
+        return loss_fn(model(xs[0, 0]), ts[0, 0])
+
+    check_dcp_resume(model, model, "none", None, make_fresh, step_loss, "world 1")
 
 
 @pytest.mark.parametrize("strategy", ["naive", "sequential"])

@@ -1,7 +1,7 @@
 """FP8 experts in the layer (MoEConfig.expert_quant="fp8", interlace.fp8): the config, the
 experts' storage, the output against the W8A8 reference and against the dense twin, the
 conversion of a dense model, which strategies run it, inference-only calls, the state dict,
-torch.compile, and sequential on 2 gloo ranks.
+torch.distributed.checkpoint (world size 1 and EP 2), torch.compile, and sequential on 2 gloo ranks.
 
 Shapes have partial 128-blocks on purpose: N = 160 (one full block and one of 32), K = 72 (the
 SwiGLU stack of 144 rows: one full block and one that holds the last gate rows and the up rows).
@@ -165,6 +165,40 @@ def test_state_dict_save_load():
         assert torch.equal(other(x), layer(x))
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a DTensor: this rank's part) with e4m3 as its bytes: torch.equal of them is bitwise."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def assert_same_tensors(got: dict, want: dict, where: str) -> None:
+    assert list(got) == list(want), where
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(bits(got[key]), bits(value)), f"{where}: {key}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP in one process: as intended)
+def test_dcp_round_trip_world_one(tmp_path):
+    """torch.distributed.checkpoint without a process group: a dense layer quantized by
+    quantize_experts, saved through expert_sharded_state_dict(layer, None), loaded into a fresh
+    FP8 layer of another seed (expert_quant="fp8"): e4m3 weights and fp32 scales bitwise, the
+    same output."""
+    import torch.distributed.checkpoint as dcp
+    from interlace.checkpoint import expert_sharded_state_dict
+
+    layer = MoELayer(CFG, seed=5, device="cpu", strategy="sequential")
+    quantize_experts(layer)
+    dcp.save(expert_sharded_state_dict(layer, None), checkpoint_id=tmp_path)
+    other = MoELayer(FP8, seed=6, device="cpu", strategy="sequential")
+    state = expert_sharded_state_dict(other, None)
+    assert not torch.equal(bits(state["experts.w_up"]), bits(layer.experts.w_up))
+    dcp.load(state, checkpoint_id=tmp_path)
+    assert_same_tensors(other.state_dict(), layer.state_dict(), "world 1")
+    x = torch.randn(8, CFG.hidden)
+    with torch.no_grad():
+        assert torch.equal(other(x), layer(x))
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # (the interpreter's top-k of the NaN token's row)
 def test_zero_tokens_and_nan_rows():
     layer = MoELayer(FP8, device="cpu", strategy="sequential")
@@ -246,10 +280,56 @@ def _gloo_fp8(rank, world):
             assert rel_err(out, fp8_expected(FP8, 2, xs[0])) < TOL
         if spec == "auto":
             assert {c.spec for c in layer.strategy.choices.values()} == {"sequential"}
+    check_dcp_round_trip(rank, world)
     from torch.distributed.device_mesh import init_device_mesh
 
     with pytest.raises(ValueError, match="inference-only"):  # (data-parallel wrappers are for training)
         parallelize(layer, init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep")))
+
+
+def check_dcp_round_trip(rank, world):
+    """FP8 experts sharded over 2 ranks (EP 2) through torch.distributed.checkpoint: saved with
+    expert_sharded_state_dict and loaded into fresh FP8 layers of another seed, bitwise; the
+    checkpoint read by each rank alone (no_dist) into a layer of all 4 experts equals the one-rank
+    layer of the saved seed (the saved tensors are the full (E, ...) weights and scales, in expert
+    order); torch.save / torch.load of the expert-sharded state dict; the mesh errors."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from interlace.checkpoint import expert_sharded_state_dict
+
+    singleton = [dist.new_group([r]) for r in range(world)][rank]
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    layer = MoELayer(FP8, seed=5, device="cpu", strategy="sequential")
+    state = expert_sharded_state_dict(layer, mesh)
+    assert state["experts.w_up_scale_inv"].shape[0] == CFG.num_experts  # (the full tensor's shape)
+    path = [tempfile.mkdtemp(prefix="interlace-fp8-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    dcp.save(state, checkpoint_id=path[0])
+    fresh = MoELayer(FP8, seed=6, device="cpu", strategy="sequential")
+    dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path[0])
+    assert_same_tensors(fresh.state_dict(), layer.state_dict(), f"rank {rank}: EP 2 round trip")
+    whole = MoELayer(FP8, seed=6, device="cpu", strategy="sequential", group=singleton)
+    dcp.load(expert_sharded_state_dict(whole, None), checkpoint_id=path[0], no_dist=True)
+    want = MoELayer(FP8, seed=5, device="cpu", strategy="sequential", group=singleton)
+    assert_same_tensors(whole.state_dict(), want.state_dict(), f"rank {rank}: EP 2 into one rank")
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert_same_tensors(back, state, f"rank {rank}: torch.save")
+    assert all(back[k].placements == v.placements and back[k].shape == v.shape
+               for k, v in state.items() if hasattr(v, "placements"))
+    with pytest.raises(ValueError, match=r"experts shards its experts over 2 ranks; give the \('dp', 'ep'\)"):
+        expert_sharded_state_dict(layer, None)
+    with pytest.raises(ValueError, match=r"mesh_dim_names=\('dp', 'ep'\)"):
+        expert_sharded_state_dict(layer, init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError, match=rf"experts shards its experts over ranks \[0, 1\], but this rank's 'ep' "
+                                         rf"group of the mesh is ranks \[{rank}\]"):
+        expert_sharded_state_dict(layer, init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep")))
 
 
 def test_gloo_two_ranks():

@@ -5,13 +5,13 @@ plain and with gradient accumulation (2 micro-batches) + HF's activation checkpo
 (use_reentrant=False; auto calibrating in DP 2 × EP 2 FSDP): the loss of each of 3 SGD steps and every
 parameter after them against one process with HF's own blocks running every rank's batches with
 the loss their mean (fp32, relative error < TOL). Checkpoints in every layout: gather_hf_state_dict
-equals the reference model's state dict and loads into a plain HF model; load_hf_state_dict and a
-torch.distributed.checkpoint save/load fill a fresh parallelized model. One launch of 4 processes."""
+equals the reference model's state dict and loads into a plain HF model; load_hf_state_dict fills a fresh
+parallelized model; from a torch.distributed.checkpoint of the model and AdamW's state a fresh model
+and optimizer continue bit for bit. One launch of 4 processes."""
 
 from __future__ import annotations
 
 import copy
-import tempfile
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import HF_COMMON, HF_FAMILIES, data_parallel_steps, rel_err, run_gloo  # noqa: E402
+from helpers import HF_COMMON, HF_FAMILIES, check_dcp_resume, data_parallel_steps, rel_err, run_gloo  # noqa: E402
 from interlace import parallelize  # noqa: E402
 from interlace.hf import gather_hf_state_dict, load_hf_state_dict, replace_moe_blocks  # noqa: E402
 
@@ -107,21 +107,28 @@ def check_layout(rank, world, base, dp, ep, wrapper, mode, reference):
     load_hf_state_dict(fresh_wrapped, state)
     again = gather_hf_state_dict(fresh_wrapped)
     assert all(torch.equal(again[k], state[k]) for k in state), f"{where}: load_hf_state_dict"
-    check_dcp_round_trip(rank, mesh, model, wrapper, where, state)
+    check_dcp_round_trip(rank, world, mesh, model, wrapped, wrapper, where)
 
 
-def check_dcp_round_trip(rank, mesh, model, wrapper, where, state):
-    import torch.distributed.checkpoint as dcp
-    from interlace.checkpoint import expert_sharded_state_dict
+def check_dcp_round_trip(rank, world, mesh, model, wrapped, wrapper, where):
+    """helpers.check_dcp_resume on the trained model, naive and without activation checkpointing
+    from here on (the fresh model's computation, for bitwise equal steps)."""
+    from interlace.hf import InterlaceMoeBlock
 
-    path = [tempfile.mkdtemp(prefix="interlace-hf-dcp-") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    dcp.save(expert_sharded_state_dict(model, mesh), checkpoint_id=path[0])
-    fresh, fresh_wrapped = parallel_model(build(seed=3), mesh, wrapper, "naive")
-    loaded = expert_sharded_state_dict(fresh, mesh)
-    dcp.load(loaded, checkpoint_id=path[0])
-    again = gather_hf_state_dict(fresh_wrapped)
-    assert all(torch.equal(again[k], state[k]) for k in state), f"{where}: DCP round trip"
+    for block in model.modules():
+        if isinstance(block, InterlaceMoeBlock):
+            block.set_strategy("naive")
+    model.gradient_checkpointing_disable()
+
+    def make_fresh():
+        fresh, fresh_wrapped = parallel_model(build(seed=3), mesh, wrapper, "naive")
+        fresh.train()
+        return fresh, fresh_wrapped
+
+    def step_loss(wrapped, step):
+        return loss_of(wrapped, token_batches(world, 1, 10 + step)[rank, 0])
+
+    check_dcp_resume(model, wrapped, wrapper, mesh, make_fresh, step_loss, where)
 
 
 def check_plain_wrappers_raise(rank, world, base):

@@ -242,10 +242,31 @@ def _gloo_hf_fp8(rank, world):
     ids = torch.randint(0, HF_COMMON["vocab_size"], (world, 2, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert rel_err(model(ids[rank]).logits, ref(ids[rank]).logits) < TOL
-    state = gather_hf_state_dict(model)
-    assert all(torch.equal(state[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else state[k],
-                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v)
-               for k, v in ref.state_dict().items())
+    def same_as_ref(state):
+        return all(torch.equal(state[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else state[k],
+                               v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v)
+                   for k, v in ref.state_dict().items())
+
+    assert same_as_ref(gather_hf_state_dict(model))
+    # torch.distributed.checkpoint of the EP-sharded FP8 experts (HF's keys; the scales sharded as
+    # the weights) into the replaced model of another seed's FP8 model, bitwise
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from interlace.checkpoint import expert_sharded_state_dict
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    path = [tempfile.mkdtemp(prefix="interlace-hf-fp8-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    dcp.save(expert_sharded_state_dict(model, mesh), checkpoint_id=path[0])
+    _, fresh = hf_fp8_model("qwen3_moe", seed=1)
+    replace_moe_blocks(fresh, strategy="sequential")
+    assert not same_as_ref(gather_hf_state_dict(fresh))
+    dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path[0])
+    assert same_as_ref(gather_hf_state_dict(fresh))
 
 
 def test_gloo_two_ranks_fp8_hf():
