@@ -22,7 +22,8 @@ Forward and backward, without recomputing the forward:
   storage owns (``torch.frombuffer`` holds its buffer object for the storage's lifetime).
 * The registered autograd saves ``handle`` for backward; its backward is the op
   ``interlace::moe_experts_backward(handle, grad_out, ...)``, which finds the call by the key
-  written in the handle, runs ``torch.autograd.grad`` through the kept graph once and drops it.
+  written in the handle, runs the autograd engine through the kept graph once (what
+  ``torch.autograd.grad`` calls, without its Python argument checks) and drops it.
 
 Why this is correct:
 
@@ -51,7 +52,6 @@ Why this is correct:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
 
@@ -73,16 +73,37 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchK
                   torch._C.DispatchKey.AutogradNestedTensor)
 
 
-@contextlib.contextmanager
-def _autograd_recording():
-    excluded = [k for k in _AUTOGRAD_KEYS if torch._C._dispatch_tls_is_dispatch_key_excluded(k)]
-    for key in excluded:
-        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
-    try:
-        yield
-    finally:
-        for key in excluded:
-            torch._C._dispatch_tls_set_dispatch_key_excluded(key, True)
+class _AutogradRecording:
+    """Lifts the exclusion for the block and turns grad mode on (a plain class: the op runs it on
+    every call, and a generator-based context manager costs several times more)."""
+
+    __slots__ = ("excluded", "grad")
+
+    def __enter__(self):
+        self.excluded = [k for k in _AUTOGRAD_KEYS if _is_excluded(k)]
+        for key in self.excluded:
+            _set_excluded(key, False)
+        self.grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self.grad)
+        for key in self.excluded:
+            _set_excluded(key, True)
+
+
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def _run_backward(out: Tensor, leaves: tuple[Tensor, ...], grad_out: Tensor) -> tuple[Tensor | None, ...]:
+    """``torch.autograd.grad(out, leaves, grad_out, allow_unused=True)`` without its Python
+    argument handling (the op's fake implementation fixed the shapes and dtypes already): the
+    engine call that ``torch.autograd.grad`` ends in."""
+    return _ENGINE.run_backward((out,), (grad_out,), False, False, leaves, True, False)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
 class _SavedCall(bytearray):
@@ -90,7 +111,7 @@ class _SavedCall(bytearray):
     against. A bytearray (8 bytes: the call's key) so that a tensor's storage can own it."""
 
     out: Tensor | None = None
-    leaves: list[Tensor] | None = None
+    leaves: tuple[Tensor, ...] | None = None
 
 
 @torch.library.custom_op("interlace::moe_experts", mutates_args=())
@@ -110,10 +131,11 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, 
     handle = torch.frombuffer(saved, dtype=torch.int64)
     if not any(needs_grad):
         return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous(), handle
-    inputs = [t.detach().requires_grad_(need) for t, need in zip((x, topk_weight, w_up, w_down), needs_grad)]
-    with _autograd_recording(), torch.enable_grad():
-        out = strategy(inputs[0], topk_idx, inputs[1], inputs[2], inputs[3])
-    saved.out, saved.leaves = out, [t for t in inputs if t.requires_grad]
+    x, topk_weight, w_up, w_down = (t.detach().requires_grad_(need)
+                                    for t, need in zip((x, topk_weight, w_up, w_down), needs_grad))
+    with _AutogradRecording():
+        out = strategy(x, topk_idx, topk_weight, w_up, w_down)
+    saved.out, saved.leaves = out, tuple(t for t in (x, topk_weight, w_up, w_down) if t.requires_grad)
     _PENDING[key] = saved
     return out.detach().contiguous(), handle
 
@@ -137,9 +159,11 @@ def moe_experts_backward(handle: Tensor, grad_out: Tensor, topk_weight: Tensor, 
                            "forward again")
     out, leaves = saved.out, saved.leaves
     saved.out = saved.leaves = None  # freed now, as eager autograd frees a graph after its backward
-    with _autograd_recording():
-        grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True) if out.requires_grad else [None] * len(
-            leaves)
+    if out.requires_grad:
+        with _AutogradRecording():
+            grads = _run_backward(out, leaves, grad_out)
+    else:
+        grads = (None,) * len(leaves)
     return [torch.zeros_like(leaf) if g is None else g.contiguous() for g, leaf in zip(grads, leaves)]
 
 
