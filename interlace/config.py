@@ -114,7 +114,8 @@ class MoEConfig:
             expert's weights'). The expert GEMMs are W8A8: their input rows are quantized per
             token and group of 128 columns inside the kernels, accumulation in fp32. Inference
             only (a call that builds an autograd graph raises); strategies whose
-            ``fp8_experts`` is True run it (``sequential``; ``auto`` picks among those).
+            ``fp8_experts`` is True run it (``sequential``, ``persistent``, ``tp_ep`` where
+            K % (128·tp) == 0; ``auto`` picks among those).
             :func:`interlace.quantize_experts` converts a dense model in place; docs/fp8.md.
         source: where the shape comes from (for presets).
     """

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from interlace.config import MoEConfig
-from interlace.fp8 import FP8_BLOCK, BlockFP8Weight, quantize_weight
+from interlace.fp8 import FP8_BLOCK, BlockFP8Weight, check_fp8_ffn_slice, quantize_weight
 from interlace.kernels.activation import activation_reference
 from interlace.parallel.comm import ExpertParallel
 from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
@@ -55,6 +55,27 @@ def shard_ffn(w_up: torch.Tensor, w_down: torch.Tensor, config: MoEConfig, lo: i
         return w_up, w_down
     rows = [w_up[:, lo:hi]] + ([w_up[:, K + lo:K + hi]] if config.gated else [])
     return torch.cat(rows, dim=1).contiguous(), w_down[:, :, lo:hi].contiguous()
+
+
+def shard_ffn_fp8(w_up: BlockFP8Weight, w_down: BlockFP8Weight, lo: int,
+                  hi: int) -> tuple[BlockFP8Weight, BlockFP8Weight]:
+    """:func:`shard_ffn` of FP8 experts: the slice ``[lo, hi)`` of K (whole 128-blocks:
+    :func:`~interlace.fp8.check_fp8_ffn_slice`) of the full weights with their block scales.
+
+    ``w_up`` (E, up_width, N): the gate rows [lo, hi) and (SwiGLU, up_width = 2K) the up rows
+    [K+lo, K+hi), each with its scale rows; ``w_down`` (E, N, K): columns [lo, hi) with their scale
+    columns. Equal, bitwise, to quantizing :func:`shard_ffn` of the dense weights (each block of
+    the slice is a block of the full weight)."""
+    K = w_down.shape[-1]
+    check_fp8_ffn_slice((lo, hi), K)
+    if (lo, hi) == (0, K):
+        return w_up, w_down
+    b0, b1 = lo // FP8_BLOCK, hi // FP8_BLOCK
+    halves = [(0, 0)] + ([(K, K // FP8_BLOCK)] if w_up.shape[-2] == 2 * K else [])
+    up = BlockFP8Weight(torch.cat([w_up.weight[..., at + lo:at + hi, :] for at, _ in halves], dim=-2).contiguous(),
+                        torch.cat([w_up.scale_inv[..., bt + b0:bt + b1, :] for _, bt in halves], dim=-2).contiguous())
+    down = BlockFP8Weight(w_down.weight[..., lo:hi].contiguous(), w_down.scale_inv[..., b0:b1].contiguous())
+    return up, down
 
 
 class ExpertShard(nn.Module):
@@ -103,10 +124,15 @@ class ExpertShard(nn.Module):
         """Copy FP8 expert weights into this FP8 module (built with ``expert_quant="fp8"``, or
         after :func:`interlace.quantize_experts`): this rank's experts (E_local, ...), or every
         expert's (E, ...) of which it keeps its own (:mod:`interlace.fp8_checkpoint` reads other
-        layouts into these)."""
+        layouts into these). On a tensor-parallel slice of K (``ffn_slice``), weights of the full K
+        are cut to this rank's slice (:func:`shard_ffn_fp8`); weights of the slice's K are taken
+        as they are."""
         if self.scale_names is None:
             raise ValueError(f"{type(self).__name__}: the experts are dense; build the layer with "
                              f"expert_quant='fp8' or quantize it (interlace.quantize_experts) first")
+        k_slice = getattr(self, "ffn_slice", None)
+        if k_slice is not None and w_down.shape[-1] != k_slice[1] - k_slice[0]:  # the full K: this rank's slice
+            w_up, w_down = shard_ffn_fp8(w_up, w_down, *k_slice)
         lo, n = self.ep.first_expert, self.ep.num_local
         with torch.no_grad():
             for name, scale_name, w in zip(self.weight_names, self.scale_names, (w_up, w_down)):
@@ -172,7 +198,9 @@ class GroupedExperts(ExpertShard):
     (E_local, N, K) float8_e4m3fn, ``w_up_scale_inv`` (E_local, ⌈up_width/128⌉, ⌈N/128⌉) and
     ``w_down_scale_inv`` (E_local, ⌈N/128⌉, ⌈K/128⌉) fp32, all without gradients: the
     same seeded init quantized (:func:`~interlace.fp8.quantize_weight`), so an FP8 layer is
-    the quantized dense layer of the same seed. No tensor-parallel slice (``ValueError``).
+    the quantized dense layer of the same seed. A tensor-parallel slice must be whole 128-blocks
+    (K % (128·tp) == 0, :func:`~interlace.fp8.check_fp8_ffn_slice`, else ``ValueError``): the
+    slice's FP8 weights are then the slice (:func:`shard_ffn_fp8`) of the full FP8 weights.
     """
 
     def __init__(self, config: MoEConfig, ep: ExpertParallel, seed: int, device: torch.device,
@@ -182,22 +210,14 @@ class GroupedExperts(ExpertShard):
         self.first = ep.first_expert
         self.num_local = ep.num_local
         self.ffn_slice = ffn_slice or (0, config.ffn)
+        if config.expert_quant == "fp8":
+            check_fp8_ffn_slice(self.ffn_slice, config.ffn)
         w_up, w_down = init_expert_weights(config, range(self.first, self.first + self.num_local), seed, device)
         w_up, w_down = shard_ffn(w_up, w_down, config, *self.ffn_slice)
         self.w_up = nn.Parameter(w_up)
         self.w_down = nn.Parameter(w_down)
         if config.expert_quant == "fp8":
-            check_fp8_ffn_slice(self.ffn_slice, config.ffn)
             self.quantize_()
-
-
-def check_fp8_ffn_slice(ffn_slice: tuple[int, int], ffn: int) -> None:
-    """``ValueError`` for a tensor-parallel slice of FP8 experts: a slice of K cuts the 128-wide
-    scale blocks of ``w_down``'s columns and (SwiGLU) of ``w_up``'s gate and up rows, so a
-    shard's blocks would not be the full weight's. Not supported yet (tp = 1 only)."""
-    if tuple(ffn_slice) != (0, ffn):
-        raise ValueError(f"FP8 experts are not sharded over a tensor-parallel group yet (ffn slice {tuple(ffn_slice)} "
-                         f"of K={ffn}; the {FP8_BLOCK}x{FP8_BLOCK} scale blocks would be cut): use tp=1")
 
 
 def shared_expert_forward(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, gate: torch.Tensor | None,

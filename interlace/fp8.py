@@ -68,6 +68,24 @@ class BlockFP8Weight:
         return dequantize_weight(self.weight, self.scale_inv).to(dtype)
 
 
+def check_fp8_ffn_slice(ffn_slice: tuple[int, int], ffn: int) -> None:
+    """``ValueError`` unless the tensor-parallel slice ``[lo, hi)`` of the FFN dimension K of FP8
+    experts is whole 128-wide scale blocks: the full K, or (equal slices over tp ranks) K % (128·tp)
+    == 0. Then a rank's slice of ``w_up`` (SwiGLU: gate rows [lo, hi), up rows [K+lo, K+hi)) and of
+    ``w_down``'s columns holds whole blocks of the full weight with their own scales, and the
+    activation's 128-column groups are the full layer's: the slice's W8A8 arithmetic is exactly the
+    full layer's, its partial down projections sum to the full FFN."""
+    lo, hi = ffn_slice
+    if (lo, hi) == (0, ffn) or not (lo % FP8_BLOCK or hi % FP8_BLOCK or ffn % FP8_BLOCK):
+        return
+    width = hi - lo
+    tp = f"tp={ffn // width}" if width > 0 and ffn % width == 0 else "the tensor-parallel size"
+    raise ValueError(f"FP8 experts over a tensor-parallel group need each rank's slice of the FFN dimension to be "
+                     f"whole {FP8_BLOCK}-wide scale blocks, K % ({FP8_BLOCK} * tp) == 0: K={ffn} at {tp} gives "
+                     f"the slice [{lo}, {hi}), which cuts the {FP8_BLOCK}x{FP8_BLOCK} blocks (use a tp that "
+                     f"divides K / {FP8_BLOCK}, or tp=1)")
+
+
 def check_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> None:
     """``ValueError``/``TypeError`` unless ``weight`` is float8_e4m3fn (..., R, C) and
     ``scale_inv`` fp32 (..., ⌈R/128⌉, ⌈C/128⌉) on the same device."""

@@ -97,7 +97,8 @@ class MoELayer(nn.Module):
     replicated shared expert (:class:`interlace.experts.SharedExpert`).
     With ``config.expert_quant == "fp8"`` the experts are e4m3 with fp32 block scales
     (``experts.w_up_scale_inv``, ``experts.w_down_scale_inv``; :class:`interlace.experts.GroupedExperts`),
-    the strategy must run them (``Strategy.fp8_experts``: ``sequential``, ``auto``), and the layer
+    the strategy must run them (``Strategy.fp8_experts``: ``sequential``, ``persistent``, ``auto``; at
+    tp > 1 ``tp_ep``, where K % (128·tp) == 0), and the layer
     is inference-only: a call that builds an autograd graph raises ``RuntimeError``.
     """
 

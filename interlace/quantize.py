@@ -7,7 +7,8 @@ checkpoints hold), its config ``expert_quant="fp8"`` and its strategy built agai
 router, the shared expert and everything outside the layers stay as they are.
 
 Everything is checked on every layer before any is changed (a strategy that does not run FP8
-experts, a tensor-parallel slice, an fp64 layer), so an error leaves the model as it was.
+experts, a tensor-parallel slice that cuts the 128-blocks, an fp64 layer), so an error leaves the model as
+it was.
 """
 
 from __future__ import annotations

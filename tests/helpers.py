@@ -183,6 +183,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fp8_expected(cfg: MoEConfig, seed: int, x: torch.Tensor) -> torch.Tensor:
+    """Σ_j weight[t, j] · ffn_e(x[t]) with every expert's FFN from expert_ffn_fp8_reference on
+    quantize_weight of the seeded dense init, routed by the seeded router; fp32 combine. On x's
+    device (the seeded weights are those a layer on that kind of device draws)."""
+    from interlace.fp8 import BlockFP8Weight, expert_ffn_fp8_reference, quantize_weight
+
+    idx, weight, _ = Router(cfg, seed, x.device)(x, None, fused=True)
+    w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), seed, x.device)
+    up, down = quantize_weight(w_up), quantize_weight(w_down)
+    out = torch.zeros(x.shape[0], cfg.hidden, device=x.device)
+    for e in range(cfg.num_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            pick = lambda w: BlockFP8Weight(w.weight[e:e + 1], w.scale_inv[e:e + 1])  # noqa: E731
+            ends = torch.tensor([tok.numel()], device=x.device)
+            y = expert_ffn_fp8_reference(x[tok], pick(up), pick(down), ends, cfg.activation)
+            out.index_add_(0, tok, y.float() * weight[tok, slot, None].float())
+    return out.to(x.dtype)
+
+
 def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack

@@ -42,6 +42,14 @@ group must have the same T (checked: a mismatch raises ValueError on every rank)
 Capacity: drop decisions over the whole batch of T tokens (as in ``sequential``), then the
 surviving assignments are sliced and chunked, so every form drops the same assignments.
 
+FP8 experts (``MoEConfig.expert_quant="fp8"``, inference): each rank's slice of K must be whole
+128-wide scale blocks, K % (128·tp) == 0 (``ValueError`` when the strategy is built otherwise).
+The slice then holds whole blocks of the full weights with their scales, the activation's
+128-column groups are the full layer's, and ``expert_ffn_fp8`` runs the W8A8 FFN of the slice: its
+partial down projections (in x's dtype, as the dense path's) are summed over the TP group by the
+same collectives: in fp32 the full layer's W8A8 FFN up to the order of the sums (in bf16 each
+partial is rounded to bf16 before the sum).
+
 Communication priority: the EP all-to-all uses the mesh's EP communicator; ``MoEMesh.build``
 gives it (and the TP group) its own NCCL communicator on a high-priority stream, so a
 concurrent data-parallel all-reduce on another communicator cannot hold it back in the GPU's
@@ -56,6 +64,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from interlace.fp8 import BlockFP8Weight, check_fp8_ffn_slice
+from interlace.kernels.expert_gemm.fp8 import FP8_BACKENDS, expert_ffn_fp8
 from interlace.parallel.comm import all_gather_single, all_to_all_async, reduce_scatter_single
 from interlace.parallel.mesh import MoEMesh
 from interlace.kernels.routing_index import build_dispatch_index
@@ -358,16 +368,21 @@ def _chunk_index(marked: torch.Tensor, bins: int, num_experts: int):
 @register_strategy
 class TpEpStrategy(Strategy):
     """Expert FFN sharded over the mesh's TP group, experts over its EP group; see the
-    module docstring for the forms. Options: ``form`` ("O0".."O3"), ``chunks`` (O2/O3)."""
+    module docstring for the forms. Options: ``form`` ("O0".."O3"), ``chunks`` (O2/O3),
+    ``fp8_backend`` (FP8 experts: :func:`~interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`'s, as in
+    ``sequential``)."""
 
     name = "tp_ep"
     fused_routing = True
     uses_mesh = True
+    fp8_experts = True  # inference, where each rank's slice of K is whole 128-blocks (check_fp8_ffn_slice)
 
-    def __init__(self, config, ep, mesh=None, form: str = "O1", chunks: int = 2):
+    def __init__(self, config, ep, mesh=None, form: str = "O1", chunks: int = 2, fp8_backend: str = "auto"):
         super().__init__(config, ep)
         if form not in FORMS:
             raise ValueError(f"tp_ep form must be one of {FORMS}, got {form!r}")
+        if fp8_backend not in FP8_BACKENDS:
+            raise ValueError(f"fp8_backend must be one of {FP8_BACKENDS}, got {fp8_backend!r}")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or not 1 <= chunks <= 64:
             raise ValueError(f"tp_ep chunks must be an int in 1..64, got {chunks!r}")
         self.mesh = mesh if mesh is not None else MoEMesh.from_groups(None, ep.group)
@@ -380,8 +395,11 @@ class TpEpStrategy(Strategy):
                 "or use strategy 'sequential' on a single process")
         if self.mesh.ep != ep.world:
             raise ValueError(f"mesh ep={self.mesh.ep} does not match the expert-parallel group size {ep.world}")
-        self.mesh.shard_ffn(config.ffn)  # K divisible by tp
+        ffn_slice = self.mesh.shard_ffn(config.ffn)  # K divisible by tp
+        if config.expert_quant == "fp8":  # (before any weight is built: the layer builds its strategy first)
+            check_fp8_ffn_slice(ffn_slice, config.ffn)
         self.form = form
+        self.fp8_backend = fp8_backend
         self.chunks = chunks if form in ("O2", "O3") else 1
 
     @classmethod
@@ -424,7 +442,11 @@ class TpEpStrategy(Strategy):
         x_sends = [DispatchRows.apply(x_chunks[c], indices[c][1][: sum(plan.in_splits[c])], indices[c][0])
                    for c in range(r)]
         rows = _Spread.apply(plan, *x_sends)
-        y = expert_ffn(rows, w_up, w_down, plan.offs, cfg.activation)
+        if isinstance(w_up, BlockFP8Weight):  # this rank's K slice, W8A8: partial down projections in x's dtype
+            y = expert_ffn_fp8(rows, None, 1, plan.rows, w_up, w_down, plan.offs, cfg.activation,
+                               backend=self.fp8_backend)
+        else:
+            y = expert_ffn(rows, w_up, w_down, plan.offs, cfg.activation)
         y_backs = _Collect.apply(plan, y)
         outs = [CombineRows.apply(y_backs[c], w_chunks[c], indices[c][0], x.dtype) for c in range(r)]
         out = torch.cat(outs) if r > 1 else outs[0]

@@ -1,7 +1,8 @@
 """FP8 experts in the layer (MoEConfig.expert_quant="fp8", interlace.fp8): the config, the
 experts' storage, the output against the W8A8 reference and against the dense twin, the
 conversion of a dense model, which strategies run it, inference-only calls, the state dict,
-torch.distributed.checkpoint (world size 1 and EP 2), torch.compile, and sequential on 2 gloo ranks.
+torch.distributed.checkpoint (world size 1 and EP 2), torch.compile, sequential on 2 gloo ranks,
+and tp_ep on a TP 2 mesh (K = 256: one whole 128-block per rank; K % (128 * tp) != 0 refused).
 
 Shapes have partial 128-blocks on purpose: N = 160 (one full block and one of 32), K = 72 (the
 SwiGLU stack of 144 rows: one full block and one that holds the last gate rows and the up rows).
@@ -12,12 +13,11 @@ import io
 import pytest
 import torch
 
-from helpers import rel_err, run_gloo
+from helpers import fp8_expected, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer, parallelize, quantize_experts
-from interlace.experts import GroupedExperts, init_expert_weights
-from interlace.fp8 import BlockFP8Weight, expert_ffn_fp8_reference, quantize_weight
+from interlace.experts import GroupedExperts, init_expert_weights, shard_ffn_fp8
+from interlace.fp8 import BlockFP8Weight, quantize_weight
 from interlace.parallel.comm import ExpertParallel
-from interlace.routing import Router
 
 CFG = MoEConfig(hidden=160, ffn=72, num_experts=4, top_k=2, dtype=torch.float32)
 FP8 = CFG.with_(expert_quant="fp8")
@@ -28,29 +28,14 @@ FP8 = CFG.with_(expert_quant="fp8")
 # under the interpreter. bf16: the experts' outputs round to bf16 before the combine (2⁻⁸
 # relative): measured 4.4e-3 (reference path), 7.3e-3 (kernels).
 TOL = 2e-4
+# Tensor parallelism (tp_ep, tp=2): K = 256, one whole 128-block per rank; N = 160 keeps a partial block.
+CFG_TP = CFG.with_(ffn=256)
+FP8_TP = CFG_TP.with_(expert_quant="fp8")
 TOL_BF16 = 2e-2
 # Block FP8 (W8A8: x, w_up, the activation and w_down each rounded to e4m3) against the dense
 # layer of the same seed on random data: measured 0.059-0.065 relative Frobenius (fp32 and bf16,
 # N/K 160/72, 64/48, 256/256); the bound leaves a margin.
 FP8_VS_DENSE = 0.1
-
-
-def fp8_expected(cfg: MoEConfig, seed: int, x: torch.Tensor) -> torch.Tensor:
-    """Σ_j weight[t, j] · ffn_e(x[t]) with every expert's FFN from expert_ffn_fp8_reference on
-    quantize_weight of the seeded dense init, routed by the seeded router; fp32 combine. On x's
-    device (the seeded weights are those a layer on that kind of device draws)."""
-    idx, weight, _ = Router(cfg, seed, x.device)(x, None, fused=True)
-    w_up, w_down = init_expert_weights(cfg, range(cfg.num_experts), seed, x.device)
-    up, down = quantize_weight(w_up), quantize_weight(w_down)
-    out = torch.zeros(x.shape[0], cfg.hidden, device=x.device)
-    for e in range(cfg.num_experts):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        if tok.numel():
-            pick = lambda w: BlockFP8Weight(w.weight[e:e + 1], w.scale_inv[e:e + 1])  # noqa: E731
-            ends = torch.tensor([tok.numel()], device=x.device)
-            y = expert_ffn_fp8_reference(x[tok], pick(up), pick(down), ends, cfg.activation)
-            out.index_add_(0, tok, y.float() * weight[tok, slot, None].float())
-    return out.to(x.dtype)
 
 
 def test_config():
@@ -111,8 +96,8 @@ def test_quantize_experts_round_trip():
 
 
 def test_strategies_that_do_not_run_fp8_are_refused():
-    for spec in ("naive", "pipelined:2", "fused", "tp_ep:O0"):
-        with pytest.raises(ValueError, match="strategies that do: auto, persistent, sequential"):
+    for spec in ("naive", "pipelined:2", "fused"):
+        with pytest.raises(ValueError, match="strategies that do: auto, persistent, sequential, tp_ep"):
             MoELayer(FP8, device="cpu", strategy=spec)
     layer = MoELayer(FP8, device="cpu", strategy="sequential")
     with pytest.raises(ValueError, match="does not run FP8 experts"):
@@ -125,9 +110,15 @@ def test_strategies_that_do_not_run_fp8_are_refused():
     assert dense.config.expert_quant is None and dense.experts.w_up.dtype == torch.float32
     dense.quantize_experts_(strategy="sequential")
     assert dense.strategy.name == "sequential" and dense.experts.w_up.dtype == torch.float8_e4m3fn
-    # a tensor-parallel slice of FP8 experts
-    with pytest.raises(ValueError, match="tensor-parallel"):
+    # a tensor-parallel slice of FP8 experts that cuts the 128-blocks (K=72 at tp=2); whole blocks are
+    # the slice of the full FP8 weights, bitwise
+    with pytest.raises(ValueError, match=r"K % \(128 \* tp\) == 0: K=72 at tp=2"):
         GroupedExperts(FP8, ExpertParallel(None, 0, 1, 4), 0, torch.device("cpu"), ffn_slice=(0, 36))
+    full = GroupedExperts(FP8_TP, ExpertParallel(None, 0, 1, 4), 0, torch.device("cpu"))
+    for lo in (0, 128):
+        part = GroupedExperts(FP8_TP, ExpertParallel(None, 0, 1, 4), 0, torch.device("cpu"), ffn_slice=(lo, lo + 128))
+        for got, want in zip(part.expert_weights(), shard_ffn_fp8(*full.expert_weights(), lo, lo + 128)):
+            assert torch.equal(bits(got.weight), bits(want.weight)) and torch.equal(got.scale_inv, want.scale_inv)
 
 
 def test_auto_candidates_are_those_that_run_fp8():
@@ -281,10 +272,54 @@ def _gloo_fp8(rank, world):
         if spec == "auto":
             assert {c.spec for c in layer.strategy.choices.values()} == {"sequential"}
     check_dcp_round_trip(rank, world)
+    check_tensor_parallel(rank, world)
     from torch.distributed.device_mesh import init_device_mesh
 
     with pytest.raises(ValueError, match="inference-only"):  # (data-parallel wrappers are for training)
         parallelize(layer, init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep")))
+
+
+def check_tensor_parallel(rank, world):
+    """FP8 experts over a TP = 2 x EP = 1 mesh (tp_ep; each rank half of K, one 128-block): each
+    form's output against the single-process W8A8 reference of the whole layer, on random tokens
+    the same on both ranks; the weights the slices of the full FP8 weights, and load_fp8_ of the
+    full weights cuts them so; quantize_experts of the dense tp layer equals the layer built FP8;
+    K % (128 * tp) != 0 refused (building, and quantize_experts, which then changes nothing)."""
+    from interlace.parallel.mesh import MoEMesh
+
+    mesh = MoEMesh.build(tp=world)
+    lo, hi = mesh.shard_ffn(CFG_TP.ffn)
+    x = torch.randn(20, CFG_TP.hidden, generator=torch.Generator().manual_seed(11))
+    want = fp8_expected(FP8_TP, 3, x)
+    for form in ("tp_ep:O0", "tp_ep:O1", "tp_ep:O3"):
+        layer = MoELayer(FP8_TP, mesh=mesh, strategy=form, seed=3, device="cpu")
+        with torch.no_grad():
+            out = layer(x)
+        assert rel_err(out, want) < TOL, f"rank {rank} {form}: {rel_err(out, want)}"
+    bf16 = FP8_TP.with_(dtype=torch.bfloat16)  # (each rank's partial rounds to bf16 before the TP sum)
+    with torch.no_grad():
+        got = MoELayer(bf16, mesh=mesh, strategy="tp_ep:O1", seed=3, device="cpu")(x.bfloat16())
+    assert rel_err(got, fp8_expected(bf16, 3, x.bfloat16())) < TOL_BF16, f"rank {rank} bf16"
+    w_up, w_down = init_expert_weights(CFG_TP, range(CFG_TP.num_experts), 3, torch.device("cpu"))
+    full = quantize_weight(w_up), quantize_weight(w_down)
+    for got, want_w in zip(layer.experts.expert_weights(), shard_ffn_fp8(*full, lo, hi)):
+        assert torch.equal(bits(got.weight), bits(want_w.weight)) and torch.equal(got.scale_inv, want_w.scale_inv)
+    loaded = MoELayer(FP8_TP, mesh=mesh, strategy="tp_ep:O1", seed=4, device="cpu")
+    loaded.experts.load_fp8_(*full)  # (every expert's full K: this rank's slice kept)
+    assert_same_tensors(loaded.experts.state_dict(), layer.experts.state_dict(), f"rank {rank}: load_fp8_ into tp")
+    dense = MoELayer(CFG_TP, mesh=mesh, strategy="tp_ep:O3", seed=3, device="cpu")
+    assert quantize_experts(dense) == [""]
+    assert dense.config == FP8_TP and dense.strategy.name == "tp_ep"
+    assert_same_tensors(dense.state_dict(), layer.state_dict(), f"rank {rank}: quantize_experts at tp")
+    with torch.no_grad():
+        assert torch.equal(dense(x), out)
+    rule = r"K % \(128 \* tp\) == 0: K=384 at tp=2"  # 192 per rank
+    with pytest.raises(ValueError, match=rule):
+        MoELayer(FP8_TP.with_(ffn=384), mesh=mesh, strategy="tp_ep:O1", device="cpu")
+    dense = MoELayer(CFG_TP.with_(ffn=384), mesh=mesh, strategy="tp_ep:O1", device="cpu")
+    with pytest.raises(ValueError, match=rule):
+        quantize_experts(dense)
+    assert dense.config.expert_quant is None and dense.experts.w_up.dtype == torch.float32
 
 
 def check_dcp_round_trip(rank, world):

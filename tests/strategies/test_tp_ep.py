@@ -1,12 +1,13 @@
 """tp_ep (TP × EP experts, MoNTA's all-to-all forms O0–O3) under gloo with 4 ranks (2×2) and
-8 ranks (2×4, 4×2): outputs and every gradient against the fp64 single-process reference."""
+8 ranks (2×4, 4×2): outputs and every gradient against the fp64 single-process reference; FP8
+experts at 2×2 against the single-process W8A8 reference."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from cases import case_indices, case_tokens, make_inputs
-from helpers import reference_grads, rel_err, run_gloo
+from helpers import fp8_expected, reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer
 from interlace.experts import init_expert_weights, shard_ffn
 from interlace.parallel.mesh import MoEMesh
@@ -70,6 +71,13 @@ def _four_ranks(rank, world):
     assert (given.tp, given.ep, given.tp_rank, given.ep_rank) == (mesh.tp, mesh.ep, mesh.tp_rank, mesh.ep_rank)
     x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(rank // 2))
     assert torch.equal(MoELayer(cfg, mesh=given, strategy="tp_ep:O2", device="cpu")(x), layer(x))
+    # FP8 experts (inference): K = 256, one 128-block per TP rank; N = 160 has a partial block.
+    fp8 = MoEConfig(hidden=160, ffn=256, num_experts=4, top_k=2, dtype=torch.float32, expert_quant="fp8")
+    j = mesh.ep_rank
+    x = torch.randn(7 + 5 * j, fp8.hidden, generator=torch.Generator().manual_seed(30 + j))  # batch j
+    with torch.no_grad():
+        out = MoELayer(fp8, mesh=mesh, strategy="tp_ep:O2", seed=6, device="cpu")(x)
+    assert rel_err(out, fp8_expected(fp8, 6, x)) < 2e-4, f"rank {rank} FP8: {rel_err(out, fp8_expected(fp8, 6, x))}"
 
 
 def _eight_ranks(rank, world):
@@ -78,7 +86,7 @@ def _eight_ranks(rank, world):
 
 
 def test_tp_ep_forms_match_reference_2x2():
-    """TP=2 × EP=2, every form; plus the errors of a bad mesh or input."""
+    """TP=2 × EP=2, every form; plus the errors of a bad mesh or input, and FP8 experts."""
     run_gloo(_four_ranks, 4)
 
 
