@@ -44,6 +44,13 @@ def _expert_modules(model: nn.Module, mesh: DeviceMesh | None, what: str) -> dic
     a ("dp", "ep") mesh of the whole world whose ``ep`` row of this rank is every layer's EP
     group; ``mesh=None`` only where no layer shards its experts (world size 1)."""
     experts = {prefix: m for prefix, m in model.named_modules() if isinstance(m, ExpertShard)}
+    for prefix, m in experts.items():
+        lo, hi = getattr(m, "ffn_slice", (0, None))
+        if hi is not None and (lo, hi) != (0, getattr(m, "ffn", hi)):
+            # (each rank holds K-slice [lo, hi) of every expert: a plain or expert-sharded dict
+            # would save one slice as if it were the whole FFN)
+            raise ValueError(f"{what}: {prefix} holds the tensor-parallel slice [{lo}, {hi}) of the experts' FFN "
+                             f"dimension ({m.ffn}): checkpoints of tp > 1 layouts are not supported")
     if mesh is None:
         sharded = [prefix for prefix, m in experts.items() if m.ep.world > 1]
         if sharded:

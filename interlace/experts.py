@@ -210,6 +210,7 @@ class GroupedExperts(ExpertShard):
         self.first = ep.first_expert
         self.num_local = ep.num_local
         self.ffn_slice = ffn_slice or (0, config.ffn)
+        self.ffn = config.ffn  # (the full K: ffn_slice below it is a tensor-parallel slice)
         if config.expert_quant == "fp8":
             check_fp8_ffn_slice(self.ffn_slice, config.ffn)
         w_up, w_down = init_expert_weights(config, range(self.first, self.first + self.num_local), seed, device)

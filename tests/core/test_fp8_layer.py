@@ -15,6 +15,7 @@ import torch
 
 from helpers import fp8_expected, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer, parallelize, quantize_experts
+from interlace.checkpoint import expert_sharded_state_dict
 from interlace.experts import GroupedExperts, init_expert_weights, shard_ffn_fp8
 from interlace.fp8 import BlockFP8Weight, quantize_weight
 from interlace.parallel.comm import ExpertParallel
@@ -119,6 +120,10 @@ def test_strategies_that_do_not_run_fp8_are_refused():
         part = GroupedExperts(FP8_TP, ExpertParallel(None, 0, 1, 4), 0, torch.device("cpu"), ffn_slice=(lo, lo + 128))
         for got, want in zip(part.expert_weights(), shard_ffn_fp8(*full.expert_weights(), lo, lo + 128)):
             assert torch.equal(bits(got.weight), bits(want.weight)) and torch.equal(got.scale_inv, want.scale_inv)
+    # a checkpoint of a tensor-parallel slice would save one slice as the whole FFN: refused
+    with pytest.raises(ValueError, match=r"tensor-parallel slice \[128, 256\) .*tp > 1"):
+        expert_sharded_state_dict(part, None)
+    assert set(expert_sharded_state_dict(full, None)) == set(full.state_dict())
 
 
 def test_auto_candidates_are_those_that_run_fp8():
