@@ -149,6 +149,11 @@ class Strategy:
         the layer calls it when it switches to another strategy. Buffers shared by every layer of
         the process stay until :func:`interlace.parallel.release_shared_buffers`. No-op by default."""
 
+    def synchronize_and_check(self) -> None:
+        """Wait for this strategy's device work and raise ``RuntimeError`` if one of its waits timed
+        out. Strategies that keep no device-side error record (their collectives are NCCL's) have
+        nothing to wait for here: no-op by default."""
+
     def release_buffers(self) -> None:
         """After :meth:`close`, for good: leave the process-wide buffers this strategy took (the
         last strategy to leave one frees it; ``auto`` calls it on the candidates it no longer

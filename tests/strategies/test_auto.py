@@ -202,20 +202,22 @@ def test_fused_candidate_uneven_counts(tmp_path):
     run_gloo(_fused_calibration, 2, str(tmp_path))
 
 
-def _losers_released(rank, world, tmp):
+def _losers_released(rank, world, tmp, winner):
     """Once a key decides, the candidates no key runs or still calibrates are dropped, and their
-    peer buffer leaves the process cache (the steady state holds what the winner holds)."""
+    peer buffer leaves the process cache (the steady state holds what the winner holds). With a
+    third candidate winning, a strategy without buffers leaves beside one that holds them."""
     from interlace.parallel import peer_buffer
 
     _set_profile_dir(tmp)
+    candidates = ("sequential", "fused") + (() if winner == "sequential" else (winner,))
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": ("sequential", "fused"), "warmup": 0, "samples": 1,
+                     strategy_options={"candidates": candidates, "warmup": 0, "samples": 1,
                                        "cache": False})
     auto = layer.strategy
-    auto.measure_override = lambda spec, ms: 1.0 if spec == "sequential" else 2.0
+    auto.measure_override = lambda spec, ms: 1.0 if spec == winner else 2.0
     g = torch.Generator().manual_seed(5)
     held = []
-    for counts in ([3, 4], [4, 2], [1, 3], [4, 4]):  # 1-2 calibrate, 3 decides sequential
+    for counts in ([3, 4], [4, 2], [1, 3], [4, 4]):  # one call per candidate calibrates, the next runs the winner
         xs = [torch.randn(t, CFG.hidden, generator=g) for t in counts]
         ref = reference_grads(CFG, 3, xs, [torch.zeros_like(x) for x in xs])[0][rank]
         with torch.no_grad():
@@ -225,13 +227,16 @@ def _losers_released(rank, world, tmp):
         held.append((fused is not None, len(peer_buffer._CACHE)))
         if fused is not None:
             buf = fused.buf
-    assert auto.choices[(4, "fwd")].spec == "sequential"
-    assert held == [(False, 0), (True, 1), (False, 0), (False, 0)], held
+    assert auto.choices[(4, "fwd")].spec == winner
+    calibrating = [(True, 1)] * (len(candidates) - 1)  # fused's buffer held until the key decides
+    assert held == [(False, 0)] + calibrating + [(False, 0)] * (4 - len(candidates)), held
     assert buf.users == 0
+    assert list(auto._impls) in ([], [winner]), list(auto._impls)
 
 
-def test_losing_candidates_are_dropped_with_their_buffers(tmp_path):
-    run_gloo(_losers_released, 2, str(tmp_path))
+@pytest.mark.parametrize("winner", ["sequential", "pipelined:2"])
+def test_losing_candidates_are_dropped_with_their_buffers(tmp_path, winner):
+    run_gloo(_losers_released, 2, str(tmp_path), winner)
 
 
 def _decided_keys_and_capacity(rank, world, tmp):
