@@ -191,6 +191,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 BACK_TO_BACK_ROUNDS = 3
 
 
+def round_order(items: list, i: int) -> list:
+    """Round ``i``'s order of a round-robin: a Williams design (rows ``0, 1, n−1, 2, n−2, …``
+    shifted by the round; with an odd count the reversed rows too), so over ``n`` rounds (``2n``
+    for odd ``n``) each item comes right after each other item equally often within a round."""
+    n = len(items)
+    if n < 2:
+        return list(items)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [(x + i) % n for x in first]
+    if n % 2 and (i // n) % 2:
+        row.reverse()
+    return [items[j] for j in row]
+
+
 def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, strategies: list[str],
              env: Env, args, ceilings) -> list[Row]:
     cfg = layer.config
@@ -264,12 +284,14 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
     if getattr(args, "interleave", False):
         # Round-robin: timed call i of every strategy runs back to back, so clock and thermal
         # drift over the case (two runs of the same code path timed one after the other can
-        # differ by several percent) falls on all strategies alike.
+        # differ by several percent) falls on all strategies alike. Each strategy follows each
+        # other one equally often: a GPU-bound call depends on the call before it (after naive's
+        # call, less power-dense, the same code ran faster: docs/benchmarking.md).
         timed = [row for row in rows if row.status == "ok"]
         ctx = torch.no_grad() if not backward else torch.enable_grad()
         with ctx:
-            for _ in range(args.iters):
-                for row in timed:
+            for i in range(args.iters):
+                for row in round_order(timed, i):
                     layer.strategy = row.strategy_object
                     row.times_ms += (time_cuda if env.cuda else time_cpu)(call, 0, 1, env)
         for row in timed:
@@ -280,8 +302,8 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         timed = [row for row in rows if row.status == "ok"]
         rounds = {id(row): [] for row in timed}
         with torch.no_grad():
-            for _ in range(BACK_TO_BACK_ROUNDS):
-                for row in timed:
+            for i in range(BACK_TO_BACK_ROUNDS):
+                for row in round_order(timed, i):
                     layer.strategy = row.strategy_object
                     rounds[id(row)].append(time_back_to_back(call, args.back_to_back, env))
         for row in timed:

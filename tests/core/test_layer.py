@@ -167,6 +167,26 @@ def test_bench_harness_interleaved_timing(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_bench_round_robin_balances_the_call_before(n):
+    """--interleave's round orders: every strategy comes right after every other one equally
+    often within the rounds of a period (n rounds, 2n for odd n), and each round holds each once
+    (a GPU-bound call's time depends on the call before it)."""
+    from collections import Counter
+
+    from interlace.tools.bench import round_order
+
+    items = [f"s{j}" for j in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    rounds = [round_order(items, i) for i in range(2 * period)]
+    assert all(sorted(r) == items for r in rounds)
+    assert rounds[0] == items[:1] + items[1:2] + (items[-1:] if n > 2 else []) + rounds[0][3:]
+    pairs = Counter((r[j], r[j + 1]) for r in rounds[:period] for j in range(n - 1))
+    assert set(pairs) == {(a, b) for a in items for b in items if a != b}
+    assert len(set(pairs.values())) == 1, pairs
+    assert rounds[period:] == rounds[:period] and round_order([], 3) == []
+
+
 def test_bench_routings_local_stays_on_its_rank_and_balanced_spreads():
     """The harness's forced routings: ``local`` keeps each token on k distinct experts of its own
     rank (the hidden share's no-remote-traffic case), ``balanced`` uses every expert equally;
