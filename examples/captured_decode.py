@@ -99,6 +99,43 @@ def decode(model, prompt, steps: int, graph: bool):
     return torch.cat(tokens, dim=1), per_step, (time.perf_counter() - start) / steps
 
 
+class _NoExperts(torch.nn.Module):
+    """Stands in for an MoE block while the rest of the step is timed: zeros of its input's shape."""
+
+    def forward(self, hidden_states):
+        return torch.zeros_like(hidden_states)
+
+
+def moe_time_in_replay(model, prompt, steps: int, step_s: float) -> tuple[float, float, float]:
+    """The MoE blocks' share of a replayed step: ``(per layer inside the replay, step without
+    them, one block back to back)`` in seconds. Inside the replay: the step's time less a replay
+    of the same model whose blocks return zeros, over the layer count. Back to back: block 0 on
+    a decode step's hidden states, 20 calls issued back to back (every rank alike)."""
+    blocks = interlace.hf.moe_blocks(model)
+    ids = {id(b) for b in blocks}
+    owners = [(m, name, c) for m in model.modules() for name, c in m.named_children() if id(c) in ids]
+    for m, name, _ in owners:
+        setattr(m, name, _NoExperts())
+    try:
+        _, _, rest_s = decode(model, prompt, steps, graph=True)
+    finally:
+        for m, name, block in owners:
+            setattr(m, name, block)
+    x = torch.randn(prompt.shape[0], 1, model.config.hidden_size, device=prompt.device, dtype=model.dtype)
+    for _ in range(5):
+        blocks[0](x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if dist.is_initialized():
+        dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        blocks[0](x)
+    end.record()
+    end.synchronize()
+    return (step_s - rest_s) / len(blocks), rest_s, start.elapsed_time(end) / 20 * 1e-3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -113,6 +150,8 @@ def main():
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--fp8", action="store_true", help="quantize the experts to block-scaled FP8 (W8A8)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--moe-time", action="store_true",
+                    help="also time the MoE blocks inside the replayed step against one block back to back")
     args = ap.parse_args()
     distributed = "RANK" in os.environ
     if args.device == "cuda":
@@ -144,6 +183,11 @@ def main():
             print(f"rank {rank}: replayed steps equal eager bitwise: {same} (largest relative difference "
                   f"{worst:.1e}); tokens equal: {torch.equal(graph_tokens, eager_tokens)}; per step: eager "
                   f"{eager_s * 1e3:.2f} ms, replayed {graph_s * 1e3:.2f} ms ({eager_s / graph_s:.2f}x)", flush=True)
+            if args.moe_time:
+                layer_s, rest_s, b2b_s = moe_time_in_replay(model, prompt, args.steps, graph_s)
+                print(f"rank {rank}: MoE block per layer inside the replay {layer_s * 1e3:.3f} ms (the step "
+                      f"without the blocks {rest_s * 1e3:.2f} ms), one block back to back {b2b_s * 1e3:.3f} ms: "
+                      f"{layer_s / b2b_s:.2f}x", flush=True)
         agree = (eager_tokens == hf_tokens).float().mean().item()
         print(f"rank {rank}: greedy tokens equal to HF's own blocks: {agree:.1%} of {eager_tokens.numel()} "
               f"(HF eager {hf_s * 1e3:.2f} ms per step)", flush=True)
