@@ -42,7 +42,7 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # the run's own), timing (decode_bench: "back_to_back" reads the rows' back_to_back_ms, bench's
 # --back-to-back; default their median_ms, a barrier before each call), barrier_line (decode_bench with
 # timing="back_to_back": a line on the same rows' barrier-timed calls), source (facts: the line under the
-# table, instead of the JSON's note).
+# table, instead of the JSON's note), tokens (weak_scaling: the token counts shown; default all).
 # The page is the standing, not its history: a note says what a table measured and how to read it, never
 # how it compares with an earlier commit or what was tried and not kept (commit messages hold those).
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
@@ -55,21 +55,24 @@ SOURCES = [
     dict(section="fp8", table="fp8-experts-h200", kind="fp8_experts", file="h200-fp8-experts.json",
          title="FP8 expert block against bf16, 1× H200 (one GPU's share of a 2-GPU layer)",
          device="1× NVIDIA H200", commit="b9eb602", command="python benchmarks/fp8_experts.py --rounds 3", env="",
-         notes=["`sequential`'s expert block at world size 1 (dispatch, expert GEMMs, combine), balanced routing, "
-                "bf16 activations; `do_bench` medians, 3 interleaved rounds. best bf16: torch's grouped_mm or "
-                "interlace's Triton GEMMs. FP8: the `auto` backend; triton and blockwise (cuBLAS per expert; hidden "
-                "and ffn multiples of 512) forced. FP8 against the fp32 block of its dense weights: 6.3-6.4e-2 on "
-                "every row (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.4e-2.",
-                "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. The Triton FP8 "
-                "GEMMs run at 430-670 TFLOP/s (each k block waits to be scaled), cuBLAS's at 1250 with 30-80 µs "
-                "of host time per expert GEMM. Rows under 0.3 ms move with the host."]),
+         notes=["`sequential`'s expert block at world size 1, balanced routing, bf16 activations; `do_bench` "
+                "medians, 3 interleaved rounds. best bf16: torch's grouped_mm or interlace's Triton GEMMs. FP8: the "
+                "`auto` backend; triton and blockwise (cuBLAS per expert) forced. FP8 against the fp32 block of its "
+                "dense weights: 6.3-6.4e-2 (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.4e-2.",
+                "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. Triton's FP8 "
+                "GEMMs run at 430-670 TFLOP/s, cuBLAS's at 1250 with 30-80 µs of host time per expert GEMM."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential",
          notes=["`auto`'s peak GiB counts its calibration calls (the peak since the case's first call); its "
                 "timed calls are its decision's, each right after a `fused:train` call in the round-robin."]),
+    dict(section="training", table="roofline-qwen3-h200", kind="facts", file="h200-qwen3-roofline.json",
+         title="Roofline of a qwen3-30b-a3b training call, 1× H200",
+         device="1× NVIDIA H200", date="2026-11-29", commit="9882890", env="",
+         command="python benchmarks/bench_expert_kernels.py --configs qwen3-30b-a3b --tokens 4096 16384 --world 2 "
+                 "--breakdown --profile-fb"),
     dict(section="scaling", table="weak-scaling-h200", kind="weak_scaling",
          files=["h200x2-forward-3598717.json", "h200x4-forward.json"],
-         title="Weak scaling T(2) ÷ T(4) at fixed tokens per GPU, forward (1.0 is perfect)",
+         title="Weak scaling T(2) ÷ T(4) at fixed tokens per GPU, forward (1.0 is perfect)", tokens=[4096, 16384],
          device="2× and 4× NVIDIA H200", date="2026-11-22", commit="3598717",
          command="torchrun --nproc-per-node W -m interlace.tools.bench --strategies sequential fused "
                  "--tokens 4096 8192 16384 --interleave   # W = 2, then W = 4; "
@@ -114,10 +117,9 @@ SOURCES = [
                 "The line above the table: a barrier and CUDA events around each call, median of 20. Every output "
                 "checked against `naive` before and after timing.",
                 "Decode floor: the largest of the prefill floor, the busiest rank's touched expert weights ÷ the HBM "
-                "read bandwidth, and two peer latencies, all measured in the run (below 1.00×: `persistent` streamed "
-                "faster than the run's bandwidth measurement).",
-                "auto ran: its decision for the row. In the same session tests/gpu/persistent_dist_check.py and "
-                "gpu_check.py (`persistent`) passed."]),
+                "read bandwidth, and two peer latencies, all measured in the run (below 1.00×: streamed faster than "
+                "the run's bandwidth measurement).",
+                "auto ran: its decision for the row."]),
     dict(section="decode", table="persistent-timeline-h200x2", kind="facts", file="h200x2-persistent-timeline.json",
          title="Where a `persistent` decode call spends its time, 2× H200: qwen3-30b-a3b at 128 and 512 tokens per GPU",
          device="2× NVIDIA H200", date="2026-11-27", commit="59ce3d4",
@@ -297,8 +299,10 @@ def _find(rows, like, strategy, key="median_ms"):
 def weak_scaling_table(src):
     """T(W) per row of the runs in ``files`` (one per world size, the same tokens per GPU), and
     T(smallest W) ÷ T(W): FlashDMoE's overlap efficiency where the row is a decode call.
-    ``timing="back_to_back"`` reads the rows' back-to-back times."""
+    ``timing="back_to_back"`` reads the rows' back-to-back times; ``tokens`` (optional) the token
+    counts shown."""
     key = "back_to_back_ms" if src.get("timing") == "back_to_back" else "median_ms"
+    shown = src.get("tokens")
     runs = [load(name) for name in src["files"]]
     runs.sort(key=lambda d: d["meta"]["world"])
     (w0, base), others = (runs[0]["meta"]["world"], runs[0]), runs[1:]
@@ -308,7 +312,7 @@ def weak_scaling_table(src):
         head += [f"T({d['meta']['world']}) ms", f"T({w0}) ÷ T({d['meta']['world']})"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in base["rows"]:
-        if r["strategy"] == "naive" or not r.get(key):
+        if r["strategy"] == "naive" or not r.get(key) or (shown and r["tokens"] not in shown):
             continue
         cells = [r["config"], str(r["tokens"]), r["strategy"], fmt(r[key], ".3f")]
         for d in others:
