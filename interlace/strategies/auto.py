@@ -47,7 +47,8 @@ chosen strategies hold and no more.
 **Calibration.** For a key with no decision, the candidates come from the performance model
 (:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
 ``pipelined:r`` at the planner's degree r > 1, and ``fused`` (forward calls) or ``fused:train``
-(training calls, unless ``train_fused=False`` or its buffers exceed ``memory_cap``); the model
+(training calls, unless ``train_fused=False``, its buffers exceed ``memory_cap`` or the rows it keeps
+for the backward exceed ``train_memory_ratio`` times sequential's); the model
 orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
 Each candidate serves real calls (its output is the call's output; nothing runs twice, so
 results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds.
@@ -123,6 +124,10 @@ class AutoOptions:
     candidates: tuple | None = None  # specs to calibrate instead of the model's (each with fixed parameters)
     capacity: int | None = None  # tokens per rank the fused buffers hold, fixed (a promise; see the module doc)
     memory_cap: int | None = None  # bytes: fused:train / persistent are no candidates where their buffers need more
+    # fused:train keeps every source's receive region at capacity for its backward: W·min(k, E_local)/k
+    # times the rows sequential keeps (2 at EP 2, 8 at EP 8). It is a candidate only where that ratio is
+    # at most this (None: no limit): the activation memory of a deep model grows with it
+    train_memory_ratio: float | None = 2.0
     prune_ratio: float = 1.5  # candidates predicted slower than this × the best are not timed
     warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones
     samples: int = 3  # timed rounds; the median of each candidate's samples is what ranks agree on
@@ -144,6 +149,8 @@ class AutoOptions:
             raise ValueError(f"auto: persistent_max_tokens must be an int >= 0, got {cap!r}")
         if not self.agree_timeout_s > 0:
             raise ValueError(f"auto: agree_timeout_s must be > 0, got {self.agree_timeout_s}")
+        if self.train_memory_ratio is not None and not self.train_memory_ratio > 0:
+            raise ValueError(f"auto: train_memory_ratio must be > 0 or None, got {self.train_memory_ratio!r}")
         if self.prune_ratio < 1:
             raise ValueError(f"auto: prune_ratio must be ≥ 1, got {self.prune_ratio}")
         for spec in self.candidates or ():

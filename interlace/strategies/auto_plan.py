@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from interlace.planning.profile import machine_key
 from interlace.strategies.auto_decisions import SHIPPED_DIR, Choice, Clock, DecisionCache, decision_shape
-from interlace.strategies.auto_prior import choose_strategy, fused_buffer_bytes, predicted_candidates, prune
+from interlace.strategies.auto_prior import (choose_strategy, fused_buffer_bytes, fused_train_rows_ratio,
+                                            predicted_candidates, prune)
 from interlace.strategies.base import runs_experts_of, strategy_class
 
 log = logging.getLogger("interlace.auto")
@@ -194,7 +195,7 @@ class AutoDecider:
         if not opts.calibrate:
             try:
                 spec, notes = choose_strategy(cfg, bucket, world, opts.profile, opts.max_degree, mode,
-                                              opts.train_fused)
+                                              opts.train_fused and self.train_rows_ok())
             except FileNotFoundError as err:
                 spec, notes = "sequential", [f"auto: {err}; running sequential (run `interlace profile` to plan)"]
             if not self.runs_experts(spec):
@@ -225,12 +226,20 @@ class AutoDecider:
             return KeyPlan(Choice(kept[0], "predicted", kept, predicted_ms=known, notes=notes + pruned))
         return KeyPlan(candidates=tuple(kept), predicted=known, notes=notes + pruned)
 
+    def train_rows_ok(self) -> bool:
+        """Whether ``fused:train``'s saved rows stay within ``train_memory_ratio`` of sequential's."""
+        ratio = self.options.train_memory_ratio
+        return ratio is None or fused_train_rows_ratio(self.config, self.ep.world) <= ratio
+
     def _fused_excluded(self, spec: str, mode: str, bucket: int, device) -> str | None:
         opts = self.options
         if mode == "fwd" and spec == "fused:train" or mode == "fwdbwd" and spec == "fused":
             return "not this mode's fused path"
         if mode == "fwdbwd" and not opts.train_fused:
             return "not considered (train_fused=False)"
+        if mode == "fwdbwd" and not self.train_rows_ok():
+            return (f"keeps {fused_train_rows_ratio(self.config, self.ep.world):g}x the rows sequential keeps for "
+                    f"the backward, over train_memory_ratio={opts.train_memory_ratio}")
         if not self.ep.one_host and torch.device(device).type == "cuda":
             return "its peer memory does not reach ranks on other hosts"
         try:

@@ -79,6 +79,13 @@ def prune(predicted: dict[str, float | None], ratio: float) -> tuple[list[str], 
     return kept, notes
 
 
+def fused_train_rows_ratio(config, world: int) -> float:
+    """Rows ``fused:train`` keeps per call for its backward (every source's receive region at
+    capacity: W · T · min(k, E_local)) over the rows a balanced call routes to a rank (T · k),
+    which is what ``sequential`` keeps: about the ratio of their activation memory, T aside."""
+    return world * min(config.top_k, config.num_experts // world) / config.top_k
+
+
 def fused_buffer_bytes(config, world: int, tokens: int) -> int:
     """Bytes of the fused strategy's peer buffers for ``tokens`` tokens per rank (GPU tiles)."""
     from interlace.parallel.peer_buffer import BufferSpec

@@ -393,6 +393,31 @@ def test_memory_cap_excludes_fused_train():
             assert plan.candidates == ("sequential", "fused:train")
 
 
+@pytest.mark.parametrize("world,ratio,excluded", [(2, 2.0, False), (4, 2.0, True), (4, 4.0, False),
+                                                  (4, None, False), (8, 2.0, True)])
+def test_train_memory_ratio_excludes_fused_train(world, ratio, excluded):
+    """fused:train keeps W·min(k, E_local)/k times sequential's rows for the backward (CFG: k 2,
+    8 experts: 2 at EP 2, 4 at EP 4, 4 at EP 8 where a rank holds 1 expert); past
+    train_memory_ratio it is no candidate, in the calibrated plan and the profile-only choice."""
+    from interlace.parallel.comm import ExpertParallel
+    from interlace.strategies.auto import AutoStrategy
+    from interlace.strategies.auto_prior import fused_train_rows_ratio
+
+    assert fused_train_rows_ratio(CFG, world) == {2: 2.0, 4: 4.0, 8: 4.0}[world]
+    ep = ExpertParallel(None, 0, world, CFG.num_experts // world)  # a view for planning only
+    s = AutoStrategy(CFG, ep, candidates=("sequential", "fused:train"), train_memory_ratio=ratio, cache=False)
+    plan = s.decider.plan((64, "fwdbwd"), "cpu")
+    if excluded:
+        assert plan.choice.spec == "sequential"
+        assert any(f"keeps {fused_train_rows_ratio(CFG, world):g}x the rows" in n for n in plan.choice.notes)
+    else:
+        assert plan.candidates == ("sequential", "fused:train")
+    fwd = AutoStrategy(CFG, ep, candidates=("sequential", "fused"), train_memory_ratio=ratio, cache=False)
+    assert fwd.decider.plan((64, "fwd"), "cpu").candidates == ("sequential", "fused")  # (forward: untouched)
+    with pytest.raises(ValueError, match="train_memory_ratio"):
+        AutoStrategy(CFG, ep, train_memory_ratio=0)
+
+
 def test_cache_interpolates_only_between_agreeing_neighbours(tmp_path):
     cache = DecisionCache("dev", tmp_path)
     cache.store("S", "fwd", 64, Choice("fused", "measured"))
