@@ -24,7 +24,9 @@ For each model, on every rank, parts in this order (each prints its expected tim
 2. ``train``: ``--steps`` optimizer steps from the same initial weights (the model is rebuilt
    from the same seed; the JSON records a checksum of both inits) on the same batches: the loss
    of every step (mean over ranks) and the median step time (forward, backward, the gradient
-   all-reduce: every parameter for HF, the replicated ones for interlace; optimizer step);
+   all-reduce: every parameter for HF, the replicated ones for interlace; optimizer step); with
+   ``--baseline S`` a third run, interlace on strategy S (e.g. ``sequential``: what the default's
+   own choice gains);
 3. ``compile`` (``--compile``): the interlace model under ``torch.compile(model)`` vs eager,
    forward tokens/s (and train step time with ``--compile-train``). A compile that fails is a row
    with its error, not a crash.
@@ -93,6 +95,8 @@ def parse_args():
     p.add_argument("--lr-adamw", type=float, default=1e-3)
     p.add_argument("--lr-sgd", type=float, default=0.2)
     p.add_argument("--strategy", default="auto", help="interlace strategy (default: replace_moe_blocks' default)")
+    p.add_argument("--baseline", default=None,
+                   help="train a third time with interlace on this strategy (e.g. sequential), after the default")
     p.add_argument("--compile", action="store_true", help="also torch.compile(model) vs eager (interlace)")
     p.add_argument("--compile-train", action="store_true", help="--compile: time training steps too")
     p.add_argument("--compile-backend", default="inductor")
@@ -249,13 +253,15 @@ def token_batches(bench: Bench, count: int, batch: int, seq: int, salt: int):
     return ids.view(count, batch, seq).to(bench.device)
 
 
-def to_interlace(bench: Bench, model) -> str:
-    """Replace the model's MoE blocks (experts sharded over the world group); the strategy's name."""
+def to_interlace(bench: Bench, model, strategy: str | None = None) -> str:
+    """Replace the model's MoE blocks (experts sharded over the world group) with ``strategy``
+    (default ``--strategy``); the strategy's name."""
     group = dist.group.WORLD if bench.distributed else None
-    if bench.args.strategy == "auto":
+    strategy = strategy or bench.args.strategy
+    if strategy == "auto":
         interlace.hf.replace_moe_blocks(model, group=group)  # the default strategy
     else:
-        interlace.hf.replace_moe_blocks(model, group=group, strategy=bench.args.strategy)
+        interlace.hf.replace_moe_blocks(model, group=group, strategy=strategy)
     return interlace.hf.moe_blocks(model)[0].strategy.name
 
 
@@ -350,11 +356,11 @@ def run_model(bench: Bench, name: str) -> None:
             release_shared_buffers()
 
     def training():
-        runs = {}
-        for impl in ("hf", "interlace"):
+        runs, inits = {}, {}
+        for impl in ("hf", "interlace") + (("baseline",) if args.baseline else ()):
             model = build_model(bench, name, layers)
-            init = checksum(model)
-            strategy = to_interlace(bench, model) if impl == "interlace" else None
+            init = inits[impl] = checksum(model)
+            strategy = None if impl == "hf" else to_interlace(bench, model, args.baseline if impl == "baseline" else None)
             losses, times = train(bench, model, impl, optimizer, train_ids)
             runs[impl] = losses
             row = dict(base, part="train", impl=impl, strategy=strategy, steps=args.steps, init_checksum=init,
@@ -372,7 +378,7 @@ def run_model(bench: Bench, name: str) -> None:
                 del model
         hf, il = runs["hf"], runs["interlace"]
         rel = [abs(a - b) / abs(a) for a, b in zip(hf, il)]
-        same_init = bench.record["rows"][-2]["init_checksum"] == bench.record["rows"][-1]["init_checksum"]
+        same_init = len(set(inits.values())) == 1
         bench.add(dict(base, part="loss", steps=len(rel), max_rel_diff=max(rel), rel_diff=rel, same_init=same_init))
         bench.say(f"   loss curves: same init {same_init}; max relative difference over {len(rel)} steps "
                   f"{max(rel):.2e} (step {rel.index(max(rel)) + 1}); steps 1, 10, 20, ...:")

@@ -30,7 +30,7 @@ def test_smoke_two_gloo_ranks(tmp_path):
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), SCRIPT, "--smoke", "--out", str(tmp_path), "--compile",
-           "--compile-backend", "eager"]
+           "--compile-backend", "eager", "--baseline", "sequential"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((tmp_path / "hf_models.json").read_text())
@@ -42,8 +42,11 @@ def test_smoke_two_gloo_ranks(tmp_path):
         forward = {r["impl"]: r for r in mine if r["part"] == "forward"}
         assert set(forward) == {"hf", "interlace"} and all(r["tokens_per_s"] > 0 for r in forward.values())
         train = {r["impl"]: r for r in mine if r["part"] == "train"}
-        assert train["hf"]["init_checksum"] == train["interlace"]["init_checksum"]
+        assert train["hf"]["init_checksum"] == train["interlace"]["init_checksum"] == train["baseline"]["init_checksum"]
         assert len(train["hf"]["losses"]) == len(train["interlace"]["losses"]) == 4
+        # --baseline: interlace on sequential, the same model (fp32: losses as the default's)
+        assert train["baseline"]["strategy"] == "sequential"
+        assert max(abs(a - b) / abs(b) for a, b in zip(train["baseline"]["losses"], train["interlace"]["losses"])) < 1e-5
         assert train["hf"]["losses"][-1] < train["hf"]["losses"][0]  # it trains
         (loss,) = [r for r in mine if r["part"] == "loss"]
         assert loss["same_init"] and loss["max_rel_diff"] < 1e-5, loss
