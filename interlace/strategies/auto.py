@@ -51,7 +51,9 @@ chosen strategies hold and no more.
 for the backward exceed ``train_memory_ratio`` times sequential's); the model
 orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
 Each candidate serves real calls (its output is the call's output; nothing runs twice, so
-results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds.
+results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds,
+each round in another order (each candidate after each other one equally often: a GPU-bound
+call's time depends on the call before it).
 A training call is timed forward + backward (marks on the output's and the inputs' gradients);
 a key decides only on complete timings: where some candidate's backward has not run yet on some
 rank (gradient accumulation: several forwards, then the backwards), the key serves another round

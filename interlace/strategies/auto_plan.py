@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.planning.profile import machine_key
+from interlace.planning.rounds import round_order
 from interlace.strategies.auto_decisions import SHIPPED_DIR, Choice, Clock, DecisionCache, decision_shape
 from interlace.strategies.auto_prior import (choose_strategy, fused_buffer_bytes, fused_train_rows_ratio,
                                             predicted_candidates, prune)
@@ -77,13 +78,15 @@ class Sample:
 
 
 class KeyState:
-    """A key's plan and its calibration progress: candidates round-robin, ``rounds`` times."""
+    """A key's plan and its calibration progress: the candidates in rounds, each round's order
+    from :func:`interlace.planning.rounds.round_order`."""
 
     def __init__(self, plan: KeyPlan, warmup: int, samples: int):
         self.plan = plan
         self.choice: Choice | None = plan.choice
         n = len(plan.candidates)
-        self.schedule = [i for _ in range(warmup + samples) for i in range(n)]
+        # (each round's order from planning.rounds: on GPU-bound calls the call before moves a timing)
+        self.schedule = [i for r in range(warmup + samples) for i in round_order(list(range(n)), r)]
         self.warm_calls = n * warmup
         self.pos = 0
         self.samples: list[list[Sample]] = [[] for _ in range(n)]
@@ -302,7 +305,7 @@ class AutoDecider:
         times, total, waiting = agreed[:-2], agreed[-2], agreed[-1]
         if waiting and state.extra_rounds < MAX_EXTRA_ROUNDS:
             state.extra_rounds += 1
-            state.schedule += list(range(len(cands)))
+            state.schedule += round_order(list(range(len(cands))), len(state.schedule) // len(cands))
             return False
         best = min(range(len(cands)), key=lambda i: (times[i], i))
         calls = len(state.schedule)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.config import PRESETS, MoEConfig, preset
+from interlace.planning.rounds import round_order
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
 from interlace.env import settings
@@ -189,26 +190,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- one case
 BACK_TO_BACK_ROUNDS = 3
-
-
-def round_order(items: list, i: int) -> list:
-    """Round ``i``'s order of a round-robin: a Williams design (rows ``0, 1, n−1, 2, n−2, …``
-    shifted by the round; with an odd count the reversed rows too), so over ``n`` rounds (``2n``
-    for odd ``n``) each item comes right after each other item equally often within a round."""
-    n = len(items)
-    if n < 2:
-        return list(items)
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    row = [(x + i) % n for x in first]
-    if n % 2 and (i // n) % 2:
-        row.reverse()
-    return [items[j] for j in row]
 
 
 def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, strategies: list[str],
