@@ -46,6 +46,7 @@ import torch.distributed as dist
 from interlace import MoEConfig, MoELayer
 from interlace.config import PRESETS
 from interlace.parallel import release_shared_buffers
+from interlace.planning.rounds import round_order
 from interlace.strategies.auto_prior import predicted_candidates
 from interlace.strategies.auto_decisions import token_bucket
 from interlace.tools.bench import barrier, bench_config, init_env, reduce_max, rel_err
@@ -129,11 +130,12 @@ def time_one(env, fn) -> float:
 
 
 def round_robin(env, call, strategies: dict, iters: int) -> dict[str, float]:
-    """Median ms per strategy over ``iters`` rounds (call i of each back to back), max over ranks."""
+    """Median ms per strategy over ``iters`` rounds (call i of each back to back, each round's order
+    from :func:`interlace.planning.rounds.round_order`), max over ranks."""
     times = {name: [] for name in strategies}
-    for _ in range(iters):
-        for name, strategy in strategies.items():
-            times[name].append(time_one(env, lambda: call(strategy)))
+    for i in range(iters):
+        for name in round_order(list(strategies), i):
+            times[name].append(time_one(env, lambda: call(strategies[name])))
     return {name: reduce_max(env, statistics.median(ts)) for name, ts in times.items()}
 
 
