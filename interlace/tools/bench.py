@@ -25,6 +25,7 @@ latency)``, where a local expert is touched when any token of any rank chose it.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import platform
@@ -127,7 +128,8 @@ class Row:
     weight_bytes: int | None = None  # forward: touched expert weight bytes of the busiest rank (decode floor)
     speedup_vs_naive: float | None = None
     tflops: float | None = None
-    peak_gib: float | None = None
+    peak_gib: float | None = None  # GPU: steady state, no other strategy alive (see isolated_peaks)
+    first_peak_gib: float | None = None  # GPU: the same over the first call and the warm-ups (auto: its calibration)
     first_call_ms: float | None = None
     choice: str | None = None  # auto's rows: the strategy it ran for this row's bucket and mode, and why
     rel_err_vs_naive: dict = field(default_factory=dict)
@@ -244,7 +246,6 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         with ctx:
             if env.cuda:
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             call()
             if env.cuda:
@@ -258,8 +259,6 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
                 times = timer(call, args.warmup, args.iters, env)
         row.times_ms = times
         row.median_ms = reduce_max(env, statistics.median(times)) if times else None
-        if env.cuda:
-            row.peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
         row.strategy_object = layer.strategy  # kept for the round-robin (caches such as the chosen degree)
         rows.append(row)
     if getattr(args, "interleave", False):
@@ -304,6 +303,9 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
     for row in rows:
         row.choice = auto_choice(row.__dict__.get("strategy_object"), tokens, mode)
         row.__dict__.pop("strategy_object", None)
+    if env.cuda:
+        isolated_peaks(layer, rows, call, [x, *params], args.warmup, backward, env)
+    for row in rows:
         if row.status != "ok" or row.median_ms is None:
             continue
         row.floor_ms = floor_ms(cfg, tokens, env.world, mode, ceilings["matmul_tflops"], ceilings["peer_gbps"])
@@ -324,6 +326,50 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             row.speedup_vs_naive = naive_ms / row.median_ms
     x.requires_grad_(False)
     return rows
+
+
+STEADY_CALLS = 3
+
+
+def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env) -> None:
+    """Each ok row's peak memory with no other strategy alive (while the timing ran, every
+    strategy's buffers and graphs were held at once): the layer's strategy built afresh after the
+    others' objects and the shared buffers are released and the gradients dropped, then its first
+    call and ``warmup`` more (compiles, captures; ``auto``'s calibration where no decision is
+    cached): ``first_peak_gib``; then STEADY_CALLS more: ``peak_gib``, what the strategy holds
+    and allocates in steady state. Weights and inputs included, the slowest rank's.
+    NOTE: device syncs (between strategies, outside every timing)."""
+    from interlace.parallel import release_shared_buffers
+
+    ctx = torch.no_grad() if not backward else torch.enable_grad()
+
+    def fresh_peak():
+        torch.cuda.synchronize()
+        for t in grads_of:
+            t.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    for row in rows:
+        if row.status != "ok":
+            continue
+        layer.set_strategy("naive")
+        release_shared_buffers()
+        fresh_peak()
+        layer.set_strategy(row.strategy)
+        with ctx:
+            for _ in range(1 + warmup):
+                call()
+            torch.cuda.synchronize()
+            row.first_peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(STEADY_CALLS):
+                call()
+            torch.cuda.synchronize()
+            row.peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
+    layer.set_strategy("naive")
+    release_shared_buffers()
 
 
 def auto_choice(strategy, tokens: int, mode: str) -> str | None:
