@@ -63,8 +63,8 @@ SOURCES = [
                 "GEMMs run at 430-670 TFLOP/s, cuBLAS's at 1250 with 30-80 µs of host time per expert GEMM."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential",
-         notes=["`auto`'s peak GiB counts its calibration calls (the peak since the case's first call); its "
-                "timed calls are its decision's, each right after a `fused:train` call in the round-robin."]),
+         notes=["Bench of that commit: each strategy timed right after the same one every round, GiB read with "
+                "the strategies timed before alive (`auto`'s: theirs and its calibration)."]),
     dict(section="training", table="roofline-qwen3-h200", kind="facts", file="h200-qwen3-roofline.json",
          title="Roofline of a qwen3-30b-a3b training call, 1× H200",
          device="1× NVIDIA H200", date="2026-11-29", commit="9882890", env="",
