@@ -1,10 +1,14 @@
 """Test setup: Triton kernels run under the interpreter on the CPU (set before any import of
-interlace, and inherited by the gloo worker processes the tests spawn)."""
+interlace, and inherited by the gloo worker processes the tests spawn); torch.compile's caches
+in a folder of this session (inductor's on-disk cache served code compiled against an older
+schema of interlace's custom ops after the schema changed)."""
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="interlace-inductor-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -20,7 +20,9 @@ Forward and backward, without recomputing the forward:
   the op runs the strategy on detached leaves with autograd recording, and keeps that eager
   autograd graph (its output and leaves) in a :class:`_SavedCall` that the ``handle`` tensor's
   storage owns (``torch.frombuffer`` holds its buffer object for the storage's lifetime).
-* The registered autograd saves ``handle`` for backward; its backward is the op
+* The registered autograd saves ``handle`` for backward, and the forward's inputs, which the
+  kept graph may read (compiled code would otherwise reuse their buffers once the forward no
+  longer reads them); its backward is the op
   ``interlace::moe_experts_backward(handle, grad_out, ...)``, which finds the call by the key
   written in the handle, runs the autograd engine through the kept graph once (what
   ``torch.autograd.grad`` calls, without its Python argument checks) and drops it.
@@ -39,7 +41,8 @@ Why this is correct:
 * Gradients: those of x, topk_weight (the routing weights: the router gets its gradient through
   them), w_up and w_down, the strategy's own backward's; what the strategy leaves without a
   gradient is zeros. Memory: the kept graph holds what the strategy's eager graph holds, plus
-  ``x`` itself (an autograd leaf here), which the router's GEMM saves for its backward anyway.
+  ``x`` and ``topk_idx`` themselves (x, an autograd leaf here, the router's GEMM saves for its
+  backward anyway where the router trains).
 * The op's output is the strategy's output tensor (no copy): compiled code may reuse its buffer
   in place, which is safe because no strategy's backward reads its own output (each node saves
   its inputs). A strategy that saved its output would have to return a copy.
@@ -146,11 +149,14 @@ def _moe_experts_fake(x, topk_idx, topk_weight, w_up, w_down, strategy_key, need
 
 
 @torch.library.custom_op("interlace::moe_experts_backward", mutates_args=())
-def moe_experts_backward(handle: Tensor, grad_out: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
-                         needs_grad: list[bool]) -> list[Tensor]:
+def moe_experts_backward(handle: Tensor, grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
+                         w_up: Tensor, w_down: Tensor, needs_grad: list[bool]) -> list[Tensor]:
     """The gradients of the :func:`moe_experts` call that returned ``handle``, for the inputs
-    ``needs_grad`` names, in (x, topk_weight, w_up, w_down) order. ``topk_weight``, ``w_up`` and
-    ``w_down`` only give their shapes to the fake implementation."""
+    ``needs_grad`` names, in (x, topk_weight, w_up, w_down) order. The forward's inputs are
+    passed only to keep their buffers intact until here: the kept graph may read them (the
+    Triton expert kernels save ``x`` itself), and compiled code reuses a buffer in place once
+    no op of its graph reads it any more. ``topk_weight``, ``w_up`` and ``w_down`` also give
+    their shapes to the fake implementation."""
     key = int(handle[0])
     saved = _PENDING.pop(key, None)
     if saved is None or saved.out is None:
@@ -168,7 +174,7 @@ def moe_experts_backward(handle: Tensor, grad_out: Tensor, topk_weight: Tensor, 
 
 
 @moe_experts_backward.register_fake
-def _moe_experts_backward_fake(handle, grad_out, topk_weight, w_up, w_down, needs_grad):
+def _moe_experts_backward_fake(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, needs_grad):
     likes = (grad_out, topk_weight, w_up, w_down)
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, need in zip(likes, needs_grad) if need]
 
@@ -177,12 +183,16 @@ def _setup_context(ctx, inputs, output):
     x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales = inputs
     ctx.needs_grad = list(needs_grad)
     ctx.num_scales = len(scales)  # (FP8: none of them gets a gradient; the call refuses one)
-    ctx.save_for_backward(output[1], topk_weight, w_up, w_down)
+    # x and topk_idx too: saved (and handed to the backward op) so that compiled code keeps their
+    # buffers until the backward; the kept graph reads them through its own references, which
+    # the compiler does not see (measured: inductor wrote a later result over x's buffer, and the
+    # expert gradients of sequential:triton came out wrong, where no other op saved x).
+    ctx.save_for_backward(output[1], x, topk_idx, topk_weight, w_up, w_down)
 
 
 def _backward(ctx, grad_out, _grad_handle):
-    handle, topk_weight, w_up, w_down = ctx.saved_tensors
-    grads = iter(moe_experts_backward(handle, grad_out, topk_weight, w_up, w_down, ctx.needs_grad))
+    handle, x, topk_idx, topk_weight, w_up, w_down = ctx.saved_tensors
+    grads = iter(moe_experts_backward(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, ctx.needs_grad))
     dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
     return dx, None, dweight, dup, ddown, None, None, [None] * ctx.num_scales
 
