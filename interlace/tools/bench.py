@@ -303,8 +303,7 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
     for row in rows:
         row.choice = auto_choice(row.__dict__.get("strategy_object"), tokens, mode)
         row.__dict__.pop("strategy_object", None)
-    if env.cuda:
-        isolated_peaks(layer, rows, call, [x, *params], args.warmup, backward, env)
+    isolated_peaks(layer, rows, call, [x, *params], args.warmup, backward, env)
     for row in rows:
         if row.status != "ok" or row.median_ms is None:
             continue
@@ -337,19 +336,29 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
     others' objects and the shared buffers are released and the gradients dropped, then its first
     call and ``warmup`` more (compiles, captures; ``auto``'s calibration where no decision is
     cached): ``first_peak_gib``; then STEADY_CALLS more: ``peak_gib``, what the strategy holds
-    and allocates in steady state. Weights and inputs included, the slowest rank's.
+    and allocates in steady state. Weights and inputs included, the slowest rank's. On the CPU
+    the same calls run and no peak is read.
     NOTE: device syncs (between strategies, outside every timing)."""
     from interlace.parallel import release_shared_buffers
 
     ctx = torch.no_grad() if not backward else torch.enable_grad()
 
     def fresh_peak():
-        torch.cuda.synchronize()
         for t in grads_of:
             t.grad = None
         gc.collect()
-        torch.cuda.empty_cache()
+        if env.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib():
+        if not env.cuda:
+            return None
+        torch.cuda.synchronize()
+        peak = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
         torch.cuda.reset_peak_memory_stats()
+        return peak
 
     for row in rows:
         if row.status != "ok":
@@ -361,13 +370,10 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
         with ctx:
             for _ in range(1 + warmup):
                 call()
-            torch.cuda.synchronize()
-            row.first_peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
-            torch.cuda.reset_peak_memory_stats()
+            row.first_peak_gib = peak_gib()
             for _ in range(STEADY_CALLS):
                 call()
-            torch.cuda.synchronize()
-            row.peak_gib = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
+            row.peak_gib = peak_gib()
     layer.set_strategy("naive")
     release_shared_buffers()
 
