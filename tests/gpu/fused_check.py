@@ -347,16 +347,43 @@ def step_train_check(env, args, log):
             errs = [worst(env, rel(h, w)) for h, w in zip(got["fused:train"], got["sequential"])]
             if max(errs) > worst_err:
                 worst_err, worst_what = max(errs), errs
+        syncs = train_step_syncs(stacks["fused:train"], x, g, idx)
         names = ["out", "dx"] + [f"{i}.{n}" for i, layer in enumerate(stacks["sequential"])
                                  for n, _ in layer.named_parameters()]
         log("  " + ", ".join(f"{n} {e:.1e}" for n, e in zip(names, worst_what)))
-        ok = worst_err < 2e-2
-        rows.append(dict(config=name, steps=max(1, args.stress_calls // 100), worst=worst_err, ok=ok))
+        ok = worst_err < 2e-2 and syncs == 0
+        rows.append(dict(config=name, steps=max(1, args.stress_calls // 100), worst=worst_err, host_syncs=syncs,
+                         ok=ok))
         log(f"train_check {name:14s} two layers, {rows[-1]['steps']} steps: worst rel err vs sequential "
-            f"{worst_err:.2e} {'ok' if ok else 'FAIL'}")
+            f"{worst_err:.2e}, host syncs in a step {syncs} {'ok' if ok else 'FAIL'}")
         del stacks
         torch.cuda.empty_cache()
     return rows
+
+
+def train_step_syncs(stack, x, g, idx) -> int:
+    """Host syncs (``torch.cuda.set_sync_debug_mode``) in one warm forward + backward of the
+    ``fused:train`` stack: none is expected at any world size (the error record is read behind
+    the kernels)."""
+    import warnings
+
+    def step():
+        xr = x.clone().requires_grad_()
+        stack[1](stack[0](xr, expert_indices=idx[0]), expert_indices=idx[1]).backward(g)
+        for p in (*stack[0].parameters(), *stack[1].parameters()):
+            p.grad = None
+
+    for _ in range(2):  # this token count's eager call and its graph capture (which syncs) first
+        step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return int(worst(ENV, float(sum("synchroniz" in str(w.message) for w in caught))))
 
 
 def step_trace(env, args, log):

@@ -358,9 +358,9 @@ class FusedStrategy(Strategy):
             dist.all_reduce(torch.zeros(1, device=self.ep.collective_device()), group=self.ep.group)
 
     def _check_errors(self) -> None:
-        """After the kernels: a timed-out wait raises (on the symmetric transport at the next
-        call, without a host sync now)."""
-        if self.buf.kind == "symmetric" and not _INTERPRET:
+        """After the kernels: a timed-out wait raises (on a GPU at the next call, without a
+        host sync now; under the interpreter or on the CPU at once)."""
+        if self.buf.error.is_cuda and not _INTERPRET:
             self._record_error_check()
         else:
             check_error_record(self.buf)
