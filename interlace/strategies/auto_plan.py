@@ -189,8 +189,7 @@ class AutoDecider:
             return KeyPlan(Choice("sequential", "predicted", notes=["no tokens on any rank"]))
         cache = self._device_cache(device) if world == 1 or opts.calibrate else None
         cached = cache.lookup(self.shape, mode, bucket) if cache is not None else None
-        if cached is not None and self.runs_experts(cached.spec) and not (
-                world > 1 and cached.spec == PERSISTENT and bucket > opts.persistent_max_tokens):
+        if cached is not None and self._still_admitted(cached, mode, bucket, device):
             return KeyPlan(cached)
         if world == 1:  # a routed inference call (routes_call): its candidates, each timed with its routing
             return KeyPlan(candidates=self.world1_candidates(torch.device(device)),
@@ -228,6 +227,19 @@ class AutoDecider:
         if len(kept) == 1:
             return KeyPlan(Choice(kept[0], "predicted", kept, predicted_ms=known, notes=notes + pruned))
         return KeyPlan(candidates=tuple(kept), predicted=known, notes=notes + pruned)
+
+    def _still_admitted(self, cached: Choice, mode: str, bucket: int, device) -> bool:
+        """Whether a cached decision is one these options could make now: a cache written under
+        other options (or by an older release) may name a strategy they exclude, e.g.
+        ``fused:train`` at EP 8 over ``train_memory_ratio``; such a key is planned afresh."""
+        spec = cached.spec
+        if not self.runs_experts(spec):
+            return False
+        if self.ep.world > 1 and spec == PERSISTENT and bucket > self.options.persistent_max_tokens:
+            return False
+        if spec in FUSED_SPECS:
+            return self._fused_excluded(spec, "fwd" if mode == ROUTED else mode, bucket, device) is None
+        return True
 
     def train_rows_ok(self) -> bool:
         """Whether ``fused:train``'s saved rows stay within ``train_memory_ratio`` of sequential's."""

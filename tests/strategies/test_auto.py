@@ -418,6 +418,27 @@ def test_train_memory_ratio_excludes_fused_train(world, ratio, excluded):
         AutoStrategy(CFG, ep, train_memory_ratio=0)
 
 
+@pytest.mark.parametrize("options,used", [({}, True), ({"train_memory_ratio": 1.5}, False),
+                                          ({"train_fused": False}, False)])
+def test_cached_decision_is_used_only_where_the_options_admit_it(tmp_path, options, used):
+    """A decision cache written under other options (or an older release) can hold fused:train
+    for a key these options exclude it from: that key is planned afresh, not run from the cache."""
+    from interlace.parallel.comm import ExpertParallel
+    from interlace.planning.profile import machine_key
+    from interlace.strategies.auto import AutoStrategy
+
+    ep = ExpertParallel(None, 0, 2, CFG.num_experts // 2)  # a view for planning only
+    s = AutoStrategy(CFG, ep, candidates=("sequential", "fused:train"), decisions_dir=str(tmp_path),
+                     shipped_decisions=False, **options)
+    DecisionCache(machine_key(2, torch.device("cpu")), tmp_path, None).store(
+        s.decider.shape, "fwdbwd", 64, Choice("fused:train", "measured"))
+    plan = s.decider.plan((64, "fwdbwd"), torch.device("cpu"))
+    if used:
+        assert plan.choice.spec == "fused:train" and plan.choice.source == "cached"
+    else:
+        assert plan.choice.spec == "sequential" and plan.choice.source == "predicted", plan.choice
+
+
 def test_cache_interpolates_only_between_agreeing_neighbours(tmp_path):
     cache = DecisionCache("dev", tmp_path)
     cache.store("S", "fwd", 64, Choice("fused", "measured"))
