@@ -212,3 +212,21 @@ def test_fp8_backend_is_checked_and_reaches_the_sequential_strategy():
     with pytest.raises(ValueError, match="compute capability 9.0"):  # a CPU tensor: cuBLAS's path cannot run
         expert_ffn_fp8(torch.randn(4, 128), None, 1, 4, up, down, torch.tensor([2, 4]).int(), "swiglu",
                        backend="blockwise")
+
+
+def test_auto_takes_blockwise_where_it_was_measured_faster():
+    """``blockwise_pays`` on one GPU's share of a 2-GPU layer, against which backend measured faster
+    on an H200 (benchmarks/fp8_experts.py): few large experts from 1024 tokens per GPU, dsv3-like's
+    128 experts per GPU only at 16384 (its 256 GEMMs bind the host below), never at decode sizes."""
+    from interlace.config import preset
+    from interlace.kernels.expert_gemm.fp8 import blockwise_pays
+
+    faster = {("mixtral-8x7b", 128): False, ("mixtral-8x7b", 512): False, ("mixtral-8x7b", 1024): True,
+              ("mixtral-8x7b", 4096): True, ("mixtral-8x7b", 16384): True, ("dsv3-like", 128): False,
+              ("dsv3-like", 4096): False, ("dsv3-like", 8192): False, ("dsv3-like", 16384): True,
+              ("flashdmoe-cfg", 16384): False}
+    for (name, tokens), want in faster.items():
+        cfg = preset(name)
+        up = 2 * cfg.ffn if cfg.activation == "swiglu" else cfg.ffn
+        got = blockwise_pays(tokens * cfg.top_k, cfg.num_experts // 2, cfg.hidden, cfg.ffn, up)
+        assert got == want, (name, tokens)

@@ -167,22 +167,35 @@ def check_fp8_weights(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Wei
 
 
 FP8_BACKENDS = ("auto", "triton", "blockwise")
-BLOCKWISE_GEMM_FLOPS = 1.2e15
-BLOCKWISE_HOST_S_PER_GEMM = 30e-6
-BLOCKWISE_MARGIN = 4.0
-"""``auto`` takes cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`) where their GPU time (the FFN's
-FLOPs at ``BLOCKWISE_GEMM_FLOPS``, the rate of a large one on an H200) is at least
-``BLOCKWISE_MARGIN`` times the host's time to issue them (``BLOCKWISE_HOST_S_PER_GEMM`` per GEMM,
-two per expert: a ``_scaled_mm`` call took 25-30 µs of host time there, and twice that on a
-slower host): prefill of few large experts (mixtral-8x7b from about 2048 tokens per GPU), where
-the Triton kernels run at half cuBLAS's rate. With many experts (dsv3-like's 128 per GPU) the
-host's launches cost about what the faster GEMMs save, so the margin keeps them on Triton."""
+BLOCKWISE_GEMM_FLOPS = 0.95e15
+"""cuBLAS's block-scaled GEMMs per expert, end to end at large sizes on an H200 (1.2e15 a large
+GEMM alone; 930-950 TFLOP/s measured for mixtral-8x7b's experts at 4096-16384 tokens per GPU)."""
+BLOCKWISE_HOST_S_PER_GEMM = 60e-6
+"""Host time per expert GEMM of the blockwise path (the ``_scaled_mm`` call and its slices):
+39-66 µs measured where the host bound the call (dsv3-like's 256 and flashdmoe-cfg's 64 GEMMs
+on an H200 machine's host)."""
+BLOCKWISE_FIXED_S = 0.25e-3
+"""The blockwise path's fixed part: its host sync, the two quantize launches and the row gather."""
+TRITON_FP8_GEMM_FLOPS = 0.52e15
+"""The Triton W8A8 kernels at prefill sizes on an H200 (499-543 TFLOP/s at 4096-16384 tokens per
+GPU on mixtral-8x7b and dsv3-like; less below)."""
+BLOCKWISE_MARGIN = 1.2
+"""``auto`` takes cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`) where their predicted time,
+times this margin, is below the Triton kernels' (:func:`blockwise_pays`)."""
 
 
 def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_width: int) -> bool:
-    """Whether ``auto`` takes the blockwise backend for this call (host-known sizes: no sync)."""
-    gpu_s = 2 * num_rows * hidden * (up_width + ffn) / BLOCKWISE_GEMM_FLOPS
-    return gpu_s >= BLOCKWISE_MARGIN * 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM
+    """Whether ``auto`` takes the blockwise backend for this call (host-known sizes: no sync).
+
+    Blockwise: after its sync the host issues two GEMMs per expert while the GPU runs them, so
+    the call takes the longer of the GEMMs' GPU time and the host's issue time, plus its fixed
+    part; Triton: the FLOPs at its rate. Blockwise wins for few large experts (mixtral-8x7b from
+    about 1024 tokens per GPU) and for many experts only where each GEMM outlasts its launch
+    (dsv3-like's 128 experts per GPU at 16384 tokens, not 4096), never at decode sizes."""
+    flops = 2 * num_rows * hidden * (up_width + ffn)
+    blockwise_s = (max(flops / BLOCKWISE_GEMM_FLOPS, 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM)
+                   + BLOCKWISE_FIXED_S)
+    return BLOCKWISE_MARGIN * blockwise_s <= flops / TRITON_FP8_GEMM_FLOPS
 
 
 def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, w_up: BlockFP8Weight,
