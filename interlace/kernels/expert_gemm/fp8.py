@@ -167,19 +167,20 @@ def check_fp8_weights(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Wei
 
 
 FP8_BACKENDS = ("auto", "triton", "blockwise")
-BLOCKWISE_GEMM_FLOPS = 0.95e15
-"""cuBLAS's block-scaled GEMMs per expert, end to end at large sizes on an H200 (1.2e15 a large
-GEMM alone; 930-950 TFLOP/s measured for mixtral-8x7b's experts at 4096-16384 tokens per GPU)."""
-BLOCKWISE_HOST_S_PER_GEMM = 60e-6
-"""Host time per expert GEMM of the blockwise path (the ``_scaled_mm`` call and its slices):
-39-66 µs measured where the host bound the call (dsv3-like's 256 and flashdmoe-cfg's 64 GEMMs
-on an H200 machine's host)."""
+BLOCKWISE_GEMM_FLOPS = 0.75e15
+"""cuBLAS's block-scaled GEMMs per expert, end to end at prefill sizes on an H200 (a large GEMM
+alone 1.2e15): 745 TFLOP/s for dsv3-like's (1024 rows per expert, 4096 × 7168), 930-950 for
+mixtral-8x7b's larger ones; the lower rate, so the prediction errs towards Triton."""
+BLOCKWISE_HOST_S_PER_GEMM = 30e-6
+"""Host time per expert GEMM of the blockwise path (the ``_scaled_mm`` call, 16 µs alone, and its
+views): 24-27 µs measured where the host bound the call (dsv3-like's 256 GEMMs at 4096 tokens per
+GPU, flashdmoe-cfg's 64), on an H200 machine's host."""
 BLOCKWISE_FIXED_S = 0.25e-3
 """The blockwise path's fixed part: its host sync, the two quantize launches and the row gather."""
 TRITON_FP8_GEMM_FLOPS = 0.52e15
 """The Triton W8A8 kernels at prefill sizes on an H200 (499-543 TFLOP/s at 4096-16384 tokens per
 GPU on mixtral-8x7b and dsv3-like; less below)."""
-BLOCKWISE_MARGIN = 1.2
+BLOCKWISE_MARGIN = 1.1
 """``auto`` takes cuBLAS's per-expert GEMMs (:mod:`.fp8_blockwise`) where their predicted time,
 times this margin, is below the Triton kernels' (:func:`blockwise_pays`)."""
 
@@ -191,7 +192,7 @@ def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_wi
     the call takes the longer of the GEMMs' GPU time and the host's issue time, plus its fixed
     part; Triton: the FLOPs at its rate. Blockwise wins for few large experts (mixtral-8x7b from
     about 1024 tokens per GPU) and for many experts only where each GEMM outlasts its launch
-    (dsv3-like's 128 experts per GPU at 16384 tokens, not 4096), never at decode sizes."""
+    (dsv3-like's 128 experts per GPU from 8192 tokens, not 4096), never at decode sizes."""
     flops = 2 * num_rows * hidden * (up_width + ffn)
     blockwise_s = (max(flops / BLOCKWISE_GEMM_FLOPS, 2 * num_experts * BLOCKWISE_HOST_S_PER_GEMM)
                    + BLOCKWISE_FIXED_S)

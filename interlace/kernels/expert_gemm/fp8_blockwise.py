@@ -95,11 +95,12 @@ def quantize_blocked(src: torch.Tensor, gather: torch.Tensor | None, divisor: in
     return q, scale, pos
 
 
-def blockwise_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def blockwise_mm(a: torch.Tensor, a_scale: torch.Tensor, w_t: torch.Tensor, w_scale_t: torch.Tensor,
                  out: torch.Tensor) -> None:
-    """out (m, n) = a (m, k) e4m3 · wᵀ (w (n, k) e4m3), with a_scale (m, ⌈k/128⌉) column-major
-    (strides (1, m)) and w_scale (⌈n/128⌉, ⌈k/128⌉): cuBLAS's block-scaled GEMM."""
-    torch._scaled_mm(a, w.t(), a_scale, w_scale.t(), out_dtype=out.dtype, out=out)
+    """out (m, n) = a (m, k) e4m3 · w_t (w_t = wᵀ, w (n, k) e4m3 row-major), with a_scale (m, ⌈k/128⌉)
+    column-major (strides (1, m)) and w_scale_t the transpose of w's (⌈n/128⌉, ⌈k/128⌉) scales:
+    cuBLAS's block-scaled GEMM."""
+    torch._scaled_mm(a, w_t, a_scale, w_scale_t, out_dtype=out.dtype, out=out)
 
 
 ROW_ALIGN = 4
@@ -138,14 +139,26 @@ def expert_ffn_fp8_blockwise(x: torch.Tensor, gather: torch.Tensor | None, divis
     xq, x_scale, pos = quantize_blocked(x, gather, divisor, num_rows, x.shape[1], ends, pad_ends, P, 0)
     h = alloc.empty((P, up_width), torch.bfloat16, x.device)
     Gx, Gh = blocks(x.shape[1]), blocks(K)
-    live = [(e, s, t) for e, (s, t) in enumerate(zip(pad_bounds[:-1], pad_bounds[1:])) if t > s]
-    for e, s, t in live:
-        mm(xq[s:t], x_scale[s * Gx:t * Gx].view(Gx, t - s).t(), w_up.weight[e], w_up.scale_inv[e], h[s:t])
+    # Every per-expert view is made by one call per tensor (split, unbind) or one as_strided: the
+    # host issues two GEMMs per expert, and at many experts its time per GEMM is what binds the
+    # call (Python view ops took as long as the GEMM call itself).
+    sizes = [t - s for s, t in zip(pad_bounds[:-1], pad_bounds[1:])]
+    live = [e for e, m in enumerate(sizes) if m > 0]
+    up_w, up_s = w_up.weight.transpose(1, 2).unbind(0), w_up.scale_inv.transpose(1, 2).unbind(0)
+    down_w, down_s = w_down.weight.transpose(1, 2).unbind(0), w_down.scale_inv.transpose(1, 2).unbind(0)
+
+    def scales(flat: torch.Tensor, G: int, e: int) -> torch.Tensor:
+        # expert e's (m_e, G) scales, column-major inside its block (the quantize kernels' layout)
+        return flat.as_strided((sizes[e], G), (1, sizes[e]), flat.storage_offset() + pad_bounds[e] * G)
+
+    xq_e, h_e = xq.split(sizes), h.split(sizes)
+    for e in live:
+        mm(xq_e[e], scales(x_scale, Gx, e), up_w[e], up_s[e], h_e[e])
     # (the padding rows of h are GEMM0 of unwritten rows: quantized and multiplied, never read)
     hq, h_scale, _ = quantize_blocked(h, None, 1, P, K, pad_ends, pad_ends, P, ACTIVATION_CODES[activation])
-    del h
+    del h, h_e
     y_padded = alloc.empty((P, N), x.dtype, x.device)
-    for e, s, t in live:
-        mm(hq[s:t], h_scale[s * Gh:t * Gh].view(Gh, t - s).t(), w_down.weight[e], w_down.scale_inv[e],
-           y_padded[s:t])
+    hq_e, y_e = hq.split(sizes), y_padded.split(sizes)
+    for e in live:
+        mm(hq_e[e], scales(h_scale, Gh, e), down_w[e], down_s[e], y_e[e])
     return gather_rows(y_padded, pos)
