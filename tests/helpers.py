@@ -203,8 +203,13 @@ def fp8_expected(cfg: MoEConfig, seed: int, x: torch.Tensor) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _entry(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world, port, fn, args, environ):
+    # The launching process's environment as it is now (the fork server's is that of its start).
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from interlace import env
+
+    env.refresh()
     faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
@@ -228,9 +233,20 @@ def _entry(rank, world, port, fn, args):
     os._exit(0)
 
 
+# The gloo processes are forked from a fork server that imported these once (the server starts
+# at the first launch, a fresh interpreter, and serves every later one of this test process):
+# each launch's processes start in well under a second instead of each importing torch, Triton
+# and interlace again (several seconds each, 8 processes at once on CI's 2 cores). Every process
+# is still new, with its modules as imported; it imports the test's module itself and takes the
+# launching process's environment (_entry).
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "triton", "numpy", "interlace", "helpers", "cases"]
+
+
 def run_gloo(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any failure fails the test."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn")
+    mp.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    mp.start_processes(_entry, args=(world, free_port(), fn, args, dict(os.environ)), nprocs=world, join=True,
+                       start_method="forkserver")
 
 
 # Tiny transformers MoE models from a config (tests/hf, tests/core/test_compile.py): hidden 32, vocab 64.

@@ -337,7 +337,8 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
     call and ``warmup`` more (compiles, captures; ``auto``'s calibration where no decision is
     cached): ``first_peak_gib``; then STEADY_CALLS more: ``peak_gib``, what the strategy holds
     and allocates in steady state. Weights and inputs included, the slowest rank's. On the CPU
-    the same calls run and no peak is read.
+    no peak is read: the release, the rebuild and the first ``1 + warmup`` calls run (``auto``'s
+    calibration among them), the STEADY_CALLS, which only feed ``peak_gib``, do not.
     NOTE: device syncs (between strategies, outside every timing)."""
     from interlace.parallel import release_shared_buffers
 
@@ -371,7 +372,7 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
             for _ in range(1 + warmup):
                 call()
             row.first_peak_gib = peak_gib()
-            for _ in range(STEADY_CALLS):
+            for _ in range(STEADY_CALLS if env.cuda else 0):
                 call()
             row.peak_gib = peak_gib()
     layer.set_strategy("naive")

@@ -100,8 +100,8 @@ class Timer:
 
     def device_ms(self, fn, n: int = 10, host_ms: float | None = None, repeats: int = 3) -> float:
         """Median over ``repeats`` of (device time of n back-to-back calls) / n."""
-        if not self.cuda:
-            return self.host_ms(fn, n)
+        if not self.cuda:  # the CPU's device time is its host time: the one given, if measured already
+            return host_ms if host_ms is not None else self.host_ms(fn, n)
         host_ms = host_ms if host_ms is not None else self.host_ms(fn, 3)
         results = []
         for _ in range(repeats):
@@ -408,9 +408,10 @@ def profile_tp(prof: Profile, configs: list[MoEConfig], tokens: list[int], tp: i
                 base, _, n = form.partition(":")
                 layer.set_strategy(f"tp_ep:{base}" + (f"-{n}" if n else ""))
                 entry.calibration.append((T, cfg.top_k, time_layer_ms(layer, x, timer, warmup, iters), form))
+                # (one warm-up fewer and half the timed calls, at least 1 and 2, or fewer where asked)
                 entry.calibration_fwdbwd.append(
-                    (T, cfg.top_k, time_layer_ms(layer, x, timer, max(1, warmup - 1), max(2, iters // 2),
-                                                 backward=True), form))
+                    (T, cfg.top_k, time_layer_ms(layer, x, timer, min(warmup, max(1, warmup - 1)),
+                                                 min(iters, max(2, iters // 2)), backward=True), form))
             del layer, x
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -154,7 +154,7 @@ def test_bench_harness_interleaved_timing(tmp_path):
     a median and its correctness check against naive."""
     from interlace.tools.bench import main
 
-    rows = main(["--small", "--configs", "qwen2-moe", "--tokens", "32", "--strategies", "naive", "sequential",
+    rows = main(["--small", "--configs", "qwen2-moe", "--tokens", "8", "--strategies", "naive", "sequential",
                  "pipelined", "auto", "--mode", "fwdbwd", "--interleave", "--warmup", "1", "--iters", "3",
                  "--out", str(tmp_path)])
     assert [r.strategy for r in rows] == ["naive", "sequential", "pipelined", "auto"]

@@ -37,7 +37,7 @@ def test_mesh_bench_times_every_factorisation_of_four_ranks(tmp_path):
 def _bench(rank, world, out):
     from interlace.tools.bench import main
 
-    main(["--small", "--configs", "qwen2-moe", "--tokens", "16", "--strategies", "naive", "sequential",
+    main(["--small", "--configs", "qwen2-moe", "--tokens", "4", "--strategies", "naive", "sequential",
           "--warmup", "1", "--iters", "3", "--out", out])
 
 
