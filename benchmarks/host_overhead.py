@@ -104,7 +104,7 @@ def measure(backend, cfg, tokens, world, iters, profile, routing="balanced", ker
             call()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)  # (not the prototype notice)
     top = ""
     if kernels:  # GPU time per kernel name, per call (the host ahead: a sleep first)
         from torch.profiler import ProfilerActivity, profile as torch_profile
