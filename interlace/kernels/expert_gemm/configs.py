@@ -102,13 +102,13 @@ def device_identity(index: int) -> tuple[str, int, tuple[int, int]]:
     return props.name, props.multi_processor_count, (props.major, props.minor)
 
 
-def num_programs(device: torch.device, work_bound: int) -> int:
-    """Programs of a persistent grid: at most ``work_bound``, and PROGRAMS_PER_SM per SM of the
+def num_programs(device: torch.device, work_bound: int, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Programs of a persistent grid: at most ``work_bound``, and ``per_sm`` per SM of the
     device (read from it, never assumed); 4 under the interpreter."""
     if device.type != "cuda":
         return max(1, min(work_bound, 4))
     sms = device_identity(device.index if device.index is not None else torch.cuda.current_device())[1]
-    return max(1, min(work_bound, sms * PROGRAMS_PER_SM))
+    return max(1, min(work_bound, sms * per_sm))
 
 
 _CHOICES: dict[tuple, tuple[tuple[GemmConfig, ...], str]] = {}
