@@ -54,13 +54,14 @@ DECODE_COMMAND = ("torchrun --nproc-per-node 2 -m interlace.tools.bench --config
 SOURCES = [
     dict(section="fp8", table="fp8-experts-h200", kind="fp8_experts", file="h200-fp8-experts.json",
          title="FP8 expert block against bf16, 1× H200 (one GPU's share of a 2-GPU layer)",
-         device="1× NVIDIA H200", commit="7de0d89", command="python benchmarks/fp8_experts.py --rounds 5", env="",
+         device="1× NVIDIA H200", commit="ea3c4eb", command="python benchmarks/fp8_experts.py --rounds 5", env="",
          notes=["`sequential`'s expert block at world size 1, balanced routing, bf16 activations; `do_bench` "
-                "medians, 5 interleaved rounds. best bf16: torch's grouped_mm or interlace's Triton GEMMs. FP8: the "
+                "medians, 5 interleaved rounds. best bf16: torch's grouped_mm or Triton. FP8: the "
                 "`auto` backend; triton and blockwise (cuBLAS per expert) forced. FP8 against the fp32 block of its "
-                "dense weights: 6.3-6.4e-2 (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.4e-2.",
+                "dense weights: 6.3-6.4e-2 (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.5e-2.",
                 "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. Triton's FP8 "
-                "GEMMs run at 430-670 TFLOP/s, cuBLAS's at 745-950 with 25-30 µs of host time per expert GEMM."]),
+                "GEMMs: 700-920 TFLOP/s at prefill, cuBLAS's 745-925 plus 30 µs of host per expert GEMM. "
+                "128-512 tokens: host-bound, ±40%."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential",
          notes=["Bench of that commit: each strategy timed right after the same one every round, GiB read with "
