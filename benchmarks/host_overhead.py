@@ -30,7 +30,6 @@ import io
 import pstats
 import statistics
 import time
-import warnings
 
 import torch
 
@@ -38,6 +37,7 @@ from interlace.config import PRESETS
 from interlace.kernels import launch
 from interlace.kernels.routing_index import expert_major_index
 from interlace.strategies.sequential import gathered_expert_ffn
+from interlace.tools.bench_timing import host_syncs
 
 
 def block(cfg, tokens: int, world: int, device, routing: str = "balanced"):
@@ -96,15 +96,7 @@ def measure(backend, cfg, tokens, world, iters, profile, routing="balanced", ker
         host.append((time.perf_counter() - t0) * 1e3)
         b.synchronize()
         gpu.append(a.elapsed_time(b))
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            call()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)  # (not the prototype notice)
+    syncs = len(host_syncs(call))
     top = ""
     if kernels:  # GPU time per kernel name, per call (the host ahead: a sleep first)
         from torch.profiler import ProfilerActivity, profile as torch_profile

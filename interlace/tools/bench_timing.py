@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -183,3 +184,17 @@ def time_cpu(fn, warmup: int, iters: int, env) -> list[float]:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def host_syncs(fn) -> list[warnings.WarningMessage]:
+    """Runs ``fn()`` once under torch's sync debug mode and returns the warnings of the host syncs
+    it made (each names the call; the mode's one-time prototype notice is no sync). CUDA only."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [w for w in caught if "synchronizing CUDA operation" in str(w.message)]

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from interlace import MoELayer  # noqa: E402
 from interlace.tools.bench import init_env, make_routing, reduce_max, time_cuda  # noqa: E402
+from interlace.tools.bench_timing import host_syncs  # noqa: E402
 from interlace.tools.bench import rel_err as rel  # noqa: E402
 from interlace.config import preset  # noqa: E402
 from interlace.kernels import alloc  # noqa: E402
@@ -365,7 +366,6 @@ def train_step_syncs(stack, x, g, idx) -> int:
     """Host syncs (``torch.cuda.set_sync_debug_mode``) in one warm forward + backward of the
     ``fused:train`` stack: none is expected at any world size (the error record is read behind
     the kernels)."""
-    import warnings
 
     def step():
         xr = x.clone().requires_grad_()
@@ -375,17 +375,7 @@ def train_step_syncs(stack, x, g, idx) -> int:
 
     for _ in range(2):  # this token count's eager call and its graph capture (which syncs) first
         step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    # (the warning of a sync reads "called a synchronizing CUDA operation"; the mode's first use
-    # also warns that it is a prototype, which is no sync)
-    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    syncs = host_syncs(step)
     for w in syncs[:3]:  # where (the warning names the call; its stack is the step's)
         print(f"rank {ENV.rank}: host sync in a fused:train step: {w.filename}:{w.lineno}: {w.message}", flush=True)
     return int(worst(ENV, float(len(syncs))))
