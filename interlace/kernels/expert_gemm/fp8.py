@@ -187,7 +187,7 @@ def choose_configs(num_rows: int, num_experts: int, tma: bool = False) -> tuple[
 
 def launch_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, gather: torch.Tensor | None, divisor: int,
                     w: BlockFP8Weight, out: torch.Tensor, out_scale: torch.Tensor | None, cols: int, epilogue: int,
-                    schedule, config: FP8GemmConfig, tma: bool | None = False) -> None:
+                    schedule, config: FP8GemmConfig, tma: bool | None = None) -> None:
     """One grouped GEMM of :func:`fp8_gemm_kernel` over ``schedule``'s tiles into ``out`` (R, cols).
     ``tma``: weights (and ungathered A rows) through descriptors where the tensors allow
     (:func:`~interlace.kernels.tma.use_tma`'s ``force``: None by the device, True wherever Triton
