@@ -57,7 +57,11 @@ call's time depends on the call before it).
 A training call is timed forward + backward (marks on the output's and the inputs' gradients);
 a key decides only on complete timings: where some candidate's backward has not run yet on some
 rank (gradient accumulation: several forwards, then the backwards), the key serves another round
-of candidates instead (at most ``MAX_EXTRA_ROUNDS``).
+of candidates instead (at most ``MAX_EXTRA_ROUNDS``). Where the agreed medians of the fastest
+candidates lie within ``resolution`` of each other, the key times those candidates for another
+round (at most ``extra_samples`` rounds): one call of a GPU-bound strategy moves by ±10% from call
+to call, so the median of three cannot tell two strategies 5% apart, and a wrong pick is paid on
+every later call while an extra round is paid once.
 An activation checkpoint's recomputed forward (a training call inside a backward) runs the
 strategy its forward ran (the latest training call not yet recomputed), untimed and uncounted.
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
@@ -133,6 +137,10 @@ class AutoOptions:
     prune_ratio: float = 1.5  # candidates predicted slower than this × the best are not timed
     warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones
     samples: int = 3  # timed rounds; the median of each candidate's samples is what ranks agree on
+    # Further timed rounds (at most extra_samples) of the candidates whose agreed medians lie within
+    # `resolution` (relative) of the fastest one's: close calls get more samples, clear ones none.
+    resolution: float = 0.03
+    extra_samples: int = 6
     cache: bool = True  # read and write the decision cache under the profile dir
     decisions_dir: str | None = None  # the decision cache's folder instead of <profile dir>/decisions
     shipped_decisions: bool = True  # read the decisions shipped for the presets beneath the cache
@@ -146,6 +154,9 @@ class AutoOptions:
             raise ValueError(f"auto: capacity must be a positive int or None, got {self.capacity!r}")
         if self.warmup < 0 or self.samples < 1:
             raise ValueError(f"auto: warmup must be ≥ 0 and samples ≥ 1, got {self.warmup}, {self.samples}")
+        if self.extra_samples < 0 or not self.resolution >= 0:
+            raise ValueError(f"auto: extra_samples and resolution must be ≥ 0, got {self.extra_samples}, "
+                             f"{self.resolution}")
         cap = self.persistent_max_tokens
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
             raise ValueError(f"auto: persistent_max_tokens must be an int >= 0, got {cap!r}")

@@ -91,6 +91,7 @@ class KeyState:
         self.pos = 0
         self.samples: list[list[Sample]] = [[] for _ in range(n)]
         self.extra_rounds = 0  # rounds served past the schedule while timings were incomplete
+        self.close_rounds = 0  # rounds served past it while the fastest candidates were within resolution
 
     @property
     def served(self) -> bool:
@@ -292,8 +293,9 @@ class AutoDecider:
     # -- the end of a calibration -----------------------------------------------------------------
     def decide(self, key, state: KeyState, clock: Clock) -> bool:
         """Agree on each candidate's time (ONE all-reduce on the side channel) and keep the
-        fastest; False where some candidate has no complete timing on some rank (gradient
-        accumulation: forwards first, their backwards later), after adding a round to serve."""
+        fastest; False, after adding a round to serve, where some candidate has no complete
+        timing on some rank (gradient accumulation: forwards first, their backwards later) or
+        the fastest candidates' times lie within ``resolution`` (up to ``extra_samples`` rounds)."""
         cands = state.plan.candidates
         local, total, waiting = [], 0.0, 0
         for c, spec in enumerate(cands):
@@ -320,6 +322,12 @@ class AutoDecider:
             state.schedule += round_order(list(range(len(cands))), len(state.schedule) // len(cands))
             return False
         best = min(range(len(cands)), key=lambda i: (times[i], i))
+        close = [i for i in range(len(cands)) if times[i] <= times[best] * (1 + self.options.resolution)]
+        if len(close) > 1 and math.isfinite(times[best]) and state.close_rounds < self.options.extra_samples:
+            # (the agreed times decide it: every rank adds the same round)
+            state.close_rounds += 1
+            state.schedule += round_order(close, state.close_rounds)
+            return False
         calls = len(state.schedule)
         overhead = total - calls * times[best] if math.isfinite(times[best]) else 0.0
         choice = Choice(cands[best], "measured", list(cands), dict(zip(cands, times)), state.plan.predicted, calls,

@@ -26,7 +26,7 @@ from interlace.data_parallel import expert_modules, expert_parameters, paralleli
 TOL = 1e-5  # fp32: the sums over ranks and tokens run in different orders than the reference's
 CFG = MoEConfig(hidden=16, ffn=8, num_experts=8, top_k=2, dtype=torch.float32, aux_loss_coef=0.05)
 STEPS, LR, TOKENS = 3, 0.2, 6
-AUTO = {"candidates": ("naive", "sequential"), "warmup": 0, "samples": 1, "cache": False}
+AUTO = {"candidates": ("naive", "sequential"), "warmup": 0, "samples": 1, "extra_samples": 0, "cache": False}
 
 
 class TinyModel(nn.Module):

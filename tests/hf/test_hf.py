@@ -241,7 +241,8 @@ def test_kernel_router_of_a_model_made_in_inference_mode():
 def _gloo_routed(rank, world):
     # auto weighs persistent (its kernel under the interpreter, the staged transport) against sequential
     check_routed_inference("qwen3_moe", "auto", {"candidates": ("sequential", "persistent"), "warmup": 0,
-                                                 "samples": 1, "cache": False}, rank, world, calls=4)
+                                                 "samples": 1, "extra_samples": 0, "cache": False},
+                          rank, world, calls=4)
 
 
 def test_gloo_two_ranks_auto_routes_hf_blocks_through_persistent():

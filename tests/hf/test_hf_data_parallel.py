@@ -25,7 +25,7 @@ from interlace.hf import gather_hf_state_dict, load_hf_state_dict, replace_moe_b
 
 TOL = 1e-5
 STEPS, LR, BATCH, SEQ = 3, 0.1, 2, 8
-AUTO = {"candidates": ("naive", "sequential"), "warmup": 0, "samples": 1, "cache": False}
+AUTO = {"candidates": ("naive", "sequential"), "warmup": 0, "samples": 1, "extra_samples": 0, "cache": False}
 
 
 def build(seed: int = 0):

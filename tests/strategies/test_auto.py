@@ -62,7 +62,7 @@ def _uneven_calls(rank, world, tmp):
     match the fp64 reference, and the group agrees on one choice per key."""
     _set_profile_dir(tmp)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1})
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0})
     # Rank r sees sequential as fast and pipelined as slow on even ranks, the reverse on odd ones:
     # the max over ranks must still pick one for all.
     layer.strategy.measure_override = lambda spec, ms: {0: 1.0, 1: 3.0}[(spec == "sequential") ^ (rank % 2)]
@@ -131,11 +131,41 @@ def test_ranks_with_different_timings_reach_one_choice(tmp_path):
     run_gloo(_timings_agree, 2, str(tmp_path))
 
 
+def _close_calls(rank, world, tmp, slower, extra, calls):
+    """Candidates whose agreed medians lie within ``resolution`` get further rounds (up to
+    ``extra_samples``), each of only the close ones; a clear winner decides after ``samples``.
+    A third candidate far behind is not timed again."""
+    _set_profile_dir(tmp)
+    cands = CANDS + ("pipelined:3",)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": cands, "warmup": 0, "samples": 1, "cache": False,
+                                       "resolution": 0.03, "extra_samples": extra})
+    times = {"sequential": 1.0, "pipelined:2": slower, "pipelined:3": 2.0}
+    layer.strategy.measure_override = lambda spec, ms: times[spec]
+    ran = []
+    _spy(layer, ran)
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for _ in range(calls + 2):
+            layer(torch.randn(12 + rank, CFG.hidden, generator=g))
+    (choice,) = layer.strategy.choices.values()
+    assert choice.source == "measured" and choice.spec == "sequential"
+    assert choice.calibration_calls == calls
+    assert ran[:3] == list(cands) and ran.count("pipelined:3") == 1  # (round 0: each once)
+    assert ran[calls:] == ["sequential"] * 2
+    assert sorted(ran[3:calls]) == sorted(["sequential", "pipelined:2"] * (extra if slower < 1.03 else 0))
+
+
+@pytest.mark.parametrize("slower, extra, calls", [(1.02, 4, 3 + 2 * 4), (1.02, 0, 3), (1.1, 4, 3)])
+def test_close_candidates_take_more_samples(tmp_path, slower, extra, calls):
+    run_gloo(_close_calls, 2, str(tmp_path), slower, extra, calls)
+
+
 def _calibration_outputs_and_cache(rank, world, tmp, phase):
     """phase 0: calibrate (each calibration call's output equals what the chosen strategy gives
     on the same input), store. phase 1 (a new process): the cached decision runs at once."""
     _set_profile_dir(tmp)
-    opts = {"candidates": CANDS, "warmup": 1, "samples": 1}
+    opts = {"candidates": CANDS, "warmup": 1, "samples": 1, "extra_samples": 0}
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options=opts)
     fixed = {s: MoELayer(CFG, strategy=s, seed=3, device="cpu") for s in CANDS}
     ran = []
@@ -211,7 +241,7 @@ def _losers_released(rank, world, tmp, winner):
     _set_profile_dir(tmp)
     candidates = ("sequential", "fused") + (() if winner == "sequential" else (winner,))
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": candidates, "warmup": 0, "samples": 1,
+                     strategy_options={"candidates": candidates, "warmup": 0, "samples": 1, "extra_samples": 0,
                                        "cache": False})
     auto = layer.strategy
     auto.measure_override = lambda spec, ms: 1.0 if spec == winner else 2.0
@@ -246,7 +276,8 @@ def _decided_keys_and_capacity(rank, world, tmp):
     _set_profile_dir(tmp)
     g = torch.Generator().manual_seed(4)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "cache": False})
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0,
+                                       "cache": False})
     ran = []
     _spy(layer, ran)
 
@@ -518,7 +549,8 @@ def _gradient_accumulation(rank, world, tmp):
     forwards alone (their backward marks have not fired: an infinite time)."""
     _set_profile_dir(tmp)
     layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "cache": False})
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0,
+                                       "cache": False})
     g = torch.Generator().manual_seed(8)
     outs = [layer(torch.randn(5 + rank, CFG.hidden, generator=g, requires_grad=True)) for _ in range(6)]
     assert (8, "fwdbwd") not in layer.strategy.choices  # nothing complete yet: no decision

@@ -20,7 +20,7 @@ TOL = 1e-4  # fp32 everywhere (kernels under the interpreter), against naive's f
 CONFIGS = [MoEConfig(hidden=16, ffn=8, num_experts=4, top_k=2, dtype=torch.float32),
            MoEConfig(hidden=16, ffn=16, num_experts=8, top_k=3, dtype=torch.float32)]
 AUTO = {"candidates": ("sequential", "fused", "fused:train", "persistent"), "warmup": 0, "samples": 1,
-        "shipped_decisions": False, "persistent_max_tokens": 8, "agree_timeout_s": 60.0}
+        "extra_samples": 0, "shipped_decisions": False, "persistent_max_tokens": 8, "agree_timeout_s": 60.0}
 # Decisions as a GPU machine's cache holds them (set_strategy("auto") builds a new auto, which
 # reads them): routed calls of up to 8 tokens per rank run persistent, the others a mix; the
 # buckets left out calibrate.
