@@ -6,6 +6,8 @@ or -1; ``assignment_of_row`` (R,) int32 gives each row's flat assignment index `
 
 Kernels (one idea each):
     _gather_rows_kernel:      out[i] = x[index[i]]                       (copy)
+    _region_rows_kernel:      out[s·cap + i] = x[s·cap + i], or x[index[i]] into one region,
+                              for the first used[s] rows of each region s only (copy)
     _combine_rows_kernel:     out[t] = Σ_j w[t,j] · y[row[t,j]]          (fp32 accumulate,
                               fixed j order: deterministic, no atomics)
     _combine_backward_kernel: dy[row[t,j]] = w[t,j] · dout[t];
@@ -67,6 +69,66 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch
         return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
     launch(_gather_rows_kernel, (cdiv(R, GATHER_ROWS),),
         x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+    )
+    return out
+
+
+@triton.jit
+def _region_rows_kernel(x_ptr, index_ptr, used_ptr, out_ptr, cap, N, divisor, first, skip,
+                        GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(1) + first  # the region
+    if s != skip:
+        used = tl.load(used_ptr + s)
+        cols = tl.arange(0, BLOCK_N)
+        for i in tl.static_range(ROWS):
+            r = tl.program_id(0) * ROWS + i
+            if r < used:
+                dst = s.to(tl.int64) * cap + r
+                src = dst
+                if GATHER:
+                    src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
+                for n0 in range(0, N, BLOCK_N):
+                    c = n0 + cols
+                    v = tl.load(x_ptr + src * N + c, mask=c < N)
+                    tl.store(out_ptr + dst * N + c, v, mask=c < N)
+
+
+def copy_used_rows(x: torch.Tensor, out: torch.Tensor, used: torch.Tensor, skip: int = -1) -> torch.Tensor:
+    """``out[s·cap + i] = x[s·cap + i]`` for the first ``used[s]`` rows of each region s ≠ ``skip``
+    of a (W·cap, N) buffer; ``used`` (W,) int32 on the device: no host sync (a capacity-sized
+    region that is half used copies half). Region ``skip`` is not written; rows past ``used[s]``
+    are unspecified (the kernel leaves them as they are, the torch fallback copies them too)."""
+    W = used.numel()
+    cap, N = x.shape[0] // max(W, 1), x.shape[1]
+    if cap == 0 or N == 0:
+        return out
+    if not use_triton(x):
+        for s in range(W):
+            if s != skip:
+                out[s * cap:(s + 1) * cap] = x[s * cap:(s + 1) * cap]
+        return out
+    launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), W),
+        x, used, used, out, cap, N, 1, 0, skip, GATHER=False, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+    )
+    return out
+
+
+def gather_used_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, used: torch.Tensor, region: int,
+                     divisor: int = 1) -> torch.Tensor:
+    """``out[region·cap + i] = x[index[i] // divisor]`` for the first ``used[region]`` rows of
+    region ``region`` of a (W·cap, N) ``out`` (cap = ``index.numel()``, ``used`` (W,) int32 on
+    the device); no other region is written, and the rows past the used ones are unspecified
+    (as in :func:`copy_used_rows`). Entries of ``index`` past the used rows are never read."""
+    cap, N = index.numel(), out.shape[1]
+    if cap == 0 or N == 0 or x.shape[0] == 0:  # (no rows: none used)
+        return out
+    if not use_triton(out):
+        src = torch.div(index.long(), divisor, rounding_mode="floor").clamp_(0, x.shape[0] - 1)
+        out[region * cap:(region + 1) * cap] = x[src]
+        return out
+    launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), 1),
+        x, index, used, out, cap, N, divisor, region, -1, GATHER=True, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS
     )
     return out
 

@@ -16,7 +16,7 @@ from interlace.kernels.routing_index import (
     expert_major_index_reference,
 )
 from interlace.kernels.router_topk import choice_key
-from interlace.kernels.rows import combine_rows, combine_rows_backward, gather_rows
+from interlace.kernels.rows import combine_rows, combine_rows_backward, copy_used_rows, gather_rows, gather_used_rows
 
 
 def random_topk(T, k, E, gen=None):
@@ -59,6 +59,26 @@ def test_gather_rows(R, N, divisor):
     x = torch.randn(max(R, 1) + 5, N)
     index = torch.randint(0, x.shape[0] * divisor, (R,), dtype=torch.int32)
     assert torch.equal(gather_rows(x, index, divisor), x[index.long() // divisor])
+
+
+@pytest.mark.parametrize("used, N", [([5, 0, 9], 1030), ([9, 9, 1], 3), ([0, 0, 0], 8)])
+def test_region_rows(used, N):
+    """The used rows of each region are copied (or gathered into one region) and nothing else
+    is written: the poison of the other rows survives."""
+    W, cap, divisor = len(used), 9, 2
+    x = torch.randn(W * cap, N)
+    count = torch.tensor(used, dtype=torch.int32)
+    out = copy_used_rows(x, torch.full_like(x, float("nan")), count, skip=1)
+    for s, u in enumerate(used):
+        region = slice(s * cap, (s + 1) * cap)
+        n = 0 if s == 1 else u
+        assert torch.equal(out[region][:n], x[region][:n]) and out[region][n:].isnan().all()
+    rows = torch.randn(7, N)
+    index = torch.randint(0, 7 * divisor, (cap,), dtype=torch.int32)
+    index[used[2]:] = -5  # (never read)
+    out = gather_used_rows(rows, index, torch.full_like(x, float("nan")), count, region=2, divisor=divisor)
+    assert torch.equal(out[2 * cap:2 * cap + used[2]], rows[index[:used[2]].long() // divisor])
+    assert out[:2 * cap].isnan().all() and out[2 * cap + used[2]:].isnan().all()
 
 
 @pytest.mark.parametrize("W,E_local", [(2, 4), (4, 2), (3, 5), (1, 7), (8, 32), (2, 128)])

@@ -646,6 +646,7 @@ def test_owner_rows_runs_per_source_and_expert():
     assert starts == [[6, 9], [0, 1]]  # region 1 (this rank) at row 6, then region 0
     assert counts == [[3, 0], [1, 2]]
     assert rows.local_row.tolist() == [3, 4, 5, 0, 0, 0]  # rank 1's dispatch rows for global expert 2
+    assert rows.used.tolist() == [3, 3]  # region 0 (source 0): 1 + 2 rows; region 1 (this rank): 3 + 0
 
 
 @pytest.mark.parametrize("block_t,interleave", [(None, (0, 0)), (2, (0, 0)), (None, (8, 1 << 20)), (2, (2, 1 << 20)),

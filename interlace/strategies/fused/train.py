@@ -47,7 +47,7 @@ from interlace.kernels.activation import activation_reference, swiglu_backward, 
 from interlace.kernels.expert_gemm.configs import choose_backward_configs
 from interlace.kernels.expert_gemm.wgrad import launch_wgrad
 from interlace.kernels.tma import use_tma
-from interlace.kernels.rows import combine_rows_backward
+from interlace.kernels.rows import combine_rows_backward, copy_used_rows, gather_used_rows
 from interlace.strategies.fused.engine import FusedCall
 
 
@@ -59,11 +59,14 @@ class OwnerRows:
     local expert, the first buffer row ``s·cap + offset`` of its rows, then their count — the
     runs the weight-gradient kernel reduces over. ``local_row`` (cap,) int64: the dispatch row
     each row of this rank's own region holds (0 where unused: that region is filled from this
-    rank's own rows, which never pass through the receive buffer).
+    rank's own rows, which never pass through the receive buffer). ``used`` (W,) int32: the rows
+    received from each source (buffer region s = source s), which fill the first ``used[s]``
+    rows of its region; the other rows are never read.
     """
 
     segments: torch.Tensor
     local_row: torch.Tensor
+    used: torch.Tensor
 
 
 def owner_rows(plan, spec, me: int) -> OwnerRows:
@@ -79,7 +82,8 @@ def owner_rows(plan, spec, me: int) -> OwnerRows:
     i = o - off[0].long()[e]
     valid = i < count[0].long()[e]
     local_row = torch.where(valid, plan.recv_local_row0.view(W, El)[0].long()[e] + i, 0)
-    return OwnerRows(segments, local_row)
+    used = torch.roll(count.sum(1, dtype=torch.int32), me)
+    return OwnerRows(segments, local_row, used)
 
 
 def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -139,6 +143,7 @@ class TrainState:
     y_rows: torch.Tensor  # (T·k, N) expert outputs returned home, dispatch order
     segments: torch.Tensor
     local_row: torch.Tensor
+    used: torch.Tensor  # (W,) int32 rows received from each source (OwnerRows.used)
     kept: torch.Tensor
 
 
@@ -153,16 +158,18 @@ def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState
     strategy._run_layers(call, w_up, w_down, pre=pre)
     mark(strategy, "fwd layers")
     rows = owner_rows(call.plan, spec, buf.rank)
-    k, me, cap = spec.top_k, buf.rank, spec.cap
+    k, me = spec.top_k, buf.rank
     # The expert input rows, in buffer order: the peers' rows as received, this rank's own
-    # rows gathered into its (otherwise unused) region.
-    x_rows = buf.views["recv"].view(-1, x.shape[1]).clone()
-    token = local_rows(call.assignment_of_row.long()[:, None], rows.local_row)[:, 0] // k
-    x_rows[me * cap:(me + 1) * cap] = local_rows(x, token)
+    # rows gathered into its (otherwise unused) region; only the used rows of each region (about
+    # half of a capacity-sized one with balanced routing), the rest is never read.
+    recv = buf.views["recv"].view(-1, x.shape[1])
+    x_rows = copy_used_rows(recv, alloc.empty(recv.shape, recv.dtype, recv.device), rows.used, skip=me)
+    assignment = local_rows(call.assignment_of_row[:, None], rows.local_row)[:, 0]
+    gather_used_rows(x, assignment, x_rows, rows.used, me, divisor=k)
     y_rows = buf.views["ret"][:x.shape[0] * k].clone()
     mark(strategy, "fwd saves")
     return TrainState(call.out, call.topk_weight, call.row_of_assignment, call.assignment_of_row, call.plan, pre,
-                      call.h, x_rows, y_rows, rows.segments, rows.local_row, index[2])
+                      call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, index[2])
 
 
 def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str):
@@ -188,13 +195,10 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
     call = FusedCall(g_rows, ones, st.row_of_assignment, identity, st.plan,
                      alloc.empty(st.act.shape, st.act.dtype, st.act.device), dx, st.kept)
 
-    # Rows received from each source (buffer region s = source s): the derivative skips the
-    # rest of each region, about half of it with balanced routing.
-    used = torch.roll(st.plan.recv_count.view(spec.world, -1).sum(1, dtype=torch.int32), buf.rank)
-
     def between():
         mark(strategy, "bwd layer0")
-        call.h = activation_backward(st.pre, call.h, activation, used)
+        # (the derivative skips the unused rest of each source's region)
+        call.h = activation_backward(st.pre, call.h, activation, st.used)
         mark(strategy, "bwd act")
 
     strategy._run_layers(call, w_down, w_up, backward=True, between=between)
@@ -202,7 +206,7 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
     # 5. (first part) this rank's own g rows go into its unused region of the receive buffer
     # (no peer writes there, and the next call's writes wait for _order_after_peers / the
     # count exchange), where dW_down reads them with the peers' rows.
-    buf.views["recv"][buf.rank].copy_(local_rows(g_rows, st.local_row))
+    gather_used_rows(g_rows, st.local_row, buf.views["recv"].view(-1, N), st.used, buf.rank)
     mark(strategy, "bwd local rows")
     return dx, d_weight, call.h
 
