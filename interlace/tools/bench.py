@@ -251,6 +251,7 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             if env.cuda:
                 torch.cuda.synchronize()
             row.first_call_ms = reduce_max(env, (time.perf_counter() - t0) * 1e3)
+            settle_auto(layer.strategy, call, tokens, mode)
             if getattr(args, "interleave", False):  # warm-ups now; the timed calls round-robin below
                 for _ in range(args.warmup):
                     call()
@@ -328,6 +329,20 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
 
 
 STEADY_CALLS = 3
+AUTO_SETTLE_CALLS = 200  # bound on the calls settle_auto serves
+
+
+def settle_auto(strategy, call, tokens: int, mode: str) -> int:
+    """``auto``: calls until its decision for this bucket and mode is made (at most
+    AUTO_SETTLE_CALLS), so that the timed calls measure what it runs, not its calibration
+    (that is reported apart: the row's ``choice``). Every rank decides at the same call. Returns
+    the calls served; 0 for any other strategy."""
+    choice_for = getattr(strategy, "choice_for", None)
+    calls = 0
+    while choice_for is not None and choice_for(tokens, mode) is None and calls < AUTO_SETTLE_CALLS:
+        call()
+        calls += 1
+    return calls
 
 
 def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env) -> None:

@@ -167,6 +167,31 @@ def test_bench_harness_interleaved_timing(tmp_path):
     assert (tmp_path / "results.json").exists()
 
 
+def test_bench_settles_auto_before_timing():
+    """The bench serves ``auto`` calls until its key is decided (its calibration is not what the
+    timing measures), at most AUTO_SETTLE_CALLS; other strategies get none."""
+    from interlace.tools.bench import AUTO_SETTLE_CALLS, settle_auto
+
+    class Calibrating:
+        def __init__(self, calls):
+            self.left = calls
+
+        def choice_for(self, tokens, mode):
+            return "decided" if self.left == 0 else None
+
+    def call_of(strategy):
+        def call():
+            strategy.left -= 1
+        return call
+
+    auto = Calibrating(7)
+    assert settle_auto(auto, call_of(auto), 64, "fwdbwd") == 7 and auto.left == 0
+    assert settle_auto(auto, call_of(auto), 64, "fwdbwd") == 0
+    never = Calibrating(-1)
+    assert settle_auto(never, call_of(never), 64, "fwd") == AUTO_SETTLE_CALLS
+    assert settle_auto(object(), lambda: 1 / 0, 64, "fwd") == 0
+
+
 def test_round_orders_of_two_alternate():
     """Two competitors keep their order: round after round each follows the other one."""
     from interlace.planning.rounds import round_order
