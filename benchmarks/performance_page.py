@@ -56,16 +56,17 @@ SOURCES = [
          title="FP8 expert block against bf16, 1× H200 (one GPU's share of a 2-GPU layer)",
          device="1× NVIDIA H200", commit="ea3c4eb", command="python benchmarks/fp8_experts.py --rounds 5", env="",
          notes=["`sequential`'s expert block at world size 1, balanced routing, bf16 activations; `do_bench` "
-                "medians, 5 interleaved rounds. best bf16: torch's grouped_mm or Triton. FP8: the "
-                "`auto` backend; triton and blockwise (cuBLAS per expert) forced. FP8 against the fp32 block of its "
-                "dense weights: 6.3-6.4e-2 (what W8A8 block FP8 costs); against the W8A8 reference ≤ 1.5e-2.",
+                "medians, 5 interleaved rounds. best bf16: torch's grouped_mm or Triton. FP8: "
+                "`auto` backend; triton and blockwise (cuBLAS per expert) forced. FP8 vs the fp32 block: 6.3-6.4e-2 "
+                "(W8A8 block FP8's own error); vs the W8A8 reference ≤ 1.5e-2.",
                 "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. Triton's FP8 "
                 "GEMMs: 700-920 TFLOP/s at prefill, cuBLAS's 745-925 plus 30 µs of host per expert GEMM. "
                 "128-512 tokens: host-bound, ±40%."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
-         title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential",
-         notes=["Bench of that commit: each strategy timed right after the same one every round, GiB read with "
-                "the strategies timed before alive (`auto`'s: theirs and its calibration)."]),
+         title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential", commit="d4bcd34",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --tokens 4096 8192 --mode fwdbwd --strategies "
+                 "sequential fused:train auto --interleave",
+         notes=["GiB: each strategy's steady-state peak, run alone (weights and inputs included)."]),
     dict(section="training", table="roofline-qwen3-h200", kind="facts", file="h200-qwen3-roofline.json",
          title="Roofline of a qwen3-30b-a3b training call, 1× H200",
          device="1× NVIDIA H200", date="2026-11-29", commit="9882890", env="",
@@ -104,10 +105,11 @@ SOURCES = [
          device="2× NVIDIA H200", date="2026-11-22", commit="fadf2b5",
          command="torchrun --nproc-per-node 2 benchmarks/device_tp_ep.py --configs qwen2-moe flashdmoe-cfg "
                  "mixtral-8x7b --profile-tp --skip-priority --skip-check"),
-    dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward-7eac059.json",
-         title="Forward, 2× H200: every strategy (each row the median of 4 bench calls)", baseline="sequential",
-         command="python3 benchmarks/ab_trees.py --tree 4d349fb=OLD_CHECKOUT --tree 7eac059=. --rounds 4 -- "
-                 "--tokens 4096 16384 --strategies sequential pipelined fused auto   # the 7eac059-median.json it writes"),
+    dict(section="prefill", table="prefill-h200x2", kind="bench", file="h200x2-forward.json",
+         title="Forward, 2× H200: sequential, fused, persistent and auto", baseline="sequential", commit="d4bcd34",
+         command="torchrun --nproc-per-node 2 -m interlace.tools.bench --tokens 4096 16384 --strategies sequential "
+                 "fused persistent auto --interleave",
+         notes=["`auto` timed after its calibration (served first); its pick: the JSON's `choice`."]),
     dict(section="decode", table="decode-persistent-b2b-h200x2", kind="decode_bench", file="h200x2-decode-persistent.json",
          title="Decode, 2× H200: every strategy against the decode floor, calls back to back (as in a model's "
                "forward)",
