@@ -266,11 +266,25 @@ def to_interlace(bench: Bench, model, strategy: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- measurements
+AUTO_SETTLE_CALLS = 200  # bound on the untimed calls that let auto blocks decide
+
+
+def undecided_blocks(model, tokens: int, mode: str) -> int:
+    """How many of the model's interlace blocks run ``auto`` with no decision yet for ``tokens``
+    per rank and ``mode`` (``"fwd"`` or ``"fwdbwd"``); 0 for HF's blocks. Every rank decides at
+    the same call, so every rank sees the same count."""
+    return sum(getattr(b.strategy, "choice_for", lambda *a: True)(tokens, mode) is None
+               for b in interlace.hf.moe_blocks(model))
+
+
 def forward_rate(bench: Bench, model, ids) -> float:
-    """Inference tokens/s of both ranks together: ``--inf-iters`` timed calls after 2 warm-ups."""
+    """Inference tokens/s of both ranks together: ``--inf-iters`` timed calls after 2 warm-ups
+    and, for ``auto`` blocks, the calls their calibration takes (what is timed is what they run)."""
     model.eval()
     with torch.no_grad():
-        for _ in range(2):
+        for i in range(2 + AUTO_SETTLE_CALLS):
+            if i >= 2 and not undecided_blocks(model, ids.numel(), "fwd"):
+                break
             model(ids)
         if bench.distributed:
             dist.barrier()
@@ -289,7 +303,7 @@ def forward_rate(bench: Bench, model, ids) -> float:
 
 def train(bench: Bench, model, impl: str, optimizer: str, data, steps: int | None = None):
     """``steps`` optimizer steps on ``data[step]``; (loss per step averaged over ranks, seconds per
-    step). The global loss is the mean of the ranks' losses: each rank's loss / W, SUM all-reduce
+    step, the steps ``auto`` blocks were still calibrating). The global loss is the mean of the ranks' losses: each rank's loss / W, SUM all-reduce
     of the replicated gradients (the experts' already sum every rank's tokens)."""
     args = bench.args
     steps = steps or args.steps
@@ -299,9 +313,11 @@ def train(bench: Bench, model, impl: str, optimizer: str, data, steps: int | Non
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr_adamw, weight_decay=0.0)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr_sgd)
-    losses, stamps = [], [bench.timer()]
+    losses, stamps, calibrating = [], [bench.timer()], 0
     for step in range(steps):
         ids = data[step % len(data)]
+        if calibrating == step and undecided_blocks(model, ids.numel(), "fwdbwd"):
+            calibrating += 1
         loss = model(ids, labels=ids).loss  # causal-LM loss + HF's auxiliary balance loss
         (loss / bench.world).backward()
         if bench.world > 1:
@@ -317,12 +333,13 @@ def train(bench: Bench, model, impl: str, optimizer: str, data, steps: int | Non
     if bench.distributed:
         dist.all_reduce(mean)
     del opt
-    return (mean / bench.world).tolist(), times
+    return (mean / bench.world).tolist(), times, calibrating
 
 
-def median_after_warmup(times: list[float]) -> float:
-    """The median step time without the first steps (compilation, tuning, graph capture)."""
-    skip = min(5, len(times) // 2)
+def median_after_warmup(times: list[float], calibrating: int = 0) -> float:
+    """The median step time without the first steps (compilation, tuning, graph capture) and
+    those ``auto`` blocks spent calibrating (if any step is left after them)."""
+    skip = max(min(5, len(times) // 2), min(calibrating, len(times) - 1))
     return statistics.median(times[skip:])
 
 
@@ -361,21 +378,25 @@ def run_model(bench: Bench, name: str) -> None:
             model = build_model(bench, name, layers)
             init = inits[impl] = checksum(model)
             strategy = None if impl == "hf" else to_interlace(bench, model, args.baseline if impl == "baseline" else None)
-            losses, times = train(bench, model, impl, optimizer, train_ids)
+            losses, times, calibrating = train(bench, model, impl, optimizer, train_ids)
             runs[impl] = losses
             row = dict(base, part="train", impl=impl, strategy=strategy, steps=args.steps, init_checksum=init,
-                       tokens_per_step=bench.world * args.train_batch * args.train_seq,
-                       step_s_median=median_after_warmup(times), step_s=[round(t, 5) for t in times], losses=losses)
+                       tokens_per_step=bench.world * args.train_batch * args.train_seq, calibrating_steps=calibrating,
+                       step_s_median=median_after_warmup(times, calibrating), step_s=[round(t, 5) for t in times],
+                       losses=losses)
             if bench.cuda:
                 row["max_memory_gb"] = round(torch.cuda.max_memory_allocated(bench.device) / 2**30, 1)
                 torch.cuda.reset_peak_memory_stats(bench.device)
             bench.add(row)
             bench.say(f"   {impl:9s} train step {row['step_s_median'] * 1e3:9.1f} ms (median), "
                       f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-            if impl == "interlace":
-                state["model"] = model  # the compile part reuses it
+            if impl == "interlace" and not args.baseline:
+                state["model"] = model  # the compile part reuses it (else it builds its own: memory)
             else:
                 del model
+                release_shared_buffers()
+                if bench.cuda:
+                    torch.cuda.empty_cache()
         hf, il = runs["hf"], runs["interlace"]
         rel = [abs(a - b) / abs(a) for a, b in zip(hf, il)]
         same_init = len(set(inits.values())) == 1
@@ -400,9 +421,9 @@ def run_model(bench: Bench, name: str) -> None:
             row["speedup_vs_eager"] = round(row["tokens_per_s"] / eager, 3)
             if args.compile_train:
                 optimizer_ = MODELS[name][3]
-                _, eager_times = train(bench, model, "interlace", optimizer_, train_ids, steps=8)
-                _, fast_times = train(bench, fast, "interlace", optimizer_, train_ids, steps=8)
-                row["train_step_s_eager"] = median_after_warmup(eager_times)
+                _, eager_times, calibrating = train(bench, model, "interlace", optimizer_, train_ids, steps=8)
+                _, fast_times, _ = train(bench, fast, "interlace", optimizer_, train_ids, steps=8)
+                row["train_step_s_eager"] = median_after_warmup(eager_times, calibrating)
                 row["train_step_s_compiled"] = median_after_warmup(fast_times)
         except Exception as exc:  # noqa: BLE001 - a compile failure is this part's result
             if bench.rank == 0:
