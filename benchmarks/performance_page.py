@@ -132,10 +132,10 @@ SOURCES = [
                 "µs); windows from the first task's end of waits to the last task's end."),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
-         device="2× NVIDIA H200", date="2026-11-26", commit="9d4b817",
-         command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile",
-         notes=["HF's blocks data parallel (all experts on every rank); interlace shards the experts over the 2 "
-                "ranks, with the profile-only `auto` of that commit. DeepSeek: SGD on both sides; Qwen3: AdamW."]),
+         device="2× NVIDIA H200", date="2026-11-29", commit="d7c73db",
+         command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile --baseline sequential",
+         notes=["HF's blocks data parallel; interlace's experts sharded over the ranks, `auto` timed once decided. "
+                "DeepSeek: SGD, Qwen3: AdamW (both sides)."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
@@ -352,22 +352,25 @@ def hf_models_table(src):
     data = load(src["file"])
     lines = header(src)
     lines += ["| model | layers | optimizer | forward tokens/s HF | interlace | interlace ÷ HF | train step ms HF | "
-              "interlace | HF ÷ interlace | max rel. loss diff (steps) | compiled tokens/s | eager | "
-              "compiled ÷ eager |", "|" + "---|" * 13]
+              "interlace | HF ÷ interlace | sequential ÷ interlace | max rel. loss diff (steps) | compiled tokens/s | "
+              "eager | compiled ÷ eager |", "|" + "---|" * 14]
     ratio = lambda a, b: a / b if a and b else None
     for model in dict.fromkeys(r["model"] for r in data["rows"]):
         rows = [r for r in data["rows"] if r["model"] == model]  # a skipped or failed part's row lacks its numbers
         part = lambda name, impl="": next((r for r in rows if r["part"] == name
                                            and r.get("impl", "").startswith(impl)), {})
         fwd_hf, fwd_il = (part("forward", impl).get("tokens_per_s") for impl in ("hf", "interlace"))
-        step_hf, step_il = (part("train", impl).get("step_s_median") for impl in ("hf", "interlace"))
+        step_hf, step_il, step_seq = (part("train", impl).get("step_s_median") for impl in ("hf", "interlace",
+                                                                                          "baseline"))
         step_hf, step_il = (None if t is None else 1e3 * t for t in (step_hf, step_il))
+        step_seq = 1e3 * step_seq if step_seq and part("train", "baseline").get("strategy") == "sequential" else None
         compiled, eager = (part("compile", impl).get("tokens_per_s")
                            for impl in ("interlace compiled", "interlace eager"))
         known, loss = next((r for r in rows if "layers" in r), {}), part("loss")
         cells = [model, str(known.get("layers", "–")), known.get("optimizer", "–"),
                  fmt(fwd_hf, ","), fmt(fwd_il, ","), fmt(ratio(fwd_il, fwd_hf), ".2f"),
                  fmt(step_hf, ".1f"), fmt(step_il, ".1f"), fmt(ratio(step_hf, step_il), ".2f"),
+                 fmt(ratio(step_seq, step_il), ".2f"),
                  f"{fmt(loss.get('max_rel_diff'), '.2e')} ({loss.get('steps', '–')})",
                  fmt(compiled, ","), fmt(eager, ","), fmt(ratio(compiled, eager), ".2f")]
         lines.append("| " + " | ".join(cells) + " |")

@@ -50,6 +50,8 @@ def test_new_kinds_draw_their_scripts_rows_and_show_missing_parts_as_dashes(tmp_
                    {"model": "m", "layers": 2, "optimizer": "sgd", "part": "train", "impl": "hf", "step_s_median": 0.3},
                    {"model": "m", "layers": 2, "optimizer": "sgd", "part": "train", "impl": "interlace",
                     "step_s_median": 0.1},
+                   {"model": "m", "part": "train", "impl": "baseline", "strategy": "sequential",
+                    "step_s_median": 0.12},
                    {"model": "m", "part": "compile", "error": "boom"}]}
     (tmp_path / "hf.json").write_text(json.dumps(hf))
     grid = [dict(kind="grid", config=f"c{i}", tokens=128, mode="fwd", fastest="fused", fastest_ms=1.0,
@@ -62,7 +64,7 @@ def test_new_kinds_draw_their_scripts_rows_and_show_missing_parts_as_dashes(tmp_
     (tmp_path / "grid.jsonl").write_text("\n".join(map(json.dumps, grid + presets)) + "\n")
     src = dict(section="x", table="t", title="T", date="d", commit="c", device="dev", command="cmd")
     hf_lines = "\n".join(gen.hf_models_table(dict(src, file="hf.json")))
-    assert "| m | 2 | sgd | – | – | – | 300.0 | 100.0 | 3.00 | – (–) | – | – | – |" in hf_lines
+    assert "| m | 2 | sgd | – | – | – | 300.0 | 100.0 | 3.00 | 1.20 | – (–) | – | – | – |" in hf_lines
     grid_lines = gen.auto_grid_table(dict(src, file="grid.jsonl"))
     summary = grid_lines[8]
     assert summary.startswith("3 rows over 3 shapes; auto within 5% of the fastest candidate on 1 (33%); "
