@@ -277,6 +277,13 @@ def undecided_blocks(model, tokens: int, mode: str) -> int:
                for b in interlace.hf.moe_blocks(model))
 
 
+def auto_choices(model, tokens: int, mode: str) -> list[str] | None:
+    """What each ``auto`` block runs for ``tokens`` per rank and ``mode`` (None: no auto block)."""
+    choices = [b.strategy.choice_for(tokens, mode) for b in interlace.hf.moe_blocks(model)
+               if hasattr(b.strategy, "choice_for")]
+    return [c.spec if c is not None else "undecided" for c in choices] or None
+
+
 def forward_rate(bench: Bench, model, ids) -> float:
     """Inference tokens/s of both ranks together: ``--inf-iters`` timed calls after 2 warm-ups
     and, for ``auto`` blocks, the calls their calibration takes (what is timed is what they run)."""
@@ -364,6 +371,7 @@ def run_model(bench: Bench, name: str) -> None:
             if impl == "interlace":
                 row["strategy"] = to_interlace(bench, model)
             row["tokens_per_s"] = round(forward_rate(bench, model, inf_ids))
+            row["auto_ran"] = auto_choices(model, args.inf_batch * args.inf_seq, "fwd")
             if bench.cuda:
                 row["max_memory_gb"] = round(torch.cuda.max_memory_allocated(bench.device) / 2**30, 1)
                 torch.cuda.reset_peak_memory_stats(bench.device)
@@ -383,13 +391,14 @@ def run_model(bench: Bench, name: str) -> None:
             row = dict(base, part="train", impl=impl, strategy=strategy, steps=args.steps, init_checksum=init,
                        tokens_per_step=bench.world * args.train_batch * args.train_seq, calibrating_steps=calibrating,
                        step_s_median=median_after_warmup(times, calibrating), step_s=[round(t, 5) for t in times],
-                       losses=losses)
+                       losses=losses, auto_ran=auto_choices(model, args.train_batch * args.train_seq, "fwdbwd"))
             if bench.cuda:
                 row["max_memory_gb"] = round(torch.cuda.max_memory_allocated(bench.device) / 2**30, 1)
                 torch.cuda.reset_peak_memory_stats(bench.device)
             bench.add(row)
             bench.say(f"   {impl:9s} train step {row['step_s_median'] * 1e3:9.1f} ms (median), "
-                      f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+                      f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+                      + (f"; auto ran {row['auto_ran']} after {calibrating} steps" if row["auto_ran"] else ""))
             if impl == "interlace" and not args.baseline:
                 state["model"] = model  # the compile part reuses it (else it builds its own: memory)
             else:
