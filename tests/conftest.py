@@ -36,3 +36,14 @@ def _environment_read_again():
     from interlace import env
 
     env.refresh()
+
+
+@pytest.fixture(autouse=True)
+def _own_auto_calibrations():
+    """``auto`` layers of one process with equal config, group and options share one calibration
+    (``auto_plan.shared_decider``, held weakly); an earlier test's layers, kept alive by reference
+    cycles until a collection, must not lend a test their decisions."""
+    from interlace.strategies import auto_plan
+
+    auto_plan._SHARED.clear()
+    yield

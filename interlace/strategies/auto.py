@@ -62,6 +62,10 @@ candidates lie within ``resolution`` of each other, the key times those candidat
 round (at most ``extra_samples`` rounds): one call of a GPU-bound strategy moves by ±10% from call
 to call, so the median of three cannot tell two strategies 5% apart, and a wrong pick is paid on
 every later call while an extra round is paid once.
+The ``auto`` layers of a process with one config, expert-parallel group and options share one
+calibration per key (:func:`~interlace.strategies.auto_plan.shared_decider`): each layer's call
+serves the next scheduled candidate, so a model of L such layers decides in about 1/L of the
+steps, and all of them run what it decides (each with its own strategies and buffers).
 An activation checkpoint's recomputed forward (a training call inside a backward) runs the
 strategy its forward ran (the latest training call not yet recomputed), untimed and uncounted.
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
@@ -112,7 +116,7 @@ import torch.distributed as dist
 
 from interlace.parallel.agreement import MAX_TOKENS, CallAgreement
 from interlace.strategies.auto_decisions import BackwardMark, Choice, Clock, token_bucket
-from interlace.strategies.auto_plan import FUSED_SPECS, PERSISTENT, ROUTED, AutoDecider, KeyState
+from interlace.strategies.auto_plan import FUSED_SPECS, PERSISTENT, ROUTED, KeyState, shared_decider
 from interlace.strategies.base import Strategy, check_names, make_strategy, register_strategy, strategy_class
 
 # Training calls' strategies a recompute may still ask for (activation checkpointing).
@@ -141,6 +145,9 @@ class AutoOptions:
     # `resolution` (relative) of the fastest one's: close calls get more samples, clear ones none.
     resolution: float = 0.03
     extra_samples: int = 6
+    # The auto layers of a process with the same config, expert-parallel group and options share one
+    # calibration per key (their calls serve it in turn) and so its decision; False: each its own.
+    share_calibration: bool = True
     cache: bool = True  # read and write the decision cache under the profile dir
     decisions_dir: str | None = None  # the decision cache's folder instead of <profile dir>/decisions
     shipped_decisions: bool = True  # read the decisions shipped for the presets beneath the cache
@@ -205,7 +212,8 @@ class AutoStrategy(Strategy):
         # The side channel is made here, where every rank builds the layer alike (a collective).
         distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
         self._agree = CallAgreement(ep, opts.agree_timeout_s) if distributed else None
-        self.decider = AutoDecider(config, ep, opts, self._agree.group if distributed else None)
+        self._group = self._agree.group if distributed else None
+        self.decider = shared_decider(config, ep, opts, self._group)
         if opts.candidates is not None and not any(self.decider.runs_experts(c) for c in opts.candidates):
             raise ValueError(f"auto: none of the candidates {list(opts.candidates)} runs FP8 experts "
                              f"(MoEConfig.expert_quant={config.expert_quant!r})")
@@ -219,6 +227,7 @@ class AutoStrategy(Strategy):
         # Training calls' strategies, latest last: an activation checkpoint's recompute (a forward
         # run inside the backward) takes the one its forward ran, and is neither timed nor counted.
         self._served: deque[Strategy] = deque(maxlen=MAX_SERVED)
+        self._released: set[tuple[int, str]] = set()  # decided keys whose losers this layer has dropped
 
     @property
     def label(self) -> str:
@@ -364,11 +373,13 @@ class AutoStrategy(Strategy):
         of its calibration, timed."""
         x = call.args[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        state = self.decider.state(call.key, x.device)
+        state = self.decider.state(call.key, x.device, self._group)
         if state.choice is None and state.served and not capturing:
-            if self.decider.decide(call.key, state, Clock(x.device)):
-                self._release_unneeded()
+            self.decider.decide(call.key, state, Clock(x.device), self._group)
         if state.choice is not None:
+            if call.key not in self._released:  # (a layer sharing the decider may not be the one that decided)
+                self._released.add(call.key)
+                self._release_unneeded()
             spec = state.choice.spec
             impl = self._impl(spec, call.tokens)
             if self._agree is not None:  # W > 1: the key's later calls take the fast path

@@ -15,7 +15,8 @@ import logging
 import math
 import statistics
 import warnings
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -268,9 +269,11 @@ class AutoDecider:
                 return f"its buffers need ~{need} bytes, over memory_cap={opts.memory_cap}"
         return None
 
-    def state(self, key, device) -> KeyState:
-        """The key's state; a new key's plan is made by group rank 0 and broadcast (NOTE: blocking,
-        once per new key per process, never in the steady state)."""
+    def state(self, key, device, group=None) -> KeyState:
+        """The key's state; a new key's plan is made by group rank 0 and broadcast over ``group``
+        (the calling layer's side channel; default the decider's) (NOTE: blocking, once per new
+        key per process, never in the steady state)."""
+        group = group if group is not None else self.group
         state = self.keys.get(key)
         if state is None:
             plan = None
@@ -279,9 +282,9 @@ class AutoDecider:
                     plan = self.plan(key, device)
                 except Exception as err:  # every rank raises it, none waits in the broadcast
                     plan = KeyPlan(error=f"{type(err).__name__}: {err}")
-            if self.group is not None:
+            if group is not None:
                 box = [plan]
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
                 plan = box[0]
             if plan.error is not None:
                 raise RuntimeError(f"auto: deciding {key} failed on group rank 0: {plan.error}")
@@ -291,11 +294,13 @@ class AutoDecider:
         return state
 
     # -- the end of a calibration -----------------------------------------------------------------
-    def decide(self, key, state: KeyState, clock: Clock) -> bool:
+    def decide(self, key, state: KeyState, clock: Clock, group=None) -> bool:
         """Agree on each candidate's time (ONE all-reduce on the side channel) and keep the
         fastest; False, after adding a round to serve, where some candidate has no complete
         timing on some rank (gradient accumulation: forwards first, their backwards later) or
-        the fastest candidates' times lie within ``resolution`` (up to ``extra_samples`` rounds)."""
+        the fastest candidates' times lie within ``resolution`` (up to ``extra_samples`` rounds).
+        ``group``: the calling layer's side channel (default the decider's)."""
+        group = group if group is not None else self.group
         cands = state.plan.candidates
         local, total, waiting = [], 0.0, 0
         for c, spec in enumerate(cands):
@@ -313,8 +318,8 @@ class AutoDecider:
             local.append(statistics.median(times) if times else math.inf)
             waiting += not times
         vec = torch.tensor(local + [total, waiting], dtype=torch.float64)
-        if self.group is not None:  # on the side channel: host values, no GPU stream involved
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+        if group is not None:  # on the side channel: host values, no GPU stream involved
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         agreed = vec.tolist()
         times, total, waiting = agreed[:-2], agreed[-2], agreed[-1]
         if waiting and state.extra_rounds < MAX_EXTRA_ROUNDS:
@@ -352,6 +357,35 @@ class AutoDecider:
         for state in self.keys.values():
             needed.update([state.choice.spec] if state.choice is not None else state.plan.candidates)
         return needed
+
+
+# Deciders shared by the auto layers of this process (see shared_decider); they live as long as a layer holds them.
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_decider(config, ep, options, group) -> AutoDecider:
+    """The :class:`AutoDecider` of every ``auto`` layer of this process with this config, this
+    expert-parallel group (``ep``: the same group object) and equal options: their calls serve
+    one calibration per key, in turn (a model of L such layers decides in about 1/L of the calls
+    each layer would take alone, and its layers run one strategy). Each layer keeps its own
+    strategies and buffers. ``options.share_calibration=False``: a decider of its own.
+    Every rank builds its layers alike, so every rank shares alike."""
+    if not options.share_calibration:
+        return AutoDecider(config, ep, options, group)
+    opts = tuple((f.name, _hashable(getattr(options, f.name))) for f in fields(options))
+    key = (config, ep, opts)
+    found = _SHARED.get(key)
+    if found is None:
+        found = _SHARED[key] = AutoDecider(config, ep, options, group)
+    return found
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:  # (a Profile object: shared only by the layers given that same object)
+        return ("id", id(value))
 
 
 def runs_on(spec: str, device: torch.device) -> bool:

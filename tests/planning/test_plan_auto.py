@@ -29,8 +29,8 @@ def _auto_matches_reference(rank, world, tmp):
     env.refresh()
     g = torch.Generator().manual_seed(5)
     for profile, tokens in ((str(PROFILE), 37), (None, 24)):
-        layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options={"calibrate": False})
-        layer.strategy._profile = profile
+        layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                         strategy_options={"calibrate": False, "profile": profile})
         xs = [torch.randn(tokens, CFG.hidden, generator=g) for _ in range(world)]
         gs = [torch.randn(tokens, CFG.hidden, generator=g) for _ in range(world)]
         x = xs[rank].clone().requires_grad_()

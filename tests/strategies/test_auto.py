@@ -131,6 +131,50 @@ def test_ranks_with_different_timings_reach_one_choice(tmp_path):
     run_gloo(_timings_agree, 2, str(tmp_path))
 
 
+def _shared_calibration(rank, world, tmp, share):
+    """Two auto layers of one config and options share one calibration (each call serves the next
+    candidate, whichever layer makes it) and its decision; with share_calibration=False each
+    layer calibrates alone. Outputs stay each layer's own."""
+    _set_profile_dir(tmp)
+    opts = {"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0, "cache": False,
+            "share_calibration": share}
+    layers = [MoELayer(CFG, strategy="auto", seed=s, device="cpu", strategy_options=opts) for s in (3, 4)]
+    layers[0].strategy.measure_override = lambda spec, ms: 1.0 if spec == "pipelined:2" else 2.0
+    layers[1].strategy.measure_override = lambda spec, ms: 1.0 if spec == "pipelined:2" else 2.0
+    assert (layers[0].strategy.decider is layers[1].strategy.decider) == share
+    ran = [[], []]
+    for layer, log in zip(layers, ran):
+        _spy(layer, log)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(6 + rank, CFG.hidden, generator=g)
+        with torch.no_grad():
+            outs = [layer(x) for layer in layers]
+        xs = _gather_tensors(x)
+        for seed, out in zip((3, 4), outs):
+            ref = reference_grads(CFG, seed, xs, [torch.zeros_like(t) for t in xs])[0][rank]
+            assert rel_err(out, ref) < 2e-6
+    if share:  # call 1: layer 0 sequential, layer 1 pipelined:2; then both run the decision
+        assert ran == [["sequential", "pipelined:2", "pipelined:2"], ["pipelined:2"] * 3], ran
+        assert layers[0].strategy.choices == layers[1].strategy.choices
+    else:
+        assert ran == [["sequential", "pipelined:2", "pipelined:2"]] * 2, ran
+    assert all(c.spec == "pipelined:2" for layer in layers for c in layer.strategy.choices.values())
+
+
+def _gather_tensors(x):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_auto_layers_share_one_calibration(tmp_path, share):
+    run_gloo(_shared_calibration, 2, str(tmp_path), share)
+
+
 def _close_calls(rank, world, tmp, slower, extra, calls):
     """Candidates whose agreed medians lie within ``resolution`` get further rounds (up to
     ``extra_samples``), each of only the close ones; a clear winner decides after ``samples``.

@@ -62,8 +62,8 @@ def test_world1_calibrates_persistent_against_sequential(tmp_path):
     with torch.no_grad():
         layer(x.detach(), expert_indices=torch.tensor([[0, 1]] * 5))
     assert ran[-1] == "sequential"
-    # A new process: the cached decision, nothing timed.
-    again = _layer(tmp_path, "sequential")
+    # A new process (as one: not sharing this process's decider): the cached decision, nothing timed.
+    again = _layer(tmp_path, "sequential", share_calibration=False)
     ran = _spy(again)
     with torch.no_grad():
         again(torch.randn(7, CFG.hidden, generator=g))
