@@ -56,8 +56,9 @@ each round in another order (each candidate after each other one equally often: 
 call's time depends on the call before it).
 A training call is timed forward + backward (marks on the output's and the inputs' gradients);
 a key decides only on complete timings: where some candidate's backward has not run yet on some
-rank (gradient accumulation: several forwards, then the backwards), the key serves another round
-of candidates instead (at most ``MAX_EXTRA_ROUNDS``). Where the agreed medians of the fastest
+rank (gradient accumulation: several forwards, then the backwards; or the other layers sharing the
+calibration, below, in the same forward pass), its calls run the first candidate untimed until
+they are (at most ``MAX_WAITING_CALLS``). Where the agreed medians of the fastest
 candidates lie within ``resolution`` of each other, the key times those candidates for another
 round (at most ``extra_samples`` rounds): one call of a GPU-bound strategy moves by ±10% from call
 to call, so the median of three cannot tell two strategies 5% apart, and a wrong pick is paid on
@@ -389,8 +390,13 @@ class AutoStrategy(Strategy):
             if call.train:
                 self._served.append(impl)
             return self._run(impl, call.args, call.routed)
-        if capturing:  # nothing timed or recorded inside a capture (see the module doc)
-            return self._run(self._impl(state.first, call.tokens), call.args, call.routed)
+        if capturing or state.served:
+            # Inside a capture nothing is timed or recorded (see the module doc); a served
+            # schedule still undecided waits for a backward's timing: the first candidate, untimed.
+            impl = self._impl(state.first, call.tokens)
+            if call.train and not capturing:
+                self._served.append(impl)
+            return self._run(impl, call.args, call.routed)
         return self._calibration_call(state, call)
 
     def _calibration_call(self, state: KeyState, call: _Call) -> torch.Tensor:

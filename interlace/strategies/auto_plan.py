@@ -34,9 +34,10 @@ log = logging.getLogger("interlace.auto")
 ROUTED = "fwd-routed"  # key mode of W > 1 inference calls handed over with the router
 PERSISTENT = "persistent"
 FUSED_SPECS = ("fused", "fused:train")  # share one peer buffer for a fixed token count per rank
-# Calibration rounds a key may add while some candidate has no complete timing (training calls
-# whose backward has not run: gradient accumulation); past them it decides on what it has.
-MAX_EXTRA_ROUNDS = 16
+# Calls a key may serve untimed while some candidate has no complete timing (training calls whose
+# backward has not run yet: gradient accumulation, or the other layers of a shared calibration in
+# the same forward pass); past them it decides on what it has.
+MAX_WAITING_CALLS = 64
 
 
 def persistent_buffer_bytes(config, world: int, max_tokens: int) -> int:
@@ -91,7 +92,7 @@ class KeyState:
         self.warm_calls = n * warmup
         self.pos = 0
         self.samples: list[list[Sample]] = [[] for _ in range(n)]
-        self.extra_rounds = 0  # rounds served past the schedule while timings were incomplete
+        self.waiting_calls = 0  # calls served untimed past the schedule while timings were incomplete
         self.close_rounds = 0  # rounds served past it while the fastest candidates were within resolution
 
     @property
@@ -296,9 +297,10 @@ class AutoDecider:
     # -- the end of a calibration -----------------------------------------------------------------
     def decide(self, key, state: KeyState, clock: Clock, group=None) -> bool:
         """Agree on each candidate's time (ONE all-reduce on the side channel) and keep the
-        fastest; False, after adding a round to serve, where some candidate has no complete
-        timing on some rank (gradient accumulation: forwards first, their backwards later) or
-        the fastest candidates' times lie within ``resolution`` (up to ``extra_samples`` rounds).
+        fastest; False where some candidate has no complete timing on some rank (gradient
+        accumulation: forwards first, their backwards later; the caller serves the call untimed,
+        :attr:`KeyState.served` still true), or, after adding a round to serve, where the fastest
+        candidates' times lie within ``resolution`` (up to ``extra_samples`` rounds).
         ``group``: the calling layer's side channel (default the decider's)."""
         group = group if group is not None else self.group
         cands = state.plan.candidates
@@ -322,9 +324,8 @@ class AutoDecider:
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         agreed = vec.tolist()
         times, total, waiting = agreed[:-2], agreed[-2], agreed[-1]
-        if waiting and state.extra_rounds < MAX_EXTRA_ROUNDS:
-            state.extra_rounds += 1
-            state.schedule += round_order(list(range(len(cands))), len(state.schedule) // len(cands))
+        if waiting and state.waiting_calls < MAX_WAITING_CALLS:
+            state.waiting_calls += 1
             return False
         best = min(range(len(cands)), key=lambda i: (times[i], i))
         close = [i for i in range(len(cands)) if times[i] <= times[best] * (1 + self.options.resolution)]

@@ -162,6 +162,38 @@ def _shared_calibration(rank, world, tmp, share):
     assert all(c.spec == "pipelined:2" for layer in layers for c in layer.strategy.choices.values())
 
 
+def _shared_training_calibration(rank, world, tmp):
+    """Three training layers sharing a calibration of two candidates: in step 1 layers 0 and 1
+    serve the schedule and layer 2's call, with their backward timings still to come, runs the
+    first candidate untimed; step 2's first call decides, and every layer runs the winner.
+    Gradients stay right throughout."""
+    _set_profile_dir(tmp)
+    opts = {"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0, "cache": False}
+    layers = [MoELayer(CFG, strategy="auto", seed=3, device="cpu", strategy_options=opts) for _ in range(3)]
+    layers[0].strategy.measure_override = lambda spec, ms: 1.0 if spec == "pipelined:2" else 2.0
+    ran = [[], [], []]
+    for layer, log in zip(layers, ran):
+        _spy(layer, log)
+    for step in range(2):
+        xs = [torch.randn(6 + r, CFG.hidden, generator=torch.Generator().manual_seed(step * 10 + r))
+              for r in range(world)]
+        gs = [torch.randn_like(x) for x in xs]
+        outs, dxs, *_ = reference_grads(CFG, 3, xs, gs)
+        inputs = [xs[rank].clone().requires_grad_() for _ in layers]
+        outs = [layer(x) for layer, x in zip(layers, inputs)]  # every forward, then the backwards (a model)
+        torch.autograd.backward(outs, [gs[rank]] * len(layers))
+        assert all(rel_err(x.grad, dxs[rank]) < 2e-6 for x in inputs)
+        if step == 0:
+            assert (8, "fwdbwd") not in layers[0].strategy.choices
+    assert ran == [["sequential", "pipelined:2"], ["pipelined:2", "pipelined:2"], ["sequential", "pipelined:2"]], ran
+    choice = layers[2].strategy.choices[(8, "fwdbwd")]
+    assert choice.spec == "pipelined:2" and choice.calibration_calls == 2 and choice.source == "measured"
+
+
+def test_auto_layers_share_a_training_calibration(tmp_path):
+    run_gloo(_shared_training_calibration, 2, str(tmp_path))
+
+
 def _gather_tensors(x):
     import torch.distributed as dist
 
