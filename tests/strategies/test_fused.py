@@ -66,6 +66,15 @@ def simulate(cfg, tokens, idxs, seed=0, n_comm=(1, 1), n_programs=4, max_tokens=
     return results, engines
 
 
+# The strategy's bookkeeping tests (CUDA-graph leases and eviction, train paths, a shared peer
+# buffer, a second backward) check which path a call takes and that its results equal the eager
+# path's bit for bit; the shape is immaterial there, and the interpreted kernels' time grows with
+# the experts and widths (on CONFIGS["swiglu"], 8 experts, a fused:train call took 3x as long).
+# SwiGLU (whose backward writes over the saved pre-activation), top-2 of 4 experts, 2 per rank
+# at world size 2.
+SMALL = MoEConfig(hidden=16, ffn=16, num_experts=4, top_k=2, dtype=torch.float32)
+
+
 def random_indices(cfg, tokens, gen):
     return [torch.stack([torch.randperm(cfg.num_experts, generator=gen)[:cfg.top_k] for _ in range(T)])
             if T else torch.empty(0, cfg.top_k, dtype=torch.long) for T in tokens]
@@ -439,11 +448,10 @@ def _train_paths(rank, world):
     no_grad always runs them."""
     from cases import make_inputs
     from helpers import reference_grads
-    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [12] * world, seed=5)
     refs = reference_grads(cfg, 11, xs, gs, None, aux_coef=cfg.aux_loss_coef)
     for arg, engine_after_training in (("fused", False), ("fused:recompute", True), ("fused:train", True)):
@@ -560,11 +568,10 @@ def _two_layers(rank, world):
     backward 1), three steps with fresh tokens, against the same two layers on ``sequential``:
     what a layer's backward needs must survive the other layer's use of the buffer."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     options = {"sequential": {}, "fused:train": {"max_tokens": 32}}
     stacks = {s: [MoELayer(cfg, strategy=s, seed=seed, device="cpu", strategy_options=options[s]) for seed in (11, 12)]
               for s in options}
@@ -613,11 +620,10 @@ def test_fused_train_second_backward_through_one_forward_raises():
     through the same forward (retain_graph) must raise, not use the overwritten rows; a fresh
     forward trains again."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [11], seed=4)
     layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
     x = xs[0].clone().requires_grad_()
@@ -820,11 +826,10 @@ def test_fused_train_graphs_match_eager_and_never_share_buffers():
     saved state lives in the graph's buffers until its backward (without that guard its
     gradients come out wrong)."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [11, 11, 11, 11], seed=4)
     order = [("f", 0), ("b", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 0), ("f", 3), ("f", 0), ("b", 0), ("b", 0),
              ("f", 1), ("b", 0)]
@@ -844,12 +849,11 @@ def test_fused_train_graph_freed_by_a_forward_without_backward():
     import gc
 
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [9], seed=5)
     layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
     layer.strategy.graph_recorder = EagerRecorder
@@ -872,12 +876,11 @@ def test_release_shared_buffers_drops_fused_graphs_and_a_pending_backward_still_
     before that still gets its backward (eagerly, on the state it saved), and later calls
     capture again; every call bitwise as on the eager path."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace.strategies.graphs import EagerRecorder
     from interlace.parallel import release_shared_buffers
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [10, 10, 10, 10], seed=6)
     order = [("f", 0), ("b", 0), ("f", 1), ("b", 0), ("f", 2), ("release", 0), ("b", 0), ("f", 3), ("b", 0),
              ("f", 0), ("b", 0)]
@@ -936,14 +939,13 @@ def test_fused_train_graph_eviction_skips_held_graphs_and_new_weights_recapture(
     holds a pending call's state, and evicts it once that call's backward has run; replacing a
     weight tensor (not an in-place update) captures anew. Every call bitwise as on the eager path."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     import interlace.strategies.fused.inference as fused
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder
 
     monkeypatch.setattr(fused, "MAX_GRAPHS", 1)
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, gs = make_inputs(cfg, [8, 9, 8, 9], seed=7)
     layers = [MoELayer(cfg, strategy="fused:train", seed=11, device="cpu", strategy_options={"max_tokens": 9})
               for _ in range(2)]
@@ -987,12 +989,11 @@ def test_fused_inference_graphs_match_eager():
     with a token count eager, then capture and replays, then new weight tensors capture anew;
     every output bitwise as on the eager path."""
     from cases import make_inputs
-    from core.test_distributed import CONFIGS
 
     from interlace import MoELayer
     from interlace.strategies.graphs import EagerRecorder
 
-    cfg = CONFIGS["swiglu"]
+    cfg = SMALL
     xs, _ = make_inputs(cfg, [10, 10, 10, 10, 10], seed=8)
     layers = [MoELayer(cfg, strategy="fused", seed=11, device="cpu") for _ in range(2)]
     layers[1].strategy.graph_recorder = EagerRecorder
