@@ -378,7 +378,9 @@ class AutoStrategy(Strategy):
         if state.choice is None and state.served and not capturing:
             self.decider.decide(call.key, state, Clock(x.device), self._group)
         if state.choice is not None:
-            if call.key not in self._released:  # (a layer sharing the decider may not be the one that decided)
+            # (a layer sharing the decider may not be the one that decided; never inside a capture: the
+            # drop syncs the device)
+            if call.key not in self._released and not capturing:
                 self._released.add(call.key)
                 self._release_unneeded()
             spec = state.choice.spec
