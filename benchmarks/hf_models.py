@@ -269,19 +269,18 @@ def to_interlace(bench: Bench, model, strategy: str | None = None) -> str:
 AUTO_SETTLE_CALLS = 200  # bound on the untimed calls that let auto blocks decide
 
 
-def undecided_blocks(model, tokens: int, mode: str) -> int:
-    """How many of the model's interlace blocks run ``auto`` with no decision yet for ``tokens``
-    per rank and ``mode`` (``"fwd"`` or ``"fwdbwd"``); 0 for HF's blocks. Every rank decides at
-    the same call, so every rank sees the same count."""
-    return sum(getattr(b.strategy, "choice_for", lambda *a: True)(tokens, mode) is None
-               for b in interlace.hf.moe_blocks(model))
-
-
 def auto_choices(model, tokens: int, mode: str) -> list[str] | None:
-    """What each ``auto`` block runs for ``tokens`` per rank and ``mode`` (None: no auto block)."""
+    """What each ``auto`` block runs for ``tokens`` per rank and ``mode`` (``"fwd"`` or
+    ``"fwdbwd"``), ``"undecided"`` while it calibrates; None: no auto block (HF's blocks)."""
     choices = [b.strategy.choice_for(tokens, mode) for b in interlace.hf.moe_blocks(model)
                if hasattr(b.strategy, "choice_for")]
     return [c.spec if c is not None else "undecided" for c in choices] or None
+
+
+def undecided_blocks(model, tokens: int, mode: str) -> int:
+    """How many auto blocks have not decided yet (every rank decides at the same call, so every
+    rank sees the same count)."""
+    return (auto_choices(model, tokens, mode) or []).count("undecided")
 
 
 def forward_rate(bench: Bench, model, ids) -> float:
@@ -310,8 +309,9 @@ def forward_rate(bench: Bench, model, ids) -> float:
 
 def train(bench: Bench, model, impl: str, optimizer: str, data, steps: int | None = None):
     """``steps`` optimizer steps on ``data[step]``; (loss per step averaged over ranks, seconds per
-    step, the steps ``auto`` blocks were still calibrating). The global loss is the mean of the ranks' losses: each rank's loss / W, SUM all-reduce
-    of the replicated gradients (the experts' already sum every rank's tokens)."""
+    step, the steps ``auto`` blocks were still calibrating). The global loss is the mean of the
+    ranks' losses: each rank's loss / W, SUM all-reduce of the replicated gradients (the experts'
+    already sum every rank's tokens)."""
     args = bench.args
     steps = steps or args.steps
     synced = interlace.hf.replicated_parameters(model) if impl != "hf" else list(model.parameters())
