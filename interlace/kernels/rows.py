@@ -6,8 +6,9 @@ or -1; ``assignment_of_row`` (R,) int32 gives each row's flat assignment index `
 
 Kernels (one idea each):
     _gather_rows_kernel:      out[i] = x[index[i]]                       (copy)
-    _region_rows_kernel:      out[s·cap + i] = x[s·cap + i], or x[index[i]] into one region,
-                              for the first used[s] rows of each region s only (copy)
+    _region_rows_kernel:      out[base[s] + i] = x[s·cap + i], or x[index[i]] into one region,
+                              for the first used[s] rows of each region s only (copy; base[s]
+                              = s·cap, or the first row of region s packed)
     _combine_rows_kernel:     out[t] = Σ_j w[t,j] · y[row[t,j]]          (fp32 accumulate,
                               fixed j order: deterministic, no atomics)
     _combine_backward_kernel: dy[row[t,j]] = w[t,j] · dout[t];
@@ -74,8 +75,8 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch
 
 
 @triton.jit
-def _region_rows_kernel(x_ptr, index_ptr, used_ptr, out_ptr, cap, N, divisor, first, skip,
-                        GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _region_rows_kernel(x_ptr, index_ptr, used_ptr, out_ptr, out_base_ptr, cap, N, divisor, first, skip,
+                        GATHER: tl.constexpr, OUT_BASE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.program_id(1) + first  # the region
     if s != skip:
         used = tl.load(used_ptr + s)
@@ -83,52 +84,67 @@ def _region_rows_kernel(x_ptr, index_ptr, used_ptr, out_ptr, cap, N, divisor, fi
         for i in tl.static_range(ROWS):
             r = tl.program_id(0) * ROWS + i
             if r < used:
-                dst = s.to(tl.int64) * cap + r
-                src = dst
+                src = s.to(tl.int64) * cap + r
                 if GATHER:
                     src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
+                dst = s.to(tl.int64) * cap + r
+                if OUT_BASE:
+                    dst = tl.load(out_base_ptr + s).to(tl.int64) + r
                 for n0 in range(0, N, BLOCK_N):
                     c = n0 + cols
                     v = tl.load(x_ptr + src * N + c, mask=c < N)
                     tl.store(out_ptr + dst * N + c, v, mask=c < N)
 
 
-def copy_used_rows(x: torch.Tensor, out: torch.Tensor, used: torch.Tensor, skip: int = -1) -> torch.Tensor:
-    """``out[s·cap + i] = x[s·cap + i]`` for the first ``used[s]`` rows of each region s ≠ ``skip``
-    of a (W·cap, N) buffer; ``used`` (W,) int32 on the device: no host sync (a capacity-sized
-    region that is half used copies half). Region ``skip`` is not written; rows past ``used[s]``
-    are unspecified (the kernel leaves them as they are, the torch fallback copies them too)."""
+def copy_used_rows(x: torch.Tensor, out: torch.Tensor, used: torch.Tensor, skip: int = -1,
+                   base: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[base[s] + i] = x[s·cap + i]`` for the first ``used[s]`` rows of each region s ≠
+    ``skip`` of a (W·cap, N) buffer; ``used`` (W,) int32 on the device: no host sync (a
+    capacity-sized region that is half used copies half). ``base`` (W,) int32 (default s·cap:
+    ``out`` laid out as ``x``) places region s's rows in ``out`` (the regions packed: the
+    exclusive prefix sum of ``used``). Region ``skip`` is not written; with the default base the
+    rows past ``used[s]`` are unspecified (the kernel leaves them as they are, the torch fallback
+    copies them too)."""
     W = used.numel()
     cap, N = x.shape[0] // max(W, 1), x.shape[1]
     if cap == 0 or N == 0:
         return out
     if not use_triton(x):
+        starts = None if base is None else base.tolist()  # (the plain-torch path may sync)
+        counts = used.tolist() if base is not None else [cap] * W
         for s in range(W):
             if s != skip:
-                out[s * cap:(s + 1) * cap] = x[s * cap:(s + 1) * cap]
+                dst = s * cap if starts is None else starts[s]
+                out[dst:dst + counts[s]] = x[s * cap:s * cap + counts[s]]
         return out
     launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), W),
-        x, used, used, out, cap, N, 1, 0, skip, GATHER=False, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+        x, used, used, out, used if base is None else base, cap, N, 1, 0, skip, GATHER=False,
+        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
     )
     return out
 
 
 def gather_used_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, used: torch.Tensor, region: int,
-                     divisor: int = 1) -> torch.Tensor:
-    """``out[region·cap + i] = x[index[i] // divisor]`` for the first ``used[region]`` rows of
-    region ``region`` of a (W·cap, N) ``out`` (cap = ``index.numel()``, ``used`` (W,) int32 on
-    the device); no other region is written, and the rows past the used ones are unspecified
-    (as in :func:`copy_used_rows`). Entries of ``index`` past the used rows are never read."""
+                     divisor: int = 1, base: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[base[region] + i] = x[index[i] // divisor]`` for the first ``used[region]`` rows of
+    region ``region`` (cap = ``index.numel()``, ``used`` (W,) int32 on the device; ``base`` (W,)
+    int32 as in :func:`copy_used_rows`, default s·cap: ``out`` is (W·cap, N)); no other region is
+    written, and with the default base the rows past the used ones are unspecified (as in
+    :func:`copy_used_rows`). Entries of ``index`` past the used rows are never read."""
     cap, N = index.numel(), out.shape[1]
     if cap == 0 or N == 0 or x.shape[0] == 0:  # (no rows: none used)
         return out
     if not use_triton(out):
         src = torch.div(index.long(), divisor, rounding_mode="floor").clamp_(0, x.shape[0] - 1)
-        out[region * cap:(region + 1) * cap] = x[src]
+        if base is None:
+            out[region * cap:(region + 1) * cap] = x[src]
+        else:  # (the plain-torch path may sync)
+            dst, n = int(base[region]), int(used[region])
+            out[dst:dst + n] = x[src[:n]]
         return out
     launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), 1),
-        x, index, used, out, cap, N, divisor, region, -1, GATHER=True, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS
+        x, index, used, out, used if base is None else base, cap, N, divisor, region, -1, GATHER=True,
+        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
     )
     return out
 

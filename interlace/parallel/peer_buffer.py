@@ -139,6 +139,8 @@ class PeerBuffer:
         self.queue0 = torch.zeros(4, dtype=torch.int32, device=device)
         self.queue1 = torch.zeros(4, dtype=torch.int32, device=device)
         self.tables: dict[str, torch.Tensor] = {}
+        # First row of each source's region in the receive layout, s·cap (the kernels' default h layout).
+        self.region_base = torch.arange(spec.world, dtype=torch.int32, device=device) * spec.cap
 
     # -- construction --------------------------------------------------------------------
     @staticmethod

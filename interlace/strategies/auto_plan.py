@@ -33,7 +33,8 @@ log = logging.getLogger("interlace.auto")
 
 ROUTED = "fwd-routed"  # key mode of W > 1 inference calls handed over with the router
 PERSISTENT = "persistent"
-FUSED_SPECS = ("fused", "fused:train")  # share one peer buffer for a fixed token count per rank
+FUSED_SPECS = ("fused", "fused:train", "fused:lean")  # share one peer buffer for a fixed token count per rank
+LEAN = "fused:lean"  # fused:train keeping only the rows received (eager): where fused:train keeps too many
 # Calls a key may serve untimed while some candidate has no complete timing (training calls whose
 # backward has not run yet: gradient accumulation, or the other layers of a shared calibration in
 # the same forward pass); past them it decides on what it has.
@@ -220,6 +221,9 @@ class AutoDecider:
             notes.append(f"{spec}: does not run {cfg.expert_quant} experts")
         if not predicted:
             predicted = {"sequential": None}
+        if prior_mode == "fwdbwd" and opts.candidates is None and "fused:train" in predicted \
+                and opts.train_fused and not self.train_rows_ok():
+            predicted[LEAN] = None  # (unpredicted: timed) it keeps sequential's rows
         for spec in [s for s in predicted if s in FUSED_SPECS]:
             why = self._fused_excluded(spec, prior_mode, bucket, device)
             if why:
@@ -251,11 +255,11 @@ class AutoDecider:
 
     def _fused_excluded(self, spec: str, mode: str, bucket: int, device) -> str | None:
         opts = self.options
-        if mode == "fwd" and spec == "fused:train" or mode == "fwdbwd" and spec == "fused":
+        if mode == "fwd" and spec != "fused" or mode == "fwdbwd" and spec == "fused":
             return "not this mode's fused path"
         if mode == "fwdbwd" and not opts.train_fused:
             return "not considered (train_fused=False)"
-        if mode == "fwdbwd" and not self.train_rows_ok():
+        if mode == "fwdbwd" and spec == "fused:train" and not self.train_rows_ok():
             return (f"keeps {fused_train_rows_ratio(self.config, self.ep.world):g}x the rows sequential keeps for "
                     f"the backward, over train_memory_ratio={opts.train_memory_ratio}")
         if not self.ep.one_host and torch.device(device).type == "cuda":

@@ -39,7 +39,7 @@ CONFIGS = {
 }
 
 
-ALL_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train")  # (+ persistent)
+ALL_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train", "fused:lean")  # (+ persistent)
 
 
 def _only(name: str, default):

@@ -267,6 +267,45 @@ def test_flat_weight_gradient_reads_no_row_past_a_run(num_seg):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("form", ["pointers", "tma", "flat"])
+def test_weight_gradient_reads_b_runs_at_their_own_starts(form):
+    """A (3, S, E) run table: each run of a's rows pairs with the run of b's rows starting at
+    the table's third part (fused:train's dW_down: the g rows in the receive layout against the
+    packed activations). b's runs are packed back to back in another order than a's, every row
+    outside a run is NaN in both, and the result matches the fp64 reference on every kernel
+    form (pointer loads, host TMA descriptors, the flat loop's window maps)."""
+    from interlace.kernels.expert_gemm.wgrad import launch_wgrad
+    from interlace.kernels.tma import ensure_allocator
+
+    g = torch.Generator().manual_seed(8)
+    E, P, Q, cap = 3, 32, 48, 40
+    counts = [[5, 17, 0], [16, 0, 3]]
+    a = torch.full((2 * cap, P), float("nan"))
+    a_starts, b_starts, rows = [[], []], [[], []], 0
+    for s in (1, 0):  # b packs source 1's runs first
+        off = 0
+        for e in range(E):
+            a_starts[s].append(s * cap + off)
+            b_starts[s].append(rows)
+            off += counts[s][e]
+            rows += counts[s][e]
+    b = torch.full((rows + 3, Q), float("nan"))
+    ref = torch.zeros(E, P, Q, dtype=torch.float64)
+    for s in range(2):
+        for e in range(E):
+            c, a0, b0 = counts[s][e], a_starts[s][e], b_starts[s][e]
+            a[a0:a0 + c] = torch.randn(c, P, generator=g)
+            b[b0:b0 + c] = torch.randn(c, Q, generator=g)
+            ref[e] += a[a0:a0 + c].double().T @ b[b0:b0 + c].double()
+    table = torch.tensor([a_starts, counts, b_starts], dtype=torch.int32)
+    config = {"pointers": small(), "tma": small(a_tma=1), "flat": small(a_tma=1, persistent=2)}[form]
+    out = torch.full((E, P, Q), float("nan"))
+    ensure_allocator()
+    launch_wgrad(a, b, out, None, P, Q, config, segments=table, tma=form != "pointers")
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
 def test_tabled_flat_d_act_config_runs_for_every_activation(activation, monkeypatch):
     """A d(act) table entry with the flat loop (``persistent = 2``, ``unfused_act``), as the H200

@@ -81,6 +81,38 @@ def test_region_rows(used, N):
     assert out[:2 * cap].isnan().all() and out[2 * cap + used[2]:].isnan().all()
 
 
+@pytest.mark.parametrize("interpret", [True, False])
+def test_region_rows_packed(interpret, monkeypatch):
+    """With ``base`` (the exclusive prefix sum of the used counts) the used rows of every region
+    land back to back, the gathered region's at its own base, and no other row of ``out`` is
+    written (its poison survives); the Triton kernel and the plain-torch fallback alike."""
+    import interlace.kernels.rows as rows_module
+
+    monkeypatch.setattr(rows_module, "use_triton", lambda t: interpret)
+    used, cap, N, divisor = [5, 0, 9, 3], 9, 70, 2
+    W = len(used)
+    x = torch.randn(W * cap, N)
+    count = torch.tensor(used, dtype=torch.int32)
+    base = (torch.cumsum(count, 0, dtype=torch.int32) - count).contiguous()
+    R = sum(used)
+    out = copy_used_rows(x, torch.full((R + 2, N), float("nan")), count, skip=2, base=base)
+    for s, u in enumerate(used):
+        b = int(base[s])
+        if s == 2:
+            assert out[b:b + u].isnan().all()
+        else:
+            assert torch.equal(out[b:b + u], x[s * cap:s * cap + u])
+    assert out[R:].isnan().all()
+    rows = torch.randn(7, N)
+    index = torch.randint(0, 7 * divisor, (cap,), dtype=torch.int32)
+    index[used[2]:] = -5  # (never read)
+    gather_used_rows(rows, index, out, count, region=2, divisor=divisor, base=base)
+    b = int(base[2])
+    assert torch.equal(out[b:b + used[2]], rows[index[:used[2]].long() // divisor])
+    assert torch.equal(out[:b], x[:5]) and torch.equal(out[b + used[2]:R], x[3 * cap:3 * cap + 3])  # untouched
+    assert out[R:].isnan().all()
+
+
 @pytest.mark.parametrize("W,E_local", [(2, 4), (4, 2), (3, 5), (1, 7), (8, 32), (2, 128)])
 @pytest.mark.parametrize("zeros", [False, True])
 def test_expert_major_index(W, E_local, zeros):

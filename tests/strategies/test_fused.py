@@ -530,8 +530,8 @@ def test_fused_train_gloo_two_ranks_all_cases():
     run_gloo(_check_all, 2, "fused:train", list(CONFIGS), CASES)
 
 
-def _check_with_options(rank, world, options, config_names, cases):
-    """``_check_all`` (tests/core/test_distributed.py) for ``fused:train`` built with ``options``."""
+def _check_with_options(rank, world, options, config_names, cases, spec="fused:train"):
+    """``_check_all`` (tests/core/test_distributed.py) for ``spec`` built with ``options``."""
     from cases import case_indices, case_tokens, make_inputs
     from helpers import assert_grads_match, reference_grads
     from core.test_distributed import CONFIGS, TOL
@@ -544,27 +544,30 @@ def _check_with_options(rank, world, options, config_names, cases):
             tokens = case_tokens(case, world)
             indices = case_indices(case, cfg, world, tokens, seed=world)
             xs, gs = make_inputs(cfg, tokens, seed=world)
-            layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu", strategy_options=options)
+            layer = MoELayer(cfg, strategy=spec, seed=11, device="cpu", strategy_options=options)
             x = xs[rank].clone().requires_grad_()
             out = layer(x, expert_indices=None if indices is None else indices[rank])
             refs = reference_grads(cfg, 11, xs, gs, indices, aux_coef=cfg.aux_loss_coef)
-            where = f"rank {rank}/{world} fused:train {options} {name} {case}"
+            where = f"rank {rank}/{world} {spec} {options} {name} {case}"
             assert rel_err(out, refs[0][rank]) < TOL, where + " output"
             out.backward(gs[rank])
             assert_grads_match(layer, x, refs, rank, tokens[rank], where, TOL)
 
 
-def test_fused_train_gloo_four_ranks_and_tma_path():
+@pytest.mark.parametrize("spec", ["fused:train", "fused:lean"])
+def test_fused_train_gloo_four_ranks_and_tma_path(spec):
     """Four ranks; the weights of both swapped-role kernels through tensor descriptors (the
     Hopper path, run by the interpreter), and the weight gradients' rows (per-source runs of an
     expert's rows in one flat loop over the blocks' runs, each run's rows through window maps that
-    read the rows past its end as zeros, an empty run one all-zero step)."""
+    read the rows past its end as zeros, an empty run one all-zero step). ``fused:lean``: the
+    kept rows packed (a rank that receives nothing keeps one unused row)."""
     from helpers import run_gloo
 
     from interlace.tuning.tables import GemmConfig
 
     options = {"tma": True, "wgrad": GemmConfig(16, 16, 16, 4, 1, group_m=2, a_tma=1, persistent=2)}
-    run_gloo(_check_with_options, 4, options, ["swiglu", "sigmoid-gelu"], ["random", "uneven_and_empty_rank"])
+    cases = ["random", "uneven_and_empty_rank"] + (["zero_recv_rank"] if spec == "fused:lean" else [])
+    run_gloo(_check_with_options, 4, options, ["swiglu", "sigmoid-gelu"], cases, spec)
 
 
 def _two_layers(rank, world):
@@ -591,6 +594,48 @@ def _two_layers(rank, world):
                 p.grad = None
         for i, (want, have) in enumerate(zip(got["sequential"], got["fused:train"])):
             assert rel_err(have, want) < 1e-5, (rank, step, i)
+
+
+def _lean_layouts(rank, world):
+    """``fused:lean`` keeps R = Σ received rows for the backward (each source's rows packed at
+    its base), not the W·cap rows of the receive layout that ``fused:train`` keeps and that
+    ``fused:lean`` falls back to inside a caller's CUDA-graph capture (forced here): all three
+    give bitwise the same output and gradients. Uneven token counts per rank, three calls."""
+    from cases import make_inputs
+
+    import interlace.strategies.fused.train as train
+    from interlace import MoELayer
+
+    cfg = SMALL
+    keep, capturing, states = train.forward_body, train.caller_capturing, []
+    train.forward_body = lambda *a, **k: states.append(keep(*a, **k)) or states[-1]
+    results = {}
+    for name in ("fused:train", "fused:lean", "fused:lean captured"):
+        spec = name.split()[0]
+        layer = MoELayer(cfg, strategy=spec, seed=11, device="cpu", strategy_options={"max_tokens": 32})
+        train.caller_capturing = (lambda x: True) if name.endswith("captured") else capturing
+        results[name] = []
+        for step in range(3):
+            xs, gs = make_inputs(cfg, [9 + 4 * r + step for r in range(world)], seed=step)
+            x = xs[rank].clone().requires_grad_()
+            out = layer(x)
+            out.backward(gs[rank])
+            results[name] += [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+            st, cap = states[-1], layer.strategy.buf.spec.cap
+            packed = name == "fused:lean"
+            rows = int(st.used.sum()) if packed else world * cap
+            assert st.packed == packed and st.pre.shape[0] == st.act.shape[0] == st.x_rows.shape[0] == rows
+            assert int(st.used.sum()) < world * cap
+    train.forward_body, train.caller_capturing = keep, capturing
+    for name in ("fused:lean", "fused:lean captured"):
+        for i, (a, b) in enumerate(zip(results["fused:train"], results[name])):
+            assert torch.equal(a, b), (rank, name, i)
+
+
+def test_fused_lean_keeps_the_received_rows_packed():
+    from helpers import run_gloo
+
+    run_gloo(_lean_layouts, 2)
 
 
 def test_fused_train_two_layers_share_the_buffer():

@@ -10,7 +10,9 @@ Programs ``n_comm ..`` are **GEMM** programs: a persistent loop over (row tile, 
 work items of this rank's receive tiles, **local rows first** (their A rows come straight from
 the token matrix through the dispatch index; no copy), then the tiles of the other sources,
 each after an acquire-wait on its flag. The epilogue applies the activation (SwiGLU: gate and
-up accumulate in the same tile) and stores ``h`` (W·cap, K) at the rows' region positions.
+up accumulate in the same tile) and stores ``h`` at the rows' region positions: row
+``h_base[s] + r`` for the r-th row received from source s (``h_base[s] = s·cap``, the receive
+buffer's layout, unless the caller packs the regions: the training backward's compact rows).
 
 ``n_comm`` is a run-time argument (the split is profiled per shape, never compiled in). The
 grid never exceeds the SM count, one program per SM, so all programs are co-resident.
@@ -83,8 +85,9 @@ def _gather_local_kernel(x_ptr, assign_ptr, recv_ptr, recv_local_row0, sent_rows
 @triton.jit
 def _dispatch_gemm0_kernel(
     x_ptr, assign_ptr,  # (T, N) tokens; (R,) int32 dispatch row → assignment t·k + j
-    w_ptr, h_ptr,  # (E_l, up_width, N) up projection (B_KMAJOR: (E_l, N, K)); out (W·cap, K)
-    pre_ptr,  # STORE_PRE: (W·cap, up_width) pre-activation out (the backward's input)
+    w_ptr, h_ptr,  # (E_l, up_width, N) up projection (B_KMAJOR: (E_l, N, K)); out (rows, K)
+    pre_ptr,  # STORE_PRE: (rows, up_width) pre-activation out (the backward's input)
+    h_base_ptr,  # (W,) int32 first row in h (and pre) of source s's region (s·cap: the receive layout)
     recv_ptr, flags0_ptr,  # this rank's recv (W, cap, N) and flags0 (W, E_l, TPS)
     recv_table, flags0_table,  # (W,) int64 peer addresses of recv and flags0
     send_count, send_row0, send_dst_off, send_tile_seg, send_tile_idx, send_num_tiles,
@@ -159,8 +162,9 @@ def _dispatch_gemm0_kernel(
             e = seg % num_local
             s = (me + j) % W
             rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
-            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M  # (the tile's rows in recv)
             h_rows = (h_row0 + offs_m).to(tl.int64)
+            out_rows = (tl.load(h_base_ptr + s) + tl.load(recv_off + seg) + i * BLOCK_M + offs_m).to(tl.int64)
             # Row pointers by select, not by branch: a pointer produced by a branch keeps the
             # compiler from pipelining the A loads (a much slower GEMM0).
             is_local = j == 0
@@ -200,12 +204,12 @@ def _dispatch_gemm0_kernel(
                                                 JOINT, e.to(tl.int32), nb * BLOCK_N)
             act = activation_epilogue(acc_g, acc_u, ACTIVATION)
             omask = rmask[:, None] & cmask[None, :]
-            tl.store(h_ptr + h_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=omask)
+            tl.store(h_ptr + out_rows[:, None] * K + cols[None, :], act.to(h_ptr.dtype.element_ty), mask=omask)
             if STORE_PRE:  # training: gate (and up) before the activation, for the backward
-                tl.store(pre_ptr + h_rows[:, None] * up_width + cols[None, :], acc_g.to(pre_ptr.dtype.element_ty),
+                tl.store(pre_ptr + out_rows[:, None] * up_width + cols[None, :], acc_g.to(pre_ptr.dtype.element_ty),
                          mask=omask)
                 if ACTIVATION == 0:
-                    tl.store(pre_ptr + h_rows[:, None] * up_width + K + cols[None, :],
+                    tl.store(pre_ptr + out_rows[:, None] * up_width + K + cols[None, :],
                              acc_u.to(pre_ptr.dtype.element_ty), mask=omask)
             if TIMELINE:  # slots after the send tiles'
                 timeline_record(timeline_ptr, timeline_cap, tl.load(send_num_tiles) + work, epoch, pid,
@@ -217,12 +221,14 @@ def _dispatch_gemm0_kernel(
 
 def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: int, n_programs: int,
                    config, max_spins: int, role: str = "all", timeline: tuple | None = None,
-                   pre: torch.Tensor | None = None, w_kmajor: bool = False):
+                   pre: torch.Tensor | None = None, w_kmajor: bool = False, h_base: torch.Tensor | None = None):
     """Launch layer0 on this rank. ``role``: ``"all"`` (one launch, both roles),
     ``"comm"`` or ``"gemm"`` (one role only: simulated ranks and the staged transport).
     ``timeline``: ``(records, clock, cap, mode)`` of :class:`interlace.kernels.timeline.TimelineBuffer`
     to record every work item, or None (off: the recording is compiled out).
-    ``pre`` (W·cap, up_width): also store the pre-activation there (training).
+    ``pre`` (rows of h, up_width): also store the pre-activation there (training).
+    ``h_base`` (W,) int32: the first row of h (and pre) of each source's rows (default
+    ``buf.region_base``, s·cap: h is (W·cap, K) in the receive buffer's layout).
     ``w_kmajor``: ``w_up`` is a (E_l, N, K) matrix used as stored (``activation="none"``: the
     backward's dy_rows @ W_down). ``config.tma`` forces TMA on or off (None: by capability)."""
     spec = buf.spec
@@ -244,8 +250,8 @@ def dispatch_gemm0(x, assign, w_up, h, buf, plan, *, activation: str, n_comm: in
             TOP_K=spec.top_k, ROWS=rows, COLS=cols, num_warps=4,
         )
     launch(_dispatch_gemm0_kernel, (grid,),
-        x, assign, w_up, h, pre if pre is not None else h, v["recv"], v["flags0"], buf.tables["recv"],
-        buf.tables["flags0"],
+        x, assign, w_up, h, pre if pre is not None else h, buf.region_base if h_base is None else h_base,
+        v["recv"], v["flags0"], buf.tables["recv"], buf.tables["flags0"],
         plan.send_count, plan.send_row0, plan.send_dst_off, plan.send_tiles[0], plan.send_tiles[1],
         plan.send_tiles[2],
         plan.recv_count, plan.recv_off, plan.recv_local_row0, plan.recv_tiles[0], plan.recv_tiles[1],

@@ -48,7 +48,8 @@ def _count_tile(counters_ptr, tiles_from_source, flags1_table, s, sl, n_slices, 
 # one build instead of one per pattern of "divisible by 16" and "equal to 1".
 @triton.jit(do_not_specialize=("T",))
 def _gemm1_combine_kernel(
-    h_ptr, w_ptr,  # (W·cap, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
+    h_ptr, w_ptr,  # (rows, K) from layer0; w_down (E_l, N, K) (B_KMAJOR: (E_l, K, N), the backward's W_up)
+    h_base_ptr,  # (W,) int32 first row in h of source s's rows (s·cap: the receive layout)
     ret_ptr, flags1_ptr, counters_ptr,  # this rank's ret (R_max, N), flags1 (W, S), counters (W, S)
     ret_table, flags1_table,  # (W,) int64 peer addresses
     recv_count, recv_off, recv_ret_row0, recv_tile_seg, recv_tile_idx, recv_num_tiles, tiles_from_source,
@@ -103,7 +104,7 @@ def _gemm1_combine_kernel(
             e = seg % num_local
             s = (me + seg // num_local) % W
             rmask = offs_m < tl.load(recv_count + seg) - i * BLOCK_M
-            h_row0 = s * cap + tl.load(recv_off + seg) + i * BLOCK_M
+            h_row0 = tl.load(h_base_ptr + s) + tl.load(recv_off + seg) + i * BLOCK_M
             h_rows = (h_row0 + offs_m).to(tl.int64)
             cols = sl * BLOCK_N + offs_n
             cmask = cols < N
@@ -195,11 +196,14 @@ def _gemm1_combine_kernel(
 
 
 def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, n_comm: int, n_programs: int,
-                  config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False):
+                  config, max_spins: int, role: str = "all", timeline: tuple | None = None, w_kmajor: bool = False,
+                  h_base: torch.Tensor | None = None):
     """Launch layer1 on this rank. ``role``: ``"all"`` (one launch, both roles), ``"gemm"`` or
     ``"comm"`` (the combine). ``timeline``: as for :func:`interlace.kernels.comet.layer0.dispatch_gemm0`.
     ``w_kmajor``: ``w_down`` is a (E_l, K, N) matrix used as stored and ``h`` has K columns (the
-    backward's d_h @ W_up, K = up width). ``config.tma`` forces TMA on or off (None: by capability)."""
+    backward's d_h @ W_up, K = up width). ``config.tma`` forces TMA on or off (None: by capability).
+    ``h_base`` (W,) int32: the first row of h of each source's rows (default ``buf.region_base``:
+    the receive buffer's layout, as layer0 stores it)."""
     spec = buf.spec
     N, K = spec.hidden, (w_down.shape[1] if w_kmajor else w_down.shape[2])
     pid_base, grid, tma = launch_roles("layer1", role, n_comm, n_programs, w_down, force_tma=config.tma)
@@ -207,7 +211,8 @@ def gemm1_combine(h, w_down, out, topk_weight, row_of_assignment, buf, plan, *, 
     tl_records, tl_clock, tl_cap, tl_mode = timeline or (None, None, 0, 0)
     v = buf.views
     launch(_gemm1_combine_kernel, (grid,),
-        h, w_down, v["ret"], v["flags1"], buf.counters1, buf.tables["ret"], buf.tables["flags1"],
+        h, w_down, buf.region_base if h_base is None else h_base, v["ret"], v["flags1"], buf.counters1,
+        buf.tables["ret"], buf.tables["flags1"],
         plan.recv_count, plan.recv_off, plan.recv_ret_row0, plan.recv_tiles[0], plan.recv_tiles[1],
         plan.recv_tiles[2], plan.tiles_from_source,
         out, topk_weight, row_of_assignment, plan.sent_rows,

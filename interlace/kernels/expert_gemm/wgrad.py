@@ -30,21 +30,23 @@ from interlace.tuning.tables import GemmConfig
 
 
 @triton.jit
-def _wgrad_rows(acc, a_ptr, b_ptr, start, end, ps, qs, P, Q, BLOCK_R: tl.constexpr):
-    """acc += a[start:end, ps]ᵀ b[start:end, qs] (the reduction of one run of rows)."""
+def _wgrad_rows(acc, a_ptr, b_ptr, start, end, ps, qs, P, Q, BLOCK_R: tl.constexpr, b_shift=0):
+    """acc += a[start:end, ps]ᵀ b[start + b_shift:end + b_shift, qs] (the reduction of one run of rows)."""
     offs_r = tl.arange(0, BLOCK_R)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + offs_r
         rmask = rows < end
         rows64 = rows.to(tl.int64)
         a = tl.load(a_ptr + rows64[:, None] * P + ps[None, :], mask=rmask[:, None] & (ps < P)[None, :], other=0.0)
-        b = tl.load(b_ptr + rows64[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :], other=0.0)
+        b = tl.load(b_ptr + (rows64 + b_shift)[:, None] * Q + qs[None, :], mask=rmask[:, None] & (qs < Q)[None, :],
+                    other=0.0)
         acc = tl.dot(tl.trans(a), b, acc)
     return acc
 
 
 @triton.jit
-def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q0, P, Q, BLOCK_R: tl.constexpr):
+def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q0, P, Q, BLOCK_R: tl.constexpr,
+                    b_shift=0):
     """:func:`_wgrad_rows` with the whole blocks of rows through TMA descriptors and the last,
     partial block through masked loads: a descriptor block cannot stop at ``end``, and the rows
     after it (the next expert's, or unwritten ones) must not enter the sum."""
@@ -52,9 +54,9 @@ def _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, end, ps, qs, p0, q
     for i in range(n_full):
         r0 = start + i * BLOCK_R
         a = a_desc.load([r0, p0])
-        b = b_desc.load([r0, q0])
+        b = b_desc.load([r0 + b_shift, q0])
         acc = tl.dot(a.T, b, acc)
-    return _wgrad_rows(acc, a_ptr, b_ptr, start + n_full * BLOCK_R, end, ps, qs, P, Q, BLOCK_R)
+    return _wgrad_rows(acc, a_ptr, b_ptr, start + n_full * BLOCK_R, end, ps, qs, P, Q, BLOCK_R, b_shift)
 
 
 @triton.jit
@@ -77,7 +79,7 @@ def _wgrad_coords(item, P, Q, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, GROU
 @triton.jit
 def _wgrad_block(item, a_ptr, b_ptr, ends_ptr, a_desc, b_desc, P, Q, E,
                  BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-                 GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr, ROWS_TMA: tl.constexpr):
+                 GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr, ROWS_TMA: tl.constexpr, B_STARTS: tl.constexpr):
     """One output block of :func:`wgrad_kernel`: item → (fp32 block, expert, P block, Q block)
     (the order of :func:`_wgrad_coords`)."""
     e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
@@ -95,11 +97,14 @@ def _wgrad_block(item, a_ptr, b_ptr, ends_ptr, a_desc, b_desc, P, Q, E,
         for sg in tl.static_range(NUM_SEG):
             start = tl.load(ends_ptr + sg * E + e)
             count = tl.load(ends_ptr + (NUM_SEG + sg) * E + e)
+            shift = 0
+            if B_STARTS:
+                shift = tl.load(ends_ptr + (2 * NUM_SEG + sg) * E + e) - start
             if ROWS_TMA:
                 acc = _wgrad_rows_tma(acc, a_desc, b_desc, a_ptr, b_ptr, start, start + count, ps, qs,
-                                      pb * BLOCK_P, qb * BLOCK_Q, P, Q, BLOCK_R)
+                                      pb * BLOCK_P, qb * BLOCK_Q, P, Q, BLOCK_R, shift)
             else:
-                acc = _wgrad_rows(acc, a_ptr, b_ptr, start, start + count, ps, qs, P, Q, BLOCK_R)
+                acc = _wgrad_rows(acc, a_ptr, b_ptr, start, start + count, ps, qs, P, Q, BLOCK_R, shift)
     return acc, e, pb, qb
 
 
@@ -109,19 +114,22 @@ def wgrad_kernel(
     P, Q, E,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_P: tl.constexpr, NUM_SEG: tl.constexpr = 0, ROWS_TMA: tl.constexpr = False,
+    B_STARTS: tl.constexpr = False,
 ):
     """out[e] (P, Q) = Σ_{rows r of e} a[r, :P]ᵀ b[r, :Q].
 
     The rows of expert e: ``[ends[e-1], ends[e])`` (``NUM_SEG == 0``), or NUM_SEG runs
     ``[start, start + count)`` with ``ends_ptr`` a (2, NUM_SEG, E) int32 table of starts then
-    counts (the fused training path: an expert's rows from each source rank).
+    counts (the fused training path: an expert's rows from each source rank); with ``B_STARTS``
+    a (3, NUM_SEG, E) table whose third part gives each run's first row in b (b's rows of a run
+    lie elsewhere than a's: the training path's packed rows against the receive buffer's).
 
     One program per (expert, P block, Q block) (:func:`_wgrad_block`); the rows of the expert
     are the reduction. ``ROWS_TMA``: a and b read through the host-built TMA descriptors
     ``a_desc`` (blocks BLOCK_R × BLOCK_P) and ``b_desc`` (BLOCK_R × BLOCK_Q), but for each run's
     last partial block (else those arguments are unused)."""
     acc, e, pb, qb = _wgrad_block(tl.program_id(0), a_ptr, b_ptr, ends_ptr, a_desc, b_desc, P, Q, E,
-                                  BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, NUM_SEG, ROWS_TMA)
+                                  BLOCK_P, BLOCK_Q, BLOCK_R, GROUP_P, NUM_SEG, ROWS_TMA, B_STARTS)
     ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
     out = out_ptr + e.to(tl.int64) * P * Q
@@ -130,16 +138,20 @@ def wgrad_kernel(
 
 
 @triton.jit
-def _wgrad_run(ends_ptr, e, sg, E, NUM_SEG: tl.constexpr):
+def _wgrad_run(ends_ptr, e, sg, E, NUM_SEG: tl.constexpr, B_STARTS: tl.constexpr):
     """First and end row of run ``sg`` of expert e's rows: its whole range from the inclusive
-    ``ends`` (NUM_SEG = 0), or the run's start and count from the (2, NUM_SEG, E) table."""
+    ``ends`` (NUM_SEG = 0), or the run's start and count from the (2, NUM_SEG, E) table; and the
+    offset of the run's rows in b from a's (``B_STARTS``: the table's third part, else 0)."""
+    shift = 0
     if NUM_SEG == 0:
         start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
         end = tl.load(ends_ptr + e)
     else:
         start = tl.load(ends_ptr + sg * E + e)
         end = start + tl.load(ends_ptr + (NUM_SEG + sg) * E + e)
-    return start, end
+        if B_STARTS:
+            shift = tl.load(ends_ptr + (2 * NUM_SEG + sg) * E + e) - start
+    return start, end, shift
 
 
 @triton.jit
@@ -147,7 +159,7 @@ def wgrad_flat_kernel(
     a_ptr, b_ptr, out_ptr, ends_ptr,
     P, Q, E, R, Rb, num_programs,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_P: tl.constexpr,
-    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256,
+    NUM_SEG: tl.constexpr = 0, BLOCK_I: tl.constexpr = 256, B_STARTS: tl.constexpr = False,
 ):
     """Persistent programs over the output blocks of :func:`wgrad_kernel` (P a multiple of
     BLOCK_P), as one flat loop over (output block, run of rows, row block) steps, so the software
@@ -202,6 +214,7 @@ def wgrad_flat_kernel(
     qb = 0
     start = 0
     end = 0
+    shift = 0
     a_win = window_map(a_ptr, R, P, BLOCK_R, BLOCK_P)
     b_win = window_map(b_ptr, Rb, Q, BLOCK_R, BLOCK_Q)
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[E * P, Q], strides=[Q, 1], block_shape=[BLOCK_P, BLOCK_Q])
@@ -214,14 +227,14 @@ def wgrad_flat_kernel(
             item = tl.where(next_block, item + num_programs, item)
             sg = tl.where(next_block, 0, sg)
             e, pb, qb = _wgrad_coords(item, P, Q, BLOCK_P, BLOCK_Q, GROUP_P)
-            start, end = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG)
+            start, end, shift = _wgrad_run(ends_ptr, e, sg, E, NUM_SEG, B_STARTS)
             n_k = tl.maximum(tl.cdiv(end - start, BLOCK_R), 1)
             ki = 0
             start = tl.minimum(start, end)  # an empty run: its one step reads no row of the run
         r0 = start + ki * BLOCK_R
         i0 = tl.minimum(end - r0, BLOCK_R) - BLOCK_R  # -(rows of the step past the run): zeros first
         a = tl.reshape(a_win.load([r0, i0, pb * BLOCK_P]), (BLOCK_R, BLOCK_P))
-        b = tl.reshape(b_win.load([r0, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
+        b = tl.reshape(b_win.load([r0 + shift, i0, qb * BLOCK_Q]), (BLOCK_R, BLOCK_Q))
         acc = tl.dot(a.T, b, acc)
         if (ki == n_k - 1) & (sg == RUNS - 1):
             out_desc.store([(e * P + pb * BLOCK_P).to(tl.int32), qb * BLOCK_Q], acc.to(out_ptr.dtype.element_ty))
@@ -232,7 +245,8 @@ def launch_wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ends: torc
                  config: GemmConfig, segments: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     """out[e] (P, Q) = a[rows of e, :P]ᵀ b[rows of e, :Q] for out (E, P, Q); the rows of e from the
     inclusive ``ends`` (E,) int32, or from ``segments`` (2, S, E) int32 (starts, then counts: S
-    runs of rows per expert). With ``tma`` (TMA descriptors usable here) and ``config.a_tma``,
+    runs of rows per expert) or (3, S, E) (then each run's first row in b, where b's rows of a run
+    are not a's). With ``tma`` (TMA descriptors usable here) and ``config.a_tma``,
     a and b rows are read through descriptors; with ``config.persistent = 2`` too (and P a
     multiple of the block) by :func:`wgrad_flat_kernel`."""
     check_config(config)
@@ -241,6 +255,7 @@ def launch_wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ends: torc
         return out
     table = ends if segments is None else segments
     num_seg = 0 if segments is None else segments.shape[1]
+    b_starts = segments is not None and segments.shape[0] == 3
     rows_tma = bool(tma and config.a_tma and tma_rows_ok(a) and tma_rows_ok(b) and a.shape[1] == P
                     and b.shape[1] == Q)
     items = E * cdiv(P, config.block_m) * cdiv(Q, config.block_n)
@@ -250,7 +265,7 @@ def launch_wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ends: torc
         launch(wgrad_flat_kernel, (programs,),
             a, b, out, table, P, Q, E, max(a.shape[0], 1), max(b.shape[0], 1), programs,  # no empty tensor map
             BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-            NUM_SEG=num_seg, num_warps=config.num_warps, num_stages=config.num_stages,
+            NUM_SEG=num_seg, B_STARTS=b_starts, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return out
     if rows_tma:
@@ -265,6 +280,7 @@ def launch_wgrad(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ends: torc
     launch(wgrad_kernel, (items,),
         a, b, out, table, a_desc, b_desc, P, Q, E,
         BLOCK_P=config.block_m, BLOCK_Q=config.block_n, BLOCK_R=config.block_k, GROUP_P=config.group_m,
-        NUM_SEG=num_seg, ROWS_TMA=rows_tma, num_warps=config.num_warps, num_stages=config.num_stages,
+        NUM_SEG=num_seg, ROWS_TMA=rows_tma, B_STARTS=b_starts, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

@@ -40,9 +40,10 @@ class FusedCall:
     row_of_assignment: torch.Tensor  # (T·k,) dispatch row of each assignment t·k + j, -1 if dropped
     assignment_of_row: torch.Tensor  # (R,) assignment of each dispatch row
     plan: object  # FusedPlan
-    h: torch.Tensor  # (W·cap, K) layer0's output, layer1's input
+    h: torch.Tensor  # (W·cap, K) layer0's output, layer1's input (training's backward: (R, K) packed)
     out: torch.Tensor  # (T, N)
     kept: torch.Tensor | None = None  # (E,) rows kept per expert (the staged return exchange)
+    h_base: torch.Tensor | None = None  # (W,) int32 first row of h of each source's rows (None: s·cap)
 
 
 class FusedEngine:
@@ -86,14 +87,15 @@ class FusedEngine:
                              f"build the strategy with strategy_options={{'max_tokens': ...}}")
         return build_dispatch_index(topk_idx, cfg.num_experts, cfg.capacity(T))
 
-    def prepare(self, x, topk_weight, index, counts_all) -> FusedCall:
-        """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``."""
+    def prepare(self, x, topk_weight, index, counts_all, h: torch.Tensor | None = None) -> FusedCall:
+        """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``;
+        ``h`` (W·cap, K): layer0's output buffer (default a new one)."""
         row_of_assignment, assignment_of_row, _, _ = index
         spec = self.buf.spec
         plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m,
                           interleave=self.kernel.interleave0_args())
-        K = self.cfg.ffn
-        h = alloc.empty((spec.world * spec.cap, K), x.dtype, x.device)
+        if h is None:
+            h = alloc.empty((spec.world * spec.cap, self.cfg.ffn), x.dtype, x.device)
         out = alloc.empty(x.shape, x.dtype, x.device)
         return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out, index[2])
 
@@ -104,14 +106,15 @@ class FusedEngine:
         dispatch_gemm0(call.x, call.assignment_of_row, w_up, call.h, self.buf, call.plan,
                        activation="none" if backward else self.cfg.activation, n_comm=self.n_comm,
                        n_programs=self.n_programs, config=self.kernel, max_spins=self.max_spins, role=role,
-                       timeline=self._timeline_args(call, 0), pre=pre, w_kmajor=backward)
+                       timeline=self._timeline_args(call, 0), pre=pre, w_kmajor=backward, h_base=call.h_base)
 
     def layer1(self, call: FusedCall, w_down: torch.Tensor, role: str = "all", backward: bool = False) -> None:
         """Forward: out = combine(h @ W_downᵀ). Backward (``call.h`` = d_h, ``w_down`` = W_up,
         weights 1): out = Σ_j (d_h @ W_up)[row(t, j)] = dx."""
         gemm1_combine(call.h, w_down, call.out, call.topk_weight, call.row_of_assignment, self.buf, call.plan,
                       n_comm=self.n_comm1, n_programs=self.n_programs, config=self.kernel,
-                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward)
+                      max_spins=self.max_spins, role=role, timeline=self._timeline_args(call, 1), w_kmajor=backward,
+                      h_base=call.h_base)
 
 
 def run_simulated(engines: list[FusedEngine], xs, topk_idxs, topk_weights, w_ups, w_downs) -> list[torch.Tensor]:

@@ -55,6 +55,7 @@ the caller). The error record is checked after every replay.
 the forward and the backward up to the weight gradients are captured per token count; the
 saved state lives in the graph's buffers, so while one call's backward is pending, other
 calls with that token count run eagerly. Eager, such a call is bound by the host's launches.
+``fused:lean`` runs eagerly (its kept rows are sized per call).
 A live graph with a captured NCCL collective makes the communicator's destruction wait forever,
 so once a strategy captures, ``dist.destroy_process_group`` is wrapped to drop every
 fused graph first (:func:`guard_destroy_process_group`); call
@@ -180,7 +181,8 @@ class FusedStrategy(Strategy):
     @property
     def spec_name(self) -> str:
         """How this strategy is spelled for its training path (``fused``, ``fused:train``, ...)."""
-        return {"sequential": "fused", "fused": "fused:train", "recompute": "fused:recompute"}[self.train_path]
+        return {"sequential": "fused", "fused": "fused:train", "recompute": "fused:recompute",
+                "lean": "fused:lean"}[self.train_path]
 
     # -- set-up (first call) ---------------------------------------------------------------
     def _setup(self, x: torch.Tensor) -> None:
@@ -246,7 +248,7 @@ class FusedStrategy(Strategy):
         if self.engine is None:
             self._setup(x)
         self._raise_pending_error()
-        if training and self.train_path == "fused":
+        if training and self.train_path in ("fused", "lean"):
             return FusedTrain.apply(x, topk_weight, w_up, w_down, self, topk_idx)
         if training:
             return RecomputeMoE.apply(x, topk_weight, w_up, w_down, self, topk_idx)
@@ -371,8 +373,9 @@ class FusedStrategy(Strategy):
         self._run_layers(call, w_up, w_down)
         return call.out
 
-    def _prepare_call(self, x, topk_idx, topk_weight):
-        """Dispatch index, count exchange, epoch and plan of a call: ``(FusedCall, index)``."""
+    def _prepare_call(self, x, topk_idx, topk_weight, h=None):
+        """Dispatch index, count exchange, epoch and plan of a call: ``(FusedCall, index)``;
+        ``h``: layer0's output buffer (default a new one)."""
         eng, buf, ep = self.engine, self.buf, self.ep
         index = eng.dispatch_index(topk_idx)
         kept = index[2]
@@ -385,7 +388,7 @@ class FusedStrategy(Strategy):
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
         buf.advance_epoch()
-        return eng.prepare(x, topk_weight, index, counts_all), index
+        return eng.prepare(x, topk_weight, index, counts_all, h), index
 
     def _run_layers(self, call, w0, w1, pre=None, backward=False, between=None):
         """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport (one launch

@@ -19,7 +19,7 @@ from interlace.tuning.tables import GemmConfig
 # local expert (see FusedKernelConfig.interleave0).
 AUTO_INTERLEAVE0_MAX_ROWS = 1024
 
-TRAIN_PATHS = ("sequential", "recompute", "fused")  # what a call that builds an autograd graph runs
+TRAIN_PATHS = ("sequential", "recompute", "fused", "lean")  # what a call that builds an autograd graph runs
 DEFAULT_SPINS = 1 << 26  # ~seconds of polling: far beyond any healthy wait, short of a hang
 
 
@@ -121,8 +121,8 @@ def _check_names(given: dict, cls, what: str) -> None:
 class FusedOptions:
     """Options of the ``fused`` strategy (``strategy_options`` of :class:`interlace.MoELayer`).
 
-    ``"fused:eager"`` sets ``cuda_graph=False``; ``"fused:train"`` / ``"fused:recompute"`` set
-    ``train_path``.
+    ``"fused:eager"`` sets ``cuda_graph=False``; ``"fused:train"`` / ``"fused:lean"`` /
+    ``"fused:recompute"`` set ``train_path``.
     """
 
     # Tokens per rank the peer buffers are sized for; None: the first call's largest T over the
@@ -138,8 +138,10 @@ class FusedOptions:
     # Record every work item's start/wait/end (FusedStrategy.timeline_records); off: compiled out.
     timeline: bool = False
     # What a call that builds an autograd graph runs: "sequential" (the sequential strategy's
-    # forward and backward), "fused" (the fused kernels both ways) or "recompute" (the fused
-    # kernels forward, a recompute through sequential in the backward).
+    # forward and backward), "fused" (the fused kernels both ways, rows kept at capacity size,
+    # CUDA graphs), "lean" (the fused kernels both ways, the rows received kept, eager, one
+    # host sync per call) or "recompute" (the fused kernels forward, a recompute through
+    # sequential in the backward).
     train_path: str = "sequential"
     cuda_graph: bool = True  # replay a captured CUDA graph per token count (symmetric transport)
     # The kernels' tile sizes and switches: None for the device's default (GPU_CONFIG, or

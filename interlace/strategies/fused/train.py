@@ -8,6 +8,17 @@ so what later layers would overwrite is copied out when the call ends:
   into its own region (for dW_up);
 * the expert outputs returned to this (home) rank, (T·k, N) in dispatch order (for d weights).
 
+The receive layout holds up to cap = max_tokens·min(k, E_local) rows per source (all of a
+source's tokens could pick this rank), W·min(k, E_local)/k times the T·k rows a balanced call
+brings, and ``fused:train`` keeps the pre-activation, the activation and the input rows at that
+size: its state lives in a captured CUDA graph's static buffers (forward and backward replayed,
+nothing read on the host). ``fused:lean`` keeps exactly the rows received: after the count
+exchange the host reads the counts (a sync), and layer0 writes the pre-activation and the
+activation packed (source s's rows from ``base[s]``, the exclusive prefix sum of the counts;
+the kernels' ``h_base``), as are x's rows; the backward's d_act and d_h keep that layout. It
+runs eagerly (the packed tensors change per call). Inside a caller's own capture it keeps the
+receive layout (nothing can be read there).
+
 Backward, with dy (T, N) at every token's home rank (the dispatch of the backward is the
 forward's combine and vice versa):
 1. home: ``g[r] = w[t, j] · dy[t]`` for each dispatch row r = (t, j) and ``dw[t, j] = <y_r, dy[t]>``
@@ -17,7 +28,8 @@ forward's combine and vice versa):
    remote tiles as their flags arrive;
 3. owner: ``d_h = act'(pre) ⊙ d_act`` in one elementwise pass (faster than an epilogue, see
    docs/performance.md), over the rows each source sent, written over ``pre`` (so one
-   backward per forward: a second one through the same graph raises);
+   backward per forward: a second one through the same graph raises); d_act and d_h lie as
+   the kept rows do (``base``);
 4. layer1: ``dx_rows = d_h @ W_up[e]`` column-wise, each tile stored straight into the home's
    return buffer; the home's combine programs sum each token's k rows (weight 1) slice by
    slice as they land → dx;
@@ -25,8 +37,8 @@ forward's combine and vice versa):
    by the expert kernels' weight-gradient kernel reducing over the expert's run of rows from
    each source (no gather: the rows stay where the kernels put them).
 
-No step reads anything back to the host on the symmetric transport (the staged transport's
-return exchange counts rows on the host, as in the forward).
+Besides ``fused:lean``'s count read, no step reads anything back to the host on the symmetric
+transport (the staged transport's return exchange counts rows on the host, as in the forward).
 
 ``fused:recompute`` (:class:`RecomputeMoE`) is the other training path through the fused
 kernels: the fused forward, and a backward that recomputes the layer through ``sequential``.
@@ -38,7 +50,7 @@ used for its buffers, engine and call steps; this module does not import it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,14 +108,14 @@ def local_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def activation_backward(pre: torch.Tensor, d_act: torch.Tensor, activation: str,
                         used: torch.Tensor | None = None) -> torch.Tensor:
-    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K). With ``used`` (W,)
-    int32, the rows are W regions of M / W rows of which only the first ``used[s]`` hold data:
-    SwiGLU's derivative then touches only those (the other rows come back unspecified) and
-    is written over ``pre`` (the caller's last use of it: a capacity-sized buffer saved)."""
+    """d(pre-activation) from the pre-activation (M, up) and d(act) (M, K); for SwiGLU written
+    over ``pre`` (the caller's last use of it). With ``used`` (W,) int32, the rows are W regions
+    of M / W rows of which only the first ``used[s]`` hold data (the receive layout): SwiGLU's
+    derivative then touches only those (the other rows come back unspecified)."""
     if activation == "swiglu":
         if used is not None:
             return swiglu_backward_regions(pre, d_act, used, pre.shape[0] // used.numel(), out=pre)
-        return swiglu_backward(pre, d_act)
+        return swiglu_backward(pre, d_act, out=pre)
     with torch.enable_grad():
         p = pre.detach().float().requires_grad_()
         (grad,) = torch.autograd.grad(activation_reference(p, activation), p, d_act.float())
@@ -130,46 +142,67 @@ def step_ms(strategy) -> list[tuple[str, float]]:
 @dataclass
 class TrainState:
     """What one ``fused:train`` forward leaves for its backward (device tensors; on the graph path
-    they are a captured graph's static buffers, valid until its next replay)."""
+    they are a captured graph's static buffers, valid until its next replay). Kept rows: R of
+    them, source s's from ``base[s]``: R = W·cap in the receive layout (``base[s] = s·cap``),
+    or the rows received, packed (``fused:lean``)."""
 
     out: torch.Tensor  # (T, N) the layer's output
     topk_weight: torch.Tensor  # (T, k) fp32
     row_of_assignment: torch.Tensor
     assignment_of_row: torch.Tensor
     plan: object  # FusedPlan (device tensors)
-    pre: torch.Tensor  # (W·cap, up) pre-activation; the backward writes d(pre-activation) over it
-    act: torch.Tensor  # (W·cap, K) activations (layer1's input)
-    x_rows: torch.Tensor  # (W·cap, N) the expert input rows in buffer order
+    pre: torch.Tensor  # (R, up) pre-activation; the backward writes d(pre-activation) over it
+    act: torch.Tensor  # (R, K) activations (layer1's input)
+    x_rows: torch.Tensor  # (R, N) the expert input rows
     y_rows: torch.Tensor  # (T·k, N) expert outputs returned home, dispatch order
     segments: torch.Tensor
     local_row: torch.Tensor
     used: torch.Tensor  # (W,) int32 rows received from each source (OwnerRows.used)
     kept: torch.Tensor
+    base: torch.Tensor  # (W,) int32 first kept row of each source
+    packed: bool = False  # the rows received, packed (else the receive layout)
 
 
-def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
-    """The forward's device work, from the routing to the saved rows (no host sync: capturable)."""
+def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool = False) -> TrainState:
+    """The forward's device work, from the routing to the saved rows: in the receive layout (no
+    host sync: capturable), or ``packed`` (the rows received, their counts read on the host)."""
     buf = strategy.buf
     spec = buf.spec
+    k, me = spec.top_k, buf.rank
+    up, K = w_up.shape[1], strategy.config.ffn
     mark(strategy, "start")
-    call, index = strategy._prepare_call(x, topk_idx, topk_weight)
-    pre = alloc.empty((spec.world * spec.cap, w_up.shape[1]), x.dtype, x.device)
+    h = x.new_empty(0, K) if packed else None  # (sized below)
+    call, index = strategy._prepare_call(x, topk_idx, topk_weight, h)
+    rows = owner_rows(call.plan, spec, me)
+    if packed:
+        # NOTE: a host sync: the host waits until the GPU has run the count exchange, and the GPU
+        # then waits for the layer launches.
+        R = max(int(rows.used.sum()), 1)  # (a rank that received nothing keeps one unused row)
+        base = (torch.cumsum(rows.used, 0, dtype=torch.int32) - rows.used).contiguous()
+        call.h, call.h_base = alloc.empty((R, K), x.dtype, x.device), base
+    else:
+        R, base = spec.world * spec.cap, buf.region_base
+    pre = alloc.empty((R, up), x.dtype, x.device)
     mark(strategy, "fwd prepare")
     strategy._run_layers(call, w_up, w_down, pre=pre)
     mark(strategy, "fwd layers")
-    rows = owner_rows(call.plan, spec, buf.rank)
-    k, me = spec.top_k, buf.rank
-    # The expert input rows, in buffer order: the peers' rows as received, this rank's own
-    # rows gathered into its (otherwise unused) region; only the used rows of each region (about
+    # The expert input rows: the peers' rows as received, this rank's own rows gathered into its
+    # (otherwise unused) region; only the used rows of each region (in the receive layout about
     # half of a capacity-sized one with balanced routing), the rest is never read.
     recv = buf.views["recv"].view(-1, x.shape[1])
-    x_rows = copy_used_rows(recv, alloc.empty(recv.shape, recv.dtype, recv.device), rows.used, skip=me)
+    x_rows = copy_used_rows(recv, alloc.empty((R, recv.shape[1]), recv.dtype, recv.device), rows.used, skip=me,
+                            base=base if packed else None)
     assignment = local_rows(call.assignment_of_row[:, None], rows.local_row)[:, 0]
-    gather_used_rows(x, assignment, x_rows, rows.used, me, divisor=k)
+    gather_used_rows(x, assignment, x_rows, rows.used, me, divisor=k, base=base if packed else None)
     y_rows = buf.views["ret"][:x.shape[0] * k].clone()
     mark(strategy, "fwd saves")
     return TrainState(call.out, call.topk_weight, call.row_of_assignment, call.assignment_of_row, call.plan, pre,
-                      call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, index[2])
+                      call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, index[2], base, packed)
+
+
+def caller_capturing(x: torch.Tensor) -> bool:
+    """Whether this call runs inside a caller's own CUDA-graph capture (no host read there)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str):
@@ -190,15 +223,15 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
     identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
     dx = alloc.empty((T, N), grad.dtype, grad.device)
     ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
-    # call.h: layer0's output d_act (W·cap, K), then d_h (W·cap, up) written over pre. Only
-    # the call holds d_act, so it is freed as soon as the derivative has read it.
+    # call.h: layer0's output d_act (R, K), then d_h (R, up) written over pre, both laid out as
+    # the kept rows. Only the call holds d_act, so it is freed as soon as the derivative has read it.
     call = FusedCall(g_rows, ones, st.row_of_assignment, identity, st.plan,
-                     alloc.empty(st.act.shape, st.act.dtype, st.act.device), dx, st.kept)
+                     alloc.empty(st.act.shape, st.act.dtype, st.act.device), dx, st.kept, h_base=st.base)
 
     def between():
         mark(strategy, "bwd layer0")
-        # (the derivative skips the unused rest of each source's region)
-        call.h = activation_backward(st.pre, call.h, activation, st.used)
+        # (in the receive layout the derivative skips the unused rest of each source's region)
+        call.h = activation_backward(st.pre, call.h, activation, None if st.packed else st.used)
         mark(strategy, "bwd act")
 
     strategy._run_layers(call, w_down, w_up, backward=True, between=between)
@@ -213,19 +246,29 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
 
 def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor, w_up, w_down, activation: str):
     """5. owner: dW_up and dW_down into fresh tensors, reducing each expert's rows from every
-    source where they lie (runs after :func:`backward_body`, on the same stream). The kernel's
-    config is the strategy's ``wgrad`` option, else the expert kernels' tuned one."""
+    source where they lie (runs after :func:`backward_body`, on the same stream): d_h against
+    x's kept rows, the g rows in the receive buffer against the kept activations (packed, their
+    runs start elsewhere: a second table of starts). The kernel's config is the strategy's
+    ``wgrad`` option, else the expert kernels' tuned one."""
     N = grad.shape[1]
+    buf = strategy.buf
+    spec = buf.spec
     c_w = strategy.options.wgrad
     if c_w is None:
-        _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * strategy.buf.spec.top_k, activation)
+        _, _, c_w, _ = choose_backward_configs(grad, w_down, grad.shape[0] * spec.top_k, activation)
     tma = use_tma(w_up, w_down, force=strategy.engine.kernel.tma)
+    segments, both = st.segments, st.segments
+    if st.packed:  # each (source, expert)'s first kept row: its offset in the source's region, from base[source]
+        source = (torch.arange(spec.world, device=st.base.device) + buf.rank) % spec.world
+        kept_start = segments[0] - (source * spec.cap).to(torch.int32)[:, None] + st.base[source][:, None]
+        segments = torch.stack([kept_start, st.segments[1]])
+        both = torch.cat([st.segments, kept_start[None]])
     dw_up = launch_wgrad(d_h, st.x_rows, alloc.empty(w_up.shape, w_up.dtype, w_up.device), None,
-                         w_up.shape[1], N, c_w, segments=st.segments, tma=tma)
+                         w_up.shape[1], N, c_w, segments=segments, tma=tma)
     mark(strategy, "bwd dW_up")
-    recv = strategy.buf.views["recv"].view(-1, N)
+    recv = buf.views["recv"].view(-1, N)
     dw_down = launch_wgrad(recv, st.act, alloc.empty(w_down.shape, w_down.dtype, w_down.device), None,
-                           N, w_down.shape[2], c_w, segments=st.segments, tma=tma)
+                           N, w_down.shape[2], c_w, segments=both, tma=tma)
     mark(strategy, "bwd dW_down")
     return dw_up, dw_down
 
@@ -309,13 +352,16 @@ def _release(graph: TrainGraph, token: int) -> None:
 
 class FusedTrain(torch.autograd.Function):
     """The fused layer forward and backward (see the module docstring); through
-    :class:`TrainGraph` when the strategy has one for this call."""
+    :class:`TrainGraph` when the strategy has one for this call (``fused:train``), or eagerly
+    with the rows packed (``fused:lean``)."""
 
     @staticmethod
     def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
-        graph = strategy._train_graph(x, w_up, w_down)
+        lean = strategy.train_path == "lean"
+        graph = None if lean else strategy._train_graph(x, w_up, w_down)
         if graph is None:
-            state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down)
+            packed = lean and not caller_capturing(x)
+            state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed)
             ctx.lease, out = None, state.out
             state.out = None  # ctx keeps the state: holding the output too would be a reference cycle
         else:
