@@ -63,11 +63,11 @@ SOURCES = [
                 "GEMMs: 700-920 TFLOP/s at prefill, cuBLAS's 745-925 plus 30 µs of host per expert GEMM. "
                 "128-512 tokens: host-bound, ±40%."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
-         title="Forward + backward, 2× H200: sequential, fused:train and auto", baseline="sequential", commit="d4bcd34",
+         title="Forward + backward, 2× H200: sequential, fused:train and fused:lean", baseline="sequential",
+         commit="b847b6e",
          command="torchrun --nproc-per-node 2 -m interlace.tools.bench --tokens 4096 8192 --mode fwdbwd --strategies "
-                 "sequential fused:train auto --interleave",
-         notes=["GiB: steady peak, each alone. dsv3-like fused:train over sequential, a later "
-                "lease: 1.12-1.15x in this order, 1.04-1.07x in reverse."]),
+                 "sequential fused:train fused:lean --interleave",
+         notes=["GiB: steady peak, each alone; fused:train keeps rows at capacity size, fused:lean those received."]),
     dict(section="training", table="roofline-qwen3-h200", kind="facts", file="h200-qwen3-roofline.json",
          title="Roofline of a qwen3-30b-a3b training call, 1× H200",
          device="1× NVIDIA H200", date="2026-11-29", commit="9882890", env="",
