@@ -67,7 +67,11 @@ every later call while an extra round is paid once.
 The ``auto`` layers of a process with one config, expert-parallel group and options share one
 calibration per key (:func:`~interlace.strategies.auto_plan.shared_decider`): each layer's call
 serves the next scheduled candidate, so a model of L such layers decides in about 1/L of the
-steps, and all of them run what it decides (each with its own strategies and buffers).
+steps, and all of them run what it decides (each with its own strategies and buffers). A timed
+slot that reaches a layer whose own instance of the candidate has served fewer than
+``max(warmup, warm_calls)`` calls (the first compiles; ``fused`` and ``persistent`` capture a CUDA
+graph on the second) is served untimed by that instance and stays for the next call. The config's
+``source`` (HF blocks name their layer there) does not split the sharing.
 An activation checkpoint's recomputed forward (a training call inside a backward) runs the
 strategy its forward ran (the latest training call not yet recomputed), untimed and uncounted.
 The winner is stored in the decision cache (:class:`~interlace.strategies.auto_decisions.DecisionCache`,
@@ -222,6 +226,7 @@ class AutoStrategy(Strategy):
                              f"(MoEConfig.expert_quant={config.expert_quant!r})")
         self._label = Strategy.label
         self._impls: dict[str, Strategy] = {}
+        self._calls_of: dict[str, int] = {}  # spec → calibration calls its current instance served here
         # Tokens per rank the buffers of a buffered candidate hold (the fused pair shares one buffer).
         self._sized: dict[str, int] = {"fused": opts.capacity or 0}
         # W > 1: decided keys → (their strategy, the most tokens per rank it serves as it is: a
@@ -298,6 +303,8 @@ class AutoStrategy(Strategy):
         """Close the sub-strategies ``specs`` and forget them (and the decided keys they served).
         NOTE: a device sync and a barrier where one holds buffers a peer may still write into."""
         impls = [self._impls.pop(s) for s in specs if s in self._impls]
+        for s in specs:
+            self._calls_of.pop(s, None)  # (a new instance starts cold)
         if not impls:
             return
         if any(getattr(i, "buf", None) is not None or i.name == PERSISTENT for i in impls):
@@ -408,8 +415,19 @@ class AutoStrategy(Strategy):
         backward too, through marks on the output's and the inputs' gradients."""
         x = call.args[0]
         clock = Clock(x.device)
+        impl = self._impl(state.upcoming, call.tokens)
+        calls = self._calls_of.get(state.upcoming, 0)
+        self._calls_of[state.upcoming] = calls + 1
+        warm = max(self.options.warmup, impl.warm_calls)
+        if self.options.warmup and not state.warm_slot and calls < warm:
+            # A timed slot, but this layer's own instance is still cold (its first call compiles, a
+            # graph strategy's second captures): it serves the call untimed, and the schedule keeps
+            # the slot. With layers sharing one calibration the schedule's warm-up round warms one
+            # layer's instances only.
+            if call.train:
+                self._served.append(impl)
+            return self._run(impl, call.args, call.routed)
         spec, sample = state.next_call(call.train)
-        impl = self._impl(spec, call.tokens)
         if call.routed and x.is_cuda:
             # NOTE: a device sync before each routed calibration call (never in the steady state):
             # each candidate is timed from an idle GPU, its host time included. Back to back, a

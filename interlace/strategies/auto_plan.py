@@ -105,6 +105,16 @@ class KeyState:
     def first(self) -> str:
         return self.plan.candidates[0]
 
+    @property
+    def upcoming(self) -> str:
+        """The candidate the next scheduled call runs."""
+        return self.plan.candidates[self.schedule[self.pos]]
+
+    @property
+    def warm_slot(self) -> bool:
+        """Whether the next scheduled call is one of the untimed warm-up round's."""
+        return self.pos < self.warm_calls
+
     def next_call(self, train: bool) -> tuple[str, Sample]:
         """The scheduled candidate of this call and the sample its marks go into."""
         c = self.schedule[self.pos]
@@ -378,7 +388,7 @@ def shared_decider(config, ep, options, group) -> AutoDecider:
     if not options.share_calibration:
         return AutoDecider(config, ep, options, group)
     opts = tuple((f.name, _hashable(getattr(options, f.name))) for f in fields(options))
-    key = (config, ep, opts)
+    key = (config.with_(source=""), ep, opts)  # (``source`` names the layer: HF blocks differ only there)
     found = _SHARED.get(key)
     if found is None:
         found = _SHARED[key] = AutoDecider(config, ep, options, group)

@@ -67,6 +67,13 @@ class Strategy:
     # __call__ / forward_layer take w_up, w_down as interlace.fp8.BlockFP8Weight. make_strategy
     # refuses an FP8 config for a strategy without it; ``auto`` picks among those with it.
     fp8_experts: ClassVar[bool] = False
+    # Calls with one token count before this strategy's steady state: the first compiles its
+    # kernels; strategies that capture a CUDA graph on the second call (fused, persistent) say 2.
+    # ``auto`` times a layer's candidate only after this many of its calls.
+    @property
+    def warm_calls(self) -> int:
+        return 1
+
     # What errors call the layer this strategy serves (the layer sets it: "MoELayer 3").
     label: str = "an interlace layer"
     # The dataclass whose fields the constructor also takes as keyword options (through

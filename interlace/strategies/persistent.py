@@ -142,6 +142,11 @@ class PersistentStrategy(Strategy):
     routes_itself = True
     fp8_experts = True  # inference: W8A16 in the GEMM tasks (interlace.kernels.expert_gemm.tile.fp8_dequant)
 
+    @property
+    def warm_calls(self) -> int:
+        """2 where the second call of a token count captures a CUDA graph (GPU, not interpreted)."""
+        return 2 if self.cuda_graph and torch.cuda.is_available() and not _INTERPRET else 1
+
     def __init__(self, config, ep, kernel: PersistentKernelConfig | None = None, max_spins: int | None = None,
                  task_order: str = "normal", cuda_graph: bool = True, max_tokens: int | None = None,
                  wait_timeout_s: float = DEFAULT_TIMEOUT_S, timeline: bool = False, agree: bool = True):

@@ -43,6 +43,7 @@ def _spy(layer, log):
             log.append(spec)
             return inner(*args)
 
+        call.warm_calls = inner.warm_calls
         return call
 
     strategy._impl = impl
@@ -190,8 +191,60 @@ def _shared_training_calibration(rank, world, tmp):
     assert choice.spec == "pipelined:2" and choice.calibration_calls == 2 and choice.source == "measured"
 
 
+def _cold_instances(rank, world, tmp):
+    """Three layers sharing a calibration, warm-up 1: the schedule's warm-up round warms the
+    candidate of the layer that serves it, so a timed slot reaching a layer whose own instance
+    of that candidate has not run yet is served untimed by it and stays for the next call (an
+    instance's first call compiles, a graph strategy's second captures: not its speed)."""
+    from interlace.planning.rounds import round_order
+
+    _set_profile_dir(tmp)
+    opts = {"candidates": CANDS, "warmup": 1, "samples": 1, "extra_samples": 0, "cache": False}
+    layers = [MoELayer(CFG, strategy="auto", seed=s, device="cpu", strategy_options=opts) for s in (3, 4, 5)]
+    ran = [[], [], []]
+    for layer, log in zip(layers, ran):
+        _spy(layer, log)
+    slots = [CANDS[i] for r in range(2) for i in round_order([0, 1], r)]  # the warm-up round, the timed one
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for _ in range(3):
+            for layer in layers:
+                layer(torch.randn(6 + rank, CFG.hidden, generator=g))
+    state = layers[0].strategy.decider.keys[(8, "fwd")]
+    # warm-up slots: layer 0 runs the first, layer 1 the second; layer 2's instance of the first
+    # timed slot's candidate is cold: it serves that call untimed and layer 0 takes the slot
+    seen, expect, pos, calls = [set(), set(), set()], [[], [], []], 0, 0
+    while pos < len(slots):
+        li = calls % 3
+        spec = slots[pos]
+        expect[li].append(spec)
+        if pos < 2 or spec in seen[li]:
+            pos += 1
+        seen[li].add(spec)
+        calls += 1
+    assert [r[:len(e)] for r, e in zip(ran, expect)] == expect, (ran, expect)
+    assert calls == len(slots) + 1  # (the one cold call)
+    assert state.choice is not None and state.choice.source == "measured"
+
+
+def test_shared_calibration_times_only_warm_instances(tmp_path):
+    run_gloo(_cold_instances, 2, str(tmp_path))
+
+
 def test_auto_layers_share_a_training_calibration(tmp_path):
     run_gloo(_shared_training_calibration, 2, str(tmp_path))
+
+
+def test_layers_differing_only_in_source_share_one_decider():
+    """HF blocks name their layer in the config's ``source`` (``DeepseekV3MoE model.layers.0.mlp``):
+    that alone must not split the calibration; a shape difference does."""
+    from interlace.parallel.comm import ExpertParallel
+    from interlace.strategies.auto import AutoStrategy
+
+    ep = ExpertParallel(None, 0, 2, CFG.num_experts // 2)  # a view for planning only
+    a, b = (AutoStrategy(CFG.with_(source=f"layers.{i}.mlp"), ep, cache=False) for i in range(2))
+    assert a.decider is b.decider
+    assert AutoStrategy(CFG.with_(top_k=1), ep, cache=False).decider is not a.decider
 
 
 def _gather_tensors(x):

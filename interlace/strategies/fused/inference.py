@@ -179,6 +179,13 @@ class FusedStrategy(Strategy):
         self._pending_error: tuple | None = None
 
     @property
+    def warm_calls(self) -> int:
+        """2 where the second call of a token count captures a CUDA graph (GPU, not interpreted;
+        ``fused:lean`` never does)."""
+        graphs = self.cuda_graph and self.train_path != "lean" and torch.cuda.is_available() and not _INTERPRET
+        return 2 if graphs else 1
+
+    @property
     def spec_name(self) -> str:
         """How this strategy is spelled for its training path (``fused``, ``fused:train``, ...)."""
         return {"sequential": "fused", "fused": "fused:train", "recompute": "fused:recompute",
