@@ -29,7 +29,7 @@ GPU_STRATEGIES = ("naive", "sequential", "fused")
 # plain "fused" or "persistent" training call runs sequential's forward and backward (the
 # faster training path), so those two are checked on an inference call; fused:train runs the
 # fused kernels both ways, fused:recompute the fused forward recomputed through sequential.
-CPU_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train",
+CPU_STRATEGIES = ("naive", "sequential", "sequential:triton", "pipelined:3", "fused", "fused:train", "fused:lean",
                   "fused:recompute", "persistent", "tp_ep:O0", "tp_ep:O1", "tp_ep:O2", "tp_ep:O3", "auto")
 INFERENCE_ONLY = ("fused", "persistent")  # their own kernels run on inference calls only
 CPU_CONFIG = dict(hidden=64, ffn=32, num_experts=8, top_k=2, renormalize=True)

@@ -135,7 +135,7 @@ def test_cpu_demo_checks_every_strategy_the_readme_names():
 
     table = (ROOT / "README.md").read_text().split("## Strategies", 1)[1].split("\n\n")[2]
     names = [cell.strip() for line in table.splitlines()[2:] for cell in [line.split("|")[1]]]
-    assert len(names) == 10, names
+    assert len(names) == 11, names
     checked = {s.split(":")[0] if s.startswith("pipelined") else s for s in demo.CPU_STRATEGIES}
     for name in names:
         specs = [w.strip("`") for w in name.split() if w.startswith("`")]
