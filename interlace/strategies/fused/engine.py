@@ -40,7 +40,7 @@ class FusedCall:
     row_of_assignment: torch.Tensor  # (T·k,) dispatch row of each assignment t·k + j, -1 if dropped
     assignment_of_row: torch.Tensor  # (R,) assignment of each dispatch row
     plan: object  # FusedPlan
-    h: torch.Tensor  # (W·cap, K) layer0's output, layer1's input (training's backward: (R, K) packed)
+    h: torch.Tensor  # (W·cap, K) layer0's output, layer1's input (fused:lean: (R, K), packed at h_base)
     out: torch.Tensor  # (T, N)
     kept: torch.Tensor | None = None  # (E,) rows kept per expert (the staged return exchange)
     h_base: torch.Tensor | None = None  # (W,) int32 first row of h of each source's rows (None: s·cap)

@@ -50,7 +50,7 @@ used for its buffers, engine and call steps; this module does not import it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
