@@ -46,10 +46,9 @@ chosen strategies hold and no more.
 
 **Calibration.** For a key with no decision, the candidates come from the performance model
 (:func:`interlace.planning.pipemoe.degree.choose_degree`, :func:`...fused_speedup`): ``sequential``,
-``pipelined:r`` at the planner's degree r > 1, and ``fused`` (forward calls) or ``fused:train``
-(training calls, unless ``train_fused=False`` or its buffers exceed ``memory_cap``; where the rows it
-keeps for the backward exceed ``train_memory_ratio`` times sequential's, ``fused:lean``, which keeps
-sequential's); the model
+``pipelined:r`` at the planner's degree r > 1, and ``fused`` (forward calls) or ``fused:lean``
+(training calls, unless ``train_fused=False`` or its buffers exceed ``memory_cap``: ``fused:train``'s
+kernels and graphs keeping the rows received, where ``fused:train`` keeps W·cap of them); the model
 orders them and drops those predicted ``prune_ratio`` times slower than the best prediction.
 Each candidate serves real calls (its output is the call's output; nothing runs twice, so
 results are exactly that candidate's): ``warmup`` untimed rounds, then ``samples`` timed rounds,
@@ -141,9 +140,8 @@ class AutoOptions:
     capacity: int | None = None  # tokens per rank the fused buffers hold, fixed (a promise; see the module doc)
     memory_cap: int | None = None  # bytes: fused:train / persistent are no candidates where their buffers need more
     # fused:train keeps every source's receive region at capacity for its backward: W·min(k, E_local)/k
-    # times the rows sequential keeps (2 at EP 2, 8 at EP 8). It is a candidate only where that ratio is
-    # at most this (None: no limit): the activation memory of a deep model grows with it. Past it,
-    # fused:lean (the rows received kept, eager, a host sync per call) is the candidate instead
+    # times the rows sequential keeps (2 at EP 2, 8 at EP 8). Named in `candidates`, it is timed only
+    # where that ratio is at most this (None: no limit). (auto's own candidates hold fused:lean.)
     train_memory_ratio: float | None = 2.0
     prune_ratio: float = 1.5  # candidates predicted slower than this × the best are not timed
     warmup: int = 1  # untimed rounds (each candidate once per round) before the timed ones

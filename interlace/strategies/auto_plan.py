@@ -34,7 +34,7 @@ log = logging.getLogger("interlace.auto")
 ROUTED = "fwd-routed"  # key mode of W > 1 inference calls handed over with the router
 PERSISTENT = "persistent"
 FUSED_SPECS = ("fused", "fused:train", "fused:lean")  # share one peer buffer for a fixed token count per rank
-LEAN = "fused:lean"  # fused:train keeping only the rows received (eager): where fused:train keeps too many
+LEAN = "fused:lean"  # what auto trains through the fused kernels: fused:train's speed, the rows received kept
 # Calls a key may serve untimed while some candidate has no complete timing (training calls whose
 # backward has not run yet: gradient accumulation, or the other layers of a shared calibration in
 # the same forward pass); past them it decides on what it has.
@@ -211,7 +211,8 @@ class AutoDecider:
         if not opts.calibrate:
             try:
                 spec, notes = choose_strategy(cfg, bucket, world, opts.profile, opts.max_degree, mode,
-                                              opts.train_fused and self.train_rows_ok())
+                                              opts.train_fused and (opts.candidates is None or self.train_rows_ok()))
+                spec = LEAN if spec == "fused:train" and opts.candidates is None else spec
             except FileNotFoundError as err:
                 spec, notes = "sequential", [f"auto: {err}; running sequential (run `interlace profile` to plan)"]
             if not self.runs_experts(spec):
@@ -231,9 +232,10 @@ class AutoDecider:
             notes.append(f"{spec}: does not run {cfg.expert_quant} experts")
         if not predicted:
             predicted = {"sequential": None}
-        if prior_mode == "fwdbwd" and opts.candidates is None and "fused:train" in predicted \
-                and opts.train_fused and not self.train_rows_ok():
-            predicted[LEAN] = None  # (unpredicted: timed) it keeps sequential's rows
+        if prior_mode == "fwdbwd" and opts.candidates is None and "fused:train" in predicted:
+            # The model's fused training path is fused:lean: fused:train's kernels and graphs (within
+            # 2% of its time on 2x H200) keeping the rows received, not W·cap of them.
+            predicted = {LEAN if s == "fused:train" else s: ms for s, ms in predicted.items()}
         for spec in [s for s in predicted if s in FUSED_SPECS]:
             why = self._fused_excluded(spec, prior_mode, bucket, device)
             if why:
@@ -248,9 +250,12 @@ class AutoDecider:
     def _still_admitted(self, cached: Choice, mode: str, bucket: int, device) -> bool:
         """Whether a cached decision is one these options could make now: a cache written under
         other options (or by an older release) may name a strategy they exclude, e.g.
-        ``fused:train`` at EP 8 over ``train_memory_ratio``; such a key is planned afresh."""
+        ``fused:train`` at EP 8 over ``train_memory_ratio``, or, without ``candidates``, at all (the
+        model's fused training path is ``fused:lean``); such a key is planned afresh."""
         spec = cached.spec
         if not self.runs_experts(spec):
+            return False
+        if spec == "fused:train" and self.options.candidates is None:  # (no longer a default candidate: LEAN)
             return False
         if self.ep.world > 1 and spec == PERSISTENT and bucket > self.options.persistent_max_tokens:
             return False

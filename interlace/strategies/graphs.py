@@ -1,13 +1,42 @@
-"""CUDA-graph recording for the fused strategy's calls (inference and ``fused:train``).
+"""CUDA-graph recording for the ``fused`` and ``persistent`` strategies' calls (inference and
+``fused:train``).
 
 :class:`CudaGraphRecorder` captures a call's device work once and replays it; the outputs of
 the capture are static buffers that every replay rewrites. :class:`EagerRecorder` keeps the
 same static-buffer contract without CUDA, so the logic that depends on it is tested on the CPU.
+
+**Memory.** A graph keeps the memory of everything allocated during its capture, temporaries
+included, for as long as it lives. With a pool per graph, a model of L layers, each with graphs
+for a few token counts, would hold L × (token counts) copies of a call's largest temporaries
+(``fused``: layer0's output, W·cap rows). Graphs whose outputs are read before any other graph
+replays capture into one pool per device instead (:func:`device_pool`, ``shared_pool=True``) and
+share that memory: the ``fused`` and ``persistent`` inference graphs (the caller clones the output
+at once) and ``fused:train``'s backward graphs (dx and the routing weights' gradient are cloned,
+d(pre-activation) is read by the weight-gradient kernels right after). A ``fused:train`` forward
+graph keeps a pool of its own: its outputs are the saves its backward reads after other layers'
+graphs have run.
 """
 
 from __future__ import annotations
 
 import torch
+
+_POOLS: dict = {}  # CUDA device index → the shared graph pool's handle
+
+
+def device_pool(device):
+    """The memory pool that graphs captured with ``shared_pool=True`` share, one per device.
+
+    Sharing is safe under three conditions, which every user in interlace meets: the graphs of
+    the pool replay one at a time in stream order (interlace's layers of a process share their
+    peer buffers and never run concurrently); a graph's outputs are read before any other graph
+    of the pool replays (another graph's temporaries may lie in their memory, and the reverse);
+    and no graph keeps data in its temporaries from one replay to the next."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = torch.cuda.graph_pool_handle()
+    return _POOLS[index]
 
 
 class CudaGraphRecorder:
@@ -21,10 +50,12 @@ class CudaGraphRecorder:
     before ``destroy_process_group()``. (Keeping the collectives out, as eager steps between
     graph segments, invalidated backward captures now and then.)"""
 
-    def capture(self, fn, device):
+    def capture(self, fn, device, shared_pool: bool = False):
+        """Capture ``fn()``; ``shared_pool``: into the device's shared pool (:func:`device_pool`:
+        the outputs must be read before another graph of the pool replays), else a private one."""
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(device)  # a capture syncs once (the first graph call of a token count)
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=device_pool(device) if shared_pool else None):
             out = fn()
         return out
 
@@ -52,7 +83,7 @@ class EagerRecorder:
     call's values, as it would with a real graph. The capture itself runs ``fn`` (a real
     capture does not), so the replay right after it is skipped."""
 
-    def capture(self, fn, device):
+    def capture(self, fn, device, shared_pool: bool = False):
         self.fn, self.fresh = fn, True
         self.out = fn()
         return self.out

@@ -115,7 +115,7 @@ def logits_rounding(router) -> int:
     raise ValueError(f"persistent: router logits_dtype {dtype} is not one the kernel rounds to (bf16, fp16, fp32)")
 
 
-MAX_PLANS = 8  # token counts that keep a call plan (workspace) and a CUDA graph (its own memory pool)
+MAX_PLANS = 8  # token counts that keep a call plan (workspace) and a CUDA graph (in the shared pool: graphs.py)
 
 
 @dataclass
@@ -321,7 +321,7 @@ class PersistentStrategy(Strategy):
             # inside the capture)
             static_x = x.clone()
             rec = recorder()
-            out = rec.capture(lambda: self._launch(plan, static_x), x.device)
+            out = rec.capture(lambda: self._launch(plan, static_x), x.device, shared_pool=True)  # (cloned below)
             entry = self._graphs[T] = PersistentGraph(plan, rec, static_x, out)
         entry.x.copy_(x)
         entry.recorder.replay()  # (after a capture too: capture records the work without running it)

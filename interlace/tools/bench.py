@@ -345,6 +345,15 @@ def settle_auto(strategy, call, tokens: int, mode: str) -> int:
     return calls
 
 
+def graph_pools_unallocated(device: int) -> int:
+    """Bytes that CUDA-graph memory pools hold on ``device`` beyond their live tensors: the
+    captured graphs' temporaries, reserved for their replays and usable by nothing else, which
+    ``max_memory_allocated`` does not count (it counts a graph's memory only while captured)."""
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return sum(seg["total_size"] - seg["allocated_size"] for seg in segments
+               if seg["device"] == device and tuple(seg["segment_pool_id"]) != (0, 0))
+
+
 def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env) -> None:
     """Each ok row's peak memory with no other strategy alive (while the timing ran, every
     strategy's buffers and graphs were held at once): the layer's strategy built afresh after the
@@ -353,8 +362,9 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
     cached): ``first_peak_gib``; then STEADY_CALLS more: ``peak_gib``, what the strategy holds
     and allocates in steady state. Weights and inputs included, the slowest rank's. On the CPU
     no peak is read: the release, the rebuild and the first ``1 + warmup`` calls run (``auto``'s
-    calibration among them), the STEADY_CALLS, which only feed ``peak_gib``, do not.
-    NOTE: device syncs (between strategies, outside every timing)."""
+    calibration among them), the STEADY_CALLS, which only feed ``peak_gib``, do not. A peak counts
+    the memory CUDA-graph pools hold unallocated (:func:`graph_pools_unallocated`) on top of
+    ``max_memory_allocated``. NOTE: device syncs (between strategies, outside every timing)."""
     from interlace.parallel import release_shared_buffers
 
     ctx = torch.no_grad() if not backward else torch.enable_grad()
@@ -372,7 +382,8 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
         if not env.cuda:
             return None
         torch.cuda.synchronize()
-        peak = reduce_max(env, torch.cuda.max_memory_allocated() / 2**30)
+        held = graph_pools_unallocated(torch.cuda.current_device())
+        peak = reduce_max(env, (torch.cuda.max_memory_allocated() + held) / 2**30)
         torch.cuda.reset_peak_memory_stats()
         return peak
 

@@ -14,6 +14,9 @@ Steps (``--steps``; all by default):
   graph   ``fused`` with CUDA-graph replay of inference calls (the default): six calls with fresh
           inputs and routing each, checked against sequential; then sequential / fused:eager /
           fused timed round-robin
+  stack   a stack of layers whose graphs share one memory pool (strategies/graphs.py): fused and
+          persistent inference, fused:train and fused:lean steps over several token counts interleaved, each
+          layer's replayed call against the same call run eagerly; the memory the graphs keep
 Writes a JSON of everything to --out and prints a short table last.
 """
 
@@ -482,6 +485,111 @@ def step_graph(env, args, log):
     return rows
 
 
+def step_stack(env, args, log):
+    """``--stack-layers`` layers, their CUDA graphs in one shared pool (strategies/graphs.py): the
+    graphs of other layers and token counts replay between a graph's calls, inference calls
+    between a training forward and its backward. Each layer's call through its graphs is
+    compared with the same strategy run eagerly (``cuda_graph=False``: the same kernels) on the
+    same inputs, layer by layer (every layer's input is the eager stack's); then the memory the
+    graphs keep: ``memory_reserved`` with the graphs alive, after ``empty_cache``, less that before
+    the first call. ``--private-pools`` captures each graph into a pool of its own instead, for
+    comparison."""
+    if args.private_pools:
+        from interlace.strategies import graphs
+
+        graphs.device_pool = lambda device: torch.cuda.graph_pool_handle()
+    rows = []
+    L = args.stack_layers
+    for name in args.stack_configs:
+        cfg = preset(name)
+        T_max = max(args.stack_tokens)
+        layers = [MoELayer(cfg, group=env.group, strategy="sequential", seed=40 + i, device=env.device) for i in range(L)]
+        opts = {"fused": {"max_tokens": T_max}, "fused:train": {"max_tokens": T_max},
+                "fused:lean": {"max_tokens": T_max}, "persistent": {}}
+
+        def build(spec, **extra):
+            out = []
+            for layer in layers:
+                layer.set_strategy(spec, **opts[spec], **extra)
+                out.append(layer.strategy)
+            return out
+
+        for spec in args.stack_strategies:
+            graph, eager = build(spec), build(spec, cuda_graph=False)
+            train = spec.startswith("fused:")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(env.device)
+            worst_err, bitwise, calls = 0.0, True, 0
+            for rnd in range(4):  # round 0 eager, 1 captures, 2-3 replay
+                for T in args.stack_tokens:
+                    gen = torch.Generator(device=env.device).manual_seed(7000 + 97 * rnd + T + env.rank)
+                    x = torch.randn(T, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+                    g = torch.randn(T, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
+                    idx = [make_routing(cfg, "skewed", T, env, 50 * rnd + i) for i in range(L)] if train else [None] * L
+                    got = {}
+                    for label, strats in (("graph", graph), ("eager", eager)):
+                        ins, outs = [], []
+                        h = x
+                        for i, layer in enumerate(layers):
+                            layer.strategy = strats[i]
+                            xin = h.detach().clone().requires_grad_(train)
+                            alloc.poison(rnd != 1)  # (not while capturing)
+                            if train:
+                                out = layer(xin, expert_indices=idx[i])
+                            else:
+                                with torch.no_grad():
+                                    out = layer(xin)
+                            alloc.poison(False)
+                            ins.append(xin)
+                            outs.append(out)
+                            h = out
+                        if train and label == "graph":
+                            # inference calls (their graphs) between the training forward and its backward
+                            with torch.no_grad():
+                                for i, layer in enumerate(layers):
+                                    layer.strategy = strats[i]
+                                    layer(x[: args.stack_tokens[-1] // 2])
+                        res = [o.detach().clone() for o in outs]
+                        if train:
+                            for i in reversed(range(L)):
+                                layers[i].strategy = strats[i]
+                                outs[i].backward(g)
+                            res += [t.grad.clone() for t in ins]
+                            for layer in layers:
+                                res += [p.grad.clone() for p in layer.parameters()]
+                                for p in layer.parameters():
+                                    p.grad = None
+                        got[label] = res
+                    calls += 1
+                    for a, b in zip(got["graph"], got["eager"]):
+                        bitwise = bitwise and torch.equal(a, b)
+                        worst_err = max(worst_err, rel(a, b))
+            del got, res, outs, ins, h, out, xin, x, g
+            torch.cuda.synchronize()
+            for s in graph:
+                if hasattr(s, "synchronize_and_check"):
+                    s.synchronize_and_check()
+            torch.cuda.empty_cache()
+            kept = (torch.cuda.memory_reserved(env.device) - before) / 2**30
+            worst_err, kept = worst(env, worst_err), worst(env, kept)
+            bitwise = worst(env, 0.0 if bitwise else 1.0) == 0.0
+            ok = worst_err < 1e-3
+            rows.append(dict(config=name, layers=L, strategy=spec, tokens=args.stack_tokens, calls=calls,
+                             err_vs_eager=worst_err, bitwise=bitwise, graph_gib=kept,
+                             pools="private" if args.private_pools else "shared", ok=ok))
+            log(f"stack {name:14s} {L} layers {spec:11s} T={args.stack_tokens}: graphs vs eager {worst_err:.1e} "
+                f"(bitwise {bitwise}), memory the graphs keep {kept:.2f} GiB "
+                f"({'private' if args.private_pools else 'shared'} pools) {'ok' if ok else 'FAIL'}")
+            for s in graph + eager:
+                s.close()
+            del graph, eager
+            torch.cuda.empty_cache()
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", nargs="+", default=["check", "stress", "hidden", "split"])
@@ -500,6 +608,11 @@ def main():
                    help="phases/ab: FusedKernelConfig fields (field=value,...); ab also takes n_comm/n_comm1")
     p.add_argument("--rounds", type=int, default=5, help="ab: interleaved rounds")
     p.add_argument("--iters", type=int, default=20, help="ab: timed calls per round and variant")
+    p.add_argument("--stack-configs", nargs="+", default=["qwen3-30b-a3b"])
+    p.add_argument("--stack-layers", type=int, default=8)
+    p.add_argument("--stack-strategies", nargs="+", default=["fused", "persistent", "fused:train", "fused:lean"])
+    p.add_argument("--stack-tokens", nargs="+", type=int, default=[4096, 2048, 3000])
+    p.add_argument("--private-pools", action="store_true", help="stack: each graph its own pool (comparison)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args()
     global ENV
@@ -514,7 +627,7 @@ def main():
     results = {}
     steps = {"check": step_check, "stress": step_stress, "hidden": step_hidden, "split": step_split,
              "phases": step_phases, "trace": step_trace, "graph": step_graph, "train": step_train,
-             "train_check": step_train_check, "ab": step_ab}
+             "train_check": step_train_check, "ab": step_ab, "stack": step_stack}
     for s in args.steps:
         try:
             results[s] = steps[s](env, args, log)
@@ -530,7 +643,7 @@ def main():
             json.dump(results, f, indent=1)
         print("\n# summary")
         for line in lines:
-            if line.startswith(("hidden", "stress", "split", "phases", "graph", "ab ")) or "FAILED" in line:
+            if line.startswith(("hidden", "stress", "split", "phases", "graph", "ab ", "stack")) or "FAILED" in line:
                 print(line)
         bad = [r for r in results.get("check", []) if isinstance(r, dict) and not r.get("ok", True)]
         print(f"check: {len(results.get('check', [])) - len(bad)} ok, {len(bad)} wrong")

@@ -558,8 +558,9 @@ def test_memory_cap_excludes_fused_train():
 def test_train_memory_ratio_excludes_fused_train(world, ratio, excluded):
     """fused:train keeps W·min(k, E_local)/k times sequential's rows for the backward (CFG: k 2,
     8 experts: 2 at EP 2, 4 at EP 4, 4 at EP 8 where a rank holds 1 expert); past
-    train_memory_ratio it is no candidate, in the calibrated plan and the profile-only choice; the
-    model's candidates then hold fused:lean (which keeps sequential's rows) instead."""
+    train_memory_ratio it is no candidate, in the calibrated plan and the profile-only choice. The
+    model's own candidates hold fused:lean (fused:train's kernels keeping the rows received) at
+    every ratio, and never fused:train."""
     from interlace.parallel.comm import ExpertParallel
     from interlace.strategies.auto import AutoStrategy
     from interlace.strategies.auto_prior import fused_train_rows_ratio
@@ -574,8 +575,9 @@ def test_train_memory_ratio_excludes_fused_train(world, ratio, excluded):
     else:
         assert plan.candidates == ("sequential", "fused:train")
     model = AutoStrategy(CFG, ep, train_memory_ratio=ratio, cache=False)  # the model's candidates: the lean path
-    lean = "fused:lean" in model.decider.plan((64, "fwdbwd"), "cpu").candidates
-    assert lean == excluded and "fused:lean" not in model.decider.plan((64, "fwd"), "cpu").candidates
+    train = model.decider.plan((64, "fwdbwd"), "cpu").candidates
+    assert "fused:lean" in train and "fused:train" not in train
+    assert "fused:lean" not in model.decider.plan((64, "fwd"), "cpu").candidates
     fwd = AutoStrategy(CFG, ep, candidates=("sequential", "fused"), train_memory_ratio=ratio, cache=False)
     assert fwd.decider.plan((64, "fwd"), "cpu").candidates == ("sequential", "fused")  # (forward: untouched)
     with pytest.raises(ValueError, match="train_memory_ratio"):

@@ -632,6 +632,52 @@ def _lean_layouts(rank, world):
             assert torch.equal(a, b), (rank, name, i)
 
 
+def _lean_graphs(rank, world):
+    """``fused:lean`` through its graphs (:class:`EagerRecorder`): the preparation graph, the
+    host's read of the rows received, the layers' graph captured for that many rows and
+    captured again, larger, when a later call receives more (kept rows: exactly the rows
+    received here, so the routing's changes from call to call force it); every call bitwise as
+    ``fused:lean`` eager, whose rows it keeps."""
+    from cases import make_inputs
+
+    import interlace.strategies.fused.train as train
+    from interlace import MoELayer
+    from interlace.strategies.graphs import EagerRecorder
+
+    cfg = SMALL
+    keep_rows, kept = train.kept_rows, []
+    train.kept_rows = lambda total, spec: kept.append(total) or max(total, 1)
+    try:
+        layers = {}
+        for name in ("eager", "graphs"):
+            layers[name] = MoELayer(cfg, strategy="fused:lean", seed=11, device="cpu",
+                                    strategy_options={"max_tokens": 32})
+        layers["graphs"].strategy.graph_recorder = EagerRecorder
+        for step in range(6):
+            xs, gs = make_inputs(cfg, [9 + 4 * r for r in range(world)], seed=step)
+            got = {}
+            for name, layer in layers.items():
+                x = xs[rank].clone().requires_grad_()
+                out = layer(x)
+                out.backward(gs[rank])
+                got[name] = [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+                layer.zero_grad(set_to_none=True)
+            for i, (a, b) in enumerate(zip(got["eager"], got["graphs"])):
+                assert torch.equal(a, b), (rank, step, i)
+        graph = layers["graphs"].strategy._train_graphs[9 + 4 * rank]
+        assert graph.packed and graph.prep is not None and graph.fwd is not None
+        assert graph.rows_kept == max(kept) and len(kept) >= 2 and kept == sorted(kept)  # captured again, larger
+        assert graph.fwd[2].pre.shape[0] == graph.rows_kept < world * layers["graphs"].strategy.buf.spec.cap
+    finally:
+        train.kept_rows = keep_rows
+
+
+def test_fused_lean_graphs_capture_again_when_more_rows_arrive():
+    from helpers import run_gloo
+
+    run_gloo(_lean_graphs, 2)
+
+
 def test_fused_lean_keeps_the_received_rows_packed():
     from helpers import run_gloo
 
@@ -845,13 +891,13 @@ def test_block_split_lookup_uses_the_shipped_table_and_warns_without_one(tmp_pat
     assert find_split(cfg, 2800, world=2, sm_count=77) == ((4, 8), "tuned")
 
 
-def _train_calls(recorder, order, cfg, xs, gs):
+def _train_calls(recorder, order, cfg, xs, gs, spec="fused:train"):
     """Run ``fused:train`` calls in ``order`` ("f", i): forward of input i; "b": backward of the
     latest forward not yet backwarded) and return, per backward, (input, out, dx, dW_up,
     dW_down, router grad) and the layer."""
     from interlace import MoELayer
 
-    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    layer = MoELayer(cfg, strategy=spec, seed=11, device="cpu")
     layer.strategy.graph_recorder = recorder
     pending, got = [], []
     for op, i in order:
@@ -867,7 +913,8 @@ def _train_calls(recorder, order, cfg, xs, gs):
     return got, layer
 
 
-def test_fused_train_graphs_match_eager_and_never_share_buffers():
+@pytest.mark.parametrize("spec", ["fused:train", "fused:lean"])
+def test_fused_train_graphs_match_eager_and_never_share_buffers(spec):
     """``fused:train``'s captured graphs (here :class:`EagerRecorder`, which keeps a graph's
     static-buffer contract on the CPU: every replay rewrites the captured outputs in place)
     against the eager calls, bitwise: first call eager, then capture and replays, and two
@@ -882,14 +929,44 @@ def test_fused_train_graphs_match_eager_and_never_share_buffers():
     xs, gs = make_inputs(cfg, [11, 11, 11, 11], seed=4)
     order = [("f", 0), ("b", 0), ("f", 1), ("b", 0), ("f", 2), ("b", 0), ("f", 3), ("f", 0), ("b", 0), ("b", 0),
              ("f", 1), ("b", 0)]
-    eager, _ = _train_calls(None, order, cfg, xs, gs)
-    graphs, layer = _train_calls(EagerRecorder, order, cfg, xs, gs)
+    eager, _ = _train_calls(None, order, cfg, xs, gs, spec)
+    graphs, layer = _train_calls(EagerRecorder, order, cfg, xs, gs, spec)
     entry = layer.strategy._train_graphs[11]
     assert entry.fwd is not None and entry.bwd is not None and entry.owner is None
     assert [g[0] for g in graphs] == [0, 1, 2, 0, 3, 1]
     for want, have in zip(eager, graphs):
         for name, a, b in zip(("out", "dx", "dW_up", "dW_down", "router"), want[1:], have[1:]):
             assert torch.equal(a, b), f"call with input {want[0]}: {name} differs on the graph path"
+
+
+def test_graphs_that_share_the_device_pool_are_those_whose_outputs_are_read_at_once():
+    """Which captures go into the shared pool (strategies/graphs.py): inference graphs and
+    ``fused:train``'s backward graphs (their outputs are cloned or read right after the replay),
+    never a ``fused:train`` forward graph, whose saved rows wait for their backward while other
+    graphs replay."""
+    from cases import make_inputs
+
+    from interlace import MoELayer
+    from interlace.strategies.graphs import EagerRecorder
+
+    captures = []
+
+    class Recorder(EagerRecorder):
+        def capture(self, fn, device, shared_pool=False):
+            captures.append(shared_pool)
+            return super().capture(fn, device)
+
+    cfg = SMALL
+    xs, gs = make_inputs(cfg, [9, 9], seed=5)
+    layer = MoELayer(cfg, strategy="fused:train", seed=11, device="cpu")
+    layer.strategy.graph_recorder = Recorder
+    for i in range(3):  # eager (compiles), forward capture, backward capture, replays
+        layer(xs[i % 2].clone().requires_grad_()).backward(gs[0])
+    assert captures == [False, True]
+    with torch.no_grad():
+        for i in range(3):
+            layer(xs[i % 2])
+    assert captures == [False, True, True]
 
 
 def test_fused_train_graph_freed_by_a_forward_without_backward():

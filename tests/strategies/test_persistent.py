@@ -240,8 +240,9 @@ class CountingRecorder:
 
         self.inner = EagerRecorder()
 
-    def capture(self, fn, device):
+    def capture(self, fn, device, shared_pool: bool = False):
         CountingRecorder.captures.append(device)
+        assert shared_pool  # its output is cloned at once: the shared pool (strategies/graphs.py)
         return self.inner.capture(fn, device)
 
     def replay(self):

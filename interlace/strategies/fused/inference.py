@@ -55,7 +55,8 @@ the caller). The error record is checked after every replay.
 the forward and the backward up to the weight gradients are captured per token count; the
 saved state lives in the graph's buffers, so while one call's backward is pending, other
 calls with that token count run eagerly. Eager, such a call is bound by the host's launches.
-``fused:lean`` runs eagerly (its kept rows are sized per call).
+``fused:lean`` captures its forward as two graphs with the host's read of the rows received
+between them, and keeps a little more than those rows (:class:`TrainGraph`).
 A live graph with a captured NCCL collective makes the communicator's destruction wait forever,
 so once a strategy captures, ``dist.destroy_process_group`` is wrapped to drop every
 fused graph first (:func:`guard_destroy_process_group`); call
@@ -83,7 +84,7 @@ from interlace.strategies.fused.train import FusedTrain, RecomputeMoE, TrainGrap
 from interlace.strategies.graphs import CudaGraphRecorder
 from interlace.strategies.sequential import SequentialStrategy
 
-MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (each holds its own memory pool)
+MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (their temporaries share one pool: graphs.py)
 
 
 _LIVE = weakref.WeakSet()  # every FusedStrategy: release_shared_buffers drops their graphs
@@ -180,9 +181,8 @@ class FusedStrategy(Strategy):
 
     @property
     def warm_calls(self) -> int:
-        """2 where the second call of a token count captures a CUDA graph (GPU, not interpreted;
-        ``fused:lean`` never does)."""
-        graphs = self.cuda_graph and self.train_path != "lean" and torch.cuda.is_available() and not _INTERPRET
+        """2 where the second call of a token count captures a CUDA graph (GPU, not interpreted)."""
+        graphs = self.cuda_graph and torch.cuda.is_available() and not _INTERPRET
         return 2 if graphs else 1
 
     @property
@@ -329,7 +329,7 @@ class FusedStrategy(Strategy):
             return None
         weights = (w_up.data_ptr(), w_down.data_ptr())
         return self._graph_entry(self._train_graphs, self._train_seen, x.shape[0], weights,
-                                 lambda: TrainGraph(weights, recorder))
+                                 lambda: TrainGraph(weights, recorder, packed=self.train_path == "lean"))
 
     def _graph_forward(self, x, topk_idx, topk_weight, w_up, w_down, recorder):
         weights = (w_up.data_ptr(), w_down.data_ptr())
@@ -337,7 +337,8 @@ class FusedStrategy(Strategy):
         def capture():
             static = (x.clone(), topk_idx.clone(), topk_weight.clone())
             rec = recorder()
-            out = rec.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device)
+            # (the output is cloned below, before any other graph replays: the shared pool)
+            out = rec.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device, shared_pool=True)
             return ForwardGraph(weights, rec, static, out)
 
         entry = self._graph_entry(self._graphs, self._graph_seen, x.shape[0], weights, capture)

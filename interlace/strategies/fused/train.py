@@ -15,9 +15,11 @@ size: its state lives in a captured CUDA graph's static buffers (forward and bac
 nothing read on the host). ``fused:lean`` keeps exactly the rows received: after the count
 exchange the host reads the counts (a sync), and layer0 writes the pre-activation and the
 activation packed (source s's rows from ``base[s]``, the exclusive prefix sum of the counts;
-the kernels' ``h_base``), as are x's rows; the backward's d_act and d_h keep that layout. It
-runs eagerly (the packed tensors change per call). Inside a caller's own capture it keeps the
-receive layout (nothing can be read there).
+the kernels' ``h_base``), as are x's rows; the backward's d_act and d_h keep that layout.
+Captured, it is two graphs with that read between them, and the second keeps a little more
+than the rows received (:func:`kept_rows`), captured again when a call receives more
+(:class:`TrainGraph`). Inside a caller's own capture it keeps the receive layout (nothing can
+be read there).
 
 Backward, with dy (T, N) at every token's home rank (the dispatch of the backward is the
 forward's combine and vice versa):
@@ -50,7 +52,7 @@ used for its buffers, engine and call steps; this module does not import it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -163,25 +165,53 @@ class TrainState:
     packed: bool = False  # the rows received, packed (else the receive layout)
 
 
-def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool = False) -> TrainState:
-    """The forward's device work, from the routing to the saved rows: in the receive layout (no
-    host sync: capturable), or ``packed`` (the rows received, their counts read on the host)."""
+@dataclass
+class Prepared:
+    """A training forward up to its layers (device tensors): the call, the dispatch index, the
+    rows this rank receives, the first kept row of each source (``base``) and, packed, their
+    total (``rows_total``, a 0-d int32 the host reads)."""
+
+    call: FusedCall
+    index: tuple
+    rows: OwnerRows
+    base: torch.Tensor
+    rows_total: torch.Tensor | None
+
+
+def prepare_body(strategy, x, topk_idx, topk_weight, packed: bool) -> Prepared:
+    """The forward's routing, count exchange and plan (device work, capturable)."""
+    spec = strategy.buf.spec
+    mark(strategy, "start")
+    h = x.new_empty(0, strategy.config.ffn) if packed else None  # (packed: sized once the rows are known)
+    call, index = strategy._prepare_call(x, topk_idx, topk_weight, h)
+    rows = owner_rows(call.plan, spec, strategy.buf.rank)
+    if packed:
+        base = (torch.cumsum(rows.used, 0, dtype=torch.int32) - rows.used).contiguous()
+        total = rows.used.sum(dtype=torch.int32)
+    else:
+        base, total = strategy.buf.region_base, None
+    return Prepared(call, index, rows, base, total)
+
+
+def kept_rows(total: int, spec) -> int:
+    """Rows to allocate for ``total`` rows received: exactly that eagerly; a captured forward
+    takes 1/16 more, in whole 256s (so routing that moves a little does not capture again),
+    never more than the receive layout's W·cap."""
+    return max(min((total + total // 16 + 255) // 256 * 256, spec.world * spec.cap), total, 1)
+
+
+def layers_body(strategy, x, prep: Prepared, rows_kept: int | None, w_up, w_down) -> TrainState:
+    """The layers and the saves of a training forward (capturable): ``rows_kept`` rows packed
+    (at least the rows received), or None for the receive layout."""
     buf = strategy.buf
     spec = buf.spec
     k, me = spec.top_k, buf.rank
     up, K = w_up.shape[1], strategy.config.ffn
-    mark(strategy, "start")
-    h = x.new_empty(0, K) if packed else None  # (sized below)
-    call, index = strategy._prepare_call(x, topk_idx, topk_weight, h)
-    rows = owner_rows(call.plan, spec, me)
-    if packed:
-        # NOTE: a host sync: the host waits until the GPU has run the count exchange, and the GPU
-        # then waits for the layer launches.
-        R = max(int(rows.used.sum()), 1)  # (a rank that received nothing keeps one unused row)
-        base = (torch.cumsum(rows.used, 0, dtype=torch.int32) - rows.used).contiguous()
-        call.h, call.h_base = alloc.empty((R, K), x.dtype, x.device), base
-    else:
-        R, base = spec.world * spec.cap, buf.region_base
+    call, rows, base = prep.call, prep.rows, prep.base
+    packed = rows_kept is not None
+    R = rows_kept if packed else spec.world * spec.cap
+    if packed:  # (a copy: a captured preparation's call is a static buffer of its own graph)
+        call = replace(call, h=alloc.empty((R, K), x.dtype, x.device), h_base=base)
     pre = alloc.empty((R, up), x.dtype, x.device)
     mark(strategy, "fwd prepare")
     strategy._run_layers(call, w_up, w_down, pre=pre)
@@ -197,7 +227,18 @@ def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool 
     y_rows = buf.views["ret"][:x.shape[0] * k].clone()
     mark(strategy, "fwd saves")
     return TrainState(call.out, call.topk_weight, call.row_of_assignment, call.assignment_of_row, call.plan, pre,
-                      call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, index[2], base, packed)
+                      call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, prep.index[2], base, packed)
+
+
+def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool = False) -> TrainState:
+    """The forward's device work, from the routing to the saved rows, eagerly: in the receive
+    layout (no host sync: capturable), or ``packed`` (the rows received, their count read on the
+    host)."""
+    prep = prepare_body(strategy, x, topk_idx, topk_weight, packed)
+    # NOTE: packed, a host sync: the host waits until the GPU has run the count exchange, and the
+    # GPU then waits for the layer launches.
+    rows_kept = max(int(prep.rows_total), 1) if packed else None  # (a rank receiving nothing keeps one row)
+    return layers_body(strategy, x, prep, rows_kept, w_up, w_down)
 
 
 def caller_capturing(x: torch.Tensor) -> bool:
@@ -275,7 +316,7 @@ def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor
 
 # ----------------------------------------------------------------------------- CUDA graphs
 class TrainGraph:
-    """One token count's captured ``fused:train`` forward and backward.
+    """One token count's captured ``fused:train`` / ``fused:lean`` forward and backward.
 
     The forward graph's outputs (the layer output and the :class:`TrainState`) are static
     buffers, so one call at a time may hold them: from its forward until its backward has
@@ -283,21 +324,29 @@ class TrainGraph:
     calls with this token count run eagerly. The backward graph covers steps 1–4 (its dx and
     routing-weight gradient are static buffers too: the caller copies them out); the weight
     gradients are launched after it into fresh tensors, since autograd may keep them as
-    ``.grad``."""
+    ``.grad``.
 
-    def __init__(self, weights: tuple, recorder):
+    ``packed`` (``fused:lean``): the forward is two graphs, the preparation (routing, count
+    exchange, plan) and the layers with their saves, and between them the host reads the rows
+    received (a sync). The layers' graph keeps :func:`kept_rows` of them; a call receiving more
+    captures it (and the backward) again, larger."""
+
+    def __init__(self, weights: tuple, recorder, packed: bool = False):
         self.weights = weights
         self.recorder = recorder
+        self.packed = packed
         self.owner: int | None = None
+        self.prep = None  # packed: (recorder, static inputs, Prepared)
+        self.rows_kept = 0  # packed: the rows the layers' graph was captured for
         self.fwd = None  # (recorder, static inputs, TrainState)
         self.bwd = None  # (recorder, static grad, (dx, d_weight, d_h))
         self._leases = 0
         self.retired = False
 
     def retire(self) -> None:
-        """Drop both graphs (their buffers live on while a call's state refers to them); a
+        """Drop the graphs (their buffers live on while a call's state refers to them); a
         pending backward then runs eagerly."""
-        self.fwd = self.bwd = None
+        self.prep = self.fwd = self.bwd = None
         self.retired = True
 
     def lease(self) -> "_Lease":
@@ -305,6 +354,8 @@ class TrainGraph:
         return _Lease(self, self._leases)
 
     def forward(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+        if self.packed:
+            return self._forward_packed(strategy, x, topk_idx, topk_weight, w_up, w_down)
         if self.fwd is None:
             static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
             rec = self.recorder()
@@ -317,6 +368,28 @@ class TrainGraph:
         rec.replay()
         return state
 
+    def _forward_packed(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+        if self.prep is None:
+            static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
+            rec = self.recorder()
+            self.prep = (rec, static, rec.capture(lambda: prepare_body(strategy, *static, packed=True), x.device))
+        rec, (sx, sidx, sw), prep = self.prep
+        sx.copy_(x)
+        sidx.copy_(topk_idx)
+        sw.copy_(topk_weight)
+        rec.replay()
+        # NOTE: a host sync: the rows received, counted by the count exchange just replayed.
+        total = int(prep.rows_total)
+        if self.fwd is None or total > self.rows_kept:
+            self.rows_kept = kept_rows(total, strategy.buf.spec)
+            self.bwd = None  # (captured over the old forward's buffers)
+            rec = self.recorder()
+            state = rec.capture(lambda: layers_body(strategy, sx, prep, self.rows_kept, w_up, w_down), x.device)
+            self.fwd = (rec, None, state)
+        rec, _, state = self.fwd
+        rec.replay()
+        return state
+
     def backward(self, strategy, state: TrainState, grad, w_up, w_down, activation: str, capture: bool):
         """``(dx, d_weight, d_h)``. Before any eager backward of this token count compiled the
         kernels (``capture`` False), runs the steps eagerly on the static buffers instead."""
@@ -325,13 +398,14 @@ class TrainGraph:
                 return backward_body(strategy, state, grad, w_up, w_down, activation)
             sgrad = grad.clone()
             rec = self.recorder()
-            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation), grad.device)
+            # Shared pool: dx and d_weight are cloned and d_h read by weight_grads before any other graph replays.
+            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation), grad.device,
+                               shared_pool=True)
             self.bwd = (rec, sgrad, outs)
         rec, sgrad, outs = self.bwd
         sgrad.copy_(grad)
         rec.replay()
         return outs
-
 
 class _Lease:
     """A call's hold on its :class:`TrainGraph`'s static buffers (kept in its autograd context):
@@ -351,14 +425,13 @@ def _release(graph: TrainGraph, token: int) -> None:
 
 
 class FusedTrain(torch.autograd.Function):
-    """The fused layer forward and backward (see the module docstring); through
-    :class:`TrainGraph` when the strategy has one for this call (``fused:train``), or eagerly
-    with the rows packed (``fused:lean``)."""
+    """The fused layer forward and backward (see the module docstring); through the strategy's
+    :class:`TrainGraph` for this call when it has one, else eagerly."""
 
     @staticmethod
     def forward(ctx, x, topk_weight, w_up, w_down, strategy, topk_idx):
         lean = strategy.train_path == "lean"
-        graph = None if lean else strategy._train_graph(x, w_up, w_down)
+        graph = strategy._train_graph(x, w_up, w_down)
         if graph is None:
             packed = lean and not caller_capturing(x)
             state = forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed)
