@@ -14,10 +14,13 @@ share that memory: the ``fused`` and ``persistent`` inference graphs (the caller
 at once) and ``fused:train``'s backward graphs (dx and the routing weights' gradient are cloned,
 d(pre-activation) is read by the weight-gradient kernels right after). A ``fused:train`` forward
 graph keeps a pool of its own: its outputs are the saves its backward reads after other layers'
-graphs have run.
+graphs have run. Static inputs and the outputs copied out at once are shared by every layer's
+graphs too (:func:`shared_static`).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -37,6 +40,30 @@ def device_pool(device):
     if index not in _POOLS:
         _POOLS[index] = torch.cuda.graph_pool_handle()
     return _POOLS[index]
+
+
+_STATIC: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_static(name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A graph's static input or output buffer, one per (name, shape, dtype, device) in the
+    process while some graph holds it: the graphs of every layer that copy their inputs in just
+    before a replay, or read their outputs just after it, use the same buffer rather than one
+    each (a model of L layers would hold L copies of its activations otherwise). Safe under
+    :func:`device_pool`'s conditions: the layers of a process never run concurrently."""
+    key = (name, tuple(shape), dtype, torch.device(device))
+    buf = _STATIC.get(key)
+    if buf is None:
+        buf = _STATIC[key] = torch.empty(key[1], dtype=dtype, device=device)
+    return buf
+
+
+def static_copies(name: str, *tensors: torch.Tensor) -> tuple:
+    """:func:`shared_static` buffers ``name.0``, ``name.1``, ... holding copies of ``tensors``."""
+    out = tuple(shared_static(f"{name}.{i}", t.shape, t.dtype, t.device) for i, t in enumerate(tensors))
+    for buf, t in zip(out, tensors):
+        buf.copy_(t.detach())
+    return out
 
 
 class CudaGraphRecorder:

@@ -83,7 +83,7 @@ from interlace.parallel.peer_buffer import leave_shared, on_release, take_shared
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS
 from interlace.strategies.base import Strategy, register_strategy
-from interlace.strategies.graphs import CudaGraphRecorder
+from interlace.strategies.graphs import CudaGraphRecorder, shared_static, static_copies
 from interlace.strategies.sequential import SequentialStrategy
 
 
@@ -319,18 +319,22 @@ class PersistentStrategy(Strategy):
             # NOTE: a capture synchronizes the device once (CudaGraphRecorder.capture).
             # (the plan matched the state's current buffer: nothing is allocated for the state
             # inside the capture)
-            static_x = x.clone()
+            # Input copied in before each replay, output cloned right after it: buffers and pool
+            # shared with every layer's graphs (strategies/graphs.py).
+            (static_x,) = static_copies("persistent.in", x)
+            out = shared_static("persistent.out", x.shape, x.dtype, x.device)
             rec = recorder()
-            out = rec.capture(lambda: self._launch(plan, static_x), x.device, shared_pool=True)  # (cloned below)
+            rec.capture(lambda: self._launch(plan, static_x, out), x.device, shared_pool=True)
             entry = self._graphs[T] = PersistentGraph(plan, rec, static_x, out)
         entry.x.copy_(x)
         entry.recorder.replay()  # (after a capture too: capture records the work without running it)
         return entry.out.clone()  # the static output is overwritten by the next replay
 
-    def _launch(self, plan: CallPlan, x: torch.Tensor) -> torch.Tensor:
-        """The kernel (three launches and exchanges on the staged transport): what a graph holds."""
+    def _launch(self, plan: CallPlan, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel (three launches and exchanges on the staged transport): what a graph holds;
+        into ``out`` when given."""
         staged = isinstance(plan, DistPlan) and self.state.kind == "staged"
-        return plan.run_phases(x) if staged else plan.run(x)
+        return plan.run_phases(x, out) if staged else plan.run(x, out)
 
     def close(self) -> None:
         self.release_graphs()

@@ -969,6 +969,55 @@ def test_graphs_that_share_the_device_pool_are_those_whose_outputs_are_read_at_o
     assert captures == [False, True, True]
 
 
+@pytest.mark.parametrize("spec", ["fused", "fused:train", "fused:lean"])
+def test_graphs_of_different_layers_share_their_static_buffers(spec):
+    """Two layers' graphs (:class:`EagerRecorder`) of one token count read their input x from, and
+    write their output (and, training, dx) into, the same buffers (strategies/graphs.py:
+    ``shared_static``), and every call through them is bitwise the eager one: one layer's
+    replay between another's calls changes none of its results. (Sharing a training graph's
+    routing weights too gave the first layer's dx from the second layer's weights.)"""
+    from cases import make_inputs
+
+    from interlace import MoELayer
+    from interlace.strategies.graphs import EagerRecorder
+
+    cfg = SMALL
+    train = spec != "fused"
+    xs, gs = make_inputs(cfg, [9, 9, 9, 9], seed=8)
+    stacks = {}
+    for name in ("eager", "graphs"):
+        stacks[name] = [MoELayer(cfg, strategy=spec, seed=11 + i, device="cpu", strategy_options={"max_tokens": 9})
+                        for i in range(2)]
+    for layer in stacks["graphs"]:
+        layer.strategy.graph_recorder = EagerRecorder
+    for i in range(4):  # eager, capture, replays
+        got = {}
+        for name, (a, b) in stacks.items():
+            x = xs[i].clone().requires_grad_(train)
+            with torch.set_grad_enabled(train):
+                h = a(x)
+                out = b(h)
+            got[name] = [h.detach().clone(), out.detach().clone()]
+            if train:
+                out.backward(gs[i])
+                got[name] += [x.grad] + [p.grad.clone() for layer in (a, b) for p in layer.parameters()]
+                for layer in (a, b):
+                    layer.zero_grad(set_to_none=True)
+        for j, (u, v) in enumerate(zip(got["eager"], got["graphs"])):
+            assert torch.equal(u, v), (spec, i, j)
+    a, b = (layer.strategy for layer in stacks["graphs"])
+    if train:
+        ga, gb = a._train_graphs[9], b._train_graphs[9]
+        pa, pb = (ga.prep, gb.prep) if spec == "fused:lean" else (ga.fwd, gb.fwd)
+        # x shared; the routing weights not: the backward reads them after the other layer's forward
+        assert pa[1][0] is pb[1][0] and pa[1][2] is not pb[1][2]
+        assert ga.bwd[1] is gb.bwd[1] and ga.bwd[2][0] is gb.bwd[2][0]  # the output gradient, dx
+        assert ga.fwd[2].out is gb.fwd[2].out and ga.fwd[2].pre is not gb.fwd[2].pre  # (saves: each its own)
+    else:
+        ea, eb = a._graphs[9], b._graphs[9]
+        assert all(u is v for u, v in zip(ea.static, eb.static)) and ea.out is eb.out
+
+
 def test_fused_train_graph_freed_by_a_forward_without_backward():
     """A training forward whose autograd graph is dropped without a backward releases its hold
     on the captured buffers, so the next call with that token count replays the graph again."""

@@ -431,15 +431,16 @@ class DistPlan:
         if self.device.type == "cuda" and not _INTERPRET and self.config.programs is None:
             _OCCUPANCY.setdefault(self._occupancy_key, programs_per_sm(compiled, self.device, self.num_warps))
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        """out (T, N): the whole call in one launch (symmetric transport)."""
-        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+    def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out (T, N): the whole call in one launch (symmetric transport; into ``out`` when given)."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device) if out is None else out
         self.launch_phase(x, out, None)
         return out
 
-    def run_phases(self, x: torch.Tensor) -> torch.Tensor:
-        """The call as three launches with the staged exchanges between (one rank of a process group)."""
-        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+    def run_phases(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The call as three launches with the staged exchanges between (one rank of a process
+        group; into ``out`` when given)."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device) if out is None else out
         spec = self.buf.spec
         for phase, names in zip(dt.PHASES, EXCHANGES):
             self.launch_phase(x, out, phase)

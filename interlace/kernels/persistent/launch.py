@@ -187,9 +187,10 @@ class CallPlan:
         ``self.programs``): the call group, then the plan's :attr:`args` past it."""
         return (x, out, self.programs, *self._rest)
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        """out (T, N) in x's dtype for x (T, N) contiguous, with the plan's weights."""
-        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device)
+    def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out (T, N) in x's dtype for x (T, N) contiguous, with the plan's weights (into ``out``
+        when given)."""
+        out = alloc.empty((self.T, self.N), dtype=self.dtype, device=self.device) if out is None else out
         if self.T == 0:
             return out
         direct = self._direct

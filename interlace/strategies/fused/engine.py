@@ -87,16 +87,17 @@ class FusedEngine:
                              f"build the strategy with strategy_options={{'max_tokens': ...}}")
         return build_dispatch_index(topk_idx, cfg.num_experts, cfg.capacity(T))
 
-    def prepare(self, x, topk_weight, index, counts_all, h: torch.Tensor | None = None) -> FusedCall:
+    def prepare(self, x, topk_weight, index, counts_all, h: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> FusedCall:
         """Plan and buffers of a call; ``counts_all`` (W, E) int32 is every rank's ``kept``;
-        ``h`` (W·cap, K): layer0's output buffer (default a new one)."""
+        ``h`` (W·cap, K): layer0's output buffer, ``out`` (T, N) the layer's (default new ones)."""
         row_of_assignment, assignment_of_row, _, _ = index
         spec = self.buf.spec
         plan = build_plan(counts_all, self.buf.rank, spec.num_local, spec.max_tokens, spec.top_k, spec.block_m,
                           interleave=self.kernel.interleave0_args())
         if h is None:
             h = alloc.empty((spec.world * spec.cap, self.cfg.ffn), x.dtype, x.device)
-        out = alloc.empty(x.shape, x.dtype, x.device)
+        out = alloc.empty(x.shape, x.dtype, x.device) if out is None else out
         return FusedCall(x, topk_weight.contiguous(), row_of_assignment, assignment_of_row, plan, h, out, index[2])
 
     def layer0(self, call: FusedCall, w_up: torch.Tensor, role: str = "all", pre: torch.Tensor | None = None,

@@ -81,7 +81,7 @@ from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
 from interlace.strategies.fused.options import GPU_CONFIG, INTERPRETER_CONFIG, FusedOptions
 from interlace.strategies.fused.train import FusedTrain, RecomputeMoE, TrainGraph
-from interlace.strategies.graphs import CudaGraphRecorder
+from interlace.strategies.graphs import CudaGraphRecorder, shared_static, static_copies
 from interlace.strategies.sequential import SequentialStrategy
 
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (their temporaries share one pool: graphs.py)
@@ -335,10 +335,12 @@ class FusedStrategy(Strategy):
         weights = (w_up.data_ptr(), w_down.data_ptr())
 
         def capture():
-            static = (x.clone(), topk_idx.clone(), topk_weight.clone())
+            # Inputs copied in before each replay, the output cloned right after it: buffers and
+            # pool shared with every layer's graphs (strategies/graphs.py).
+            static = static_copies("fused.in", x, topk_idx, topk_weight)
+            out = shared_static("fused.out", x.shape, x.dtype, x.device)
             rec = recorder()
-            # (the output is cloned below, before any other graph replays: the shared pool)
-            out = rec.capture(lambda: self._forward_kernels(*static, w_up, w_down), x.device, shared_pool=True)
+            rec.capture(lambda: self._forward_kernels(*static, w_up, w_down, out=out), x.device, shared_pool=True)
             return ForwardGraph(weights, rec, static, out)
 
         entry = self._graph_entry(self._graphs, self._graph_seen, x.shape[0], weights, capture)
@@ -375,15 +377,16 @@ class FusedStrategy(Strategy):
         else:
             check_error_record(self.buf)
 
-    def _forward_kernels(self, x, topk_idx, topk_weight, w_up, w_down):
-        """Everything from the routing to the output, on the device (capturable on CUDA)."""
-        call, _ = self._prepare_call(x, topk_idx, topk_weight)
+    def _forward_kernels(self, x, topk_idx, topk_weight, w_up, w_down, out=None):
+        """Everything from the routing to the output, on the device (capturable on CUDA); into
+        ``out`` (T, N) when given."""
+        call, _ = self._prepare_call(x, topk_idx, topk_weight, out=out)
         self._run_layers(call, w_up, w_down)
         return call.out
 
-    def _prepare_call(self, x, topk_idx, topk_weight, h=None):
+    def _prepare_call(self, x, topk_idx, topk_weight, h=None, out=None):
         """Dispatch index, count exchange, epoch and plan of a call: ``(FusedCall, index)``;
-        ``h``: layer0's output buffer (default a new one)."""
+        ``h``: layer0's output buffer, ``out`` the layer's (default new ones)."""
         eng, buf, ep = self.engine, self.buf, self.ep
         index = eng.dispatch_index(topk_idx)
         kept = index[2]
@@ -396,7 +399,7 @@ class FusedStrategy(Strategy):
             counts_all.copy_(kept)
         counts_all = counts_all.view(ep.world, -1)
         buf.advance_epoch()
-        return eng.prepare(x, topk_weight, index, counts_all, h), index
+        return eng.prepare(x, topk_weight, index, counts_all, h, out), index
 
     def _run_layers(self, call, w0, w1, pre=None, backward=False, between=None):
         """layer0 with ``w0`` then layer1 with ``w1`` on this buffer's transport (one launch

@@ -63,6 +63,7 @@ from interlace.kernels.expert_gemm.wgrad import launch_wgrad
 from interlace.kernels.tma import use_tma
 from interlace.kernels.rows import combine_rows_backward, copy_used_rows, gather_used_rows
 from interlace.strategies.fused.engine import FusedCall
+from interlace.strategies.graphs import shared_static, static_copies
 
 
 @dataclass
@@ -178,12 +179,13 @@ class Prepared:
     rows_total: torch.Tensor | None
 
 
-def prepare_body(strategy, x, topk_idx, topk_weight, packed: bool) -> Prepared:
-    """The forward's routing, count exchange and plan (device work, capturable)."""
+def prepare_body(strategy, x, topk_idx, topk_weight, packed: bool, out=None) -> Prepared:
+    """The forward's routing, count exchange and plan (device work, capturable); the layer's
+    output into ``out`` (T, N) when given."""
     spec = strategy.buf.spec
     mark(strategy, "start")
     h = x.new_empty(0, strategy.config.ffn) if packed else None  # (packed: sized once the rows are known)
-    call, index = strategy._prepare_call(x, topk_idx, topk_weight, h)
+    call, index = strategy._prepare_call(x, topk_idx, topk_weight, h, out)
     rows = owner_rows(call.plan, spec, strategy.buf.rank)
     if packed:
         base = (torch.cumsum(rows.used, 0, dtype=torch.int32) - rows.used).contiguous()
@@ -230,11 +232,11 @@ def layers_body(strategy, x, prep: Prepared, rows_kept: int | None, w_up, w_down
                       call.h, x_rows, y_rows, rows.segments, rows.local_row, rows.used, prep.index[2], base, packed)
 
 
-def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool = False) -> TrainState:
+def forward_body(strategy, x, topk_idx, topk_weight, w_up, w_down, packed: bool = False, out=None) -> TrainState:
     """The forward's device work, from the routing to the saved rows, eagerly: in the receive
     layout (no host sync: capturable), or ``packed`` (the rows received, their count read on the
-    host)."""
-    prep = prepare_body(strategy, x, topk_idx, topk_weight, packed)
+    host); the layer's output into ``out`` when given."""
+    prep = prepare_body(strategy, x, topk_idx, topk_weight, packed, out)
     # NOTE: packed, a host sync: the host waits until the GPU has run the count exchange, and the
     # GPU then waits for the layer launches.
     rows_kept = max(int(prep.rows_total), 1) if packed else None  # (a rank receiving nothing keeps one row)
@@ -246,10 +248,10 @@ def caller_capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str):
+def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, activation: str, dx=None):
     """Steps 1–4 of the backward and the own g rows into the receive buffer (capturable):
     ``(dx (T, N), d_weight (T, k), d_h (W·cap, up))``; ``d_h`` is written over ``st.pre``
-    for SwiGLU."""
+    for SwiGLU; dx into ``dx`` when given."""
     buf, spec = strategy.buf, strategy.buf.spec
     T, N = grad.shape
     k = spec.top_k
@@ -262,7 +264,7 @@ def backward_body(strategy, st: TrainState, grad: torch.Tensor, w_up, w_down, ac
     strategy._order_after_peers()
     buf.advance_epoch()
     identity = torch.arange(T * k, device=grad.device, dtype=torch.int32) * k
-    dx = alloc.empty((T, N), grad.dtype, grad.device)
+    dx = alloc.empty((T, N), grad.dtype, grad.device) if dx is None else dx
     ones = torch.ones(T, k, device=grad.device, dtype=torch.float32)
     # call.h: layer0's output d_act (R, K), then d_h (R, up) written over pre, both laid out as
     # the kept rows. Only the call holds d_act, so it is freed as soon as the derivative has read it.
@@ -315,6 +317,15 @@ def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
+def train_inputs(x, topk_idx, topk_weight) -> tuple:
+    """A training forward graph's static inputs: x in a buffer shared with every layer's graphs
+    (it is read by the forward only) and the output likewise (:func:`shared_static`; cloned at
+    once), the routing in buffers of its own: the backward reads the routing weights (the state's
+    ``topk_weight`` is this buffer), after other layers' forwards have run."""
+    (sx,) = static_copies("train.in", x)
+    return sx, topk_idx.clone(), topk_weight.detach().clone()
+
+
 class TrainGraph:
     """One token count's captured ``fused:train`` / ``fused:lean`` forward and backward.
 
@@ -357,9 +368,10 @@ class TrainGraph:
         if self.packed:
             return self._forward_packed(strategy, x, topk_idx, topk_weight, w_up, w_down)
         if self.fwd is None:
-            static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
+            static = train_inputs(x, topk_idx, topk_weight)
+            out = shared_static("train.out", x.shape, x.dtype, x.device)
             rec = self.recorder()
-            state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down), x.device)
+            state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down, out=out), x.device)
             self.fwd = (rec, static, state)
         rec, (sx, sidx, sw), state = self.fwd
         sx.copy_(x)
@@ -370,9 +382,10 @@ class TrainGraph:
 
     def _forward_packed(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
         if self.prep is None:
-            static = (x.detach().clone(), topk_idx.clone(), topk_weight.detach().clone())
+            static = train_inputs(x, topk_idx, topk_weight)
+            out = shared_static("train.out", x.shape, x.dtype, x.device)
             rec = self.recorder()
-            self.prep = (rec, static, rec.capture(lambda: prepare_body(strategy, *static, packed=True), x.device))
+            self.prep = (rec, static, rec.capture(lambda: prepare_body(strategy, *static, True, out), x.device))
         rec, (sx, sidx, sw), prep = self.prep
         sx.copy_(x)
         sidx.copy_(topk_idx)
@@ -396,10 +409,12 @@ class TrainGraph:
         if self.bwd is None:
             if not capture or self.retired:
                 return backward_body(strategy, state, grad, w_up, w_down, activation)
-            sgrad = grad.clone()
+            # Shared pool and buffers: dx and d_weight are cloned and d_h read by weight_grads before
+            # any other graph replays.
+            (sgrad,) = static_copies("train.grad", grad)
+            dx = shared_static("train.dx", grad.shape, grad.dtype, grad.device)
             rec = self.recorder()
-            # Shared pool: dx and d_weight are cloned and d_h read by weight_grads before any other graph replays.
-            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation), grad.device,
+            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation, dx), grad.device,
                                shared_pool=True)
             self.bwd = (rec, sgrad, outs)
         rec, sgrad, outs = self.bwd
