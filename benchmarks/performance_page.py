@@ -63,11 +63,12 @@ SOURCES = [
                 "GEMMs: 700-920 TFLOP/s at prefill, cuBLAS's 745-925 plus 30 µs of host per expert GEMM. "
                 "128-512 tokens: host-bound, ±40%."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
-         title="Forward + backward, 2× H200: sequential, fused:train and fused:lean", baseline="sequential",
-         commit="b847b6e",
+         title="Forward + backward, 2× H200: sequential, fused:train, fused:lean and auto", baseline="sequential",
+         commit="f6cd237",
          command="torchrun --nproc-per-node 2 -m interlace.tools.bench --tokens 4096 8192 --mode fwdbwd --strategies "
-                 "sequential fused:train fused:lean --interleave",
-         notes=["GiB: steady peak, each alone; fused:train keeps rows at capacity size, fused:lean those received."]),
+                 "sequential fused:train fused:lean auto --interleave",
+         notes=["GiB: steady peak, alone, graph pools included; fused:train keeps W·cap rows, fused:lean those "
+                "received; auto calibrated."]),
     dict(section="training", table="roofline-qwen3-h200", kind="facts", file="h200-qwen3-roofline.json",
          title="Roofline of a qwen3-30b-a3b training call, 1× H200",
          device="1× NVIDIA H200", date="2026-11-29", commit="9882890", env="",
@@ -135,8 +136,7 @@ SOURCES = [
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
          device="2× NVIDIA H200", date="2026-11-29", commit="d7c73db",
          command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile --baseline sequential",
-         notes=["HF's blocks data parallel; interlace's experts sharded over the ranks, `auto` timed once decided. "
-                "DeepSeek: SGD, Qwen3: AdamW (both sides)."]),
+         notes=["HF's blocks data parallel; interlace's experts sharded over the ranks, `auto` timed once decided."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
@@ -563,14 +563,14 @@ def _span(values, spec, unit=""):
 def summary_table(chosen):
     """Per preset and regime (SUMMARY): the fastest strategy of the regime's table (per token count,
     ``auto`` and the references aside), its × floor and its speed-up over each reference, as ranges
-    over the token counts; '—' where the run has no row of a reference, said once under the table."""
+    over the token counts; '—' where the run has no row of a reference, said once under the table,
+    and no column for a reference no run has."""
     by_key = {src["table"]: src for src in chosen}
     regimes = [(regime, by_key[key]) for regime, key in SUMMARY if key in by_key]
     cases = {regime: decode_cases(src)[1] if src["kind"] == "decode_bench" else bench_cases(src)
              for regime, src in regimes}
     presets = list(dict.fromkeys(c["config"] for regime, _ in regimes for c in cases[regime]))
-    lines = ["| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive | over Tutel |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     shown = {ref: 0 for ref in REFERENCES}  # rows with a speed-up over the reference
     total = 0
     for preset in presets:
@@ -591,23 +591,26 @@ def summary_table(chosen):
                 ratios = [c["ms"][ref] / c["ms"][best] for c, best in won if ref in c["ms"]]
                 shown[ref] += bool(ratios)
                 cells.append(_span(ratios, ".2f", "×"))
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(cells)
             total += 1
+    names = {"naive": "`naive`", "tutel": "Tutel"}
+    refs = [i for i, ref in enumerate(REFERENCES) if shown[ref]]  # (a reference no run has: no column)
+    head = ["preset", "regime", "tokens/GPU", "fastest", "× floor"] + [
+        ("speed-up over " if i == 0 else "over ") + names[REFERENCES[i]].strip("`") for i in refs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cells[:5] + [cells[5 + i] for i in refs]) + " |" for cells in rows]
     lines.append("")
-    lines.append("fastest: per token count, `auto` aside (it runs one of the others); where that differs between "
-                 "token counts, the others follow with theirs. × floor and speed-ups: that strategy's, as a range over "
-                 "the token counts. The rows come from:")
+    lines.append("fastest: per token count, `auto` aside (it runs one of the others); where it differs between "
+                 "token counts, the others follow. × floor and speed-ups: that strategy's, ranges over the token "
+                 "counts. The rows come from:")
     lines.append("")
     for regime, src in regimes:
         date, device, commit = provenance(src, load(src["file"]).get("meta"))
         floor = ("the decode floor" if src["kind"] == "decode_bench" else "the training floor (3× the FLOPs term)"
                  if any(r.get("mode") == "fwdbwd" for r in load(src["file"])["rows"]) else "the floor")
         lines.append(f"- {regime}: *{src['title']}* ({date}, {device}, commit `{commit}`), × {floor}.")
-    names = {"naive": "`naive`", "tutel": "Tutel"}
     for ref in REFERENCES:
-        if shown[ref] == 0:
-            lines.append(f"- Over {names[ref]}: no run behind this table has a `{ref}` row, so the column is — throughout.")
-        elif shown[ref] < total:
+        if 0 < shown[ref] < total:
             lines.append(f"- Over {names[ref]}: — where the run behind the row has no `{ref}` row.")
     return lines + [""]
 

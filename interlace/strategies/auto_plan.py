@@ -233,8 +233,8 @@ class AutoDecider:
         if not predicted:
             predicted = {"sequential": None}
         if prior_mode == "fwdbwd" and opts.candidates is None and "fused:train" in predicted:
-            # The model's fused training path is fused:lean: fused:train's kernels and graphs (within
-            # 2% of its time on 2x H200) keeping the rows received, not W·cap of them.
+            # The model's fused training path is fused:lean: fused:train's kernels and graphs (1-5%
+            # slower on 2x H200) keeping the rows received, not W·cap of them.
             predicted = {LEAN if s == "fused:train" else s: ms for s, ms in predicted.items()}
         for spec in [s for s in predicted if s in FUSED_SPECS]:
             why = self._fused_excluded(spec, prior_mode, bucket, device)

@@ -159,3 +159,9 @@ def test_summary_takes_the_fastest_per_preset_and_regime_and_shows_dashes_where_
     assert "- training: *T* (d, 2× GPU, commit `c0`), × the training floor (3× the FLOPs term)." in lines
     assert "- Over `naive`: — where the run behind the row has no `naive` row." in lines
     assert "- Over Tutel: — where the run behind the row has no `tutel` row." in lines
+    assert lines[0] == "| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive | over Tutel |"
+    # without any tutel row: no such column
+    (tmp_path / "t.json").write_text(json.dumps(dict(meta=dict(world=2, device="GPU"), rows=training[:1])))
+    lines = gen.summary_table(chosen)
+    assert lines[0] == "| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive |"
+    assert "| c | training | 100 | `sequential` | 1.50 | — |" in lines and not any("Tutel" in x for x in lines)
