@@ -20,9 +20,9 @@ graphs too (:func:`shared_static`).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from interlace.kernels import alloc
 
 _POOLS: dict = {}  # CUDA device index → the shared graph pool's handle
 
@@ -42,20 +42,13 @@ def device_pool(device):
     return _POOLS[index]
 
 
-_STATIC: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 def shared_static(name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A graph's static input or output buffer, one per (name, shape, dtype, device) in the
-    process while some graph holds it: the graphs of every layer that copy their inputs in just
-    before a replay, or read their outputs just after it, use the same buffer rather than one
-    each (a model of L layers would hold L copies of its activations otherwise). Safe under
-    :func:`device_pool`'s conditions: the layers of a process never run concurrently."""
-    key = (name, tuple(shape), dtype, torch.device(device))
-    buf = _STATIC.get(key)
-    if buf is None:
-        buf = _STATIC[key] = torch.empty(key[1], dtype=dtype, device=device)
-    return buf
+    process while some graph holds it (:func:`interlace.kernels.alloc.shared`): the graphs of
+    every layer that copy their inputs in just before a replay, or read their outputs just after
+    it, use the same buffer rather than one each (a model of L layers would hold L copies of its
+    activations otherwise). Safe under :func:`device_pool`'s conditions."""
+    return alloc.shared(f"graph.{name}", shape, dtype, device)
 
 
 def static_copies(name: str, *tensors: torch.Tensor) -> tuple:

@@ -472,3 +472,23 @@ def test_gpu_check_persistent_runs_on_gloo(broken):
     from helpers import run_gloo
 
     run_gloo(_gpu_check_persistent_on_gloo, 2, broken)
+
+
+def test_layers_share_the_plans_scratch_and_each_call_stays_its_own():
+    """Two layers' plans of one token count share their activation scratch (``alloc.shared``:
+    a plan per layer and token count would each keep one); calls of the two layers in turn
+    give every call the result it gives alone, bitwise, and the fp64 reference's."""
+    a = layer_for()
+    b = layer_for()
+    with torch.no_grad():
+        b.router.weight.copy_(torch.randn_like(b.router.weight))
+        b.experts.w_up.copy_(torch.randn_like(b.experts.w_up) * 0.1)
+    xs = [torch.randn(9, 32) for _ in range(3)]
+    with torch.no_grad():
+        alone = [(a(x).clone(), b(x).clone()) for x in xs]  # (each layer's plan for T = 9 made here)
+        for x, (ya, yb) in zip(xs, alone):
+            assert torch.equal(b(x), yb) and torch.equal(a(x), ya)  # the other layer's call in between
+            assert (ya.double() - reference(a, x)).abs().max() < 1e-4
+            assert (yb.double() - reference(b, x)).abs().max() < 1e-4
+    pa, pb = a.strategy._plans[9], b.strategy._plans[9]
+    assert pa is not pb and pa.args.workspace.h_ptr is pb.args.workspace.h_ptr

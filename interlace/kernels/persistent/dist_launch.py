@@ -337,7 +337,10 @@ class DistPlan:
         hist, base = rest[:n_hist], rest[n_hist:2 * n_hist]
         rest = rest[2 * n_hist:]
         counts, offs, tiles = rest[:e_pad], rest[e_pad:e_pad + spec.world * el_pad], rest[e_pad + spec.world * el_pad:]
-        h = alloc.empty((layout.mt * block_m, K), dtype=x.dtype, device=x.device)
+        # The activation rows, sized for every row the peers could send (max_tokens, not T): scratch
+        # each call writes before reading, one buffer for every plan of this shape in the process
+        # (a plan per layer and token count would otherwise keep its own).
+        h = alloc.shared("persistent.dist_h", (layout.mt * block_m, K), x.dtype, x.device)
         self.workspace = dict(idx=idx, weight=wt.view(torch.float32), slot=slot, counts=counts, tiles=tiles,
                               block_m=block_m, layout=layout)
         self.timeline = timeline_buffer(x.device, timeline, layout.total)

@@ -123,8 +123,10 @@ class CallPlan:
         rest = ints[5 * TK:]
         hist, base, offs, tiles = (rest[:n_hist], rest[n_hist:2 * n_hist], rest[2 * n_hist:2 * n_hist + e_pad],
                                    rest[2 * n_hist + e_pad:])
-        h = alloc.empty((TK, K), dtype=x.dtype, device=x.device)
-        y = alloc.empty((TK, N), dtype=x.dtype, device=x.device)
+        # The activations and expert outputs: scratch each call writes before reading, one buffer
+        # for every plan of this shape in the process (a plan per layer and token count).
+        h = alloc.shared("persistent.h", (TK, K), x.dtype, x.device)
+        y = alloc.shared("persistent.y", (TK, N), x.dtype, x.device)
         self.state = state
         st, _, err = state.views(x.device, layout.max_tiles)
         self.state_buffer = state.buffer
