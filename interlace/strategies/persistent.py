@@ -45,7 +45,9 @@ Host cost. A call's shape (token count T) gets a
 arguments; the compiled kernel's own launcher after its first launch), kept for at most
 ``MAX_PLANS`` token counts (least recently used dropped). With ``cuda_graph`` (default) on CUDA,
 the second call of a T captures the launch into a CUDA graph and later calls replay it: the input
-is copied into the graph's static buffer, the output copied out. The kernel is capturable (epochs
+is copied into the graph's static buffer, the output copied out (those buffers, the graph's memory
+pool and a plan's activation scratch are shared by every layer's plans and graphs of that shape:
+strategies/graphs.py, ``alloc.shared``). The kernel is capturable (epochs
 and counters live on the device and are reset by the launch itself). A graph holds the weights'
 addresses and the plan's buffers: it is captured again when a weight is a different tensor
 (in-place updates need nothing) or the plan was rebuilt. A capture synchronizes the device once.

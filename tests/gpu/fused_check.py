@@ -23,6 +23,7 @@ Writes a JSON of everything to --out and prints a short table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -504,6 +505,7 @@ def step_stack(env, args, log):
         cfg = preset(name)
         T_max = max(args.stack_tokens)
         layers = [MoELayer(cfg, group=env.group, strategy="sequential", seed=40 + i, device=env.device) for i in range(L)]
+        plain = [layer.strategy for layer in layers]  # (set back after each strategy: nothing of it stays alive)
         opts = {"fused": {"max_tokens": T_max}, "fused:train": {"max_tokens": T_max},
                 "fused:lean": {"max_tokens": T_max}, "persistent": {}}
 
@@ -583,7 +585,10 @@ def step_stack(env, args, log):
                 f"({'private' if args.private_pools else 'shared'} pools) {'ok' if ok else 'FAIL'}")
             for s in graph + eager:
                 s.close()
-            del graph, eager
+            for layer, s in zip(layers, plain):
+                layer.strategy = s
+            del graph, eager, s
+            gc.collect()
             torch.cuda.empty_cache()
         del layers
         torch.cuda.empty_cache()
