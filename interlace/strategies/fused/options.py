@@ -139,7 +139,7 @@ class FusedOptions:
     timeline: bool = False
     # What a call that builds an autograd graph runs: "sequential" (the sequential strategy's
     # forward and backward), "fused" (the fused kernels both ways, rows kept at capacity size,
-    # CUDA graphs), "lean" (the fused kernels both ways, the rows received kept, eager, one
+    # CUDA graphs), "lean" (the fused kernels both ways, the rows received kept, CUDA graphs, one
     # host sync per call) or "recompute" (the fused kernels forward, a recompute through
     # sequential in the backward).
     train_path: str = "sequential"
