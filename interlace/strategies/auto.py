@@ -62,7 +62,9 @@ they are (at most ``MAX_WAITING_CALLS``). Where the agreed medians of the fastes
 candidates lie within ``resolution`` of each other, the key times those candidates for another
 round (at most ``extra_samples`` rounds): one call of a GPU-bound strategy moves by ±10% from call
 to call, so the median of three cannot tell two strategies 5% apart, and a wrong pick is paid on
-every later call while an extra round is paid once.
+every later call while an extra round is paid once. A timed call during which its candidate
+captured a CUDA graph on some rank (``Strategy.captures``: a one-time cost, e.g. ``fused:lean``
+capturing again for more rows) is not counted, and every rank times that candidate once more.
 The ``auto`` layers of a process with one config, expert-parallel group and options share one
 calibration per key (:func:`~interlace.strategies.auto_plan.shared_decider`): each layer's call
 serves the next scheduled candidate, so a model of L such layers decides in about 1/L of the
@@ -426,6 +428,7 @@ class AutoStrategy(Strategy):
                 self._served.append(impl)
             return self._run(impl, call.args, call.routed)
         spec, sample = state.next_call(call.train)
+        captures = impl.captures  # (a capture during the call: the sample is not counted, see Sample)
         if call.routed and x.is_cuda:
             # NOTE: a device sync before each routed calibration call (never in the steady state):
             # each candidate is timed from an idle GPU, its host time included. Back to back, a
@@ -436,6 +439,7 @@ class AutoStrategy(Strategy):
         if not call.train:
             out = self._run(impl, call.args, call.routed)
             sample.marks.append(clock.mark())
+            sample.captured = impl.captures != captures
             return out
         self._served.append(impl)
         sample.marks += [None, None, None]
@@ -443,6 +447,8 @@ class AutoStrategy(Strategy):
         def at(i):
             def mark():
                 sample.marks[i] = clock.mark()
+                if i == 3:  # (the backward's end: the whole call)
+                    sample.captured = impl.captures != captures
             return mark
 
         x, topk_idx, topk_weight, w_up, w_down = call.args

@@ -65,11 +65,14 @@ class KeyPlan:
 @dataclass
 class Sample:
     """One calibration call's timing marks: its forward's start and end and, for a training call,
-    its backward's start and end (None until the backward has run). ``warm``: untimed."""
+    its backward's start and end (None until the backward has run). ``warm``: untimed.
+    ``captured``: the candidate captured a CUDA graph during the call (a one-time cost, e.g.
+    ``fused:lean`` receiving more rows than its graph keeps): not counted, and timed again."""
 
     warm: bool
     train: bool
     marks: list = field(default_factory=list)
+    captured: bool = False
 
     @property
     def complete(self) -> bool:
@@ -95,6 +98,7 @@ class KeyState:
         self.samples: list[list[Sample]] = [[] for _ in range(n)]
         self.waiting_calls = 0  # calls served untimed past the schedule while timings were incomplete
         self.close_rounds = 0  # rounds served past it while the fastest candidates were within resolution
+        self.recaptured = [0] * n  # agreed count of samples not counted because a graph was captured in them
 
     @property
     def served(self) -> bool:
@@ -323,7 +327,8 @@ class AutoDecider:
         ``group``: the calling layer's side channel (default the decider's)."""
         group = group if group is not None else self.group
         cands = state.plan.candidates
-        local, total, waiting = [], 0.0, 0
+        n = len(cands)
+        local, total, waiting, captured = [], 0.0, 0, []
         for c, spec in enumerate(cands):
             times = []
             for sample in state.samples[c]:
@@ -334,15 +339,24 @@ class AutoDecider:
                     ms = self.measure_override(spec, ms)
                 if math.isfinite(ms):
                     total += ms
-                if not sample.warm:
+                if not sample.warm and not sample.captured:
                     times.append(ms)
             local.append(statistics.median(times) if times else math.inf)
             waiting += not times
-        vec = torch.tensor(local + [total, waiting], dtype=torch.float64)
+            captured.append(sum(s.captured and not s.warm for s in state.samples[c]))
+        vec = torch.tensor(local + captured + [total, waiting], dtype=torch.float64)
         if group is not None:  # on the side channel: host values, no GPU stream involved
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         agreed = vec.tolist()
-        times, total, waiting = agreed[:-2], agreed[-2], agreed[-1]
+        times, captured, total, waiting = agreed[:n], agreed[n:2 * n], agreed[-2], agreed[-1]
+        again = [c for c in range(n) if captured[c] > state.recaptured[c]]
+        if again and sum(state.recaptured) < self.options.samples * n:
+            # A timed call that captured a graph on some rank: every rank times those candidates
+            # again (the agreed counts decide it, so every rank adds the same calls).
+            for c in again:
+                state.schedule += [c] * (int(captured[c]) - state.recaptured[c])
+                state.recaptured[c] = int(captured[c])
+            return False
         if waiting and state.waiting_calls < MAX_WAITING_CALLS:
             state.waiting_calls += 1
             return False

@@ -74,6 +74,10 @@ class Strategy:
     def warm_calls(self) -> int:
         return 1
 
+    # CUDA graphs this strategy has captured (each a one-time cost inside the call that captured:
+    # ``auto`` does not count such a call as a timing of the strategy).
+    captures: int = 0
+
     # What errors call the layer this strategy serves (the layer sets it: "MoELayer 3").
     label: str = "an interlace layer"
     # The dataclass whose fields the constructor also takes as keyword options (through

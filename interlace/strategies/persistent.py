@@ -326,6 +326,7 @@ class PersistentStrategy(Strategy):
             (static_x,) = static_copies("persistent.in", x)
             out = shared_static("persistent.out", x.shape, x.dtype, x.device)
             rec = recorder()
+            self.captures += 1
             rec.capture(lambda: self._launch(plan, static_x, out), x.device, shared_pool=True)
             entry = self._graphs[T] = PersistentGraph(plan, rec, static_x, out)
         entry.x.copy_(x)

@@ -36,15 +36,19 @@ def _spy(layer, log):
     strategy = layer.strategy
     make = strategy._impl
 
+    class Spy:  # (the strategy's attributes are its own: warm_calls, captures, ...)
+        def __init__(self, spec, inner):
+            self.spec, self.inner = spec, inner
+
+        def __call__(self, *args):
+            log.append(self.spec)
+            return self.inner(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
     def impl(spec, agreed):
-        inner = make(spec, agreed)
-
-        def call(*args):
-            log.append(spec)
-            return inner(*args)
-
-        call.warm_calls = inner.warm_calls
-        return call
+        return Spy(spec, make(spec, agreed))
 
     strategy._impl = impl
 
@@ -100,6 +104,57 @@ def _uneven_calls(rank, world, tmp):
     for c in measured:  # max over ranks: both took 3.0 on some rank; a tie goes to the first listed
         assert c.spec == "sequential" and c.times_ms == {"sequential": 3.0, "pipelined:2": 3.0}
         assert c.calibration_calls == 2
+
+
+def _captured_calls(rank, world, tmp, train):
+    """A timed call during which a candidate captured a CUDA graph (here rank 1's first
+    pipelined:2 call, made slow) is not counted: every rank schedules that candidate once more
+    (the same calls on both ranks), and that sample stays out of its time."""
+    import time
+
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 2, "extra_samples": 0})
+    ran = []
+    _spy(layer, ran)
+    make = layer.strategy._impl
+
+    class CapturesOnce:
+        def __init__(self, spy):
+            self.spy = spy
+
+        def __call__(self, *args):
+            if "pipelined:2" not in ran:  # (before the spy logs it: rank 1's first pipelined:2 call)
+                self.spy.inner.captures += 1
+                time.sleep(0.3)
+            return self.spy(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.spy, name)
+
+    def impl(spec, agreed):
+        spy = make(spec, agreed)
+        return CapturesOnce(spy) if spec == "pipelined:2" and rank == 1 else spy
+
+    layer.strategy._impl = impl
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(7):
+        x = torch.randn(12, CFG.hidden, generator=g).requires_grad_(train)
+        with torch.set_grad_enabled(train):
+            out = layer(x)
+        if train:  # (a training call: the sample spans its backward)
+            out.square().sum().backward()
+    ((key, choice),) = layer.strategy.choices.items()
+    assert choice.source == "measured" and choice.calibration_calls == 5
+    assert ran[:5].count("pipelined:2") == 3 and ran[:5].count("sequential") == 2  # one call more
+    assert _gather_lists(ran)[0] == _gather_lists(ran)[1]
+    samples = layer.strategy.decider.keys[key].samples[CANDS.index("pipelined:2")]
+    assert [s.captured for s in samples] == ([True, False, False] if rank == 1 else [False] * 3)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_call_that_captured_a_graph_is_timed_again(tmp_path, train):
+    run_gloo(_captured_calls, 2, str(tmp_path), train)
 
 
 def test_uneven_and_zero_counts_2_ranks(tmp_path):

@@ -340,6 +340,7 @@ class FusedStrategy(Strategy):
             static = static_copies("fused.in", x, topk_idx, topk_weight)
             out = shared_static("fused.out", x.shape, x.dtype, x.device)
             rec = recorder()
+            self.captures += 1
             rec.capture(lambda: self._forward_kernels(*static, w_up, w_down, out=out), x.device, shared_pool=True)
             return ForwardGraph(weights, rec, static, out)
 

@@ -371,6 +371,7 @@ class TrainGraph:
             static = train_inputs(x, topk_idx, topk_weight)
             out = shared_static("train.out", x.shape, x.dtype, x.device)
             rec = self.recorder()
+            strategy.captures += 1
             state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down, out=out), x.device)
             self.fwd = (rec, static, state)
         rec, (sx, sidx, sw), state = self.fwd
@@ -385,6 +386,7 @@ class TrainGraph:
             static = train_inputs(x, topk_idx, topk_weight)
             out = shared_static("train.out", x.shape, x.dtype, x.device)
             rec = self.recorder()
+            strategy.captures += 1
             self.prep = (rec, static, rec.capture(lambda: prepare_body(strategy, *static, True, out), x.device))
         rec, (sx, sidx, sw), prep = self.prep
         sx.copy_(x)
@@ -397,6 +399,7 @@ class TrainGraph:
             self.rows_kept = kept_rows(total, strategy.buf.spec)
             self.bwd = None  # (captured over the old forward's buffers)
             rec = self.recorder()
+            strategy.captures += 1
             state = rec.capture(lambda: layers_body(strategy, sx, prep, self.rows_kept, w_up, w_down), x.device)
             self.fwd = (rec, None, state)
         rec, _, state = self.fwd
@@ -414,6 +417,7 @@ class TrainGraph:
             (sgrad,) = static_copies("train.grad", grad)
             dx = shared_static("train.dx", grad.shape, grad.dtype, grad.device)
             rec = self.recorder()
+            strategy.captures += 1
             outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation, dx), grad.device,
                                shared_pool=True)
             self.bwd = (rec, sgrad, outs)
