@@ -43,6 +43,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -132,6 +133,9 @@ class Bench:
         self.cuda = self.device.type == "cuda"
         os.makedirs(args.out, exist_ok=True)
         self.path = os.path.join(args.out, "hf_models.json")
+        # auto's decisions go to a folder of this run's own: its calibration is part of what the run
+        # measures, so it never reads what an earlier run on the machine decided.
+        self.decisions_dir = tempfile.mkdtemp(prefix="hf_models-decisions-")
         self.record = {"args": vars(args), "world": self.world, "device": self._device_name(),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -258,8 +262,8 @@ def to_interlace(bench: Bench, model, strategy: str | None = None) -> str:
     (default ``--strategy``); the strategy's name."""
     group = dist.group.WORLD if bench.distributed else None
     strategy = strategy or bench.args.strategy
-    if strategy == "auto":
-        interlace.hf.replace_moe_blocks(model, group=group)  # the default strategy
+    if strategy == "auto":  # the default strategy
+        interlace.hf.replace_moe_blocks(model, group=group, strategy_options={"decisions_dir": bench.decisions_dir})
     else:
         interlace.hf.replace_moe_blocks(model, group=group, strategy=strategy)
     return interlace.hf.moe_blocks(model)[0].strategy.name

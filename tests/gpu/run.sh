@@ -4,7 +4,8 @@
 #                               all routing cases, bitwise repeatability, NaN rows (bf16 tolerances);
 #                               persistent forward on the routing cases its router can make
 #   2. tests/gpu/fused_check.py the fused strategy on every preset against sequential and naive, then
-#                               many calls through CUDA-graph captures, replays and evictions
+#                               many calls through CUDA-graph captures, replays and evictions, then a
+#                               stack of layers whose graphs share their pool and buffers (stack)
 #   3. tests/gpu/compile_check.py a stack of MoE layers under torch.compile and eager, each against
 #                               an fp32 twin, the routing, compiled and eager step times
 #   4. tests/gpu/persistent_check.py the persistent strategy (world size 1, GPU 0) against the fp32
@@ -16,7 +17,7 @@
 #                               then 1000 calls of random token counts (--stress)
 #   7. tests/gpu/hf_persistent_check.py a bf16 transformers MoE block on persistent (GPU 0) against
 #                               HF's block, beside sequential
-# usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress)
+# usage (repository root): bash tests/gpu/run.sh [fused_check steps ...]   (default: check stress stack)
 # Exits non-zero if any check fails. Logs go to $OUT (default bench-out/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +31,7 @@ W=${W:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 if (( W < 2 )); then
   echo "tests/gpu/run.sh needs at least 2 GPUs (found $W)"; exit 2
 fi
-steps=("$@"); (( ${#steps[@]} )) || steps=(check stress)
+steps=("$@"); (( ${#steps[@]} )) || steps=(check stress stack)
 status=0
 python3 -m torch.distributed.run --nproc-per-node "$W" tests/gpu/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
 (( PIPESTATUS[0] == 0 )) || status=1
