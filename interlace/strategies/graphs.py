@@ -51,6 +51,15 @@ def shared_static(name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
     return alloc.shared(f"graph.{name}", shape, dtype, device)
 
 
+def capture_for(strategy, recorder, fn, device, shared_pool: bool = False) -> tuple:
+    """A new ``recorder()`` with ``fn`` captured (``shared_pool``: see :meth:`CudaGraphRecorder.capture`),
+    counted in ``strategy.captures`` (``auto`` leaves a call that captured out of its timings):
+    ``(recorder, fn's outputs)``."""
+    strategy.captures += 1
+    rec = recorder()
+    return rec, rec.capture(fn, device, shared_pool=shared_pool)
+
+
 def static_copies(name: str, *tensors: torch.Tensor) -> tuple:
     """:func:`shared_static` buffers ``name.0``, ``name.1``, ... holding copies of ``tensors``."""
     out = tuple(shared_static(f"{name}.{i}", t.shape, t.dtype, t.device) for i, t in enumerate(tensors))

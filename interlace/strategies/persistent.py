@@ -85,7 +85,7 @@ from interlace.parallel.peer_buffer import leave_shared, on_release, take_shared
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS
 from interlace.strategies.base import Strategy, register_strategy
-from interlace.strategies.graphs import CudaGraphRecorder, shared_static, static_copies
+from interlace.strategies.graphs import CudaGraphRecorder, capture_for, shared_static, static_copies
 from interlace.strategies.sequential import SequentialStrategy
 
 
@@ -325,9 +325,7 @@ class PersistentStrategy(Strategy):
             # shared with every layer's graphs (strategies/graphs.py).
             (static_x,) = static_copies("persistent.in", x)
             out = shared_static("persistent.out", x.shape, x.dtype, x.device)
-            rec = recorder()
-            self.captures += 1
-            rec.capture(lambda: self._launch(plan, static_x, out), x.device, shared_pool=True)
+            rec, _ = capture_for(self, recorder, lambda: self._launch(plan, static_x, out), x.device, shared_pool=True)
             entry = self._graphs[T] = PersistentGraph(plan, rec, static_x, out)
         entry.x.copy_(x)
         entry.recorder.replay()  # (after a capture too: capture records the work without running it)

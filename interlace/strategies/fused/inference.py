@@ -81,7 +81,7 @@ from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.fused.engine import FusedEngine, check_error_record, default_split
 from interlace.strategies.fused.options import GPU_CONFIG, INTERPRETER_CONFIG, FusedOptions
 from interlace.strategies.fused.train import FusedTrain, RecomputeMoE, TrainGraph
-from interlace.strategies.graphs import CudaGraphRecorder, shared_static, static_copies
+from interlace.strategies.graphs import CudaGraphRecorder, capture_for, shared_static, static_copies
 from interlace.strategies.sequential import SequentialStrategy
 
 MAX_GRAPHS = 8  # token counts that keep a captured CUDA graph (their temporaries share one pool: graphs.py)
@@ -339,9 +339,8 @@ class FusedStrategy(Strategy):
             # pool shared with every layer's graphs (strategies/graphs.py).
             static = static_copies("fused.in", x, topk_idx, topk_weight)
             out = shared_static("fused.out", x.shape, x.dtype, x.device)
-            rec = recorder()
-            self.captures += 1
-            rec.capture(lambda: self._forward_kernels(*static, w_up, w_down, out=out), x.device, shared_pool=True)
+            rec, _ = capture_for(self, recorder, lambda: self._forward_kernels(*static, w_up, w_down, out=out),
+                                 x.device, shared_pool=True)
             return ForwardGraph(weights, rec, static, out)
 
         entry = self._graph_entry(self._graphs, self._graph_seen, x.shape[0], weights, capture)

@@ -63,7 +63,7 @@ from interlace.kernels.expert_gemm.wgrad import launch_wgrad
 from interlace.kernels.tma import use_tma
 from interlace.kernels.rows import combine_rows_backward, copy_used_rows, gather_used_rows
 from interlace.strategies.fused.engine import FusedCall
-from interlace.strategies.graphs import shared_static, static_copies
+from interlace.strategies.graphs import capture_for, shared_static, static_copies
 
 
 @dataclass
@@ -318,12 +318,14 @@ def weight_grads(strategy, st: TrainState, d_h: torch.Tensor, grad: torch.Tensor
 
 # ----------------------------------------------------------------------------- CUDA graphs
 def train_inputs(x, topk_idx, topk_weight) -> tuple:
-    """A training forward graph's static inputs: x in a buffer shared with every layer's graphs
-    (it is read by the forward only) and the output likewise (:func:`shared_static`; cloned at
-    once), the routing in buffers of its own: the backward reads the routing weights (the state's
-    ``topk_weight`` is this buffer), after other layers' forwards have run."""
+    """A training forward graph's static inputs and output buffer: x in a buffer shared with
+    every layer's graphs (it is read by the forward only) and the output likewise
+    (:func:`shared_static`; cloned at once), the routing in buffers of its own: the backward
+    reads the routing weights (the state's ``topk_weight`` is this buffer), after other layers'
+    forwards have run. ``((x, topk_idx, topk_weight), out)``."""
     (sx,) = static_copies("train.in", x)
-    return sx, topk_idx.clone(), topk_weight.detach().clone()
+    out = shared_static("train.out", x.shape, x.dtype, x.device)
+    return (sx, topk_idx.clone(), topk_weight.detach().clone()), out
 
 
 class TrainGraph:
@@ -365,42 +367,35 @@ class TrainGraph:
         return _Lease(self, self._leases)
 
     def forward(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
+        """The forward's replay (captured first where there is no graph yet): one graph, or,
+        ``packed``, the preparation's, the host's read of the rows received, and the layers'."""
         if self.packed:
-            return self._forward_packed(strategy, x, topk_idx, topk_weight, w_up, w_down)
-        if self.fwd is None:
-            static = train_inputs(x, topk_idx, topk_weight)
-            out = shared_static("train.out", x.shape, x.dtype, x.device)
-            rec = self.recorder()
-            strategy.captures += 1
-            state = rec.capture(lambda: forward_body(strategy, *static, w_up, w_down, out=out), x.device)
-            self.fwd = (rec, static, state)
-        rec, (sx, sidx, sw), state = self.fwd
-        sx.copy_(x)
-        sidx.copy_(topk_idx)
-        sw.copy_(topk_weight)
+            if self.prep is None:
+                static, out = train_inputs(x, topk_idx, topk_weight)
+                rec, prep = capture_for(strategy, self.recorder, lambda: prepare_body(strategy, *static, True, out),
+                                        x.device)
+                self.prep = (rec, static, prep)
+            rec, static, prep = self.prep
+        else:
+            if self.fwd is None:
+                static, out = train_inputs(x, topk_idx, topk_weight)
+                rec, state = capture_for(strategy, self.recorder,
+                                         lambda: forward_body(strategy, *static, w_up, w_down, out=out), x.device)
+                self.fwd = (rec, static, state)
+            rec, static, state = self.fwd
+        for buf, t in zip(static, (x, topk_idx, topk_weight)):
+            buf.copy_(t)
         rec.replay()
-        return state
-
-    def _forward_packed(self, strategy, x, topk_idx, topk_weight, w_up, w_down) -> TrainState:
-        if self.prep is None:
-            static = train_inputs(x, topk_idx, topk_weight)
-            out = shared_static("train.out", x.shape, x.dtype, x.device)
-            rec = self.recorder()
-            strategy.captures += 1
-            self.prep = (rec, static, rec.capture(lambda: prepare_body(strategy, *static, True, out), x.device))
-        rec, (sx, sidx, sw), prep = self.prep
-        sx.copy_(x)
-        sidx.copy_(topk_idx)
-        sw.copy_(topk_weight)
-        rec.replay()
+        if not self.packed:
+            return state
         # NOTE: a host sync: the rows received, counted by the count exchange just replayed.
         total = int(prep.rows_total)
         if self.fwd is None or total > self.rows_kept:
             self.rows_kept = kept_rows(total, strategy.buf.spec)
             self.bwd = None  # (captured over the old forward's buffers)
-            rec = self.recorder()
-            strategy.captures += 1
-            state = rec.capture(lambda: layers_body(strategy, sx, prep, self.rows_kept, w_up, w_down), x.device)
+            rec, state = capture_for(strategy, self.recorder,
+                                     lambda: layers_body(strategy, static[0], prep, self.rows_kept, w_up, w_down),
+                                     x.device)
             self.fwd = (rec, None, state)
         rec, _, state = self.fwd
         rec.replay()
@@ -416,15 +411,15 @@ class TrainGraph:
             # any other graph replays.
             (sgrad,) = static_copies("train.grad", grad)
             dx = shared_static("train.dx", grad.shape, grad.dtype, grad.device)
-            rec = self.recorder()
-            strategy.captures += 1
-            outs = rec.capture(lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation, dx), grad.device,
-                               shared_pool=True)
+            rec, outs = capture_for(strategy, self.recorder,
+                                    lambda: backward_body(strategy, state, sgrad, w_up, w_down, activation, dx),
+                                    grad.device, shared_pool=True)
             self.bwd = (rec, sgrad, outs)
         rec, sgrad, outs = self.bwd
         sgrad.copy_(grad)
         rec.replay()
         return outs
+
 
 class _Lease:
     """A call's hold on its :class:`TrainGraph`'s static buffers (kept in its autograd context):
