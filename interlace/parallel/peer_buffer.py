@@ -42,6 +42,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from interlace.parallel import symmetric
+
 _ALIGN = 256
 
 
@@ -146,20 +148,14 @@ class PeerBuffer:
     @staticmethod
     def symmetric(spec: BufferSpec, group, device: torch.device, backend: str | None = None) -> "PeerBuffer":
         """One symmetric allocation + one rendezvous (a collective: call on every rank in order)."""
-        import torch.distributed._symmetric_memory as symm_mem
+        def own(raw, handle):
+            buf = PeerBuffer(spec, dist.get_rank(group), raw, "symmetric", group)
+            buf.handle = handle
+            buf._set_tables([handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
+            return buf
 
-        if backend is not None:
-            symm_mem.set_backend(backend)  # must precede the process's first symmetric allocation
-        raw = symm_mem.empty(spec.nbytes, dtype=torch.uint8, device=device)
-        # Zeroed on the stream: a peer's first store into it follows the first call's count
-        # all-gather, which every rank reaches only after this.
-        raw.zero_()
-        handle = symm_mem.rendezvous(raw, group)
-        rank = dist.get_rank(group)
-        buf = PeerBuffer(spec, rank, raw, "symmetric", group)
-        buf.handle = handle
-        buf._set_tables([handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
-        return buf
+        # (zeroed on the stream: a peer's first store into it follows the first call's count all-gather)
+        return symmetric.allocate(spec.nbytes, group, device, own, backend)
 
     @staticmethod
     def staged(spec: BufferSpec, group, device: torch.device) -> "PeerBuffer":
@@ -308,6 +304,7 @@ def release_shared_buffers() -> int:
         fn()
     n = len(_CACHE)
     _CACHE.clear()
+    symmetric.free_unowned()
     return n
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from interlace.kernels import alloc
+from interlace.parallel import symmetric
 
 _POOLS: dict = {}  # CUDA device index → the shared graph pool's handle
 
@@ -86,6 +87,7 @@ class CudaGraphRecorder:
         torch.cuda.synchronize(device)  # a capture syncs once (the first graph call of a token count)
         with torch.cuda.graph(self.graph, pool=device_pool(device) if shared_pool else None):
             out = fn()
+        symmetric.free_unowned()  # (what died during the capture: see interlace.parallel.symmetric)
         return out
 
     def replay(self) -> None:

@@ -41,6 +41,7 @@ from interlace.kernels.persistent.config import (
 from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.protocol import Word, describe_error, state_views, state_words
 from interlace.kernels.rows import _INTERPRET
+from interlace.parallel import symmetric
 from interlace.parallel.peer_buffer import pack_regions, region_views
 
 # Seconds a wait polls on a GPU before it gives up. Generous: a peer's first call of a shape can
@@ -99,13 +100,12 @@ class DistBuffer:
     @staticmethod
     def symmetric(spec: DistSpec, group, device: torch.device) -> DistBuffer:
         """One symmetric allocation and one rendezvous (a collective: every rank, same order)."""
-        import torch.distributed._symmetric_memory as symm_mem
+        def own(raw, handle):
+            buf = DistBuffer(spec, dist.get_rank(group), raw, "symmetric", group)
+            buf.handle = handle
+            return buf
 
-        raw = symm_mem.empty(spec.nbytes, dtype=torch.uint8, device=device)
-        raw.zero_()
-        handle = symm_mem.rendezvous(raw, group)
-        buf = DistBuffer(spec, dist.get_rank(group), raw, "symmetric", group)
-        buf.handle = handle
+        buf = symmetric.allocate(spec.nbytes, group, device, own)
         # NOTE: a host sync, once: no peer may store into this rank's memory before it is zeroed.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
