@@ -328,10 +328,17 @@ class AutoDecider:
         group = group if group is not None else self.group
         cands = state.plan.candidates
         n = len(cands)
-        local, total, waiting, captured = [], 0.0, 0, []
+        # Every timed sample's time and whether it captured a graph, each agreed sample by sample
+        # (the max over ranks: the slowest rank's time; captured anywhere). A capture on one rank
+        # delays the same call on the others, which wait for it in the call's exchanges: that
+        # call is left out on every rank. Samples line up across ranks: every rank serves the
+        # same schedule, whose length is agreed (its extensions are).
+        slots = len(state.schedule)
+        ms_of = [[math.inf] * slots for _ in range(n)]
+        captured_in = [[0.0] * slots for _ in range(n)]
+        total = 0.0
         for c, spec in enumerate(cands):
-            times = []
-            for sample in state.samples[c]:
+            for j, sample in enumerate(state.samples[c]):
                 if not sample.complete:  # a training call whose backward has not run yet
                     continue
                 ms = sample.ms(clock)
@@ -339,16 +346,22 @@ class AutoDecider:
                     ms = self.measure_override(spec, ms)
                 if math.isfinite(ms):
                     total += ms
-                if not sample.warm and not sample.captured:
-                    times.append(ms)
-            local.append(statistics.median(times) if times else math.inf)
-            waiting += not times
-            captured.append(sum(s.captured and not s.warm for s in state.samples[c]))
-        vec = torch.tensor(local + captured + [total, waiting], dtype=torch.float64)
+                if not sample.warm:
+                    ms_of[c][j] = ms
+                    captured_in[c][j] = float(sample.captured)
+        vec = torch.tensor([v for row in ms_of + captured_in for v in row] + [total], dtype=torch.float64)
         if group is not None:  # on the side channel: host values, no GPU stream involved
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         agreed = vec.tolist()
-        times, captured, total, waiting = agreed[:n], agreed[n:2 * n], agreed[-2], agreed[-1]
+        total = agreed[-1]
+        times, captured = [], []
+        for c in range(n):
+            ms_row = agreed[c * slots:(c + 1) * slots]
+            cap_row = agreed[(n + c) * slots:(n + c + 1) * slots]
+            kept = [ms for ms, cap in zip(ms_row, cap_row) if not cap and math.isfinite(ms)]
+            times.append(statistics.median(kept) if kept else math.inf)
+            captured.append(sum(cap_row))
+        waiting = sum(not math.isfinite(t) for t in times)
         again = [c for c in range(n) if captured[c] > state.recaptured[c]]
         if again and sum(state.recaptured) < self.options.samples * n:
             # A timed call that captured a graph on some rank: every rank times those candidates

@@ -106,37 +106,39 @@ def _uneven_calls(rank, world, tmp):
         assert c.calibration_calls == 2
 
 
-def _captured_calls(rank, world, tmp, train):
-    """A timed call during which a candidate captured a CUDA graph (here rank 1's first
-    pipelined:2 call, made slow) is not counted: every rank schedules that candidate once more
-    (the same calls on both ranks), and that sample stays out of its time."""
+def _slow_first_call(layer, ran, spec: str, captures: bool, seconds: float) -> None:
+    """The first call of ``spec`` (before the spy logs it in ``ran``) sleeps ``seconds`` and, with
+    ``captures``, counts as one that captured a CUDA graph."""
     import time
 
-    _set_profile_dir(tmp)
-    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
-                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 2, "extra_samples": 0})
-    ran = []
-    _spy(layer, ran)
     make = layer.strategy._impl
 
-    class CapturesOnce:
+    class SlowFirst:
         def __init__(self, spy):
             self.spy = spy
 
         def __call__(self, *args):
-            if "pipelined:2" not in ran:  # (before the spy logs it: rank 1's first pipelined:2 call)
-                self.spy.inner.captures += 1
-                time.sleep(0.3)
+            if spec not in ran:
+                self.spy.inner.captures += captures
+                time.sleep(seconds)
             return self.spy(*args)
 
         def __getattr__(self, name):
             return getattr(self.spy, name)
 
-    def impl(spec, agreed):
-        spy = make(spec, agreed)
-        return CapturesOnce(spy) if spec == "pipelined:2" and rank == 1 else spy
+    layer.strategy._impl = lambda s, agreed: SlowFirst(make(s, agreed)) if s == spec else make(s, agreed)
 
-    layer.strategy._impl = impl
+
+def _captured_calls(rank, world, tmp, train):
+    """A timed call during which a candidate captured a CUDA graph (here rank 1's first
+    pipelined:2 call, made slow) is not counted: every rank schedules that candidate once more
+    (the same calls on both ranks), and that sample stays out of its time."""
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 2, "extra_samples": 0})
+    ran = []
+    _spy(layer, ran)
+    _slow_first_call(layer, ran, "pipelined:2", captures=rank == 1, seconds=0.3 if rank == 1 else 0.0)
     g = torch.Generator().manual_seed(rank)
     for _ in range(7):
         x = torch.randn(12, CFG.hidden, generator=g).requires_grad_(train)
@@ -155,6 +157,30 @@ def _captured_calls(rank, world, tmp, train):
 @pytest.mark.parametrize("train", [False, True])
 def test_a_call_that_captured_a_graph_is_timed_again(tmp_path, train):
     run_gloo(_captured_calls, 2, str(tmp_path), train)
+
+
+def _capture_delays_peer(rank, world, tmp):
+    """Rank 1 captures a graph in its first pipelined:2 call and rank 0, whose call waits for it in
+    the call's exchanges (here: sleeps as long), does not: the call is left out on both ranks, so
+    the slow sample moves neither rank's time (with one sample more, a median of two would)."""
+    _set_profile_dir(tmp)
+    layer = MoELayer(CFG, strategy="auto", seed=3, device="cpu",
+                     strategy_options={"candidates": CANDS, "warmup": 0, "samples": 1, "extra_samples": 0})
+    ran = []
+    _spy(layer, ran)
+    _slow_first_call(layer, ran, "pipelined:2", captures=rank == 1, seconds=1.0)
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for _ in range(5):
+            layer(torch.randn(12, CFG.hidden, generator=g))
+    ((key, choice),) = layer.strategy.choices.items()
+    assert choice.calibration_calls == 3 and ran[:3].count("pipelined:2") == 2
+    # (a median over the slow call and the next would take half its second of sleep)
+    assert choice.times_ms["pipelined:2"] < 1.5 * choice.times_ms["sequential"], choice.times_ms
+
+
+def test_a_graph_captured_on_one_rank_leaves_the_call_out_on_every_rank(tmp_path):
+    run_gloo(_capture_delays_peer, 2, str(tmp_path))
 
 
 def test_uneven_and_zero_counts_2_ranks(tmp_path):
