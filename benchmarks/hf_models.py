@@ -281,6 +281,14 @@ def auto_choices(model, tokens: int, mode: str) -> list[str] | None:
     return [c.spec if c is not None else "undecided" for c in choices] or None
 
 
+def auto_decisions(model, tokens: int, mode: str) -> list[dict] | None:
+    """Each ``auto`` block's decision for ``tokens`` and ``mode`` in full (its candidates'
+    times, its notes; :class:`interlace.strategies.auto_decisions.Choice`), None where undecided."""
+    choices = [b.strategy.choice_for(tokens, mode) for b in interlace.hf.moe_blocks(model)
+               if hasattr(b.strategy, "choice_for")]
+    return [c.to_json() if c is not None else None for c in choices] or None
+
+
 def undecided_blocks(model, tokens: int, mode: str) -> int:
     """How many auto blocks have not decided yet (every rank decides at the same call, so every
     rank sees the same count)."""
@@ -376,6 +384,7 @@ def run_model(bench: Bench, name: str) -> None:
                 row["strategy"] = to_interlace(bench, model)
             row["tokens_per_s"] = round(forward_rate(bench, model, inf_ids))
             row["auto_ran"] = auto_choices(model, args.inf_batch * args.inf_seq, "fwd")
+            row["auto_decisions"] = auto_decisions(model, args.inf_batch * args.inf_seq, "fwd")
             if bench.cuda:
                 row["max_memory_gb"] = round(torch.cuda.max_memory_allocated(bench.device) / 2**30, 1)
                 torch.cuda.reset_peak_memory_stats(bench.device)
@@ -395,7 +404,8 @@ def run_model(bench: Bench, name: str) -> None:
             row = dict(base, part="train", impl=impl, strategy=strategy, steps=args.steps, init_checksum=init,
                        tokens_per_step=bench.world * args.train_batch * args.train_seq, calibrating_steps=calibrating,
                        step_s_median=median_after_warmup(times, calibrating), step_s=[round(t, 5) for t in times],
-                       losses=losses, auto_ran=auto_choices(model, args.train_batch * args.train_seq, "fwdbwd"))
+                       losses=losses, auto_ran=auto_choices(model, args.train_batch * args.train_seq, "fwdbwd"),
+                       auto_decisions=auto_decisions(model, args.train_batch * args.train_seq, "fwdbwd"))
             if bench.cuda:
                 row["max_memory_gb"] = round(torch.cuda.max_memory_allocated(bench.device) / 2**30, 1)
                 torch.cuda.reset_peak_memory_stats(bench.device)

@@ -10,6 +10,7 @@ traces land in $OUT (or ./bench-out) as trace_<config>_<strategy>.json.
 
 import argparse
 import os
+import re
 import statistics
 import time
 
@@ -70,7 +71,7 @@ def main():
                 print(f"\n=== {name} T={args.tokens} {strategy} {mode}: wall {statistics.median(walls):.3f} ms, "
                       f"host issue {statistics.median(issue):.3f} ms (per call; profiled 5 calls below)")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
-                prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}_{strategy}_{mode}.json"))
+                prof.export_chrome_trace(os.path.join(out_dir, re.sub(r"[^\w.-]", "-", f"trace_{name}_{strategy}_{mode}.json")))
     release_shared_buffers()  # before the group goes: see its docstring
     dist.destroy_process_group()
 
