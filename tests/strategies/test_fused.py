@@ -646,7 +646,7 @@ def _lean_graphs(rank, world):
 
     cfg = SMALL
     keep_rows, kept = train.kept_rows, []
-    train.kept_rows = lambda total, spec: kept.append(total) or max(total, 1)
+    train.kept_rows = lambda total, spec, previous=0: kept.append(total) or max(total, 1)
     try:
         layers = {}
         for name in ("eager", "graphs"):
@@ -670,6 +670,22 @@ def _lean_graphs(rank, world):
         assert graph.fwd[2].pre.shape[0] == graph.rows_kept < world * layers["graphs"].strategy.buf.spec.cap
     finally:
         train.kept_rows = keep_rows
+
+
+def test_kept_rows_headroom():
+    """A captured fused:lean forward keeps 1/16 more rows than it received, in 256s; one that
+    outgrew its graph at least 1/4 more than before; never more than W·cap, never fewer than
+    received."""
+    from types import SimpleNamespace
+
+    from interlace.strategies.fused.train import kept_rows
+
+    spec = SimpleNamespace(world=2, cap=4096)
+    assert kept_rows(1000, spec) == 1280  # 1062, in 256s
+    assert kept_rows(1300, spec, previous=1280) == 1792  # 1600, in 256s
+    assert kept_rows(3000, spec, previous=1280) == 3328  # 3187: the rows decide
+    assert kept_rows(7000, spec, previous=6800) == 8192  # 8500: W·cap
+    assert kept_rows(0, spec) == 1
 
 
 def test_fused_lean_graphs_capture_again_when_more_rows_arrive():

@@ -195,11 +195,14 @@ def prepare_body(strategy, x, topk_idx, topk_weight, packed: bool, out=None) -> 
     return Prepared(call, index, rows, base, total)
 
 
-def kept_rows(total: int, spec) -> int:
+def kept_rows(total: int, spec, previous: int = 0) -> int:
     """Rows to allocate for ``total`` rows received: exactly that eagerly; a captured forward
-    takes 1/16 more, in whole 256s (so routing that moves a little does not capture again),
-    never more than the receive layout's W·cap."""
-    return max(min((total + total // 16 + 255) // 256 * 256, spec.world * spec.cap), total, 1)
+    takes 1/16 more, in whole 256s (so routing that moves a little does not capture again), and
+    when it outgrew ``previous`` rows, at least 1/4 more than those (routing that drifts during
+    training, as experts specialise, captures again a few times, not at every step); never more
+    than the receive layout's W·cap."""
+    want = max(total + total // 16, previous + previous // 4 if previous else 0)
+    return max(min((want + 255) // 256 * 256, spec.world * spec.cap), total, 1)
 
 
 def layers_body(strategy, x, prep: Prepared, rows_kept: int | None, w_up, w_down) -> TrainState:
@@ -391,7 +394,7 @@ class TrainGraph:
         # NOTE: a host sync: the rows received, counted by the count exchange just replayed.
         total = int(prep.rows_total)
         if self.fwd is None or total > self.rows_kept:
-            self.rows_kept = kept_rows(total, strategy.buf.spec)
+            self.rows_kept = kept_rows(total, strategy.buf.spec, self.rows_kept)
             self.bwd = None  # (captured over the old forward's buffers)
             rec, state = capture_for(strategy, self.recorder,
                                      lambda: layers_body(strategy, static[0], prep, self.rows_kept, w_up, w_down),
