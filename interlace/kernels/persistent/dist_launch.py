@@ -109,7 +109,7 @@ class DistBuffer:
         # NOTE: a host sync, once: no peer may store into this rank's memory before it is zeroed.
         torch.cuda.synchronize(device)
         dist.barrier(group=group)
-        buf._set_tables([handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
+        buf._set_tables([buf.handle.get_buffer(r, (spec.nbytes,), torch.uint8).data_ptr() for r in range(spec.world)])
         return buf
 
     @staticmethod
