@@ -42,7 +42,8 @@ class Choice:
     decision read from the decision cache), ``"interpolated"`` (both measured neighbouring
     buckets agree on it), ``"predicted"`` (from the performance model or a rule, nothing timed).
     ``times_ms``: per candidate, the median over its timed calls of each call's slowest rank's
-    time, calls that captured a CUDA graph on some rank left out (what the group agreed on); ``predicted_ms``: the model's prediction where it has one.
+    time, calls that captured a CUDA graph on some rank left out (what the group agreed on);
+    ``predicted_ms``: the model's prediction where it has one.
     ``calibration_ms``: the time of every calibration call (max over ranks), warm-ups included;
     ``overhead_ms``: that minus the same number of calls at the winner's median time.
     """

@@ -336,6 +336,7 @@ class AutoDecider:
         slots = len(state.schedule)
         ms_of = [[math.inf] * slots for _ in range(n)]
         captured_in = [[0.0] * slots for _ in range(n)]
+        untimed = [[1.0] * slots for _ in range(n)]  # warm, or incomplete (a backward still to run)
         total = 0.0
         for c, spec in enumerate(cands):
             for j, sample in enumerate(state.samples[c]):
@@ -347,21 +348,23 @@ class AutoDecider:
                 if math.isfinite(ms):
                     total += ms
                 if not sample.warm:
-                    ms_of[c][j] = ms
-                    captured_in[c][j] = float(sample.captured)
-        vec = torch.tensor([v for row in ms_of + captured_in for v in row] + [total], dtype=torch.float64)
+                    ms_of[c][j], captured_in[c][j], untimed[c][j] = ms, float(sample.captured), 0.0
+        vec = torch.tensor([v for rows in (ms_of, captured_in, untimed) for row in rows for v in row] + [total],
+                           dtype=torch.float64)
         if group is not None:  # on the side channel: host values, no GPU stream involved
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         agreed = vec.tolist()
         total = agreed[-1]
-        times, captured = [], []
+
+        def row(table: int, c: int) -> list[float]:
+            return agreed[(table * n + c) * slots:(table * n + c + 1) * slots]
+
+        times, captured, waiting = [], [], 0
         for c in range(n):
-            ms_row = agreed[c * slots:(c + 1) * slots]
-            cap_row = agreed[(n + c) * slots:(n + c + 1) * slots]
-            kept = [ms for ms, cap in zip(ms_row, cap_row) if not cap and math.isfinite(ms)]
+            kept = [ms for ms, cap, skip in zip(row(0, c), row(1, c), row(2, c)) if not cap and not skip]
             times.append(statistics.median(kept) if kept else math.inf)
-            captured.append(sum(cap_row))
-        waiting = sum(not math.isfinite(t) for t in times)
+            captured.append(sum(row(1, c)))
+            waiting += not kept
         again = [c for c in range(n) if captured[c] > state.recaptured[c]]
         if again and sum(state.recaptured) < self.options.samples * n:
             # A timed call that captured a graph on some rank: every rank times those candidates
