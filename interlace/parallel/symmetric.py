@@ -14,14 +14,12 @@ interlace's own captures, :class:`~interlace.strategies.graphs.CudaGraphRecorder
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
 
-_HELD: dict[int, tuple[torch.Tensor, object]] = {}  # key → (allocation, rendezvous handle), owner alive
+_OWNERS: weakref.WeakSet = weakref.WeakSet()  # the owners alive (their finalizers hold the allocations)
 _WAITING: list[tuple[torch.Tensor, object]] = []  # owner died during a capture: freed at the next free_unowned
-_KEYS = itertools.count()
 
 
 def allocate(nbytes: int, group, device: torch.device, owner_factory, backend: str | None = None):
@@ -47,16 +45,14 @@ def allocate(nbytes: int, group, device: torch.device, owner_factory, backend: s
 def hold(owner, raw: torch.Tensor, handle) -> None:
     """Keep ``raw`` and ``handle`` while ``owner`` lives, and past its death until no capture is
     under way (:func:`allocate` calls this; tests call it with stand-ins)."""
-    key = next(_KEYS)
-    _HELD[key] = (raw, handle)
-    weakref.finalize(owner, _owner_died, key).atexit = False
+    _OWNERS.add(owner)
+    weakref.finalize(owner, _owner_died, raw, handle).atexit = False  # (the finalizer holds both)
 
 
-def _owner_died(key: int) -> None:
-    entry = _HELD.pop(key, None)
-    if entry is not None and capturing():
-        _WAITING.append(entry)  # (freeing it now would abort the process)
-    # else: the last references go with ``entry``, here
+def _owner_died(raw: torch.Tensor, handle) -> None:
+    if capturing():
+        _WAITING.append((raw, handle))  # (freeing it now would abort the process)
+    # else: the finalizer's references, the last, go when it returns
 
 
 def capturing() -> bool:
@@ -76,4 +72,4 @@ def free_unowned() -> int:
 
 def held() -> tuple[int, int]:
     """(allocations whose owner lives, allocations waiting to be freed)."""
-    return len(_HELD), len(_WAITING)
+    return len(_OWNERS), len(_WAITING)

@@ -201,7 +201,7 @@ def kept_rows(total: int, spec, previous: int = 0) -> int:
     when it outgrew ``previous`` rows, at least 1/4 more than those (routing that drifts during
     training, as experts specialise, captures again a few times, not at every step); never more
     than the receive layout's W·cap."""
-    want = max(total + total // 16, previous + previous // 4 if previous else 0)
+    want = max(total + total // 16, previous + previous // 4)
     return max(min((want + 255) // 256 * 256, spec.world * spec.cap), total, 1)
 
 
