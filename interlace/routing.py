@@ -202,10 +202,13 @@ def route_logits(
             and fused_topk_supports(config)):
         if torch.compiler.is_compiling():
             # The kernel's choice as an opaque op (Dynamo cannot trace its launch), so a compiled
-            # layer picks the experts an eager one picks; the weights of those experts in plain
-            # torch, differentiable as _FusedRouteTopK's backward is.
-            topk_idx, _ = route_topk_op(logits.detach(), expert_bias, config.top_k, config.router == "softmax",
-                                        config.renormalize, float(config.route_scale))
+            # layer picks the experts an eager one picks. Where a gradient is wanted, the weights
+            # of those experts in plain torch, differentiable as _FusedRouteTopK's backward is;
+            # else the kernel's own weights, as eagerly (no softmax kernels beside it).
+            topk_idx, weight = route_topk_op(logits.detach(), expert_bias, config.top_k, config.router == "softmax",
+                                             config.renormalize, float(config.route_scale))
+            if not (torch.is_grad_enabled() and logits.requires_grad):
+                return topk_idx, weight
             return topk_idx, topk_weights(router_scores(logits, config), topk_idx, config)
         return _FusedRouteTopK.apply(logits, expert_bias, config)
     if config.softmax_after_topk:

@@ -143,19 +143,23 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out
     return c.sum(0).to(out_dtype) if splits > 1 else c
 
 
-@torch.library.custom_op("interlace::split_mm", mutates_args=())
-def split_mm_op(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """:func:`split_mm` as an opaque ``torch.library`` op, for ``torch.compile`` (Dynamo cannot
-    trace a Triton launch through :func:`interlace.kernels.launch.launch`); eager callers call
-    :func:`split_mm` itself. Not differentiable by itself: the router's autograd Function calls
-    it in its forward and backward."""
-    return split_mm(a, b, pieces_a, pieces_b, out_dtype)
+# :func:`split_mm` as an opaque op, for ``torch.compile`` (Dynamo cannot trace a Triton launch
+# through :func:`interlace.kernels.launch.launch`); eager callers call :func:`split_mm` itself. Not
+# differentiable by itself: the router's autograd Function calls it in its forward and backward.
+# Registered with the low-level torch.library API (one Python kernel: a compiled step calls it
+# three times per layer, and ``torch.library.custom_op``'s wrappers would double its host time).
+_LIB = torch.library.Library("interlace", "FRAGMENT")
+_LIB.define("split_mm(Tensor a, Tensor b, int pieces_a, int pieces_b, ScalarType out_dtype) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("split_mm", split_mm, "CompositeExplicitAutograd")
 
 
-@split_mm_op.register_fake
 def _split_mm_fake(a, b, pieces_a, pieces_b, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+torch.library.register_fake("interlace::split_mm", _split_mm_fake, lib=_LIB)
+split_mm_op = torch.ops.interlace.split_mm.default
 
 
 def split_bf16(t: torch.Tensor, pieces: int = 3) -> torch.Tensor:

@@ -125,16 +125,21 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, soft
     return idx, weight
 
 
-@torch.library.custom_op("interlace::route_topk", mutates_args=())
-def route_topk_op(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, softmax: bool,
-                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route_topk` as an opaque ``torch.library`` op, for ``torch.compile`` (Dynamo cannot
-    trace the kernel's launch): a compiled layer routes exactly as an eager one. Forward only, as
-    :func:`route_topk`; the router's autograd Function differentiates around it."""
-    return route_topk(logits, bias, top_k, softmax, renormalize, scale)
+# :func:`route_topk` as an opaque op, for ``torch.compile`` (Dynamo cannot trace the kernel's
+# launch): a compiled layer routes exactly as an eager one. Forward only, as :func:`route_topk`;
+# the router's autograd Function differentiates around it. Registered with the low-level
+# torch.library API (one Python kernel per call; ``torch.library.custom_op``'s wrappers would
+# double its host time in a compiled step).
+_LIB = torch.library.Library("interlace", "FRAGMENT")
+_LIB.define("route_topk(Tensor logits, Tensor? bias, int top_k, bool softmax, bool renormalize, float scale) "
+            "-> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("route_topk", route_topk, "CompositeExplicitAutograd")
 
 
-@route_topk_op.register_fake
 def _route_topk_fake(logits, bias, top_k, softmax, renormalize, scale):
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.int64), logits.new_empty((T, top_k), dtype=torch.float32))
+
+
+torch.library.register_fake("interlace::route_topk", _route_topk_fake, lib=_LIB)
+route_topk_op = torch.ops.interlace.route_topk.default

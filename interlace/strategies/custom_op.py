@@ -117,14 +117,28 @@ class _SavedCall(bytearray):
     leaves: tuple[Tensor, ...] | None = None
 
 
-@torch.library.custom_op("interlace::moe_experts", mutates_args=())
-def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
-                strategy_key: Tensor, needs_grad: list[bool], scales: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """x (T, N), topk_idx (T, k) int64, topk_weight (T, k), w_up (E_local, up_width, N),
-    w_down (E_local, N, K), strategy_key (1,) int64 on the CPU, ``scales``: [] for dense weights,
-    or FP8 weights' block scales [w_up's, w_down's] → out (T, N) in x.dtype, handle (1,) int64
-    on the CPU."""
-    strategy = strategy_by_key(int(strategy_key[0]))
+# The two ops are registered with torch.library's low-level API, not ``torch.library.custom_op``:
+# a compiled step calls each once per layer, and custom_op's generic wrappers (its autograd
+# kernel's metadata, the redispatch and output-aliasing checks in Python, a Dynamo-disable
+# wrapper) cost about as much host time again as the calls themselves. Here an eager call is
+# one Python kernel below autograd, plus the thin autograd kernel at the top.
+_LIB = torch.library.Library("interlace", "FRAGMENT")
+_LIB.define("moe_experts(Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor w_up, Tensor w_down, "
+            "Tensor strategy_key, bool[] needs_grad, Tensor[] scales) -> (Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define("moe_experts_backward(Tensor handle, Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weight, "
+            "Tensor w_up, Tensor w_down, bool[] needs_grad) -> Tensor[]", tags=(torch.Tag.pt2_compliant_tag,))
+_MOE_EXPERTS = torch.ops.interlace.moe_experts.default
+_MOE_EXPERTS_BACKWARD = torch.ops.interlace.moe_experts_backward.default
+
+
+def _moe_experts_impl(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, w_down: Tensor,
+                      strategy_key: Tensor, needs_grad: list[bool], scales: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """``interlace::moe_experts``: x (T, N), topk_idx (T, k) int64, topk_weight (T, k), w_up
+    (E_local, up_width, N), w_down (E_local, N, K), strategy_key (1,) int64 on the CPU, ``scales``:
+    [] for dense weights, or FP8 weights' block scales [w_up's, w_down's] → out (T, N) in x.dtype,
+    handle (1,) int64 on the CPU."""
+    strategy = strategy_by_key(strategy_key.item())
     if scales:
         if any(needs_grad):
             raise RuntimeError(FP8_TRAINING)
@@ -143,21 +157,19 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Tensor, 
     return out.detach().contiguous(), handle
 
 
-@moe_experts.register_fake
 def _moe_experts_fake(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("interlace::moe_experts_backward", mutates_args=())
-def moe_experts_backward(handle: Tensor, grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
-                         w_up: Tensor, w_down: Tensor, needs_grad: list[bool]) -> list[Tensor]:
-    """The gradients of the :func:`moe_experts` call that returned ``handle``, for the inputs
-    ``needs_grad`` names, in (x, topk_weight, w_up, w_down) order. The forward's inputs are
-    passed only to keep their buffers intact until here: the kept graph may read them (the
-    Triton expert kernels save ``x`` itself), and compiled code reuses a buffer in place once
-    no op of its graph reads it any more. ``topk_weight``, ``w_up`` and ``w_down`` also give
-    their shapes to the fake implementation."""
-    key = int(handle[0])
+def _moe_experts_backward_impl(handle: Tensor, grad_out: Tensor, x: Tensor, topk_idx: Tensor, topk_weight: Tensor,
+                               w_up: Tensor, w_down: Tensor, needs_grad: list[bool]) -> list[Tensor]:
+    """``interlace::moe_experts_backward``: the gradients of the ``moe_experts`` call that returned
+    ``handle``, for the inputs ``needs_grad`` names, in (x, topk_weight, w_up, w_down) order. The
+    forward's inputs are passed only to keep their buffers intact until here: the kept graph may
+    read them (the Triton expert kernels save ``x`` itself), and compiled code reuses a buffer in
+    place once no op of its graph reads it any more. ``topk_weight``, ``w_up`` and ``w_down`` also
+    give their shapes to the fake implementation."""
+    key = handle.item()
     saved = _PENDING.pop(key, None)
     if saved is None or saved.out is None:
         raise RuntimeError("interlace: a second backward through one compiled MoE layer call (retain_graph=True "
@@ -173,38 +185,72 @@ def moe_experts_backward(handle: Tensor, grad_out: Tensor, x: Tensor, topk_idx: 
     return [torch.zeros_like(leaf) if g is None else g.contiguous() for g, leaf in zip(grads, leaves)]
 
 
-@moe_experts_backward.register_fake
 def _moe_experts_backward_fake(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, needs_grad):
     likes = (grad_out, topk_weight, w_up, w_down)
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t, need in zip(likes, needs_grad) if need]
 
 
-def _setup_context(ctx, inputs, output):
-    x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales = inputs
-    ctx.needs_grad = list(needs_grad)
-    ctx.num_scales = len(scales)  # (FP8: none of them gets a gradient; the call refuses one)
-    # x and topk_idx too: saved (and handed to the backward op) so that compiled code keeps their
-    # buffers until the backward; the kept graph reads them through its own references, which
-    # the compiler does not see (measured: inductor wrote a later result over x's buffer, and the
-    # expert gradients of sequential:triton came out wrong, where no other op saved x).
-    ctx.save_for_backward(output[1], x, topk_idx, topk_weight, w_up, w_down)
+class _MoEExperts(torch.autograd.Function):
+    """The op's autograd: saves ``handle`` for backward, and the forward's inputs, which the kept
+    graph may read (compiled code would otherwise reuse their buffers once the forward no longer
+    reads them; measured: inductor wrote a later result over x's buffer, and the expert gradients
+    of sequential:triton came out wrong, where no other op saved x). Its backward is the op
+    ``moe_experts_backward``."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, handle = _MOE_EXPERTS(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)
+        ctx.needs_grad = list(needs_grad)
+        ctx.mark_non_differentiable(handle)
+        ctx.save_for_backward(handle, x, topk_idx, topk_weight, w_up, w_down)
+        return out, handle
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_handle):
+        handle, x, topk_idx, topk_weight, w_up, w_down = ctx.saved_tensors
+        grads = iter(_MOE_EXPERTS_BACKWARD(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, ctx.needs_grad))
+        dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
+        return dx, None, dweight, dup, ddown, None, None, None
 
 
-def _backward(ctx, grad_out, _grad_handle):
-    handle, x, topk_idx, topk_weight, w_up, w_down = ctx.saved_tensors
-    grads = iter(moe_experts_backward(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, ctx.needs_grad))
-    dx, dweight, dup, ddown = (next(grads) if need else None for need in ctx.needs_grad)
-    return dx, None, dweight, dup, ddown, None, None, [None] * ctx.num_scales
+def _moe_experts_autograd(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales):
+    if torch.is_grad_enabled() and (x.requires_grad or topk_weight.requires_grad or w_up.requires_grad
+                                    or w_down.requires_grad):
+        return _MoEExperts.apply(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)
+    with torch._C._AutoDispatchBelowAutograd():  # a compiled graph's calls (it runs without grad)
+        return _MOE_EXPERTS(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)
 
 
-moe_experts.register_autograd(_backward, setup_context=_setup_context)
+class _NoDoubleBackward(torch.autograd.Function):
+    """The backward op called with grad mode on (``create_graph=True``): its gradients, whose own
+    backward raises."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return tuple(_MOE_EXPERTS_BACKWARD(*args))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("interlace: double backward (create_graph=True) through a compiled MoE layer is not "
+                           "supported")
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("interlace: double backward (create_graph=True) through a compiled MoE layer is not supported")
+def _moe_experts_backward_autograd(handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, needs_grad):
+    args = (handle, grad_out, x, topk_idx, topk_weight, w_up, w_down, needs_grad)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args[1:7]):
+        return list(_NoDoubleBackward.apply(*args))
+    with torch._C._AutoDispatchBelowAutograd():
+        return _MOE_EXPERTS_BACKWARD(*args)
 
 
-moe_experts_backward.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+_LIB.impl("moe_experts", _moe_experts_impl, "CompositeExplicitAutograd")
+_LIB.impl("moe_experts", _moe_experts_autograd, "Autograd")
+_LIB.impl("moe_experts_backward", _moe_experts_backward_impl, "CompositeExplicitAutograd")
+_LIB.impl("moe_experts_backward", _moe_experts_backward_autograd, "Autograd")
+torch.library.register_fake("interlace::moe_experts", _moe_experts_fake, lib=_LIB)
+torch.library.register_fake("interlace::moe_experts_backward", _moe_experts_backward_fake, lib=_LIB)
 
 
 FP8_TRAINING = ("FP8 experts are inference-only: this call would build an autograd graph (grad mode is on and the "
@@ -223,7 +269,7 @@ def strategy_op(strategy: Strategy, x: Tensor, topk_idx: Tensor, topk_weight: Te
                         f"Strategy.__init__ (the compiled layer finds strategies by that key)")
     grad = torch.is_grad_enabled()
     needs_grad = [grad and t.requires_grad for t in (x, topk_weight, w_up, w_down)]
-    out, _handle = moe_experts(x, topk_idx, topk_weight, w_up, w_down, key, needs_grad, list(scales or ()))
+    out, _handle = _MOE_EXPERTS(x, topk_idx, topk_weight, w_up, w_down, key, needs_grad, list(scales or ()))
     return out
 
 

@@ -327,4 +327,11 @@ def test_compiled_router_picks_the_eager_experts():
                                  backend="aot_eager")(logits)
         assert torch.equal(compiled[0], eager[0]), (
             f"{cfg.router}: {int((compiled[0] != eager[0]).any(1).sum())} of 400 rows chose otherwise")
-        assert rel_err(compiled[1], eager[1]) < TOL, cfg.router
+        # No gradient wanted: the kernel's own weights, bitwise eager's.
+        assert torch.equal(compiled[1], eager[1]), cfg.router
+        # A gradient wanted: the weights in plain torch (differentiable), within fp32 rounding.
+        leaf = logits.clone().requires_grad_()
+        fn = torch.compile(lambda lg: route_logits(lg, bias, cfg, fused=True), fullgraph=True, backend="aot_eager")
+        idx, weight = fn(leaf)
+        assert torch.equal(idx, eager[0]) and rel_err(weight, eager[1]) < TOL, cfg.router
+        assert weight.requires_grad, cfg.router
