@@ -14,7 +14,7 @@ from interlace.kernels.activation import activation_reference
 from interlace.parallel.comm import ExpertParallel
 from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
 from interlace.strategies.base import fp8_strategy_names
-from interlace.strategies.custom_op import run_strategy
+from interlace.strategies.custom_op import run_routed, run_strategy
 
 
 def init_expert_weights(
@@ -162,7 +162,9 @@ class ExpertShard(nn.Module):
                 raise ValueError(f"strategy {strategy.name!r} does not run FP8 experts; "
                                  f"strategies that do: {', '.join(fp8_strategy_names())}")
             scales = tuple(getattr(self, name) for name in self.scale_names)
-        if router is not None:  # (never under torch.compile: the layers route first there)
+        if router is not None:
+            if torch.compiler.is_compiling():  # (inference: the router and strategy in one op)
+                return run_routed(strategy, router, x, w_up, w_down, scales)
             return strategy.forward_layer(x, router, *self.expert_weights())
         return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
 

@@ -235,8 +235,10 @@ class MoELayer(nn.Module):
             check_expert_indices(expert_indices, x.shape[0], self.config, values=not again)
             self._checked_indices = (weakref.ref(expert_indices), version)
         # (a rank without tokens has no indices to honour: it may take either path, as its peers do)
-        routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
-        if not compiling:  # (compiled: the strategy posts inside its own call)
+        if compiling:  # (the strategy posts inside its own op, and there decides whether it routes)
+            routed = self._routes_when_compiled(x, expert_indices, router, w_up, w_down)
+        else:
+            routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
             routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared expert first, on a side stream on CUDA (config.shared_overlap): it runs while
@@ -266,6 +268,17 @@ class MoELayer(nn.Module):
         return (self.strategy.routes_itself and expert_indices is None and not torch.compiler.is_compiling()
                 and not (self.config.aux_loss_coef > 0 and self.training)
                 and self.strategy.routes_call(x, router, w_up, w_down))
+
+    def _routes_when_compiled(self, x: torch.Tensor, expert_indices: torch.Tensor | None, router,
+                              w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+        """Under ``torch.compile``: whether the call goes to the strategy with its router (the op
+        ``interlace::moe_routed``, which runs the eager layer's path from the router on, routing in
+        the kernel where the strategy takes the call): a ``routes_itself`` strategy, no forced
+        indices, no balance loss, and no gradient wanted (decided while tracing; Dynamo guards
+        grad mode and ``requires_grad``)."""
+        return (self.strategy.routes_itself and expert_indices is None
+                and not (self.config.aux_loss_coef > 0 and self.training)
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))))
 
     def extra_repr(self) -> str:
         c = self.config

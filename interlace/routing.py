@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from interlace import op_keys
 from interlace.config import MoEConfig
 from interlace.kernels.router_gemm import split_mm, split_mm_op, split_mm_reference
 from interlace.kernels.router_topk import route_topk, route_topk_op
@@ -319,6 +320,9 @@ class Router(nn.Module):
     def __init__(self, config: MoEConfig, seed: int, device: torch.device):
         super().__init__()
         self.config = config
+        # Names this router inside a compiled layer's op (interlace.op_keys): a compiled inference
+        # call may hand it to a strategy that routes inside its kernel.
+        self.op_key = op_keys.register(self)
         gen = torch.Generator(device=device).manual_seed(seed)
         w = torch.randn(config.num_experts, config.hidden, generator=gen, device=device, dtype=torch.float32)
         self.weight = nn.Parameter((w / config.hidden**0.5).to(config.router_dtype))
@@ -339,6 +343,10 @@ class Router(nn.Module):
             ``config.router_dtype``, logits (T, E) in ``config.router_dtype``.
         """
         return route(x, self.weight, self.expert_bias, self.config, expert_indices, fused)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.op_key = op_keys.register(self)  # (a copy is another router)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import itertools
-import weakref
 from typing import ClassVar
 
 import torch
 
+from interlace import op_keys
 from interlace.parallel.comm import ExpertParallel
 from interlace.config import MoEConfig
 
@@ -95,14 +94,8 @@ class Strategy:
         self._register_op_key()
 
     def _register_op_key(self) -> None:
-        # The key that names this instance inside the compiled layer's custom op
-        # (interlace.strategies.custom_op): an op takes tensors and numbers, not Python objects.
-        # A (1,) CPU tensor rather than an int: torch.compile guards an int attribute's value, so
-        # every layer (each with its own strategy) would compile its own graph; a tensor is a
-        # graph input, and layers that are compiled one by one share one graph.
-        key = next(_OP_KEYS)
-        self.op_key = torch.tensor([key], dtype=torch.int64)
-        _BY_OP_KEY[key] = self
+        # The key that names this instance inside the compiled layer's ops (interlace.op_keys).
+        self.op_key = op_keys.register(self)
 
     def __setstate__(self, state: dict) -> None:
         # A copy (copy.deepcopy, pickle) is another strategy: it gets its own key.
@@ -177,18 +170,9 @@ class Strategy:
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
-# Live strategies by ``Strategy.op_key``, weakly: a dropped strategy leaves the table.
-_OP_KEYS = itertools.count(1)
-_BY_OP_KEY: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
-
-
 def strategy_by_key(key: int) -> Strategy:
     """The live strategy whose ``op_key`` holds ``key``; ``RuntimeError`` if it was freed."""
-    strategy = _BY_OP_KEY.get(int(key))
-    if strategy is None:
-        raise RuntimeError(f"interlace: no live strategy has op_key {key} (it was freed or replaced; "
-                           f"a compiled graph whose layer changed strategy is recompiled, not reused)")
-    return strategy
+    return op_keys.lookup(key, "strategy")
 
 
 def register_strategy(cls: type[Strategy]) -> type[Strategy]:

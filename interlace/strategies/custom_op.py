@@ -61,6 +61,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from interlace import op_keys
 from interlace.fp8 import BlockFP8Weight
 from interlace.strategies.base import Strategy, strategy_by_key
 
@@ -251,6 +252,50 @@ _LIB.impl("moe_experts_backward", _moe_experts_backward_impl, "CompositeExplicit
 _LIB.impl("moe_experts_backward", _moe_experts_backward_autograd, "Autograd")
 torch.library.register_fake("interlace::moe_experts", _moe_experts_fake, lib=_LIB)
 torch.library.register_fake("interlace::moe_experts_backward", _moe_experts_backward_fake, lib=_LIB)
+
+
+# An inference call handed over with its router (a ``routes_itself`` strategy: ``persistent``,
+# ``auto``), as an eager layer hands it: the strategy may route inside its kernel. Inference only
+# (the layer calls it where no gradient is wanted), so no autograd kernel.
+_LIB.define("moe_routed(Tensor x, Tensor w_up, Tensor w_down, Tensor strategy_key, Tensor router_key, "
+            "Tensor[] scales, Tensor[] router_tensors) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
+_MOE_ROUTED = torch.ops.interlace.moe_routed.default
+
+
+def _moe_routed_impl(x: Tensor, w_up: Tensor, w_down: Tensor, strategy_key: Tensor, router_key: Tensor,
+                     scales: list[Tensor], router_tensors: list[Tensor]) -> Tensor:
+    """``interlace::moe_routed``: x (T, N) → (T, N) in x.dtype, the layer's eager inference path
+    from the router on: the strategy's agreement with its peers, then its kernel's routing where it
+    takes the call (``routes_call``), else the router and the strategy. ``router_tensors``: the
+    router's weight (and bias), inputs only so that compiled code orders the call after any
+    change of them; the router itself is found by ``router_key`` (interlace.op_keys)."""
+    strategy = strategy_by_key(strategy_key.item())
+    router = op_keys.lookup(router_key.item(), "router")
+    routed = strategy.begin_call(x.shape[0], False, strategy.routes_call(x, router, w_up, w_down))
+    if scales:
+        w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
+    if routed:
+        return strategy.forward_layer(x, router, w_up, w_down).contiguous()
+    topk_idx, topk_weight, _ = router(x, None, fused=strategy.fused_routing)
+    return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous()
+
+
+def _moe_routed_fake(x, w_up, w_down, strategy_key, router_key, scales, router_tensors):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_LIB.impl("moe_routed", _moe_routed_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("interlace::moe_routed", _moe_routed_fake, lib=_LIB)
+
+
+def run_routed(strategy: Strategy, router, x: Tensor, w_up: Tensor, w_down: Tensor,
+               scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """A compiled inference call handed over with ``router`` (an object with ``op_key``,
+    ``weight`` and ``expert_bias``, callable as :class:`~interlace.routing.Router`): the op
+    ``interlace::moe_routed``. Shapes as :func:`strategy_op`."""
+    bias = router.expert_bias
+    return _MOE_ROUTED(x, w_up, w_down, strategy.op_key, router.op_key, list(scales or ()),
+                       [router.weight] if bias is None else [router.weight, bias])
 
 
 FP8_TRAINING = ("FP8 experts are inference-only: this call would build an autograd graph (grad mode is on and the "

@@ -224,6 +224,31 @@ def test_auto_compiles_without_graph_break():
     _assert_close(_forward_backward(layer, compiled, x, grad), _forward_backward(layer, layer, x, grad), "auto")
 
 
+def test_compiled_inference_hands_the_router_to_persistent():
+    """A compiled inference call of a strategy that routes inside its kernel (``persistent``, world
+    size 1, the kernel interpreted) goes to it with the router (the op interlace::moe_routed), as
+    an eager call does: bitwise eager's output. A training call routes first, as eagerly; a deep
+    copy's router has its own key."""
+    layer = MoELayer(CFG, strategy="persistent", seed=5, device="cpu")
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    strategy, handed = layer.strategy, []
+    forward_layer = strategy.forward_layer
+    strategy.forward_layer = lambda *args: handed.append(args[0].shape[0]) or forward_layer(*args)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(9, CFG.hidden, generator=gen)
+    with torch.no_grad():
+        eager = layer(x)
+        assert handed == [9]
+        got = compiled(x)
+    assert handed == [9, 9], "the compiled inference call did not reach the strategy with its router"
+    assert torch.equal(got, eager)
+    grad = torch.randn(9, CFG.hidden, generator=gen)
+    _assert_close(_forward_backward(layer, compiled, x, grad), _forward_backward(layer, layer, x, grad), "training")
+    assert handed == [9, 9], "a training call was handed over with the router"
+    clone = copy.deepcopy(layer)
+    assert int(clone.router.op_key[0]) != int(layer.router.op_key[0])
+
+
 def test_set_strategy_recompiles():
     """A layer that switches strategy is not run through the old one; a deep copy's strategy has
     its own key."""
@@ -260,6 +285,26 @@ def test_gloo_sequential_compiled():
     """2 gloo ranks (host-side split sizes inside the op): output and every gradient against the
     fp64 reference."""
     run_gloo(_gloo_sequential, 2)
+
+
+def _gloo_auto_inference(rank, world):
+    tokens = [11, 0]  # (rank 1 holds no tokens: it follows the group in the agreement)
+    gen = torch.Generator().manual_seed(21)
+    xs = [torch.randn(T, CFG.hidden, generator=gen) for T in tokens]
+    layer = MoELayer(CFG, strategy="auto", seed=12, device="cpu")
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    refs = reference_grads(CFG, 12, xs, [torch.zeros_like(x) for x in xs])
+    with torch.no_grad():
+        for call in range(3):  # (calibration calls, then the decided strategy)
+            out = compiled(xs[rank])
+            assert rel_err(out, refs[0][rank]) < TOL, f"rank {rank}/{world} compiled auto inference, call {call}"
+
+
+def test_gloo_auto_compiled_inference():
+    """2 gloo ranks, ``auto`` compiled for inference (handed the router inside the op
+    interlace::moe_routed, where it agrees with its peer), one rank without tokens: outputs
+    against the fp64 reference."""
+    run_gloo(_gloo_auto_inference, 2)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
