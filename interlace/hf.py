@@ -67,7 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from interlace import data_parallel, shared_overlap
+from interlace import data_parallel, op_keys, shared_overlap
 from interlace.config import MoEConfig
 from interlace.experts import ExpertShard, set_fp8_weights
 from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight
@@ -288,6 +288,11 @@ class KernelRouter:
     def __init__(self, gate: nn.Module, family: Family, config: MoEConfig):
         self.gate, self.family, self.config = gate, family, config
         self._weight, self._key = None, None
+        self.op_key = op_keys.register(self)  # (names it inside a compiled block's op)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.op_key = op_keys.register(self)  # (a copy is another router)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -315,6 +320,19 @@ class KernelRouter:
         logits = self.family.logits(self.gate, x)
         idx, weight = route_logits(logits.float(), self.expert_bias, self.config, fused=fused)
         return idx, weight, logits
+
+    # What a compiled block's op interlace::moe_routed asks of its router (custom_op.run_routed): the
+    # eager block's routing where the strategy does not route this call (HF's router, its hooks run).
+    def op_tensors(self) -> list[torch.Tensor]:
+        bias = self.expert_bias
+        return [self.gate.weight] if bias is None else [self.gate.weight, bias]
+
+    def op_may_route(self) -> bool:
+        return not _collecting_outputs()
+
+    def op_route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        _, weight, idx = self.gate(x)
+        return idx, weight
 
 
 def _collecting_outputs() -> bool:
@@ -372,8 +390,12 @@ class InterlaceMoeBlock(nn.Module):
             or any(p.requires_grad for p in self.gate.parameters()))
         if train and self.experts.scale_names is not None:
             raise RuntimeError(f"{self.strategy.label}: {FP8_TRAINING}")
-        routed = self._routes_in_strategy(x)
-        if not compiling:  # (compiled: the strategy posts inside its own call)
+        if compiling:  # (the strategy posts inside its own op, and there decides whether it routes)
+            routed = self.strategy.routes_itself and not (torch.is_grad_enabled() and (
+                x.requires_grad or w_up.requires_grad or w_down.requires_grad
+                or any(p.requires_grad for p in self.gate.parameters())))
+        else:
+            routed = self._routes_in_strategy(x)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
             routed = self.strategy.begin_call(x.shape[0], train, routed)
         # The shared experts first, on a side stream on CUDA (MoEConfig.shared_overlap), beside

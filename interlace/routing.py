@@ -348,6 +348,16 @@ class Router(nn.Module):
         super().__setstate__(state)
         self.op_key = op_keys.register(self)  # (a copy is another router)
 
+    # What the compiled layer's op interlace::moe_routed asks of its router (custom_op.run_routed).
+    def op_tensors(self) -> list[torch.Tensor]:
+        return [self.weight] if self.expert_bias is None else [self.weight, self.expert_bias]
+
+    def op_may_route(self) -> bool:
+        return True
+
+    def op_route(self, x: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self(x, None, fused=fused)[:2]
+
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded.

@@ -47,3 +47,15 @@ def _own_auto_calibrations():
 
     auto_plan._SHARED.clear()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_caches():
+    """Dynamo counts recompilations of one code object (``MoELayer.forward``) over the whole
+    process, and a worker runs many files' compiled layers: each test starts from empty caches,
+    so no test meets ``recompile_limit`` through its predecessors' compiles."""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()

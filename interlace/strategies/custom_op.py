@@ -271,12 +271,13 @@ def _moe_routed_impl(x: Tensor, w_up: Tensor, w_down: Tensor, strategy_key: Tens
     change of them; the router itself is found by ``router_key`` (interlace.op_keys)."""
     strategy = strategy_by_key(strategy_key.item())
     router = op_keys.lookup(router_key.item(), "router")
-    routed = strategy.begin_call(x.shape[0], False, strategy.routes_call(x, router, w_up, w_down))
+    routed = router.op_may_route() and strategy.routes_call(x, router, w_up, w_down)
+    routed = strategy.begin_call(x.shape[0], False, routed)
     if scales:
         w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
     if routed:
         return strategy.forward_layer(x, router, w_up, w_down).contiguous()
-    topk_idx, topk_weight, _ = router(x, None, fused=strategy.fused_routing)
+    topk_idx, topk_weight = router.op_route(x, strategy.fused_routing)
     return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous()
 
 
@@ -290,12 +291,13 @@ torch.library.register_fake("interlace::moe_routed", _moe_routed_fake, lib=_LIB)
 
 def run_routed(strategy: Strategy, router, x: Tensor, w_up: Tensor, w_down: Tensor,
                scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """A compiled inference call handed over with ``router`` (an object with ``op_key``,
-    ``weight`` and ``expert_bias``, callable as :class:`~interlace.routing.Router`): the op
-    ``interlace::moe_routed``. Shapes as :func:`strategy_op`."""
-    bias = router.expert_bias
-    return _MOE_ROUTED(x, w_up, w_down, strategy.op_key, router.op_key, list(scales or ()),
-                       [router.weight] if bias is None else [router.weight, bias])
+    """A compiled inference call handed over with ``router``: the op ``interlace::moe_routed``.
+    Shapes as :func:`strategy_op`. ``router``: what a strategy's ``forward_layer`` takes (``weight``,
+    ``expert_bias``; :class:`~interlace.routing.Router`, or interlace.hf's ``KernelRouter``), plus
+    ``op_key`` (interlace.op_keys), ``op_tensors()`` (the tensors its routing reads),
+    ``op_may_route()`` (whether the kernel may route this call) and ``op_route(x, fused)`` → (topk_idx,
+    topk_weight) (the layer's own routing, where the strategy does not take the call)."""
+    return _MOE_ROUTED(x, w_up, w_down, strategy.op_key, router.op_key, list(scales or ()), router.op_tensors())
 
 
 FP8_TRAINING = ("FP8 experts are inference-only: this call would build an autograd graph (grad mode is on and the "

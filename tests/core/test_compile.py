@@ -334,6 +334,32 @@ def test_hf_model_compiles(family):
         assert g is not None and rel_err(g, r) < TOL, name
 
 
+def test_hf_model_compiled_inference_hands_the_router_to_persistent():
+    """interlace.hf with ``persistent``, a tiny qwen3_moe model compiled with fullgraph=True for
+    inference: each block reaches the strategy with its router (the op interlace::moe_routed, the
+    HF router run by the kernel) and the logits equal eager's bitwise."""
+    transformers = pytest.importorskip("transformers")
+    from interlace.hf import moe_blocks, replace_moe_blocks
+
+    model_cls, config_cls, fields = HF_FAMILIES["qwen3_moe"]
+    config = getattr(transformers, config_cls)(**{**HF_COMMON, "output_router_logits": False, **fields})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).float()
+    replace_moe_blocks(model, strategy="persistent")
+    handed = []
+    for block in moe_blocks(model):
+        forward_layer = block.strategy.forward_layer
+        block.strategy.forward_layer = lambda *a, f=forward_layer: handed.append(a[0].shape[0]) or f(*a)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = model(ids).logits
+        calls = len(handed)
+        got = compiled(ids).logits
+    assert calls == len(moe_blocks(model)) and len(handed) == 2 * calls, handed
+    assert torch.equal(got, eager)
+
+
 def test_bf16_split_router_compiles():
     """bf16 activations with the fp32 router's ``"split"`` GEMM (the default on GPUs): its Triton
     kernel is the opaque op ``interlace::split_mm`` under compile (here through the interpreter),
