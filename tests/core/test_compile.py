@@ -358,6 +358,17 @@ def test_hf_model_compiled_inference_hands_the_router_to_persistent():
         got = compiled(ids).logits
     assert calls == len(moe_blocks(model)) and len(handed) == 2 * calls, handed
     assert torch.equal(got, eager)
+    # A router with forward hooks (transformers' output capture: router logits for the balance
+    # loss) runs its own forward in the compiled graph, and the strategy routes after it.
+    block, fired = moe_blocks(model)[0], []
+    block.gate.register_forward_hook(lambda module, args, out: fired.append(len(args)))
+    h = torch.randn(2, 8, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    compiled_block = torch.compile(block, fullgraph=True, backend="aot_eager")
+    handed.clear()
+    with torch.no_grad():
+        got = compiled_block(h)
+        assert fired and not handed, (fired, handed)
+        assert rel_err(got, block(h)) < TOL  # (eagerly no collector is active: the kernel routes there)
 
 
 def test_bf16_split_router_compiles():
