@@ -134,7 +134,7 @@ SOURCES = [
                 "µs); windows from the first task's end of waits to the last task's end."),
     dict(section="hf", table="hf-models-h200x2", kind="hf_models", file="h200x2-hf-models.json",
          title="Qwen3-MoE-like and DeepSeek-V3-like models, 2× H200: HF's MoE blocks against interlace's default",
-         device="2× NVIDIA H200", date="2026-11-30", commit="33ad7aa",
+         device="2× NVIDIA H200", date="2026-11-30", commit="2682584",
          command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile --baseline sequential",
          notes=["HF's blocks data parallel; interlace's experts sharded over the ranks, `auto` timed once decided."]),
     dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
