@@ -384,19 +384,18 @@ class InterlaceMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, self.config.hidden).contiguous()
         w_up, w_down = self.experts.gate_up_proj, self.experts.down_proj
         compiling = torch.compiler.is_compiling()
-        # (compiled: the custom op refuses an FP8 training call, with the same message)
-        train = not compiling and torch.is_grad_enabled() and (
+        wants_grad = torch.is_grad_enabled() and (
             x.requires_grad or w_up.requires_grad or w_down.requires_grad
             or any(p.requires_grad for p in self.gate.parameters()))
+        # (compiled: the custom op refuses an FP8 training call, with the same message)
+        train = not compiling and wants_grad
         if train and self.experts.scale_names is not None:
             raise RuntimeError(f"{self.strategy.label}: {FP8_TRAINING}")
         if compiling:  # (the strategy posts inside its own op, and there decides whether it routes)
             # Not while the router has forward hooks: transformers' output capture (router logits
             # for the balance loss) records them from the router's own forward, which must then
             # run in the compiled graph (whether it collects now is a ContextVar Dynamo cannot read).
-            routed = self.strategy.routes_itself and not self.gate._forward_hooks and not (
-                torch.is_grad_enabled() and (x.requires_grad or w_up.requires_grad or w_down.requires_grad
-                                             or any(p.requires_grad for p in self.gate.parameters())))
+            routed = self.strategy.routes_itself and not self.gate._forward_hooks and not wants_grad
         else:
             routed = self._routes_in_strategy(x)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router

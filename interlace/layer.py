@@ -217,9 +217,9 @@ class MoELayer(nn.Module):
         w_up, w_down = experts.w_up, experts.w_down
         self._check_input(x, w_up.device)
         compiling = torch.compiler.is_compiling()
+        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))
         # (compiled: the custom op refuses an FP8 training call, with the same message)
-        train = not compiling and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, router.weight, w_up, w_down))
+        train = not compiling and wants_grad
         if train and experts.scale_names is not None:
             raise RuntimeError(f"{self.label}: {FP8_TRAINING}")
         shape = x.shape
@@ -236,7 +236,7 @@ class MoELayer(nn.Module):
             self._checked_indices = (weakref.ref(expert_indices), version)
         # (a rank without tokens has no indices to honour: it may take either path, as its peers do)
         if compiling:  # (the strategy posts inside its own op, and there decides whether it routes)
-            routed = self._routes_when_compiled(x, expert_indices, router, w_up, w_down)
+            routed = self._routes_when_compiled(expert_indices, wants_grad)
         else:
             routed = self._routes_in_strategy(x, expert_indices if x.shape[0] else None, router, w_up, w_down)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
@@ -269,16 +269,14 @@ class MoELayer(nn.Module):
                 and not (self.config.aux_loss_coef > 0 and self.training)
                 and self.strategy.routes_call(x, router, w_up, w_down))
 
-    def _routes_when_compiled(self, x: torch.Tensor, expert_indices: torch.Tensor | None, router,
-                              w_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    def _routes_when_compiled(self, expert_indices: torch.Tensor | None, wants_grad: bool) -> bool:
         """Under ``torch.compile``: whether the call goes to the strategy with its router (the op
         ``interlace::moe_routed``, which runs the eager layer's path from the router on, routing in
         the kernel where the strategy takes the call): a ``routes_itself`` strategy, no forced
         indices, no balance loss, and no gradient wanted (decided while tracing; Dynamo guards
         grad mode and ``requires_grad``)."""
-        return (self.strategy.routes_itself and expert_indices is None
-                and not (self.config.aux_loss_coef > 0 and self.training)
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))))
+        return (self.strategy.routes_itself and expert_indices is None and not wants_grad
+                and not (self.config.aux_loss_coef > 0 and self.training))
 
     def extra_repr(self) -> str:
         c = self.config

@@ -118,8 +118,8 @@ class _SavedCall(bytearray):
     leaves: tuple[Tensor, ...] | None = None
 
 
-# The two ops are registered with torch.library's low-level API, not ``torch.library.custom_op``:
-# a compiled step calls each once per layer, and custom_op's generic wrappers (its autograd
+# This module's ops are registered with torch.library's low-level API, not ``torch.library.custom_op``:
+# a compiled step calls them once per layer each, and custom_op's generic wrappers (its autograd
 # kernel's metadata, the redispatch and output-aliasing checks in Python, a Dynamo-disable
 # wrapper) cost about as much host time again as the calls themselves. Here an eager call is
 # one Python kernel below autograd, plus the thin autograd kernel at the top.
@@ -216,8 +216,7 @@ class _MoEExperts(torch.autograd.Function):
 
 
 def _moe_experts_autograd(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales):
-    if torch.is_grad_enabled() and (x.requires_grad or topk_weight.requires_grad or w_up.requires_grad
-                                    or w_down.requires_grad):
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, topk_weight, w_up, w_down):
         return _MoEExperts.apply(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)
     with torch._C._AutoDispatchBelowAutograd():  # a compiled graph's calls (it runs without grad)
         return _MOE_EXPERTS(x, topk_idx, topk_weight, w_up, w_down, strategy_key, needs_grad, scales)
