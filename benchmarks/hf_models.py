@@ -38,9 +38,11 @@ whose expected time would pass ``--budget-s`` is skipped (a row says so).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -136,6 +138,7 @@ class Bench:
         # auto's decisions go to a folder of this run's own: its calibration is part of what the run
         # measures, so it never reads what an earlier run on the machine decided.
         self.decisions_dir = tempfile.mkdtemp(prefix="hf_models-decisions-")
+        atexit.register(shutil.rmtree, self.decisions_dir, True)
         self.record = {"args": vars(args), "world": self.world, "device": self._device_name(),
                        "torch": torch.__version__, "transformers": transformers.__version__,
                        "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -3,12 +3,16 @@ interlace, and inherited by the gloo worker processes the tests spawn); torch.co
 in a folder of this session (inductor's on-disk cache served code compiled against an older
 schema of interlace's custom ops after the schema changed)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="interlace-inductor-"))
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # (the first process makes it, removes it at exit)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="interlace-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -129,8 +132,6 @@ def check_dcp_resume(model, wrapped, wrapper: str, mesh, make_fresh, step_loss, 
     DDP: the fresh wrapper first runs one backward (its gradients dropped after the load). DDP
     regroups its gradient buckets after its first backward, which moves the all-reduce's chunks
     and so its summation order (measured: 1 ulp); the trained wrapper's are regrouped already."""
-    import tempfile
-
     import torch.distributed.checkpoint as dcp
     from interlace.checkpoint import (expert_sharded_optimizer_state_dict, expert_sharded_state_dict,
                                       load_expert_sharded_optimizer_state_dict)
@@ -151,30 +152,46 @@ def check_dcp_resume(model, wrapped, wrapper: str, mesh, make_fresh, step_loss, 
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     for step in range(2):
         adam_step(wrapped, opt, step)
+    with shared_tempdir("interlace-dcp-") as path:  # (removed after the round trip)
+        dcp.save(state_dicts(model, wrapped, opt), checkpoint_id=path)
+        saved = params(model)
+        adam_step(wrapped, opt, 2)
+        want = params(model)
+
+        fresh, fresh_wrapped = make_fresh()
+        if wrapper == "ddp":  # (its gradients stay until after the load: the optimizer's state is made beside them)
+            step_loss(fresh_wrapped, 0).backward()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5, weight_decay=0.1)
+        state = state_dicts(fresh, fresh_wrapped, fresh_opt)
+        dcp.load(state, checkpoint_id=path)
+        load_expert_sharded_optimizer_state_dict(fresh_wrapped, fresh_opt, state["optim"])
+        fresh_opt.zero_grad()
+        got = params(fresh)
+        assert list(got) == list(saved), where
+        for name, p in got.items():
+            assert torch.equal(p, saved[name]), f"{where}: {name} after the checkpoint round trip"
+        adam_step(fresh_wrapped, fresh_opt, 2)
+        for name, p in params(fresh).items():
+            assert torch.equal(p, want[name]), f"{where}: {name} after an AdamW step from the checkpoint"
+
+
+@contextlib.contextmanager
+def shared_tempdir(prefix: str):
+    """A temporary directory every rank of the default group (or the one process) sees: rank 0
+    makes it and sends its path; on leaving, all ranks meet, then rank 0 removes it (after an error
+    at once, without meeting: a failed rank must not leave the others waiting)."""
     distributed = dist.is_initialized()
-    path = [tempfile.mkdtemp(prefix="interlace-dcp-") if not distributed or dist.get_rank() == 0 else None]
+    rank0 = not distributed or dist.get_rank() == 0
+    path = [tempfile.mkdtemp(prefix=prefix) if rank0 else None]
     if distributed:
         dist.broadcast_object_list(path, src=0)
-    dcp.save(state_dicts(model, wrapped, opt), checkpoint_id=path[0])
-    saved = params(model)
-    adam_step(wrapped, opt, 2)
-    want = params(model)
-
-    fresh, fresh_wrapped = make_fresh()
-    if wrapper == "ddp":  # (its gradients stay until after the load: the optimizer's state is made beside them)
-        step_loss(fresh_wrapped, 0).backward()
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5, weight_decay=0.1)
-    state = state_dicts(fresh, fresh_wrapped, fresh_opt)
-    dcp.load(state, checkpoint_id=path[0])
-    load_expert_sharded_optimizer_state_dict(fresh_wrapped, fresh_opt, state["optim"])
-    fresh_opt.zero_grad()
-    got = params(fresh)
-    assert list(got) == list(saved), where
-    for name, p in got.items():
-        assert torch.equal(p, saved[name]), f"{where}: {name} after the checkpoint round trip"
-    adam_step(fresh_wrapped, fresh_opt, 2)
-    for name, p in params(fresh).items():
-        assert torch.equal(p, want[name]), f"{where}: {name} after an AdamW step from the checkpoint"
+    try:
+        yield path[0]
+        if distributed:
+            dist.barrier()
+    finally:
+        if rank0:
+            shutil.rmtree(path[0], ignore_errors=True)
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import check_dcp_resume, data_parallel_steps, rel_err, run_gloo
+from helpers import check_dcp_resume, data_parallel_steps, rel_err, run_gloo, shared_tempdir
 from interlace import MoEConfig, MoELayer
 from interlace.data_parallel import expert_modules, expert_parameters, parallelize, set_aux_loss_scale
 
@@ -198,8 +198,6 @@ def check_resume_in_another_layout(rank, world, saved_as, loaded_as):
     (``saved_as``: ((dp, ep), wrapper)) and loaded into a fresh model and optimizer of another:
     every parameter and every state tensor equal to the saved ones bit for bit (gathered whole),
     and the next AdamW step within TOL of the saving layout's (other reduction orders)."""
-    import tempfile
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -240,29 +238,28 @@ def check_resume_in_another_layout(rank, world, saved_as, loaded_as):
     mesh, model, wrapped, opt = build(saved_as, fresh=False)
     for step in range(2):
         adam_step(wrapped, opt, step)
-    path = [tempfile.mkdtemp(prefix="interlace-dcp-") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    dcp.save(state_dicts(mesh, model, wrapped, opt), checkpoint_id=path[0])
-    saved = whole(mesh, model, opt)
-    adam_step(wrapped, opt, 2)
-    want = whole(mesh, model, opt)
+    with shared_tempdir("interlace-dcp-") as path:  # (removed after the round trip)
+        dcp.save(state_dicts(mesh, model, wrapped, opt), checkpoint_id=path)
+        saved = whole(mesh, model, opt)
+        adam_step(wrapped, opt, 2)
+        want = whole(mesh, model, opt)
 
-    mesh, model, wrapped, opt = build(loaded_as, fresh=True)
-    if loaded_as[1] == "ddp":  # (as check_dcp_resume: DDP regroups its buckets after a first backward)
-        xs, ts = batches(world, 1, 0)
-        loss_fn(wrapped(xs[rank, 0]), ts[rank, 0]).backward()
-    state = state_dicts(mesh, model, wrapped, opt)
-    dcp.load(state, checkpoint_id=path[0])
-    load_expert_sharded_optimizer_state_dict(wrapped, opt, state["optim"])
-    opt.zero_grad()
-    got = whole(mesh, model, opt)
-    assert sorted(got) == sorted(saved), where
-    for key, value in got.items():
-        assert torch.equal(value, saved[key]), f"{where}: {key} after loading"
-    assert opt.param_groups[0]["lr"] == 0.01, where
-    adam_step(wrapped, opt, 2)
-    for key, value in whole(mesh, model, opt).items():
-        assert rel_err(value, want[key]) < TOL, f"{where}: {key} after an AdamW step from the checkpoint"
+        mesh, model, wrapped, opt = build(loaded_as, fresh=True)
+        if loaded_as[1] == "ddp":  # (as check_dcp_resume: DDP regroups its buckets after a first backward)
+            xs, ts = batches(world, 1, 0)
+            loss_fn(wrapped(xs[rank, 0]), ts[rank, 0]).backward()
+        state = state_dicts(mesh, model, wrapped, opt)
+        dcp.load(state, checkpoint_id=path)
+        load_expert_sharded_optimizer_state_dict(wrapped, opt, state["optim"])
+        opt.zero_grad()
+        got = whole(mesh, model, opt)
+        assert sorted(got) == sorted(saved), where
+        for key, value in got.items():
+            assert torch.equal(value, saved[key]), f"{where}: {key} after loading"
+        assert opt.param_groups[0]["lr"] == 0.01, where
+        adam_step(wrapped, opt, 2)
+        for key, value in whole(mesh, model, opt).items():
+            assert rel_err(value, want[key]) < TOL, f"{where}: {key} after an AdamW step from the checkpoint"
 
 
 LAYOUTS = [(2, 2), (1, 4), (4, 1)]

@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from helpers import fp8_expected, rel_err, run_gloo
+from helpers import fp8_expected, rel_err, run_gloo, shared_tempdir
 from interlace import MoEConfig, MoELayer, parallelize, quantize_experts
 from interlace.checkpoint import expert_sharded_state_dict
 from interlace.experts import GroupedExperts, init_expert_weights, shard_ffn_fp8
@@ -338,8 +338,6 @@ def check_dcp_round_trip(rank, world):
     checkpoint read by each rank alone (no_dist) into a layer of all 4 experts equals the one-rank
     layer of the saved seed (the saved tensors are the full (E, ...) weights and scales, in expert
     order); torch.save / torch.load of the expert-sharded state dict; the mesh errors."""
-    import tempfile
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -351,16 +349,15 @@ def check_dcp_round_trip(rank, world):
     layer = MoELayer(FP8, seed=5, device="cpu", strategy="sequential")
     state = expert_sharded_state_dict(layer, mesh)
     assert state["experts.w_up_scale_inv"].shape[0] == CFG.num_experts  # (the full tensor's shape)
-    path = [tempfile.mkdtemp(prefix="interlace-fp8-dcp-") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    dcp.save(state, checkpoint_id=path[0])
-    fresh = MoELayer(FP8, seed=6, device="cpu", strategy="sequential")
-    dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path[0])
-    assert_same_tensors(fresh.state_dict(), layer.state_dict(), f"rank {rank}: EP 2 round trip")
-    whole = MoELayer(FP8, seed=6, device="cpu", strategy="sequential", group=singleton)
-    dcp.load(expert_sharded_state_dict(whole, None), checkpoint_id=path[0], no_dist=True)
-    want = MoELayer(FP8, seed=5, device="cpu", strategy="sequential", group=singleton)
-    assert_same_tensors(whole.state_dict(), want.state_dict(), f"rank {rank}: EP 2 into one rank")
+    with shared_tempdir("interlace-fp8-dcp-") as path:  # (removed after the round trip)
+        dcp.save(state, checkpoint_id=path)
+        fresh = MoELayer(FP8, seed=6, device="cpu", strategy="sequential")
+        dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path)
+        assert_same_tensors(fresh.state_dict(), layer.state_dict(), f"rank {rank}: EP 2 round trip")
+        whole = MoELayer(FP8, seed=6, device="cpu", strategy="sequential", group=singleton)
+        dcp.load(expert_sharded_state_dict(whole, None), checkpoint_id=path, no_dist=True)
+        want = MoELayer(FP8, seed=5, device="cpu", strategy="sequential", group=singleton)
+        assert_same_tensors(whole.state_dict(), want.state_dict(), f"rank {rank}: EP 2 into one rank")
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from helpers import HF_COMMON, HF_FAMILIES, rel_err, run_gloo
+from helpers import HF_COMMON, HF_FAMILIES, rel_err, run_gloo, shared_tempdir
 from interlace import MoEConfig, MoELayer, quantize_experts
 from interlace.fp8 import BlockFP8Weight, dequantize_rows, dequantize_weight, quantize_rows, quantize_weight
 from interlace.fp8_checkpoint import from_deepseek, from_transformers, from_vllm, to_deepseek, to_vllm
@@ -250,8 +250,6 @@ def _gloo_hf_fp8(rank, world):
     assert same_as_ref(gather_hf_state_dict(model))
     # torch.distributed.checkpoint of the EP-sharded FP8 experts (HF's keys; the scales sharded as
     # the weights) into the replaced model of another seed's FP8 model, bitwise
-    import tempfile
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -259,14 +257,13 @@ def _gloo_hf_fp8(rank, world):
     from interlace.checkpoint import expert_sharded_state_dict
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
-    path = [tempfile.mkdtemp(prefix="interlace-hf-fp8-dcp-") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    dcp.save(expert_sharded_state_dict(model, mesh), checkpoint_id=path[0])
-    _, fresh = hf_fp8_model("qwen3_moe", seed=1)
-    replace_moe_blocks(fresh, strategy="sequential")
-    assert not same_as_ref(gather_hf_state_dict(fresh))
-    dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path[0])
-    assert same_as_ref(gather_hf_state_dict(fresh))
+    with shared_tempdir("interlace-hf-fp8-dcp-") as path:  # (removed after the round trip)
+        dcp.save(expert_sharded_state_dict(model, mesh), checkpoint_id=path)
+        _, fresh = hf_fp8_model("qwen3_moe", seed=1)
+        replace_moe_blocks(fresh, strategy="sequential")
+        assert not same_as_ref(gather_hf_state_dict(fresh))
+        dcp.load(expert_sharded_state_dict(fresh, mesh), checkpoint_id=path)
+        assert same_as_ref(gather_hf_state_dict(fresh))
 
 
 def test_gloo_two_ranks_fp8_hf():
