@@ -31,11 +31,22 @@ from interlace.kernels.launch import cdiv, launch, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Tuning: a program moves ROWS rows, BLOCK_N columns at a time. BLOCK_N=1024 with 4 warps
-# gives 8 elements (16 bytes of bf16) per thread per load.
-GATHER_ROWS = 4
+# Tuning: a program moves a (rows × block_n(N)) tile at a time, its rows in one load. On a GPU a
+# gather program takes 4 rows (1024 columns with 4 warps: 32 bf16 elements a thread in flight)
+# and a combine program one token (8 elements a thread, one program per token keeps decode-sized
+# calls spread over the SMs). Triton's interpreter runs each of a program's ops as one NumPy call
+# over the whole tile, so there a program takes 64 rows or tokens: the same values (every
+# element is computed alone, in the same order), a fraction of the interpreter's per-op cost.
+GATHER_ROWS = 64 if _INTERPRET else 4
+COMBINE_TOKENS = 64 if _INTERPRET else 1
 BLOCK_N = 1024
 NUM_WARPS = 4
+
+
+def block_n(N: int) -> int:
+    """Columns a program moves at a time: BLOCK_N, or N's power of two below it (a row of 64
+    columns is not moved as 1024 masked ones)."""
+    return min(BLOCK_N, next_power_of_2(N))
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -45,16 +56,16 @@ def use_triton(t: torch.Tensor) -> bool:
 
 @triton.jit
 def _gather_rows_kernel(x_ptr, index_ptr, out_ptr, R, N, divisor, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < R
+    src = (tl.load(index_ptr + r, mask=live, other=0) // divisor).to(tl.int64)
+    dst = r.to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
-    for i in tl.static_range(ROWS):
-        r = pid * ROWS + i
-        if r < R:
-            src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
-            for n0 in range(0, N, BLOCK_N):
-                c = n0 + cols
-                v = tl.load(x_ptr + src * N + c, mask=c < N)
-                tl.store(out_ptr + r.to(tl.int64) * N + c, v, mask=c < N)
+    for n0 in range(0, N, BLOCK_N):
+        c = n0 + cols
+        m = live[:, None] & (c < N)[None, :]
+        v = tl.load(x_ptr + src[:, None] * N + c[None, :], mask=m)
+        tl.store(out_ptr + dst[:, None] * N + c[None, :], v, mask=m)
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch.Tensor:
@@ -69,7 +80,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, divisor: int = 1) -> torch
     if not use_triton(x):
         return torch.index_select(x, 0, torch.div(index.long(), divisor, rounding_mode="floor"), out=out)
     launch(_gather_rows_kernel, (cdiv(R, GATHER_ROWS),),
-        x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+        x, index, out, R, N, divisor, ROWS=GATHER_ROWS, BLOCK_N=block_n(N), num_warps=NUM_WARPS
     )
     return out
 
@@ -80,20 +91,20 @@ def _region_rows_kernel(x_ptr, index_ptr, used_ptr, out_ptr, out_base_ptr, cap, 
     s = tl.program_id(1) + first  # the region
     if s != skip:
         used = tl.load(used_ptr + s)
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        live = r < used
+        src = s.to(tl.int64) * cap + r
+        if GATHER:
+            src = (tl.load(index_ptr + r, mask=live, other=0) // divisor).to(tl.int64)
+        dst = s.to(tl.int64) * cap + r
+        if OUT_BASE:
+            dst = tl.load(out_base_ptr + s).to(tl.int64) + r
         cols = tl.arange(0, BLOCK_N)
-        for i in tl.static_range(ROWS):
-            r = tl.program_id(0) * ROWS + i
-            if r < used:
-                src = s.to(tl.int64) * cap + r
-                if GATHER:
-                    src = (tl.load(index_ptr + r) // divisor).to(tl.int64)
-                dst = s.to(tl.int64) * cap + r
-                if OUT_BASE:
-                    dst = tl.load(out_base_ptr + s).to(tl.int64) + r
-                for n0 in range(0, N, BLOCK_N):
-                    c = n0 + cols
-                    v = tl.load(x_ptr + src * N + c, mask=c < N)
-                    tl.store(out_ptr + dst * N + c, v, mask=c < N)
+        for n0 in range(0, N, BLOCK_N):
+            c = n0 + cols
+            m = live[:, None] & (c < N)[None, :]
+            v = tl.load(x_ptr + src[:, None] * N + c[None, :], mask=m)
+            tl.store(out_ptr + dst[:, None] * N + c[None, :], v, mask=m)
 
 
 def copy_used_rows(x: torch.Tensor, out: torch.Tensor, used: torch.Tensor, skip: int = -1,
@@ -119,7 +130,7 @@ def copy_used_rows(x: torch.Tensor, out: torch.Tensor, used: torch.Tensor, skip:
         return out
     launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), W),
         x, used, used, out, used if base is None else base, cap, N, 1, 0, skip, GATHER=False,
-        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=block_n(N), num_warps=NUM_WARPS
     )
     return out
 
@@ -144,29 +155,32 @@ def gather_used_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor, us
         return out
     launch(_region_rows_kernel, (cdiv(cap, GATHER_ROWS), 1),
         x, index, used, out, used if base is None else base, cap, N, divisor, region, -1, GATHER=True,
-        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS
+        OUT_BASE=base is not None, ROWS=GATHER_ROWS, BLOCK_N=block_n(N), num_warps=NUM_WARPS
     )
     return out
 
 
 @triton.jit
 def _combine_rows_kernel(
-    y_ptr, row_ptr, w_ptr, out_ptr, N,
-    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    y_ptr, row_ptr, w_ptr, out_ptr, T, N,
+    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    live = t < T
     cols = tl.arange(0, BLOCK_N)
     for n0 in range(0, N, BLOCK_N):
         c = n0 + cols
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((TOKENS, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            row = tl.load(row_ptr + t * TOP_K + j)
-            if row >= 0:
-                v = tl.load(y_ptr + row.to(tl.int64) * N + c, mask=c < N, other=0.0).to(tl.float32)
-                if HAS_WEIGHTS:
-                    v = v * tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-                acc += v
-        tl.store(out_ptr + t * N + c, acc.to(out_ptr.dtype.element_ty), mask=c < N)
+            row = tl.load(row_ptr + t * TOP_K + j, mask=live, other=-1)
+            kept = (row >= 0)[:, None]
+            m = kept & (c < N)[None, :]
+            v = tl.load(y_ptr + row.to(tl.int64)[:, None] * N + c[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                v = v * tl.load(w_ptr + t * TOP_K + j, mask=live, other=0.0).to(tl.float32)[:, None]
+            acc = tl.where(kept, acc + v, acc)  # (a dropped slot adds nothing, not even a zero)
+        tl.store(out_ptr + t[:, None] * N + c[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & (c < N)[None, :])
 
 
 def combine_rows(
@@ -189,33 +203,38 @@ def combine_rows(
             picked = picked * weights.float().unsqueeze(-1)
         return picked.sum(1).to(out_dtype)
     w = weights.contiguous() if weights is not None else row_of_assignment  # dummy pointer when unused
-    launch(_combine_rows_kernel, (T,),
-        y, row_of_assignment, w, out, N,
-        TOP_K=k, HAS_WEIGHTS=weights is not None, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    launch(_combine_rows_kernel, (cdiv(T, COMBINE_TOKENS),),
+        y, row_of_assignment, w, out, T, N,
+        TOP_K=k, HAS_WEIGHTS=weights is not None, TOKENS=COMBINE_TOKENS, BLOCK_N=block_n(N), num_warps=NUM_WARPS,
     )
     return out
 
 
 @triton.jit
 def _combine_backward_kernel(
-    dout_ptr, y_ptr, row_ptr, w_ptr, dy_ptr, dw_ptr, N,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    dout_ptr, y_ptr, row_ptr, w_ptr, dy_ptr, dw_ptr, T, N,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    live = t < T
     cols = tl.arange(0, BLOCK_N)
     slots = tl.arange(0, K_PAD)
-    dw = tl.zeros((K_PAD,), dtype=tl.float32)
+    dw = tl.zeros((TOKENS, K_PAD), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         c = n0 + cols
-        g = tl.load(dout_ptr + t * N + c, mask=c < N, other=0.0).to(tl.float32)
+        g = tl.load(dout_ptr + t[:, None] * N + c[None, :], mask=live[:, None] & (c < N)[None, :],
+                    other=0.0).to(tl.float32)
         for j in tl.static_range(TOP_K):
-            row = tl.load(row_ptr + t * TOP_K + j)
-            if row >= 0:
-                w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
-                tl.store(dy_ptr + row.to(tl.int64) * N + c, (g * w).to(dy_ptr.dtype.element_ty), mask=c < N)
-                v = tl.load(y_ptr + row.to(tl.int64) * N + c, mask=c < N, other=0.0).to(tl.float32)
-                dw += tl.where(slots == j, tl.sum(g * v, axis=0), 0.0)
-    tl.store(dw_ptr + t * TOP_K + slots, dw.to(dw_ptr.dtype.element_ty), mask=slots < TOP_K)
+            row = tl.load(row_ptr + t * TOP_K + j, mask=live, other=-1)
+            kept = row >= 0
+            m = kept[:, None] & (c < N)[None, :]
+            at = row.to(tl.int64)[:, None] * N + c[None, :]
+            v = tl.load(y_ptr + at, mask=m, other=0.0).to(tl.float32)  # (before the store: it need not wait behind it)
+            w = tl.load(w_ptr + t * TOP_K + j, mask=kept, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + at, (g * w[:, None]).to(dy_ptr.dtype.element_ty), mask=m)
+            dw += tl.where((slots[None, :] == j) & kept[:, None], tl.sum(g * v, axis=1)[:, None], 0.0)
+    tl.store(dw_ptr + t[:, None] * TOP_K + slots[None, :], dw.to(dw_ptr.dtype.element_ty),
+             mask=live[:, None] & (slots < TOP_K)[None, :])
 
 
 def combine_rows_backward(
@@ -242,9 +261,9 @@ def combine_rows_backward(
         contrib = (g.unsqueeze(1) * weights.float().unsqueeze(-1)).expand(T, k, N)[kept]
         dy[flat_rows] = contrib.to(dy.dtype)
         return dy, dw
-    launch(_combine_backward_kernel, (T,),
-        grad_out, y, row_of_assignment, weights.contiguous(), dy, dw, N,
-        TOP_K=k, K_PAD=next_power_of_2(k), BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    launch(_combine_backward_kernel, (cdiv(T, COMBINE_TOKENS),),
+        grad_out, y, row_of_assignment, weights.contiguous(), dy, dw, T, N,
+        TOP_K=k, K_PAD=next_power_of_2(k), TOKENS=COMBINE_TOKENS, BLOCK_N=block_n(N), num_warps=NUM_WARPS,
     )
     return dy, dw
 

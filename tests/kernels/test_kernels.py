@@ -54,18 +54,33 @@ def test_dispatch_index_skewed_all_to_one_expert():
     assert rows[:, 1].tolist() == list(range(T, 2 * T))
 
 
-@pytest.mark.parametrize("R,N,divisor", [(0, 8, 1), (1, 3, 1), (9, 1030, 1), (33, 64, 3)])
-def test_gather_rows(R, N, divisor):
+# The row kernels' tile heights: the interpreter's (the module's default under it) and a GPU's
+# (rows.py: 4 rows a gather program, one token a combine program), both run here.
+ROW_TILES = [None, (4, 1)]
+
+
+@pytest.fixture(params=ROW_TILES, ids=["interpreter-tiles", "gpu-tiles"])
+def row_tiles(request, monkeypatch):
+    import interlace.kernels.rows as rows_module
+
+    if request.param is not None:
+        monkeypatch.setattr(rows_module, "GATHER_ROWS", request.param[0])
+        monkeypatch.setattr(rows_module, "COMBINE_TOKENS", request.param[1])
+
+
+@pytest.mark.parametrize("R,N,divisor", [(0, 8, 1), (1, 3, 1), (9, 1030, 1), (33, 64, 3), (150, 20, 2)])
+def test_gather_rows(R, N, divisor, row_tiles):
     x = torch.randn(max(R, 1) + 5, N)
     index = torch.randint(0, x.shape[0] * divisor, (R,), dtype=torch.int32)
     assert torch.equal(gather_rows(x, index, divisor), x[index.long() // divisor])
 
 
-@pytest.mark.parametrize("used, N", [([5, 0, 9], 1030), ([9, 9, 1], 3), ([0, 0, 0], 8)])
-def test_region_rows(used, N):
+@pytest.mark.parametrize("used, cap, N", [([5, 0, 9], 9, 1030), ([9, 9, 1], 9, 3), ([0, 0, 0], 9, 8),
+                                         ([70, 3, 100], 100, 5)])
+def test_region_rows(used, cap, N, row_tiles):
     """The used rows of each region are copied (or gathered into one region) and nothing else
     is written: the poison of the other rows survives."""
-    W, cap, divisor = len(used), 9, 2
+    W, divisor = len(used), 2
     x = torch.randn(W * cap, N)
     count = torch.tensor(used, dtype=torch.int32)
     out = copy_used_rows(x, torch.full_like(x, float("nan")), count, skip=1)
@@ -82,7 +97,7 @@ def test_region_rows(used, N):
 
 
 @pytest.mark.parametrize("interpret", [True, False])
-def test_region_rows_packed(interpret, monkeypatch):
+def test_region_rows_packed(interpret, monkeypatch, row_tiles):
     """With ``base`` (the exclusive prefix sum of the used counts) the used rows of every region
     land back to back, the gathered region's at its own base, and no other row of ``out`` is
     written (its poison survives); the Triton kernel and the plain-torch fallback alike."""
@@ -131,8 +146,9 @@ def test_expert_major_index(W, E_local, zeros):
     assert sorted(src.tolist()) == list(range(R)) and all(src[inv[i]] == i for i in range(R))
 
 
-@pytest.mark.parametrize("T,k,N,drop", [(7, 2, 40, False), (16, 3, 1100, True), (0, 2, 8, False), (5, 1, 3, True)])
-def test_combine_rows_forward_backward(T, k, N, drop):
+@pytest.mark.parametrize("T,k,N,drop", [(7, 2, 40, False), (16, 3, 1100, True), (0, 2, 8, False), (5, 1, 3, True),
+                                        (130, 3, 20, True)])
+def test_combine_rows_forward_backward(T, k, N, drop, row_tiles):
     R = T * k
     perm = torch.randperm(R).view(T, k).int() if R else torch.empty(T, k, dtype=torch.int32)
     if drop and R:
@@ -142,6 +158,9 @@ def test_combine_rows_forward_backward(T, k, N, drop):
     kept = (perm >= 0).unsqueeze(-1).double()
     ref = (y[perm.long().clamp(min=0)] * w.unsqueeze(-1) * kept).sum(1)
     assert rel_err(combine_rows(y, perm, w, torch.float64), ref) < 1e-6  # kernels compute in fp32
+    # A dropped slot adds nothing: its weight (NaN here) is never read.
+    assert torch.equal(combine_rows(y, perm, w.masked_fill(perm < 0, float("nan")), torch.float64),
+                       combine_rows(y, perm, w, torch.float64))
     ref_unit = (y[perm.long().clamp(min=0)] * kept).sum(1)
     assert rel_err(combine_rows(y, perm, None, torch.float64), ref_unit) < 1e-6  # kernels compute in fp32
 
