@@ -13,7 +13,7 @@ from interlace.fp8 import FP8_BLOCK, BlockFP8Weight, check_fp8_ffn_slice, quanti
 from interlace.kernels.activation import activation_reference
 from interlace.parallel.comm import ExpertParallel
 from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
-from interlace.strategies.base import fp8_strategy_names
+from interlace.strategies.base import fp8_strategy_names, outside_inference_mode
 from interlace.strategies.custom_op import run_routed, run_strategy
 
 
@@ -162,11 +162,14 @@ class ExpertShard(nn.Module):
                 raise ValueError(f"strategy {strategy.name!r} does not run FP8 experts; "
                                  f"strategies that do: {', '.join(fp8_strategy_names())}")
             scales = tuple(getattr(self, name) for name in self.scale_names)
-        if router is not None:
-            if torch.compiler.is_compiling():  # (inference: the router and strategy in one op)
+        if torch.compiler.is_compiling():
+            if router is not None:  # (inference: the router and strategy in one op)
                 return run_routed(strategy, router, x, w_up, w_down, scales)
-            return strategy.forward_layer(x, router, *self.expert_weights())
-        return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
+            return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
+        with outside_inference_mode():
+            if router is not None:
+                return strategy.forward_layer(x, router, *self.expert_weights())
+            return run_strategy(strategy, x, topk_idx, topk_weight, w_up, w_down, scales)
 
     def __setattr__(self, name: str, value) -> None:
         # (fully_shard assigns through setattr where a module defines it: its sharded DTensor here)

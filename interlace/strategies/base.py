@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -25,6 +26,32 @@ def triton_runs_on(device: torch.device | str) -> bool:
     from triton import knobs
 
     return bool(knobs.runtime.interpret)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def outside_inference_mode():
+    """A context that runs a strategy call with inference mode off (grad stays off) where it is on.
+
+    NOTE: what a strategy makes in a call and keeps (peer buffers and their epoch counters, graphs'
+    static inputs and outputs, shared scratch) would be inference tensors if made under
+    ``torch.inference_mode()``, and a later call outside it (a training step after an evaluation
+    that ran under inference mode) may not update those in place. Made with it off, they are plain
+    tensors, which calls in either mode may update; the call's output is then a plain tensor.
+    Outside inference mode it is a shared null context (nothing on a decode call's host path)."""
+    return _InferenceModeOff() if torch.is_inference_mode_enabled() else _NOTHING
+
+
+class _InferenceModeOff:
+    def __enter__(self):
+        self.modes = (torch.inference_mode(False), torch.no_grad())
+        for mode in self.modes:
+            mode.__enter__()
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
 
 
 def require_triton(spec: str, device: torch.device | str) -> None:

@@ -63,7 +63,7 @@ from torch import Tensor
 
 from interlace import op_keys
 from interlace.fp8 import BlockFP8Weight
-from interlace.strategies.base import Strategy, strategy_by_key
+from interlace.strategies.base import Strategy, outside_inference_mode, strategy_by_key
 
 _CALL_KEYS = itertools.count(1)
 _PENDING: weakref.WeakValueDictionary[int, _SavedCall] = weakref.WeakValueDictionary()
@@ -148,7 +148,8 @@ def _moe_experts_impl(x: Tensor, topk_idx: Tensor, topk_weight: Tensor, w_up: Te
     saved = _SavedCall(key.to_bytes(8, "little", signed=True))
     handle = torch.frombuffer(saved, dtype=torch.int64)
     if not any(needs_grad):
-        return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous(), handle
+        with outside_inference_mode():
+            return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous(), handle
     x, topk_weight, w_up, w_down = (t.detach().requires_grad_(need)
                                     for t, need in zip((x, topk_weight, w_up, w_down), needs_grad))
     with _AutogradRecording():
@@ -268,8 +269,13 @@ def _moe_routed_impl(x: Tensor, w_up: Tensor, w_down: Tensor, strategy_key: Tens
     takes the call (``routes_call``), else the router and the strategy. ``router_tensors``: the
     router's weight (and bias), inputs only so that compiled code orders the call after any
     change of them; the router itself is found by ``router_key`` (interlace.op_keys)."""
-    strategy = strategy_by_key(strategy_key.item())
-    router = op_keys.lookup(router_key.item(), "router")
+    with outside_inference_mode():
+        return _routed_call(x, w_up, w_down, strategy_by_key(strategy_key.item()),
+                            op_keys.lookup(router_key.item(), "router"), scales)
+
+
+def _routed_call(x, w_up, w_down, strategy, router, scales):
+    """:func:`_moe_routed_impl`'s call, its strategy and router found."""
     routed = router.op_may_route() and strategy.routes_call(x, router, w_up, w_down)
     routed = strategy.begin_call(x.shape[0], False, routed)
     if scales:

@@ -253,3 +253,32 @@ def test_bench_rel_err_in_chunks_equals_the_whole():
     assert abs((d / r) ** 0.5 - want) < 1e-12
     a[517] = float("nan")
     assert rel_err(a, b) == float("inf")
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "pipelined:2", "fused", "fused:train", "fused:lean", "persistent",
+                                      "auto"])
+def test_calls_in_and_out_of_inference_mode(strategy):
+    """A layer evaluated under torch.inference_mode() first, then trained, then evaluated under
+    no_grad and inference mode again (a training loop with an inference-mode validation step
+    before it): every call runs, the outputs equal the fp64 reference, and the gradients the
+    training step's. What a strategy keeps from its first call (the fused strategies' peer buffer
+    and its epoch counter) was an inference tensor, and the next call outside inference mode raised
+    "Inplace update to inference tensor outside InferenceMode". Then a second layer sharing those
+    buffers trains first thing."""
+    xs, gs = make_inputs(SMALL, [12], seed=4)
+    outs, dxs, *_ = reference_grads(SMALL, 0, xs, gs)
+    layer = MoELayer(SMALL, strategy=strategy, device="cpu")
+    for step in ("inference_mode", "train", "no_grad", "inference_mode"):
+        x = xs[0].clone().requires_grad_(step == "train")
+        if step == "train":
+            out = layer(x)
+            out.backward(gs[0])
+            assert rel_err(x.grad, dxs[0]) < TOL, step
+        else:
+            with torch.inference_mode() if step == "inference_mode" else torch.no_grad():
+                out = layer(x)
+        assert rel_err(out, outs[0]) < TOL, f"{strategy} {step}"
+    other = MoELayer(SMALL, strategy="fused:train" if strategy.startswith("fused") else strategy, device="cpu")
+    x = xs[0].clone().requires_grad_()
+    other(x).backward(gs[0])
+    assert rel_err(x.grad, dxs[0]) < TOL
