@@ -36,6 +36,11 @@ class ExpertParallel:
     num_local: int
     hosts: tuple[int, ...] | None = None
 
+    def __deepcopy__(self, memo) -> "ExpertParallel":
+        # Immutable, and its process groups are this process's handles to its peers (they cannot
+        # be copied): a copied layer (copy.deepcopy of a model) talks to the same ranks.
+        return self
+
     @property
     def first_expert(self) -> int:
         return self.rank * self.num_local

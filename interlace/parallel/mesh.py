@@ -51,6 +51,11 @@ class MoEMesh:
     ep_rank: int
     high_priority: bool = False
 
+    def __deepcopy__(self, memo) -> "MoEMesh":
+        # Immutable, and its process groups are this process's handles to its peers (they cannot
+        # be copied): a copied layer (copy.deepcopy of a model) talks to the same ranks.
+        return self
+
     @staticmethod
     def build(tp: int = 1, ep: int | None = None, high_priority: bool = True) -> "MoEMesh":
         """Mesh over the world (collective: every rank calls it, in the same order).

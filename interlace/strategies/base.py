@@ -129,6 +129,17 @@ class Strategy:
         self.__dict__.update(state)
         self._register_op_key()
 
+    def __reduce_ex__(self, protocol):
+        # NOTE: a copy of a strategy that make_strategy built (copy.deepcopy of a model, pickle) is
+        # built anew from its name and options. What it holds from its calls is not state to copy:
+        # a peer buffer's address table would still point at the original's memory (the copy's
+        # kernels would wait on flags nobody sets), and graphs, plans and auto's timings belong to
+        # the original's buffers.
+        recipe = self.__dict__.get("_recipe")
+        if recipe is None:
+            return super().__reduce_ex__(protocol)
+        return _rebuild_strategy, (recipe[0], self.config, self.ep, recipe[1], self.label)
+
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
         """Options from the ``name:arg`` spelling (e.g. ``"pipelined:4"``)."""
@@ -282,4 +293,13 @@ def make_strategy(name: str, config: MoEConfig, ep: ExpertParallel, device: torc
         check_names(options, valid, f"strategy {cls.name!r}")
     if device is not None:
         cls.check_runtime(name, torch.device(device), **options)
-    return cls(config, ep, **options)
+    strategy = cls(config, ep, **options)
+    strategy._recipe = (name, options)  # (what a copy is built from: Strategy.__reduce_ex__)
+    return strategy
+
+
+def _rebuild_strategy(name: str, config: MoEConfig, ep: ExpertParallel, options: dict, label: str) -> Strategy:
+    """A copy of a strategy (:meth:`Strategy.__reduce_ex__`): a new one of the same name and options."""
+    strategy = make_strategy(name, config, ep, **options)
+    strategy.label = label
+    return strategy

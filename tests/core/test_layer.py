@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cases import CASES, case_indices, case_tokens, make_inputs
-from helpers import full_weights, reference_grads, rel_err
+from helpers import full_weights, reference_grads, rel_err, run_gloo
 from interlace import MoEConfig, MoELayer, preset
 from interlace.experts import init_expert_weights
 
@@ -282,3 +282,43 @@ def test_calls_in_and_out_of_inference_mode(strategy):
     x = xs[0].clone().requires_grad_()
     other(x).backward(gs[0])
     assert rel_err(x.grad, dxs[0]) < TOL
+
+
+def _copies_run_apart(rank, world, strategies):
+    import copy
+    import io
+
+    xs, gs = make_inputs(SMALL, [12] * world, seed=6)
+    outs, dxs, *_ = reference_grads(SMALL, 0, xs, gs)
+    for strategy in strategies:
+        layer = MoELayer(SMALL, strategy=strategy, device="cpu")
+        with torch.no_grad():
+            layer(xs[rank])  # (the fused strategies now hold a peer buffer, auto its timings)
+        twin = copy.deepcopy(layer)
+        models = [("original", layer), ("deepcopy", twin)]
+        if world == 1:  # (a process group cannot be pickled)
+            buf = io.BytesIO()
+            torch.save(layer, buf)
+            buf.seek(0)
+            models.append(("torch.load", torch.load(buf, weights_only=False)))
+        for name, model in models:
+            with torch.no_grad():
+                assert rel_err(model(xs[rank]), outs[0 if world == 1 else rank]) < TOL, f"{strategy} {name}"
+            x = xs[rank].clone().requires_grad_()
+            model(x).backward(gs[rank])
+            assert rel_err(x.grad, dxs[0 if world == 1 else rank]) < TOL, f"{strategy} {name} dx"
+        assert twin.strategy is not layer.strategy and twin.strategy.op_key != layer.strategy.op_key
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "fused", "fused:train", "persistent", "auto"])
+def test_copies_of_a_called_layer_run_apart(strategy):
+    """copy.deepcopy (an EMA or reference model) and torch.save / torch.load of a layer whose
+    strategy has run: each copy computes the reference, forward and backward, and so does the
+    original after them. A copied fused strategy kept its peer buffer's address table, which
+    pointed at the original's memory: its kernels waited on flags nobody set."""
+    _copies_run_apart(0, 1, [strategy])
+
+
+def test_copies_of_a_called_layer_run_apart_two_ranks():
+    """The same with two gloo ranks (deepcopy only): the copy shares the layer's process groups."""
+    run_gloo(_copies_run_apart, 2, ["fused", "auto"])
