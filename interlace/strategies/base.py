@@ -40,18 +40,13 @@ def outside_inference_mode():
     that ran under inference mode) may not update those in place. Made with it off, they are plain
     tensors, which calls in either mode may update; the call's output is then a plain tensor.
     Outside inference mode it is a shared null context (nothing on a decode call's host path)."""
-    return _InferenceModeOff() if torch.is_inference_mode_enabled() else _NOTHING
+    return _inference_mode_off() if torch.is_inference_mode_enabled() else _NOTHING
 
 
-class _InferenceModeOff:
-    def __enter__(self):
-        self.modes = (torch.inference_mode(False), torch.no_grad())
-        for mode in self.modes:
-            mode.__enter__()
-
-    def __exit__(self, *exc):
-        for mode in reversed(self.modes):
-            mode.__exit__(*exc)
+@contextlib.contextmanager
+def _inference_mode_off():
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def require_triton(spec: str, device: torch.device | str) -> None:

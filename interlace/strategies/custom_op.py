@@ -269,21 +269,17 @@ def _moe_routed_impl(x: Tensor, w_up: Tensor, w_down: Tensor, strategy_key: Tens
     takes the call (``routes_call``), else the router and the strategy. ``router_tensors``: the
     router's weight (and bias), inputs only so that compiled code orders the call after any
     change of them; the router itself is found by ``router_key`` (interlace.op_keys)."""
+    strategy = strategy_by_key(strategy_key.item())
+    router = op_keys.lookup(router_key.item(), "router")
     with outside_inference_mode():
-        return _routed_call(x, w_up, w_down, strategy_by_key(strategy_key.item()),
-                            op_keys.lookup(router_key.item(), "router"), scales)
-
-
-def _routed_call(x, w_up, w_down, strategy, router, scales):
-    """:func:`_moe_routed_impl`'s call, its strategy and router found."""
-    routed = router.op_may_route() and strategy.routes_call(x, router, w_up, w_down)
-    routed = strategy.begin_call(x.shape[0], False, routed)
-    if scales:
-        w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
-    if routed:
-        return strategy.forward_layer(x, router, w_up, w_down).contiguous()
-    topk_idx, topk_weight = router.op_route(x, strategy.fused_routing)
-    return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous()
+        routed = router.op_may_route() and strategy.routes_call(x, router, w_up, w_down)
+        routed = strategy.begin_call(x.shape[0], False, routed)
+        if scales:
+            w_up, w_down = BlockFP8Weight(w_up, scales[0]), BlockFP8Weight(w_down, scales[1])
+        if routed:
+            return strategy.forward_layer(x, router, w_up, w_down).contiguous()
+        topk_idx, topk_weight = router.op_route(x, strategy.fused_routing)
+        return strategy(x, topk_idx, topk_weight, w_up, w_down).contiguous()
 
 
 def _moe_routed_fake(x, w_up, w_down, strategy_key, router_key, scales, router_tensors):

@@ -56,26 +56,6 @@ C = 1.5
 A = 2.0**-8
 
 
-class Stack(nn.Module):
-    def __init__(self, strategy: str, layers: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        cfg = preset("qwen3-30b-a3b").with_(dtype=dtype)
-        opts = {"max_tokens": max_tokens} if strategy.startswith("fused") else {}
-        self.norms = nn.ModuleList(nn.RMSNorm(cfg.hidden, device="cuda", dtype=cfg.dtype) for _ in range(layers))
-        self.moes = nn.ModuleList(MoELayer(cfg, strategy=strategy, seed=i, strategy_options=opts)
-                                  for i in range(layers))
-        self.taps: list[torch.Tensor] = []
-
-    def forward(self, x):
-        taps = []
-        for norm, moe in zip(self.norms, self.moes):
-            h = norm(x)
-            taps.append(h.detach())  # each layer's input (the router's), for the routing report
-            x = x + moe(h)
-        self.taps = taps
-        return x
-
-
 # An opaque stand-in for an MoE layer (an op inductor cannot see into, as interlace's): the stack
 # with it instead of the layers times what surrounds them, eager and compiled.
 _LIB = torch.library.Library("compile_check", "FRAGMENT")
@@ -84,21 +64,27 @@ _LIB.impl("stand_in", lambda h: h.mul(0.5), "CompositeExplicitAutograd")
 _LIB._register_fake("stand_in", lambda h: torch.empty_like(h))
 
 
-class Surroundings(nn.Module):
-    """:class:`Stack`'s norms, taps and residual adds, each MoE layer the opaque ``stand_in``."""
+class Stack(nn.Module):
+    """``x → x + moe_i(norm(x))``; ``strategy`` None: each MoE layer the opaque ``stand_in``."""
 
-    def __init__(self, layers: int):
+    def __init__(self, strategy: str | None, layers: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        hidden = preset("qwen3-30b-a3b").hidden
-        self.norms = nn.ModuleList(nn.RMSNorm(hidden, device="cuda", dtype=torch.bfloat16) for _ in range(layers))
+        cfg = preset("qwen3-30b-a3b").with_(dtype=dtype)
+        self.norms = nn.ModuleList(nn.RMSNorm(cfg.hidden, device="cuda", dtype=cfg.dtype) for _ in range(layers))
+        if strategy is None:
+            self.moes = [torch.ops.compile_check.stand_in] * layers
+        else:
+            opts = {"max_tokens": max_tokens} if strategy.startswith("fused") else {}
+            self.moes = nn.ModuleList(MoELayer(cfg, strategy=strategy, seed=i, strategy_options=opts)
+                                      for i in range(layers))
         self.taps: list[torch.Tensor] = []
 
     def forward(self, x):
         taps = []
-        for norm in self.norms:
+        for norm, moe in zip(self.norms, self.moes):
             h = norm(x)
-            taps.append(h.detach())
-            x = x + torch.ops.compile_check.stand_in(h)
+            taps.append(h.detach())  # each layer's input (the router's), for the routing report
+            x = x + moe(h)
         self.taps = taps
         return x
 
@@ -200,7 +186,7 @@ def main():
     reference = Stack("sequential", args.layers, args.tokens, torch.float32)
     # What surrounds the layers, forward, back to back: its compiled/eager difference is part of
     # every stack's, and not the layers' (reported beside each strategy's forward ratio).
-    surroundings = Surroundings(args.layers)
+    surroundings = Stack(None, args.layers, args.tokens)
     compiled_surroundings = torch.compile(surroundings, fullgraph=True)
     with torch.no_grad():
         for _ in range(2):
