@@ -1,7 +1,8 @@
 """What a newcomer on a CPU-only machine runs: ``interlace demo``, every strategy by name, and
 Triton's interpreter under any NumPy (the interpreter's scalar loop bounds broke on NumPy 2.4),
 with bf16 operands (its dot multiplied their bit patterns) and under any Triton the range allows
-(3.9's interpreter rejects the int32 masks its scalar comparisons produce)."""
+(3.9's interpreter rejects the int32 masks its scalar comparisons produce), and the interpreter's
+speed-ups (interlace.kernels.interpreter_speed) computing what it did."""
 
 from __future__ import annotations
 
@@ -94,6 +95,87 @@ def test_interpreter_mask_from_a_scalar_comparison():
     out = torch.full((16,), 10, dtype=torch.int32)
     _first_program_stores_kernel[(2,)](out, 5, BLOCK=8)
     assert out.tolist() == [10, 11, 12, 13, 14, 10, 10, 10] + [11] * 5 + [10] * 3
+
+
+@triton.jit
+def _scaled_add(acc, x, k):
+    return acc + x * k
+
+
+@triton.jit
+def _nested_helpers_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, CALLS: tl.constexpr):
+    # CALLS calls of a helper of this module, and tl.zeros (a standard-library @jit helper whose
+    # module names triton.language.core, which this module does not).
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in tl.static_range(CALLS):
+        acc = _scaled_add(acc, x, k + 1)
+    tl.store(out_ptr + offs, acc)
+
+
+def test_interpreter_patches_the_language_once_per_launch(monkeypatch):
+    """interlace.kernels.interpreter_speed: a launch patches triton.language for the interpreter
+    once, and a nested helper's call only the modules the launch has not patched yet (it patched
+    all of them again at every call: a third of a fused gloo test's time). The kernel computes what
+    it did, the launch restores triton.language's builtins, and a launch that fails leaves the next
+    one patching as a launch does."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, as tests/conftest.py sets)")
+    from triton.runtime import interpreter
+
+    from interlace.kernels import interpreter_speed
+
+    assert interpreter_speed.speed_up_interpreter()["one_patch_per_launch"]
+    patched = []
+    original = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *a: patched.append(pkg) or original(pkg, *a))
+    x = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    _nested_helpers_kernel[(1,)](x, torch.empty(16), BLOCK=16, CALLS=1)  # (the first launch patches less)
+    for calls in (1, 6):
+        patched.clear()
+        out = torch.full((16,), float("nan"))
+        _nested_helpers_kernel[(2,)](x, out, BLOCK=16, CALLS=calls)
+        torch.testing.assert_close(out, x * sum(range(1, calls + 1)), rtol=1e-6, atol=0)
+        counts[calls] = len(patched)
+        assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.arange), "the launch's patches undone"
+    # tl (the module, its tensor, math and descriptor classes) at the launch, and tl.zeros's
+    # modules (tl.core and tl) at its first call; the helper's calls add nothing (4 each before).
+    assert counts[1] == counts[6] <= 11, counts
+    with pytest.raises(Exception):
+        _nested_helpers_kernel[(1,)](x, 1.5, BLOCK=16, CALLS=2)  # (a float for out_ptr: it fails mid-launch)
+    patched.clear()
+    _nested_helpers_kernel[(1,)](x, out, BLOCK=16, CALLS=2)
+    assert 4 <= len(patched) <= 11 and tl.core.is_builtin(tl.load)
+    torch.testing.assert_close(out, x * 3, rtol=1e-6, atol=0)
+
+
+def test_interpreter_tuple_type_names_and_numpy_dtypes():
+    """The other two speed-ups compute what Triton did: a tuple type's name (built on demand, as
+    Triton 3.9 does) and the NumPy dtype the interpreter holds each Triton dtype in."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    from interlace.kernels import interpreter_speed
+
+    installed = interpreter_speed.speed_up_interpreter()
+    ty = tl.core.tuple_type([tl.int32, tl.float32], ["a", "b"])
+    if installed["lazy_tuple_type_names"]:  # (Triton 3.6's format; 3.9 names its own way)
+        assert ty.name == str(ty) == "[a:int32,b:fp32]"
+        assert tl.core.tuple_type([tl.int64]).name == "[:int64]"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    want = {tl.int1: np.bool_, tl.float16: np.float16, tl.float32: np.float32, tl.float64: np.float64,
+            tl.int8: np.int8, tl.uint8: np.uint8, tl.int16: np.int16, tl.uint16: np.uint16, tl.int32: np.int32,
+            tl.uint32: np.uint32, tl.int64: np.int64, tl.uint64: np.uint64, tl.bfloat16: np.uint16,
+            tl.float8e5: np.uint8, tl.float8e4nv: np.uint8}
+    for _ in range(2):  # (the second time from the table)
+        for tt, np_type in want.items():
+            assert interpreter._get_np_dtype(tt) == np.dtype(np_type), tt
+            assert interpreter._get_np_dtype(tl.block_type(tt, [4, 2])) == np.dtype(np_type), tt
+        assert interpreter._get_np_dtype(tl.pointer_type(tl.bfloat16)) == np.dtype(np.uint64)
+        assert interpreter._get_np_dtype(tl.block_type(tl.pointer_type(tl.float32), [8])) == np.dtype(np.uint64)
 
 
 def test_persistent_bf16_layer_on_the_interpreter():
