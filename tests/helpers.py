@@ -256,7 +256,11 @@ def _entry(rank, world, port, fn, args, environ):
 # and interlace again (several seconds each, 8 processes at once on CI's 2 cores). Every process
 # is still new, with its modules as imported; it imports the test's module itself and takes the
 # launching process's environment (_entry).
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "triton", "numpy", "interlace", "helpers", "cases"]
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "triton", "numpy", "interlace", "helpers", "cases",
+                       # transformers' models (tests/hf, test_compile): its modeling_utils alone took a
+                       # gloo rank ~3.7 s to import (a module a transformers release lacks is skipped)
+                       "transformers.modeling_utils"] + [f"transformers.models.{m}.modeling_{m}" for m in (
+                           "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2")]
 
 
 def run_gloo(fn, world: int, *args) -> None:
