@@ -250,19 +250,6 @@ def _entry(rank, world, port, fn, args, environ):
     os._exit(0)
 
 
-# The gloo processes are forked from a fork server that imported these once (the server starts
-# at the first launch, a fresh interpreter, and serves every later one of this test process):
-# each launch's processes start in well under a second instead of each importing torch, Triton
-# and interlace again (several seconds each, 8 processes at once on CI's 2 cores). Every process
-# is still new, with its modules as imported; it imports the test's module itself and takes the
-# launching process's environment (_entry).
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "triton", "numpy", "interlace", "helpers", "cases",
-                       # transformers' models (tests/hf, test_compile): its modeling_utils alone took a
-                       # gloo rank ~3.7 s to import (a module a transformers release lacks is skipped)
-                       "transformers.modeling_utils"] + [f"transformers.models.{m}.modeling_{m}" for m in (
-                           "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "deepseek_v2")]
-
-
 def run_gloo(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` gloo processes; any failure fails the test."""
     mp.set_forkserver_preload(FORK_SERVER_PRELOAD)
@@ -298,6 +285,19 @@ HF_FAMILIES = {
                          first_k_dense_replace=0, routed_scaling_factor=1.5, kv_lora_rank=16, q_lora_rank=24,
                          qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)),
 }
+
+
+# The gloo processes are forked from a fork server that imported these once (the server starts
+# at the first launch, a fresh interpreter, and serves every later one of this test process):
+# each launch's processes start in well under a second instead of each importing torch, Triton
+# and interlace again (several seconds each, 8 processes at once on CI's 2 cores). Every process
+# is still new, with its modules as imported; it imports the test's module itself and takes the
+# launching process's environment (_entry).
+# transformers' models too (tests/hf, test_compile): its modeling_utils alone took a gloo rank ~3.7 s
+# to import (a module a transformers release lacks is skipped).
+FORK_SERVER_PRELOAD = (["torch", "torch.distributed", "triton", "numpy", "interlace", "helpers", "cases",
+                        "transformers.modeling_utils"]
+                       + [f"transformers.models.{family}.modeling_{family}" for family in HF_FAMILIES])
 
 
 def triton_builds(kernel, args, constexprs) -> tuple:

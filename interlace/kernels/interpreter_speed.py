@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-_installed = False
+_installed: dict[str, bool] | None = None  # what speed_up_interpreter put in place
 
 
 class _NothingPatched:
@@ -121,7 +121,7 @@ def speed_up_interpreter() -> dict[str, bool]:
     mode (``triton.knobs.runtime.interpret``). Idempotent. Returns which are in place."""
     global _installed
     names = ("one_patch_per_launch", "lazy_tuple_type_names", "np_dtypes_from_a_table")
-    if _installed:
+    if _installed is not None:
         return dict(_installed)
     try:
         from triton import knobs
