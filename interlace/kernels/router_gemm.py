@@ -8,17 +8,20 @@ sums. The tensor cores' fp32 accumulation keeps fewer bits, so the result is som
 than the fp32 GEMM's, but still about three orders of magnitude below bf16's rounding.
 
 :func:`split_mm` computes ``a @ b`` where either operand is bf16 (one piece) or fp32 split
-*in registers* into ``PIECES`` bf16 pieces, summing the products of pieces ``(i, j)`` with
-``i + j < max(PIECES_A, PIECES_B)``: the terms down to 2^-16–2^-24 of the leading one. One
-launch, no split copy of either operand in memory:
+into ``PIECES`` bf16 pieces, summing the products of pieces ``(i, j)`` with
+``i + j < max(PIECES_A, PIECES_B)``: the terms down to 2^-16–2^-24 of the leading one. The fp32
+operand is always the small one (the router's weight, E × N, or the logits' gradient, T × E).
+Split in registers, every program of the GEMM splits it again at every reduction step, which at
+64–128-wide tiles costs about as much as the dots; so a large GEMM first splits it once into a
+bf16 stack (one small launch), and a small one (decode) splits in registers, saving the launch.
 
 * logits ``x (T, N) bf16 @ Wᵀ``, W (E, N) fp32 in 3 pieces: the fp32 GEMM's logits;
 * ``dW = gᵀ x``, g (T, E) fp32 in 3 pieces: the fp32 GEMM's weight gradient;
 * ``dx = g @ W``, both in 2 pieces (hi·hi + hi·mid + mid·hi, ~2^-16 relative): far below the
   bf16 rounding of dx.
 
-Tile sizes follow the output (a router has 8–512 experts), and the reduction is split where the
-output alone would leave SMs idle: see :func:`_plan`.
+Tile sizes follow the output (a router has 8–512 experts): they shrink, and then the reduction is
+split, where the output's tiles alone would leave SMs idle: see :func:`_plan`.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ CPU_PROGRAMS = 8  # the interpreter's "GPU": enough programs that tests split th
 
 
 @triton.jit
-def _piece(v, i: tl.constexpr, PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Piece ``i`` of ``v`` as a dot operand: v itself for a bf16 operand (PIECES = 1), else
-    of its fp32 split hi, mid, lo (round to nearest even). bf16, or the same values in fp32
-    with ``DOT_FP32`` (the interpreter, whose bf16 dot is not a product of values)."""
+def _piece(v, i: tl.constexpr, PIECES: tl.constexpr):
+    """Piece ``i`` of ``v`` in bf16: v itself for a bf16 operand (PIECES = 1), else of its fp32
+    split hi, mid, lo (round to nearest even)."""
     if PIECES == 1:
         p = v.to(tl.bfloat16)
     else:
@@ -51,17 +53,65 @@ def _piece(v, i: tl.constexpr, PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
                 p = mid
             else:
                 p = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-    if DOT_FP32:
-        return p.to(tl.float32)
-    else:
-        return p
+    return p
 
 
 @triton.jit
-def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
-                     stride_cm, stride_cn, PIECES_A: tl.constexpr, PIECES_B: tl.constexpr, BLOCK_M: tl.constexpr,
+def _split_pieces_kernel(src_ptr, dst_ptr, n, PIECES: tl.constexpr, BLOCK: tl.constexpr):
+    """dst (PIECES, n) bf16 ← the pieces of src (n,) fp32 (flat, contiguous)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(PIECES):
+        tl.store(dst_ptr + i * n + offs, _piece(v, i, PIECES), mask=mask)
+
+
+@triton.jit
+def _load_pieces(at, mask, stride_p, PIECES: tl.constexpr, STACKED: tl.constexpr):
+    """An operand's tile as its (up to) three bf16 pieces (unused ones repeat the first)."""
+    if STACKED:
+        p0 = tl.load(at, mask=mask, other=0.0)
+        p1 = p0
+        p2 = p0
+        if PIECES > 1:
+            p1 = tl.load(at + stride_p, mask=mask, other=0.0)
+        if PIECES > 2:
+            p2 = tl.load(at + 2 * stride_p, mask=mask, other=0.0)
+    else:
+        v = tl.load(at, mask=mask, other=0.0)
+        p0 = _piece(v, 0, PIECES)
+        p1 = p0
+        p2 = p0
+        if PIECES > 1:
+            p1 = _piece(v, 1, PIECES)
+        if PIECES > 2:
+            p2 = _piece(v, 2, PIECES)
+    return p0, p1, p2
+
+
+@triton.jit
+def _pick(p0, p1, p2, i: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Piece ``i`` of (p0, p1, p2) as a dot operand: bf16, or the same values in fp32 with
+    ``DOT_FP32`` (the interpreter, whose bf16 dot is not a product of values)."""
+    if i == 0:
+        p = p0
+    elif i == 1:
+        p = p1
+    else:
+        p = p2
+    if DOT_FP32:
+        p = p.to(tl.float32)
+    return p
+
+
+@triton.jit
+def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_ap, stride_am, stride_ak, stride_bp, stride_bk,
+                     stride_bn, stride_cs, stride_cm, stride_cn, PIECES_A: tl.constexpr, PIECES_B: tl.constexpr,
+                     STACKED_A: tl.constexpr, STACKED_B: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr = False):
     """c (M, N) = a (M, K) @ b (K, N) over bf16 pieces, fp32 accumulation; one tile per program.
+    An operand is bf16 (one piece), fp32 split in registers, or (``STACKED_*``) a bf16 stack of
+    its pieces (piece p at ``p · stride_*p``).
     Program (·, ·, s) sums the reduction range [s·K_PER, (s + 1)·K_PER) into c's plane s
     (``stride_cs``: split-K partials, which the launcher adds up)."""
     pid_m = tl.program_id(0)
@@ -78,16 +128,18 @@ def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_am, stride_ak, 
     for k0 in range(pid_s * K_PER, k_end, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < k_end
-        a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :] * stride_ak,
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + kk.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        a_at = a_ptr + rows.to(tl.int64)[:, None] * stride_am + kk[None, :] * stride_ak
+        a_mask = rmask[:, None] & kmask[None, :]
+        b_at = b_ptr + kk.to(tl.int64)[:, None] * stride_bk + cols[None, :] * stride_bn
+        b_mask = kmask[:, None] & cmask[None, :]
+        a0, a1, a2 = _load_pieces(a_at, a_mask, stride_ap, PIECES_A, STACKED_A)
+        b0, b1, b2 = _load_pieces(b_at, b_mask, stride_bp, PIECES_B, STACKED_B)
         # smallest terms first, into one fp32 accumulator
         for t in tl.static_range(TERMS - 1, -1, -1):
             for i in tl.static_range(0, PIECES_A):
                 if t - i >= 0:
                     if t - i < PIECES_B:
-                        acc = tl.dot(_piece(a, i, PIECES_A, DOT_FP32), _piece(b, t - i, PIECES_B, DOT_FP32), acc,
+                        acc = tl.dot(_pick(a0, a1, a2, i, DOT_FP32), _pick(b0, b1, b2, t - i, DOT_FP32), acc,
                                      input_precision="ieee")
     out = c_ptr + pid_s.to(tl.int64) * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     if c_ptr.dtype.element_ty == tl.float32:
@@ -96,28 +148,72 @@ def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_am, stride_ak, 
         tl.store(out, acc.to(c_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rmask[:, None] & cmask[None, :])
 
 
+# Where a GEMM does at least this much work (M·N·K), its fp32 operands are split once before it
+# (H200: the logits at 4096 tokens, qwen3-30b-a3b 43 -> 27 µs, dsv3-like 158 -> 92); below, the
+# launch that splits them costs more than the GEMM's programs splitting it again (decode).
+PRESPLIT_MIN_WORK = 1 << 30
+MIN_BLOCK = 64  # a tile's smallest side where the output is large (a warpgroup MMA's rows)
+
+
 def _plan(M: int, N: int, K: int, programs: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, splits of K) for about ``programs`` programs: 128-wide
-    tiles, narrower where the output is; the reduction split where it is at least 4× the output's
-    rows and the output's tiles alone would leave SMs idle (dW = gᵀx: an E × N output summed over T
-    tokens, else a handful of programs each running over every token), each split at least 4
-    steps. (The logits, T × E over N, are not split: on H200 their partials cost more than the
-    idle SMs, 101 against 74 µs at qwen3-30b-a3b's 8192 tokens.)"""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, splits of K) for ``programs`` SMs: 128-wide tiles,
+    narrower where the output is. Where the reduction is at least 4× the output's rows (dW = gᵀx:
+    an E × N output summed over T tokens, or a few tokens' logits) and the output's tiles alone
+    would leave SMs idle, the reduction is split (fp32 partials, at least 4 steps each) to about
+    two programs per SM. Otherwise (the logits at many tokens, T × E over N: 32 tiles of
+    128 × 128 at 4096 tokens and 128 experts), the tiles are halved, down to 64, until they fill
+    the SMs once; split partials cost more there (101 against 74 µs at qwen3-30b-a3b's 8192 tokens)."""
     block_n = max(16, min(128, next_power_of_2(N)))
     block_m = max(16, min(128, next_power_of_2(M)))
     block_k = 64
-    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+
+    def tiles():
+        return cdiv(M, block_m) * cdiv(N, block_n)
+
     splits = 1
-    if K >= 4 * M and tiles < programs:
-        splits = max(1, min(cdiv(K, 4 * block_k), cdiv(programs, tiles)))
+    if K >= 4 * M:
+        if tiles() < 2 * programs:
+            splits = max(1, min(cdiv(K, 4 * block_k), cdiv(2 * programs, tiles())))
+    else:
+        while tiles() < programs and max(block_m, block_n) > MIN_BLOCK:
+            if block_m >= block_n:
+                block_m //= 2
+            else:
+                block_n //= 2
     return block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4, splits
 
 
-def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out_dtype: torch.dtype) -> torch.Tensor:
+def split_pieces(t: torch.Tensor, pieces: int) -> torch.Tensor:
+    """fp32 ``t`` (R, C) as a (pieces, R, C) bf16 stack of its pieces (:func:`split_bf16`'s
+    values, rounded to nearest even), one launch; each piece has ``t``'s layout where ``t`` or
+    its transpose is contiguous (a transposed weight stays a transposed view)."""
+    transposed = not t.is_contiguous() and t.t().is_contiguous()
+    src = t.t() if transposed else t.contiguous()
+    out = alloc.empty((pieces, *src.shape), torch.bfloat16, t.device)
+    n = src.numel()
+    if n:
+        block = 1024
+        launch(_split_pieces_kernel, (cdiv(n, block),), src, out, n, PIECES=pieces, BLOCK=block, num_warps=4)
+    return out.transpose(1, 2) if transposed else out
+
+
+def _operand(t: torch.Tensor, pieces: int, stacked: bool) -> tuple[torch.Tensor, int]:
+    """A dot operand as (its piece stack, or the tensor itself; the piece stride)."""
+    if not stacked:
+        return t, 0
+    stack = split_pieces(t, pieces)
+    return stack, stack.stride(0)
+
+
+def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out_dtype: torch.dtype,
+             presplit: bool | None = None) -> torch.Tensor:
     """``a (M, K) @ b (K, N)`` over bf16 pieces (module docstring): an operand with 1 piece is
-    bf16, one with 2 or 3 pieces is fp32. Any strides (transposed views need no copy).
+    bf16, one with 2 or 3 pieces is fp32. The fp32 operands are split into bf16 piece stacks
+    first (one small launch each) where the GEMM is large (``presplit``: by default where
+    M·N·K ≥ ``PRESPLIT_MIN_WORK``), else in registers. Any strides (transposed views need no copy).
     Returns a new (M, N) tensor of ``out_dtype``. Where the output has too few tiles to fill the
-    GPU, the reduction is split: fp32 partials, then their sum in a fixed order (deterministic)."""
+    GPU, the tiles shrink, then the reduction is split: fp32 partials, then their sum in a fixed
+    order (deterministic)."""
     for t, p in ((a, pieces_a), (b, pieces_b)):
         want = torch.bfloat16 if p == 1 else torch.float32
         if t.dtype != want or p not in (1, 2, 3):
@@ -130,15 +226,19 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out
         return alloc.empty((M, N), out_dtype, a.device)
     if K == 0:
         return alloc.empty((M, N), out_dtype, a.device).zero_()
-    programs = 2 * sm_count(a.device) if a.is_cuda else CPU_PROGRAMS
+    programs = sm_count(a.device) if a.is_cuda else CPU_PROGRAMS
     block_m, block_n, block_k, warps, splits = _plan(M, N, K, programs)
     k_per = cdiv(cdiv(K, splits), block_k) * block_k
     splits = cdiv(K, k_per)
     c = alloc.empty((splits, M, N) if splits > 1 else (M, N), torch.float32 if splits > 1 else out_dtype, a.device)
+    stacked = (presplit if presplit is not None else M * N * K >= PRESPLIT_MIN_WORK)
+    stacked_a, stacked_b = stacked and pieces_a > 1, stacked and pieces_b > 1
+    ap, stride_ap = _operand(a, pieces_a, stacked_a)
+    bp, stride_bp = _operand(b, pieces_b, stacked_b)
     launch(_split_mm_kernel, (cdiv(M, block_m), cdiv(N, block_n), splits),
-        a, b, c, M, N, K, k_per, a.stride(0), a.stride(1), b.stride(0), b.stride(1), M * N if splits > 1 else 0,
-        c.stride(-2), c.stride(-1), PIECES_A=pieces_a, PIECES_B=pieces_b, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, DOT_FP32=not a.is_cuda, num_warps=warps, num_stages=3,
+        ap, bp, c, M, N, K, k_per, stride_ap, ap.stride(-2), ap.stride(-1), stride_bp, bp.stride(-2), bp.stride(-1),
+        M * N if splits > 1 else 0, c.stride(-2), c.stride(-1), PIECES_A=pieces_a, PIECES_B=pieces_b,
+        STACKED_A=stacked_a, STACKED_B=stacked_b, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=not a.is_cuda, num_warps=warps, num_stages=3,
     )
     return c.sum(0).to(out_dtype) if splits > 1 else c
 

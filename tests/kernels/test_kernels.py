@@ -272,6 +272,8 @@ def test_split_mm_kernel(pieces, M, N, K):
         assert splits == (5 if K == 1100 else 1), splits
     got = split_mm(a, b, pa, pb, torch.float32)  # (outputs are poisoned: conftest)
     ref = split_mm_reference(a, b, pa, pb, torch.float32)
+    # the fp32 operands split once into piece stacks before the GEMM: the same pieces, the same sums
+    assert torch.equal(split_mm(a, b, pa, pb, torch.float32, presplit=True), got)
     exact = a.double() @ b.double()
     assert got.shape == (M, N) and torch.isfinite(got).all()
     if M and N:
@@ -281,6 +283,22 @@ def test_split_mm_kernel(pieces, M, N, K):
         assert rel_err(got, ref) < (1e-6 if three else 2**-12)
         scale = a.double().abs() @ b.double().abs()
         assert ((got.double() - exact).abs() <= scale * (2**-20 if three else 2**-13) + 1e-30).all()
+
+
+def test_split_pieces_and_plan():
+    """The piece stack of an fp32 tensor (and of a transposed view, which keeps its layout) sums to
+    it exactly; the GEMM's plan shrinks the logits' tiles to fill the SMs and splits dW's reduction."""
+    from interlace.kernels.router_gemm import _plan, split_pieces
+
+    w = torch.cat((torch.randn(300) * 1e-3, torch.randn(300) * 1e3)).view(20, 30)
+    for t in (w, w.t()):
+        stack = split_pieces(t, 3)
+        assert stack.dtype == torch.bfloat16 and stack.shape == (3, *t.shape)
+        assert stack[0].stride() == t.stride()
+        assert torch.equal(stack.double().sum(0), t.double())
+    assert _plan(4096, 128, 2048, 132) == (64, 64, 64, 4, 1)  # 128 tiles, not 32 of 128 x 128
+    assert _plan(16384, 256, 7168, 132) == (128, 128, 64, 8, 1)
+    assert _plan(128, 2048, 4096, 132) == (128, 128, 64, 8, 16)  # dW: 16 tiles x 16 splits
 
 
 def test_split_mm_rejects_wrong_dtypes():
