@@ -149,9 +149,9 @@ def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_ap, stride_am, 
 
 
 # Where a GEMM does at least this much work (M·N·K), its fp32 operands are split once before it
-# (H200: the logits at 4096 tokens, qwen3-30b-a3b 43 -> 27 µs, dsv3-like 158 -> 92); below, the
-# launch that splits them costs more than the GEMM's programs splitting it again (decode).
-PRESPLIT_MIN_WORK = 1 << 30
+# (H200: dsv3-like's logits at 4096 tokens 158 -> 92 µs, qwen3-30b-a3b's at 16384 135 -> 64);
+# below, the extra launch (host time too, in an eager call) costs about what the split saves.
+PRESPLIT_MIN_WORK = 1 << 32
 MIN_BLOCK = 64  # a tile's smallest side where the output is large (a warpgroup MMA's rows)
 
 
