@@ -46,7 +46,9 @@ def main():
         def call():
             if not args.fwdbwd:
                 return layer(x)
-            layer(x).backward(grad)  # weight .grad accumulates across calls: same work each call
+            for p in (x, *layer.parameters()):  # fresh gradients, as the bench's calls (no accumulation kernels)
+                p.grad = None
+            layer(x).backward(grad)
 
         for strategy in args.strategies:
             layer.set_strategy(strategy)
