@@ -37,9 +37,11 @@ CPU_PROGRAMS = 8  # the interpreter's "GPU": enough programs that tests split th
 
 
 @triton.jit
-def _piece(v, i: tl.constexpr, PIECES: tl.constexpr):
-    """Piece ``i`` of ``v`` in bf16: v itself for a bf16 operand (PIECES = 1), else of its fp32
-    split hi, mid, lo (round to nearest even)."""
+def _piece(v, i: tl.constexpr, PIECES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Piece ``i`` of ``v`` as a dot operand: v itself for a bf16 operand (PIECES = 1), else of
+    its fp32 split hi, mid, lo (round to nearest even). bf16, or the same values in fp32 with
+    ``DOT_FP32`` (the interpreter, whose bf16 dot is not a product of values; the persistent
+    kernel's router calls it so too)."""
     if PIECES == 1:
         p = v.to(tl.bfloat16)
     else:
@@ -53,6 +55,8 @@ def _piece(v, i: tl.constexpr, PIECES: tl.constexpr):
                 p = mid
             else:
                 p = (rest - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    if DOT_FP32:
+        p = p.to(tl.float32)
     return p
 
 
@@ -63,7 +67,7 @@ def _split_pieces_kernel(src_ptr, dst_ptr, n, PIECES: tl.constexpr, BLOCK: tl.co
     mask = offs < n
     v = tl.load(src_ptr + offs, mask=mask, other=0.0)
     for i in tl.static_range(PIECES):
-        tl.store(dst_ptr + i * n + offs, _piece(v, i, PIECES), mask=mask)
+        tl.store(dst_ptr + i * n + offs, _piece(v, i, PIECES, False), mask=mask)
 
 
 @triton.jit
@@ -79,13 +83,13 @@ def _load_pieces(at, mask, stride_p, PIECES: tl.constexpr, STACKED: tl.constexpr
             p2 = tl.load(at + 2 * stride_p, mask=mask, other=0.0)
     else:
         v = tl.load(at, mask=mask, other=0.0)
-        p0 = _piece(v, 0, PIECES)
+        p0 = _piece(v, 0, PIECES, False)
         p1 = p0
         p2 = p0
         if PIECES > 1:
-            p1 = _piece(v, 1, PIECES)
+            p1 = _piece(v, 1, PIECES, False)
         if PIECES > 2:
-            p2 = _piece(v, 2, PIECES)
+            p2 = _piece(v, 2, PIECES, False)
     return p0, p1, p2
 
 
