@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from interlace.config import MoEConfig
 from interlace.fp8 import FP8_BLOCK, BlockFP8Weight, check_fp8_ffn_slice, quantize_weight
@@ -15,6 +15,13 @@ from interlace.parallel.comm import ExpertParallel
 from interlace.parallel.wrapper_checks import check_ddp_wrapper, check_dtensor_mesh
 from interlace.strategies.base import fp8_strategy_names, outside_inference_mode
 from interlace.strategies.custom_op import run_routed, run_strategy
+
+
+def _is_dtensor(value) -> bool:
+    """Whether ``value`` is a DTensor, without importing torch.distributed.tensor (about a second
+    of every process's start-up) where nothing has: no DTensor exists before that import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def init_expert_weights(
@@ -173,7 +180,7 @@ class ExpertShard(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         # (fully_shard assigns through setattr where a module defines it: its sharded DTensor here)
-        if name in self.weight_names and isinstance(value, DTensor):
+        if name in self.weight_names and _is_dtensor(value):
             check_dtensor_mesh(self, name, value)
         super().__setattr__(name, value)
 
