@@ -437,13 +437,23 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    """INTERLACE_COMMIT if set (copies without .git, e.g. the GPU machine), else git's HEAD."""
+def git_commit(where: str | None = None) -> str:
+    """INTERLACE_COMMIT if set (copies without .git, e.g. the GPU machine), else git's HEAD of the
+    checkout at ``where`` (default: this package's), with ``-dirty`` where tracked files differ
+    from it: a copy of a working tree whose ``.git`` lags behind its files (as a GPU machine's may
+    between calls) must not be recorded as the older commit."""
     if settings().commit:
         return settings().commit
+    where = where or os.path.dirname(__file__)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where, timeout=10).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return "unknown"
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -38,3 +38,30 @@ def test_prefill_floor_terms():
     comm = 2 * tokens * 2 * 0.5 * 64 * 2 / 1e9 * 1e3
     assert floor_ms(CFG, tokens, world, "fwd", 100.0, 1.0) == pytest.approx(max(compute, comm))
     assert floor_ms(CFG, tokens, world, "fwdbwd", 100.0, 1.0) == pytest.approx(max(3 * compute, 2 * comm))
+
+
+def test_git_commit_marks_a_tree_that_differs_from_its_head(tmp_path, monkeypatch):
+    """A checkout whose tracked files differ from HEAD (a copied tree whose .git lags) is recorded
+    as ``<head>-dirty``, not as the older commit; INTERLACE_COMMIT wins where set."""
+    import subprocess
+
+    from interlace import env
+    from interlace.tools.bench import git_commit
+
+    monkeypatch.delenv("INTERLACE_COMMIT", raising=False)
+    env.refresh()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(git[:5] + ["init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "a.py"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "new.py").write_text("untracked = True\n")  # (untracked files do not count)
+    assert git_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(str(tmp_path)) == head + "-dirty"
+    monkeypatch.setenv("INTERLACE_COMMIT", "abc1234")
+    env.refresh()
+    assert git_commit(str(tmp_path)) == "abc1234"
+    monkeypatch.delenv("INTERLACE_COMMIT")
+    env.refresh()
