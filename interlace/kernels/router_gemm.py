@@ -33,7 +33,7 @@ import triton.language as tl
 from interlace.kernels import alloc
 from interlace.kernels.launch import cdiv, launch, next_power_of_2, sm_count
 
-CPU_PROGRAMS = 8  # the interpreter's "GPU": enough programs that tests split the reduction too
+CPU_PROGRAMS = 8  # the interpreter's "SMs": few enough that tests split the reduction too
 
 
 @triton.jit
@@ -153,7 +153,8 @@ def _split_mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, K_PER, stride_ap, stride_am, 
 
 
 # Where a GEMM does at least this much work (M·N·K), its fp32 operands are split once before it
-# (H200: dsv3-like's logits at 4096 tokens 158 -> 92 µs, qwen3-30b-a3b's at 16384 135 -> 64);
+# (H200, against the split in registers on the same tiles: dsv3-like's logits at 4096 tokens
+# 158 -> 92 µs, qwen3-30b-a3b's at 16384 135 -> 64);
 # below, the extra launch (host time too, in an eager call) costs about what the split saves.
 PRESPLIT_MIN_WORK = 1 << 32
 MIN_BLOCK = 64  # a tile's smallest side where the output is large (a warpgroup MMA's rows)
@@ -242,7 +243,8 @@ def split_mm(a: torch.Tensor, b: torch.Tensor, pieces_a: int, pieces_b: int, out
     launch(_split_mm_kernel, (cdiv(M, block_m), cdiv(N, block_n), splits),
         ap, bp, c, M, N, K, k_per, stride_ap, ap.stride(-2), ap.stride(-1), stride_bp, bp.stride(-2), bp.stride(-1),
         M * N if splits > 1 else 0, c.stride(-2), c.stride(-1), PIECES_A=pieces_a, PIECES_B=pieces_b,
-        STACKED_A=stacked_a, STACKED_B=stacked_b, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=not a.is_cuda, num_warps=warps, num_stages=3,
+        STACKED_A=stacked_a, STACKED_B=stacked_b, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_FP32=not a.is_cuda, num_warps=warps, num_stages=3,
     )
     return c.sum(0).to(out_dtype) if splits > 1 else c
 
