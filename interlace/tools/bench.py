@@ -20,6 +20,13 @@ FLOPs = 2·T·k·N·3·K and remote bytes = T·k·(W−1)/W·N·2. Forward+backw
 and, since backward moves the same bytes again, 2× the communication term. Decode floor (forward):
 ``max(floor, touched expert weight bytes of the busiest rank / HBM read bandwidth, 2 × peer
 latency)``, where a local expert is touched when any token of any rank chose it.
+
+``--fp8 S …`` (forward): the same layer with its experts in block-scaled FP8 (an FP8 twin built
+from the same seed: its weights are the bf16 layer's, quantized) is timed too, on the strategies
+S that run FP8 experts, round-robin with the bf16 ones. Its rows (``experts = "fp8"``) are checked
+against the bf16 ``naive`` output within ``--fp8-tolerance`` (block FP8's own error, W8A8, is about
+5e-2) and floored with the e4m3 matmul peak measured in the run (``torch._scaled_mm`` 8192³) and
+the e4m3 weight and fp32 scale bytes they read.
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ from interlace.config import PRESETS, MoEConfig, preset
 from interlace.planning.rounds import round_order
 from interlace.layer import MoELayer
 from interlace.strategies import STRATEGIES
+from interlace.strategies.base import fp8_strategy_names
 from interlace.env import settings
 from interlace.tools.command_line import command_parser
 from interlace.tools.bench_timing import (  # noqa: F401 — re-exported: the tools import these from here
-    barrier, measure_hbm_read_tbps, measure_matmul_tflops, measure_peer_gbps, measure_peer_latency_us, reduce_max,
-    time_back_to_back, time_cpu, time_cuda)
+    barrier, measure_fp8_matmul_tflops, measure_hbm_read_tbps, measure_matmul_tflops, measure_peer_gbps,
+    measure_peer_latency_us, reduce_max, time_back_to_back, time_cpu, time_cuda)
 
 ROUTINGS = ("random", "balanced", "skewed", "local")
 ZIPF_EXPONENT = 1.2
@@ -119,6 +127,7 @@ class Row:
     strategy: str
     world: int
     status: str = "ok"
+    experts: str = "bf16"  # "fp8": the layer's FP8 twin (--fp8), floored with the e4m3 peak
     median_ms: float | None = None
     back_to_back_ms: float | None = None  # forward, --back-to-back N: ms per call of N calls issued back to back
     floor_ms: float | None = None
@@ -150,13 +159,22 @@ def floor_ms(cfg: MoEConfig, tokens: int, world: int, mode: str, tflops: float |
 
 def touched_expert_bytes(cfg: MoEConfig, topk_idx: torch.Tensor, env: Env) -> int:
     """Bytes of expert weights the busiest rank must read for one call: every local expert that
-    at least one token of any rank chose (``topk_idx`` (T, k): this rank's choices)."""
+    at least one token of any rank chose (``topk_idx`` (T, k): this rank's choices). FP8 experts
+    (``cfg.expert_quant``): one byte a weight, and a 4-byte scale per 128 × 128 block."""
     chosen = torch.bincount(topk_idx.reshape(-1).long(), minlength=cfg.num_experts)
     if env.world > 1:
         dist.all_reduce(chosen, group=env.group)
     touched = (chosen > 0).view(env.world, cfg.num_experts // env.world).sum(dim=1)
-    per_expert = (cfg.up_width + cfg.ffn) * cfg.hidden * torch.finfo(cfg.dtype).bits // 8
-    return int(touched.max()) * per_expert
+    return int(touched.max()) * expert_bytes(cfg)
+
+
+def expert_bytes(cfg: MoEConfig) -> int:
+    """Bytes of one expert's weights (up and down projections) as the layer stores them."""
+    if cfg.expert_quant == "fp8":
+        blocks = lambda rows, cols: -(-rows // 128) * -(-cols // 128)  # noqa: E731
+        return (cfg.up_width + cfg.ffn) * cfg.hidden + 4 * (blocks(cfg.up_width, cfg.hidden)
+                                                            + blocks(cfg.hidden, cfg.ffn))
+    return (cfg.up_width + cfg.ffn) * cfg.hidden * torch.finfo(cfg.dtype).bits // 8
 
 
 def decode_floor_ms(floor: float | None, weight_bytes: int, hbm_tbps: float | None, world: int,
@@ -195,7 +213,9 @@ BACK_TO_BACK_ROUNDS = 3
 
 
 def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, strategies: list[str],
-             env: Env, args, ceilings) -> list[Row]:
+             env: Env, args, ceilings, fp8_layer: MoELayer | None = None) -> list[Row]:
+    """One case's rows: ``strategies`` on ``layer`` and, forward, ``args.fp8``'s on its FP8 twin
+    ``fp8_layer`` (the same weights quantized)."""
     cfg = layer.config
     gen = torch.Generator(device=env.device).manual_seed(args.seed + 7919 * env.rank + tokens)
     x = torch.randn(tokens, cfg.hidden, device=env.device, generator=gen).to(cfg.dtype)
@@ -209,16 +229,20 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             topk_idx = indices if indices is not None else layer.router(x, None)[0]
         weight_bytes = touched_expert_bytes(cfg, topk_idx, env)
 
-    def call():
-        xi = x.requires_grad_(backward) if backward else x
-        if backward:
-            for p in params:
-                p.grad = None
-            xi.grad = None
-        out = layer(xi, expert_indices=indices)
-        if backward:
-            out.backward(grad)
-        return out
+    def make_call(lay: MoELayer):
+        def call():
+            xi = x.requires_grad_(backward) if backward else x
+            if backward:
+                for p in params:
+                    p.grad = None
+                xi.grad = None
+            out = lay(xi, expert_indices=indices)
+            if backward:
+                out.backward(grad)
+            return out
+        return call
+
+    call = make_call(layer)
 
     # Correctness: every strategy against naive on the same inputs, before any timing.
     results = {}
@@ -230,6 +254,32 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             [x.grad.clone(), layer.experts.w_up.grad.clone(), layer.router.weight.grad.clone()] if backward else [])
     rows = []
     naive_ms = None
+    timer = time_cuda if env.cuda else time_cpu
+
+    def prepare(row: Row, lay: MoELayer, lay_call) -> None:
+        """The row's first call (timed), ``auto``'s settling, the warm-ups, and without
+        --interleave the timed calls; the strategy object and call kept for the round-robin."""
+        ctx = torch.no_grad() if not backward else torch.enable_grad()
+        with ctx:
+            if env.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            lay_call()
+            if env.cuda:
+                torch.cuda.synchronize()
+            row.first_call_ms = reduce_max(env, (time.perf_counter() - t0) * 1e3)
+            settle_auto(lay.strategy, lay_call, tokens, mode)
+            if getattr(args, "interleave", False):  # warm-ups now; the timed calls round-robin below
+                for _ in range(args.warmup):
+                    lay_call()
+                times = []
+            else:
+                times = timer(lay_call, args.warmup, args.iters, env)
+        row.times_ms = times
+        row.median_ms = reduce_max(env, statistics.median(times)) if times else None
+        # kept for the round-robin (caches such as the chosen degree); dropped before the rows return
+        row.strategy_object, row.layer_object, row.call = lay.strategy, lay, lay_call
+
     for strategy in strategies:
         row = Row(name, tokens, routing, mode, strategy, env.world)
         errs = {}
@@ -241,27 +291,23 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             rows.append(row)
             continue
         layer.set_strategy(strategy)
-        timer = time_cuda if env.cuda else time_cpu
-        ctx = torch.no_grad() if not backward else torch.enable_grad()
-        with ctx:
-            if env.cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            call()
-            if env.cuda:
-                torch.cuda.synchronize()
-            row.first_call_ms = reduce_max(env, (time.perf_counter() - t0) * 1e3)
-            settle_auto(layer.strategy, call, tokens, mode)
-            if getattr(args, "interleave", False):  # warm-ups now; the timed calls round-robin below
-                for _ in range(args.warmup):
-                    call()
-                times = []
-            else:
-                times = timer(call, args.warmup, args.iters, env)
-        row.times_ms = times
-        row.median_ms = reduce_max(env, statistics.median(times)) if times else None
-        row.strategy_object = layer.strategy  # kept for the round-robin (caches such as the chosen degree)
+        prepare(row, layer, call)
         rows.append(row)
+    fp8_call = None
+    if fp8_layer is not None and not backward:
+        # The FP8 twin (inference only): each strategy checked against the bf16 naive output
+        # (its error is block FP8's own), then timed with the others.
+        fp8_call = make_call(fp8_layer)
+        for strategy in args.fp8:
+            row = Row(name, tokens, routing, mode, strategy, env.world, experts="fp8")
+            fp8_layer.set_strategy(strategy)
+            with torch.no_grad():
+                row.rel_err_vs_naive = {"out": reduce_max(env, rel_err(fp8_call(), results["naive"][0]))}
+            if row.rel_err_vs_naive["out"] > args.fp8_tolerance:
+                row.status = "WRONG"
+            else:
+                prepare(row, fp8_layer, fp8_call)
+            rows.append(row)
     if getattr(args, "interleave", False):
         # Round-robin: timed call i of every strategy runs back to back, so clock and thermal
         # drift over the case (two runs of the same code path timed one after the other can
@@ -273,8 +319,8 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         with ctx:
             for i in range(args.iters):
                 for row in round_order(timed, i):
-                    layer.strategy = row.strategy_object
-                    row.times_ms += (time_cuda if env.cuda else time_cpu)(call, 0, 1, env)
+                    row.layer_object.strategy = row.strategy_object
+                    row.times_ms += timer(row.call, 0, 1, env)
         for row in timed:
             row.median_ms = reduce_max(env, statistics.median(row.times_ms))
     if getattr(args, "back_to_back", 0) and not backward and env.cuda:
@@ -285,41 +331,49 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
         with torch.no_grad():
             for i in range(BACK_TO_BACK_ROUNDS):
                 for row in round_order(timed, i):
-                    layer.strategy = row.strategy_object
-                    rounds[id(row)].append(time_back_to_back(call, args.back_to_back, env))
+                    row.layer_object.strategy = row.strategy_object
+                    rounds[id(row)].append(time_back_to_back(row.call, args.back_to_back, env))
         for row in timed:
             row.back_to_back_ms = reduce_max(env, statistics.median(rounds[id(row)]))
     # Once more after the timing, against naive's output on the same inputs: strategies that
     # cache work between calls (fused replays CUDA graphs from its second call per token count)
     # are checked on what the timed calls ran, not only on their first call.
     for row in rows:
-        if row.status != "ok" or row.strategy == "naive":
+        if row.status != "ok" or (row.strategy == "naive" and row.experts == "bf16"):
             continue
-        layer.strategy = row.strategy_object
+        row.layer_object.strategy = row.strategy_object
         with torch.no_grad() if not backward else torch.enable_grad():
-            err = reduce_max(env, rel_err(call(), results["naive"][0]))
+            err = reduce_max(env, rel_err(row.call(), results["naive"][0]))
         row.rel_err_vs_naive["out_after_timing"] = err
-        if err > args.tolerance:
+        if err > (args.fp8_tolerance if row.experts == "fp8" else args.tolerance):
             row.status = "WRONG"
     for row in rows:
         row.choice = auto_choice(row.__dict__.get("strategy_object"), tokens, mode)
-        row.__dict__.pop("strategy_object", None)
-    isolated_peaks(layer, rows, call, [x, *params], args.warmup, backward, env)
+        for kept in ("strategy_object", "layer_object", "call"):
+            row.__dict__.pop(kept, None)
+    isolated_peaks(layer, [r for r in rows if r.experts == "bf16"], call, [x, *params], args.warmup, backward, env)
+    if fp8_call is not None:
+        isolated_peaks(fp8_layer, [r for r in rows if r.experts == "fp8"], fp8_call, [x], args.warmup, False, env,
+                       idle="sequential")
+    fp8_weight_bytes = (touched_expert_bytes(fp8_layer.config, topk_idx, env)
+                        if fp8_call is not None else None)
     for row in rows:
         if row.status != "ok" or row.median_ms is None:
             continue
-        row.floor_ms = floor_ms(cfg, tokens, env.world, mode, ceilings["matmul_tflops"], ceilings["peer_gbps"])
+        fp8 = row.experts == "fp8"
+        peak = ceilings.get("fp8_tflops") if fp8 else ceilings["matmul_tflops"]
+        row.floor_ms = floor_ms(cfg, tokens, env.world, mode, peak, ceilings["peer_gbps"])
         if row.floor_ms:
             row.x_floor = row.median_ms / row.floor_ms
         if weight_bytes is not None:
-            row.weight_bytes = weight_bytes
-            row.decode_floor_ms = decode_floor_ms(row.floor_ms, weight_bytes, ceilings.get("hbm_tbps"), env.world,
+            row.weight_bytes = fp8_weight_bytes if fp8 else weight_bytes
+            row.decode_floor_ms = decode_floor_ms(row.floor_ms, row.weight_bytes, ceilings.get("hbm_tbps"), env.world,
                                                   ceilings.get("peer_latency_us"))
             if row.decode_floor_ms:
                 row.x_decode_floor = row.median_ms / row.decode_floor_ms
         flops = cfg.flops_per_token() * tokens * (3 if backward else 1)
         row.tflops = flops / (row.median_ms * 1e-3) / 1e12
-        if row.strategy == "naive":
+        if row.strategy == "naive" and not fp8:
             naive_ms = row.median_ms
     for row in rows:
         if naive_ms and row.median_ms:
@@ -354,7 +408,8 @@ def graph_pools_unallocated(device: int) -> int:
                if seg["device"] == device and tuple(seg["segment_pool_id"]) != (0, 0))
 
 
-def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env) -> None:
+def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env,
+                   idle: str = "naive") -> None:
     """Each ok row's peak memory with no other strategy alive (while the timing ran, every
     strategy's buffers and graphs were held at once): the layer's strategy built afresh after the
     others' objects and the shared buffers are released and the gradients dropped, then its first
@@ -364,7 +419,8 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
     no peak is read: the release, the rebuild and the first ``1 + warmup`` calls run (``auto``'s
     calibration among them), the STEADY_CALLS, which only feed ``peak_gib``, do not. A peak counts
     the memory CUDA-graph pools hold unallocated (:func:`graph_pools_unallocated`) on top of
-    ``max_memory_allocated``. NOTE: device syncs (between strategies, outside every timing)."""
+    ``max_memory_allocated``. ``idle``: the strategy the layer holds between rows (an FP8
+    layer's: one that runs FP8 experts). NOTE: device syncs (between strategies, outside every timing)."""
     from interlace.parallel import release_shared_buffers
 
     ctx = torch.no_grad() if not backward else torch.enable_grad()
@@ -390,7 +446,7 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
     for row in rows:
         if row.status != "ok":
             continue
-        layer.set_strategy("naive")
+        layer.set_strategy(idle)
         release_shared_buffers()
         fresh_peak()
         layer.set_strategy(row.strategy)
@@ -401,7 +457,7 @@ def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmu
             for _ in range(STEADY_CALLS if env.cuda else 0):
                 call()
             row.peak_gib = peak_gib()
-    layer.set_strategy("naive")
+    layer.set_strategy(idle)
     release_shared_buffers()
 
 
@@ -422,6 +478,11 @@ def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def label(row: Row) -> str:
+    """The row's strategy, marked where it ran the FP8 twin."""
+    return row.strategy if row.experts == "bf16" else f"{row.strategy} ({row.experts})"
+
+
 def markdown_table(rows: list[Row]) -> str:
     head = ("| config | tokens/GPU | routing | mode | strategy | median ms | × floor | × decode floor | vs naive "
             "| TFLOP/s | peak GiB | max rel err vs naive | status | auto's choice |")
@@ -429,7 +490,7 @@ def markdown_table(rows: list[Row]) -> str:
     for r in rows:
         err = max(r.rel_err_vs_naive.values()) if r.rel_err_vs_naive else None
         lines.append(
-            f"| {r.config} | {r.tokens} | {r.routing} | {r.mode} | {r.strategy} | {fmt(r.median_ms, '.3f')} | "
+            f"| {r.config} | {r.tokens} | {r.routing} | {r.mode} | {label(r)} | {fmt(r.median_ms, '.3f')} | "
             f"{fmt(r.x_floor, '.2f')} | {fmt(r.x_decode_floor, '.2f')} | {fmt(r.speedup_vs_naive, '.2f')} | "
             f"{fmt(r.tflops, '.0f')} | "
             f"{fmt(r.peak_gib, '.2f')} | {fmt(err, '.1e')} | {r.status} | {r.choice or ''} |"
@@ -480,6 +541,11 @@ def parse_args(argv=None):
     p.add_argument("--back-to-back", type=int, default=0, metavar="N",
                    help="forward on GPUs: also time N calls issued back to back (back_to_back_ms; 0: off)")
     p.add_argument("--tolerance", type=float, default=2e-2, help="max relative error vs naive (bf16)")
+    p.add_argument("--fp8", nargs="+", default=[], metavar="STRATEGY",
+                   help="forward: also time the layer with its experts in block-scaled FP8 (the same weights "
+                        "quantized) on these strategies (those that run FP8 experts)")
+    p.add_argument("--fp8-tolerance", type=float, default=1e-1,
+                   help="max relative error of an FP8 row vs the bf16 naive output (block FP8's own: ~5e-2)")
     p.add_argument("--out", default="bench-out", help="folder for results.json and results.md")
     p.add_argument("--small", action="store_true", help="shrink every config (hidden/ffn ÷ 16) for CPU smoke runs")
     args = p.parse_args(argv)
@@ -487,6 +553,12 @@ def parse_args(argv=None):
         if s.partition(":")[0] not in STRATEGIES:
             p.error(f"unknown strategy {s!r}; available: {', '.join(sorted(STRATEGIES))} "
                     f"(with an argument as name:arg, e.g. pipelined:4, sequential:triton)")
+    supported = fp8_strategy_names()
+    for s in args.fp8:
+        if s not in supported:
+            p.error(f"--fp8 {s!r}: the strategies that run FP8 experts are {', '.join(supported)}")
+    if args.fp8 and "fwd" not in args.mode:
+        p.error("--fp8 times inference calls: it needs --mode fwd")
     if "naive" not in args.strategies:
         args.strategies = ["naive"] + args.strategies  # speedups and checks are against naive
     if args.warmup < 5 or args.iters < 20:
@@ -517,8 +589,12 @@ def main(argv=None) -> list[Row]:
         print("note: no CUDA device; timing the CPU path (numbers are not comparable to GPU rows)", file=sys.stderr)
     ceilings = {"matmul_tflops": measure_matmul_tflops(env), "peer_gbps": measure_peer_gbps(env),
                 "hbm_tbps": measure_hbm_read_tbps(env), "peer_latency_us": measure_peer_latency_us(env)}
+    if args.fp8:
+        ceilings["fp8_tflops"] = measure_fp8_matmul_tflops(env)
     if env.cuda:
-        ceilings["matmul_tflops"] = reduce_max(env, -ceilings["matmul_tflops"]) * -1  # slowest rank's peak
+        for peak in ("matmul_tflops", "fp8_tflops"):  # the slowest rank's peaks
+            if ceilings.get(peak) is not None:
+                ceilings[peak] = reduce_max(env, -ceilings[peak]) * -1
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
@@ -532,24 +608,30 @@ def main(argv=None) -> list[Row]:
         print(f"# ceilings: bf16 matmul 8192³ {fmt(ceilings['matmul_tflops'], '.0f')} TFLOP/s, "
               f"peer copy GPU0→GPU1 {fmt(ceilings['peer_gbps'], '.0f')} GB/s, "
               f"HBM read {fmt(ceilings['hbm_tbps'], '.2f')} TB/s, peer latency "
-              f"{fmt(ceilings['peer_latency_us'], '.1f')} µs", flush=True)
+              f"{fmt(ceilings['peer_latency_us'], '.1f')} µs"
+              + (f", e4m3 matmul 8192³ {fmt(ceilings['fp8_tflops'], '.0f')} TFLOP/s" if args.fp8 else ""), flush=True)
     rows: list[Row] = []
     for name in args.configs:
         cfg = bench_config(name, args.small)
         layer = MoELayer(cfg, group=env.group, strategy="naive", seed=args.seed, device=env.device)
+        # The FP8 twin: the same seed's weights, quantized (MoELayer's seeded init draws the dense
+        # weights first), and the same router.
+        fp8_layer = (MoELayer(cfg.with_(expert_quant="fp8"), group=env.group, strategy=args.fp8[0], seed=args.seed,
+                              device=env.device) if args.fp8 else None)
         for mode in args.mode:
             for tokens in args.tokens:
                 for routing in args.routing:
-                    case_rows = run_case(layer, name, tokens, routing, mode, args.strategies, env, args, ceilings)
+                    case_rows = run_case(layer, name, tokens, routing, mode, args.strategies, env, args, ceilings,
+                                         fp8_layer)
                     rows.extend(case_rows)
                     if env.rank == 0:
                         for r in case_rows:
-                            print(f"  {r.config:14s} T={r.tokens:<6d} {r.routing:8s} {r.mode:6s} {r.strategy:11s} "
+                            print(f"  {r.config:14s} T={r.tokens:<6d} {r.routing:8s} {r.mode:6s} {label(r):17s} "
                                   f"{fmt(r.median_ms, '8.3f')} ms  ×floor {fmt(r.x_floor, '5.2f')}  "
                                   f"×decode {fmt(r.x_decode_floor, '5.2f')}  "
                                   f"vs naive {fmt(r.speedup_vs_naive, '5.2f')}  {r.status}"
                                   + (f"  auto ran {r.choice}" if r.choice else ""), flush=True)
-        del layer
+        del layer, fp8_layer
         if env.cuda:
             torch.cuda.empty_cache()
         if env.rank == 0:  # after every config: a run cut short by a time limit keeps its rows

@@ -40,6 +40,20 @@ def measure_matmul_tflops(env, size: int = 8192, iters: int = 10) -> float | Non
     return 2 * size**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
+def measure_fp8_matmul_tflops(env, size: int = 8192, iters: int = 10) -> float | None:
+    """e4m3 matmul size³ (``torch._scaled_mm``, unit scales, bf16 out) on random data, median of
+    ``iters`` after 3 warm-ups (TFLOP/s): the FLOPs peak of an FP8 layer's floor."""
+    if not env.cuda:
+        return None
+    a = torch.randn(size, size, device=env.device).to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device=env.device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=env.device)
+    times = time_cuda(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16), warmup=3, iters=iters,
+                      env=None)
+    a = b = None
+    return 2 * size**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
 def host_store():
     """The default process group's key-value store (TCP, on the host): ranks that wait on it run
     nothing on any GPU, unlike a collective, whose NCCL kernel spins on the rank's GPU."""

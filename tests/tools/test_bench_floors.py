@@ -65,3 +65,42 @@ def test_git_commit_marks_a_tree_that_differs_from_its_head(tmp_path, monkeypatc
     assert git_commit(str(tmp_path)) == "abc1234"
     monkeypatch.delenv("INTERLACE_COMMIT")
     env.refresh()
+
+
+def test_fp8_expert_bytes_count_e4m3_weights_and_block_scales():
+    """An FP8 layer's touched weights: a byte a weight and a 4-byte scale per 128 × 128 block
+    (its decode floor reads those, not bf16's)."""
+    cfg = MoEConfig(hidden=256, ffn=384, num_experts=8, top_k=2, dtype=torch.bfloat16, expert_quant="fp8")
+    # w_up (768, 256): 6 × 2 blocks; w_down (256, 384): 2 × 3 blocks
+    per_expert = (768 + 384) * 256 + 4 * (6 * 2 + 2 * 3)
+    idx = torch.tensor([[0, 1], [1, 5]])
+    assert touched_expert_bytes(cfg, idx, _OneRank) == 3 * per_expert
+
+
+def test_bench_times_the_fp8_twin_beside_bf16(tmp_path):
+    """``--fp8``: the layer's FP8 twin (the same seed's weights, quantized) timed on the named
+    strategies, its rows marked ``experts = "fp8"`` and checked against the bf16 naive output
+    (block FP8's own error, above bf16's tolerance, below --fp8-tolerance)."""
+    from interlace.tools.bench import main
+
+    rows = main(["--configs", "mixtral-8x7b", "--small", "--tokens", "4", "--strategies", "sequential",
+                 "--fp8", "sequential", "--warmup", "1", "--iters", "1", "--out", str(tmp_path)])
+    fp8 = [r for r in rows if r.experts == "fp8"]
+    assert [(r.strategy, r.status) for r in fp8] == [("sequential", "ok")]
+    bf16 = {r.strategy: r for r in rows if r.experts == "bf16"}
+    assert set(bf16) == {"naive", "sequential"} and bf16["sequential"].rel_err_vs_naive["out"] < 1e-5
+    assert 1e-2 < fp8[0].rel_err_vs_naive["out"] < 1e-1
+    assert fp8[0].median_ms > 0 and fp8[0].speedup_vs_naive is not None
+    assert "sequential (fp8)" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8", "fused"], "strategies that run FP8 experts"),
+    (["--fp8", "sequential", "--mode", "fwdbwd"], "needs --mode fwd"),
+])
+def test_bench_refuses_fp8_rows_it_cannot_time(argv, message, capsys):
+    from interlace.tools.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
