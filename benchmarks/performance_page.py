@@ -34,7 +34,7 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 
 # One entry per table source. Keys: section (prefill, decode, training, hf, scaling, planner, auto), table
 # (the table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
-# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, fp8_experts), file or
+# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, fp8_experts, fp8_layer), file or
 # files (under benchmarks/results/; auto_grid reads JSON lines), title, and where the
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
 # compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
@@ -42,7 +42,8 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 # the run's own), timing (decode_bench: "back_to_back" reads the rows' back_to_back_ms, bench's
 # --back-to-back; default their median_ms, a barrier before each call), barrier_line (decode_bench with
 # timing="back_to_back": a line on the same rows' barrier-timed calls), source (facts: the line under the
-# table, instead of the JSON's note), tokens (weak_scaling: the token counts shown; default all).
+# table, instead of the JSON's note), tokens (weak_scaling: the token counts shown; default all), presets
+# (auto_grid: False leaves out its preset rows, auto against auto uncalibrated), timing (fp8_layer: as decode_bench's).
 # The page is the standing, not its history: a note says what a table measured and how to read it, never
 # how it compares with an earlier commit or what was tried and not kept (commit messages hold those).
 # A fresh forward run on 2 GPUs, for example, is one line at the end:
@@ -52,16 +53,15 @@ DECODE_COMMAND = ("torchrun --nproc-per-node 2 -m interlace.tools.bench --config
                   "qwen2-moe flashdmoe-cfg dsv3-like --tokens 1 8 32 128 512 --strategies fused sequential persistent "
                   "auto --interleave --back-to-back 20 --out DIR")
 SOURCES = [
-    dict(section="fp8", table="fp8-experts-h200", kind="fp8_experts", file="h200-fp8-experts.json",
-         title="FP8 expert block against bf16, 1× H200 (one GPU's share of a 2-GPU layer)",
-         device="1× NVIDIA H200", commit="ea3c4eb", command="python benchmarks/fp8_experts.py --rounds 5", env="",
-         notes=["`sequential`'s expert block at world size 1, balanced routing, bf16 activations; `do_bench` "
-                "medians, 5 interleaved rounds. best bf16: torch's grouped_mm or Triton. FP8: "
-                "`auto` backend; triton and blockwise (cuBLAS per expert) forced. FP8 vs the fp32 block: 6.3-6.4e-2 "
-                "(W8A8 block FP8's own error); vs the W8A8 reference ≤ 1.5e-2.",
-                "FP8 floor: FLOPs ÷ the e4m3 matmul rate, or e4m3 weights and scales ÷ HBM read. Triton's FP8 "
-                "GEMMs: 700-920 TFLOP/s at prefill, cuBLAS's 745-925 plus 30 µs of host per expert GEMM. "
-                "128-512 tokens: host-bound, ±40%."]),
+    dict(section="fp8", table="fp8-prefill-h200x2", kind="fp8_layer", file="h200x2-fp8-prefill.json",
+         title="FP8 layer against bf16, prefill, 2× H200",
+         notes=["FP8: the same weights in block-scaled e4m3 (W8A8 in `sequential`), 6.4e-2 from the bf16 "
+                "`naive` output (block FP8's own error); its floor from the e4m3 peak. No FP8 strategy overlaps "
+                "the all-to-all."]),
+    dict(section="fp8", table="fp8-decode-h200x2", kind="fp8_layer", file="h200x2-fp8-decode.json",
+         title="FP8 layer against bf16, decode, 2× H200: calls back to back", timing="back_to_back",
+         notes=["ms as in the decode table. FP8 decode floor: e4m3 weights and scales ÷ HBM read. "
+                "FP8 `persistent` is W8A16 ([fp8.md](fp8.md))."]),
     dict(section="training", table="training-h200x2", kind="bench", file="h200x2-training.json",
          title="Forward + backward, 2× H200: sequential, fused:train, fused:lean and auto", baseline="sequential",
          commit="f6cd237",
@@ -137,15 +137,14 @@ SOURCES = [
          device="2× NVIDIA H200", date="2026-11-30", commit="2682584",
          command="torchrun --nproc-per-node 2 benchmarks/hf_models.py --out $OUT --compile --baseline sequential",
          notes=["HF's blocks data parallel; interlace's experts sharded over the ranks, `auto` timed once decided."]),
-    dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", file="h100x2-auto-grid.jsonl",
+    dict(section="auto", table="auto-grid-h100x2", kind="auto_grid", presets=False, file="h100x2-auto-grid.jsonl",
          title="`auto` on shapes it never saw, 2× H100: against the fastest candidate, timed round-robin",
          device="2× NVIDIA H100 80GB HBM3", date="2026-11-26", commit="d61bbaa",
          command="torchrun --nproc-per-node 2 benchmarks/auto_grid.py --part 1/2 --no-presets --budget-s 480 --out "
                  "grid1; ... --part 2/2 --no-presets --budget-s 330 --out grid2; ... --part 2/2 --limit 0 --ship "
                  "--budget-s 150 --out presets   # rows.jsonl of the three, concatenated",
          notes=["32 shapes × tokens {128, 3000, 8192} × {fwd, fwd+bwd}, candidates and auto interleaved per row. "
-                "Presets: `old` = `auto` with `calibrate=False`, `new` = a fresh self-calibrating `auto` (its "
-                "decisions ship in interlace/tuning/decisions/). First-call overhead: the calibration calls minus "
+                "First-call overhead: the calibration calls minus "
                 "as many steady calls, Triton compiles included."]),
 ]
 
@@ -382,7 +381,7 @@ def auto_grid_table(src):
     with open(os.path.join(RESULTS, src["file"])) as f:
         every = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in every if r["kind"] == "grid"]
-    presets = [r for r in every if r["kind"] == "preset"]
+    presets = [r for r in every if r["kind"] == "preset"] if src.get("presets", True) else []
     lines = header(src)
     ratios, over = [r["ratio"] for r in rows], [r["overhead_ms"] for r in rows]
     within, fastest = sum(x <= 1.05 for x in ratios), [r for r in rows if r["auto_choice"] == r["fastest"]]
@@ -615,6 +614,49 @@ def summary_table(chosen):
     return lines + [""]
 
 
+def fp8_layer_table(src):
+    """A bench run with ``--fp8``: per case the fastest bf16 strategy against each strategy on the
+    layer's FP8 twin (``experts = "fp8"``), each × its floor (FP8 rows: the e4m3 peak and weight
+    bytes), and the fastest FP8 row's speed-up. ``timing="back_to_back"`` reads ``back_to_back_ms``
+    and the decode floors; else the barrier-timed medians and the prefill floors."""
+    data = load(src["file"])
+    meta = data["meta"]
+    lines = header(src, meta)
+    ceilings = meta.get("ceilings") or {}
+    lines[2] += (f", e4m3 matmul {fmt(ceilings.get('fp8_tflops'), '.0f')} TFLOP/s, HBM read "
+                 f"{fmt(ceilings.get('hbm_tbps'), '.2f')} TB/s")
+    b2b = src.get("timing") == "back_to_back"
+    key, x_key = ("back_to_back_ms", "x_decode_floor") if b2b else ("median_ms", "x_floor")
+    floor_key = "decode_floor_ms" if b2b else "floor_ms"
+    cases, fp8_names = {}, []
+    for r in data["rows"]:
+        if r.get("status", "ok") != "ok" or r.get(key) is None or r["strategy"] == "naive":
+            continue
+        case = cases.setdefault((r["config"], r["tokens"]), {"bf16": {}, "fp8": {}})
+        case[r.get("experts", "bf16")][r["strategy"]] = r
+        if r.get("experts") == "fp8" and r["strategy"] not in fp8_names:
+            fp8_names.append(r["strategy"])
+    floor_word = "decode floor" if b2b else "floor"
+    lines += ["| preset | tokens/GPU | fastest bf16 ms (× " + floor_word + ") | "
+              + " | ".join(f"FP8 {name} ms (×)" for name in fp8_names)
+              + " | FP8 speed-up |", "|" + "---|" * (4 + len(fp8_names))]
+    for (config, tokens), case in cases.items():
+        def ratio(r):  # (the page's own division: rows of a bench run before x_decode_floor was kept)
+            return r[key] / r[floor_key] if r.get(floor_key) else None
+        bf16 = {s: r for s, r in case["bf16"].items() if s != "auto"}
+        best = min(bf16.values(), key=lambda r: r[key])
+        fp8 = {s: r for s, r in case["fp8"].items()}
+        best_fp8 = min((r for s, r in fp8.items() if s != "auto"), key=lambda r: r[key], default=None)
+        cells = [config, str(tokens), f"{best['strategy']} {best[key]:.3f} ({fmt(ratio(best), '.2f')})"]
+        for name in fp8_names:
+            r = fp8.get(name)
+            ran = f", {r['choice'].split(' ')[0]}" if r is not None and r.get("choice") else ""
+            cells.append("–" if r is None else f"{r[key]:.3f} ({fmt(ratio(r), '.2f')}{ran})")
+        cells.append(f"{best[key] / best_fp8[key]:.2f}×" if best_fp8 else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def fp8_experts_table(src):
     """benchmarks/fp8_experts.py's rows: per preset and tokens, the best bf16 block against FP8."""
     data = load(src["file"])
@@ -641,7 +683,7 @@ def fp8_experts_table(src):
 
 KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
          "hf_models": hf_models_table, "auto_grid": auto_grid_table,
-         "fp8_experts": fp8_experts_table}
+         "fp8_experts": fp8_experts_table, "fp8_layer": fp8_layer_table}
 
 
 def current_sources(sources=SOURCES):

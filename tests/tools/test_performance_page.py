@@ -165,3 +165,27 @@ def test_summary_takes_the_fastest_per_preset_and_regime_and_shows_dashes_where_
     lines = gen.summary_table(chosen)
     assert lines[0] == "| preset | regime | tokens/GPU | fastest | × floor | speed-up over naive |"
     assert "| c | training | 100 | `sequential` | 1.50 | — |" in lines and not any("Tutel" in x for x in lines)
+
+
+def test_fp8_layer_table_puts_each_fp8_row_beside_the_fastest_bf16_one(tmp_path, monkeypatch):
+    """A bench run with --fp8: per case the fastest bf16 strategy (auto and naive aside), each FP8
+    strategy × its own floor, auto's pick, and the fastest FP8 row's speed-up; back-to-back timing
+    reads back_to_back_ms against the decode floors; a WRONG row shows as a dash."""
+    gen = _generator()
+    monkeypatch.setattr(gen, "RESULTS", str(tmp_path))
+
+    def row(strategy, experts, ms, floor, b2b=None, status="ok", choice=None):
+        return dict(config="m", tokens=128, strategy=strategy, experts=experts, status=status, median_ms=ms,
+                    floor_ms=floor, back_to_back_ms=b2b, decode_floor_ms=floor / 2, choice=choice)
+
+    rows = [row("naive", "bf16", 9.0, 1.0, 9.0), row("fused", "bf16", 4.0, 1.0, 3.0),
+            row("persistent", "bf16", 5.0, 1.0, 2.0), row("auto", "bf16", 1.0, 1.0, 1.0),
+            row("sequential", "fp8", 2.0, 0.5, 2.5), row("persistent", "fp8", 3.0, 0.5, 1.0, status="WRONG"),
+            row("auto", "fp8", 2.1, 0.5, 2.6, choice="sequential (measured)")]
+    (tmp_path / "f.json").write_text(json.dumps({"meta": {"ceilings": {"fp8_tflops": 1300.0}}, "rows": rows}))
+    src = dict(section="fp8", table="t", kind="fp8_layer", file="f.json", title="T", device="d", date="x",
+               commit="c", command="cmd")
+    lines = gen.fp8_layer_table(src)
+    assert "| m | 128 | fused 4.000 (4.00) | 2.000 (4.00) | 2.100 (4.20, sequential) | 2.00× |" in lines
+    lines = gen.fp8_layer_table(dict(src, timing="back_to_back"))
+    assert "| m | 128 | persistent 2.000 (4.00) | 2.500 (10.00) | 2.600 (10.40, sequential) | 0.80× |" in lines
