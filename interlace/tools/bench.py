@@ -32,7 +32,6 @@ the e4m3 weight and fp32 scale bytes they read.
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import platform
@@ -52,6 +51,10 @@ from interlace.strategies import STRATEGIES
 from interlace.strategies.base import fp8_strategy_names
 from interlace.env import settings
 from interlace.tools.command_line import command_parser
+from interlace.tools.bench_floors import (  # noqa: F401 — re-exported: the tools import these from here
+    decode_floor_ms, expert_bytes, floor_ms, rel_err, squared_error_sums, touched_expert_bytes)
+from interlace.tools.bench_strategies import (  # noqa: F401 — re-exported
+    AUTO_SETTLE_CALLS, STEADY_CALLS, auto_choice, graph_pools_unallocated, isolated_peaks, settle_auto)
 from interlace.tools.bench_timing import (  # noqa: F401 — re-exported: the tools import these from here
     barrier, measure_fp8_matmul_tflops, measure_hbm_read_tbps, measure_matmul_tflops, measure_peer_gbps,
     measure_peer_latency_us, reduce_max, time_back_to_back, time_cpu, time_cuda)
@@ -143,69 +146,6 @@ class Row:
     choice: str | None = None  # auto's rows: the strategy it ran for this row's bucket and mode, and why
     rel_err_vs_naive: dict = field(default_factory=dict)
     times_ms: list = field(default_factory=list)
-
-
-def floor_ms(cfg: MoEConfig, tokens: int, world: int, mode: str, tflops: float | None, peer_gbps: float | None):
-    if tflops is None:
-        return None
-    flops = cfg.flops_per_token() * tokens
-    remote_bytes = tokens * cfg.top_k * (world - 1) / world * cfg.hidden * 2
-    compute = flops / (tflops * 1e12)
-    comm = 2 * remote_bytes / (peer_gbps * 1e9) if peer_gbps else 0.0
-    if mode == "fwdbwd":
-        compute, comm = 3 * compute, 2 * comm
-    return max(compute, comm) * 1e3
-
-
-def touched_expert_bytes(cfg: MoEConfig, topk_idx: torch.Tensor, env: Env) -> int:
-    """Bytes of expert weights the busiest rank must read for one call: every local expert that
-    at least one token of any rank chose (``topk_idx`` (T, k): this rank's choices). FP8 experts
-    (``cfg.expert_quant``): one byte a weight, and a 4-byte scale per 128 × 128 block."""
-    chosen = torch.bincount(topk_idx.reshape(-1).long(), minlength=cfg.num_experts)
-    if env.world > 1:
-        dist.all_reduce(chosen, group=env.group)
-    touched = (chosen > 0).view(env.world, cfg.num_experts // env.world).sum(dim=1)
-    return int(touched.max()) * expert_bytes(cfg)
-
-
-def expert_bytes(cfg: MoEConfig) -> int:
-    """Bytes of one expert's weights (up and down projections) as the layer stores them."""
-    if cfg.expert_quant == "fp8":
-        blocks = lambda rows, cols: -(-rows // 128) * -(-cols // 128)  # noqa: E731
-        return (cfg.up_width + cfg.ffn) * cfg.hidden + 4 * (blocks(cfg.up_width, cfg.hidden)
-                                                            + blocks(cfg.hidden, cfg.ffn))
-    return (cfg.up_width + cfg.ffn) * cfg.hidden * torch.finfo(cfg.dtype).bits // 8
-
-
-def decode_floor_ms(floor: float | None, weight_bytes: int, hbm_tbps: float | None, world: int,
-                    peer_latency_us: float | None) -> float | None:
-    """The decode floor (docs/benchmarking.md), forward only: the largest of the prefill floor,
-    reading the touched expert weights once from HBM, and (world > 1) the two one-way peer
-    latencies of dispatch and combine."""
-    if floor is None or not hbm_tbps:
-        return None
-    latency = 2 * peer_latency_us * 1e-3 if world > 1 and peer_latency_us else 0.0
-    return max(floor, weight_bytes / (hbm_tbps * 1e12) * 1e3, latency)
-
-
-def squared_error_sums(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> tuple[float, float]:
-    """(Σ (a − b)², Σ b²) in fp64, over chunks of ``chunk`` elements: dsv3-like's expert gradients
-    are 7.5 GB in bf16, and converting one whole to fp32 at once runs an 80 GB GPU out of memory.
-    The first sum is inf where ``a`` has a non-finite value. Sums over pieces add up (the expert
-    bench compares its reference group by group)."""
-    a, b = a.detach().reshape(-1), b.detach().reshape(-1)
-    diff = ref = 0.0
-    for i in range(0, a.numel(), chunk):
-        ac, bc = a[i:i + chunk].double(), b[i:i + chunk].double()
-        diff += (ac - bc).square().sum().item() if torch.isfinite(ac).all() else float("inf")
-        ref += bc.square().sum().item()
-    return diff, ref
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖a − b‖ / ‖b‖ in fp64 (inf where ``a`` has a non-finite value)."""
-    diff, ref = squared_error_sums(a, b)
-    return diff**0.5 / max(ref**0.5, 1e-30)
 
 
 # ----------------------------------------------------------------------------- one case
@@ -380,97 +320,6 @@ def run_case(layer: MoELayer, name: str, tokens: int, routing: str, mode: str, s
             row.speedup_vs_naive = naive_ms / row.median_ms
     x.requires_grad_(False)
     return rows
-
-
-STEADY_CALLS = 3
-AUTO_SETTLE_CALLS = 200  # bound on the calls settle_auto serves
-
-
-def settle_auto(strategy, call, tokens: int, mode: str) -> int:
-    """``auto``: calls until its decision for this bucket and mode is made (at most
-    AUTO_SETTLE_CALLS), so that the timed calls measure what it runs, not its calibration
-    (that is reported apart: the row's ``choice``). Every rank decides at the same call. Returns
-    the calls served; 0 for any other strategy."""
-    choice_for = getattr(strategy, "choice_for", None)
-    calls = 0
-    while choice_for is not None and choice_for(tokens, mode) is None and calls < AUTO_SETTLE_CALLS:
-        call()
-        calls += 1
-    return calls
-
-
-def graph_pools_unallocated(device: int) -> int:
-    """Bytes that CUDA-graph memory pools hold on ``device`` beyond their live tensors: the
-    captured graphs' temporaries, reserved for their replays and usable by nothing else, which
-    ``max_memory_allocated`` does not count (it counts a graph's memory only while captured)."""
-    segments = torch.cuda.memory._snapshot()["segments"]
-    return sum(seg["total_size"] - seg["allocated_size"] for seg in segments
-               if seg["device"] == device and tuple(seg["segment_pool_id"]) != (0, 0))
-
-
-def isolated_peaks(layer: MoELayer, rows: list[Row], call, grads_of: list, warmup: int, backward: bool, env,
-                   idle: str = "naive") -> None:
-    """Each ok row's peak memory with no other strategy alive (while the timing ran, every
-    strategy's buffers and graphs were held at once): the layer's strategy built afresh after the
-    others' objects and the shared buffers are released and the gradients dropped, then its first
-    call and ``warmup`` more (compiles, captures; ``auto``'s calibration where no decision is
-    cached): ``first_peak_gib``; then STEADY_CALLS more: ``peak_gib``, what the strategy holds
-    and allocates in steady state. Weights and inputs included, the slowest rank's. On the CPU
-    no peak is read: the release, the rebuild and the first ``1 + warmup`` calls run (``auto``'s
-    calibration among them), the STEADY_CALLS, which only feed ``peak_gib``, do not. A peak counts
-    the memory CUDA-graph pools hold unallocated (:func:`graph_pools_unallocated`) on top of
-    ``max_memory_allocated``. ``idle``: the strategy the layer holds between rows (an FP8
-    layer's: one that runs FP8 experts). NOTE: device syncs (between strategies, outside every timing)."""
-    from interlace.parallel import release_shared_buffers
-
-    ctx = torch.no_grad() if not backward else torch.enable_grad()
-
-    def fresh_peak():
-        for t in grads_of:
-            t.grad = None
-        gc.collect()
-        if env.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_gib():
-        if not env.cuda:
-            return None
-        torch.cuda.synchronize()
-        held = graph_pools_unallocated(torch.cuda.current_device())
-        peak = reduce_max(env, (torch.cuda.max_memory_allocated() + held) / 2**30)
-        torch.cuda.reset_peak_memory_stats()
-        return peak
-
-    for row in rows:
-        if row.status != "ok":
-            continue
-        layer.set_strategy(idle)
-        release_shared_buffers()
-        fresh_peak()
-        layer.set_strategy(row.strategy)
-        with ctx:
-            for _ in range(1 + warmup):
-                call()
-            row.first_peak_gib = peak_gib()
-            for _ in range(STEADY_CALLS if env.cuda else 0):
-                call()
-            row.peak_gib = peak_gib()
-    layer.set_strategy(idle)
-    release_shared_buffers()
-
-
-def auto_choice(strategy, tokens: int, mode: str) -> str | None:
-    """``"<spec> (<source>[, calibration <ms> over the winner])"`` of an ``auto`` strategy's decision
-    for ``tokens`` per rank (every rank passes the same count here) and ``mode``; None for any
-    other strategy or while undecided."""
-    choice_for = getattr(strategy, "choice_for", None)
-    choice = choice_for(tokens, mode) if choice_for is not None else None
-    if choice is None:
-        return None
-    extra = f", calibration {choice.overhead_ms:.1f} ms over the winner" if choice.calibration_calls else ""
-    return f"{choice.spec} ({choice.source}{extra})"
 
 
 # ----------------------------------------------------------------------------- report
