@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from interlace.experts import ExpertShard
+from interlace.parallel.comm import WeakGroupAttribute
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, ExpertShard]]:
@@ -199,7 +200,12 @@ class ExpertGradSync:
 
     The reduction is queued when the backward reaches the wrapper's output (a hook on its
     tensors), not when an expert gradient arrives: a rank whose experts got no tokens may get no
-    expert gradient, and its dp peers would wait for it in the all-reduce."""
+    expert gradient, and its dp peers would wait for it in the all-reduce.
+
+    ``dp_group`` is held weakly (:class:`~interlace.parallel.comm.WeakGroupAttribute`), as
+    every interlace holder holds its group. (DDP itself holds its process group.)"""
+
+    dp_group = WeakGroupAttribute()
 
     def __init__(self, ddp, params: list[nn.Parameter], dp_group, dp: int, factor: int):
         self.params, self.dp_group, self.dp, self.factor = params, dp_group, dp, factor

@@ -397,6 +397,7 @@ class InterlaceMoeBlock(nn.Module):
             # run in the compiled graph (whether it collects now is a ContextVar Dynamo cannot read).
             routed = self.strategy.routes_itself and not self.gate._forward_hooks and not wants_grad
         else:
+            self.ep.check_group()  # the group destroyed: a clear error before any work of the call
             routed = self._routes_in_strategy(x)
             # e.g. auto's agreement with its peers (token count and kind of call), under the router
             routed = self.strategy.begin_call(x.shape[0], train, routed)

@@ -217,6 +217,8 @@ class MoELayer(nn.Module):
         w_up, w_down = experts.w_up, experts.w_down
         self._check_input(x, w_up.device)
         compiling = torch.compiler.is_compiling()
+        if not compiling:  # (compiled: the strategy's op raises it, at its first read of the group)
+            self.ep.check_group()  # the group destroyed: a clear error before any work of the call
         wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, router.weight, w_up, w_down))
         # (compiled: the custom op refuses an FP8 training call, with the same message)
         train = not compiling and wants_grad

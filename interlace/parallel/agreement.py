@@ -27,6 +27,11 @@ The counter behind it (:func:`group_counter`) is shared by every layer over the 
 shared-memory board (:class:`~interlace.parallel.host_board.HostBoard`: a post is one store, a
 read a few loads) where every rank runs on one host, else an asynchronous ``all_gather`` on a
 gloo side channel (:func:`side_channel`). Neither touches a GPU stream.
+
+Nothing here keeps a process group past ``destroy_process_group``: the side channels (groups
+interlace makes itself, which torch destroys with the rest) and every holder's group are held
+weakly (:class:`~interlace.parallel.comm.WeakGroupAttribute`), and a counter's collective still
+pending when its group goes is dropped with it (:class:`GroupValues`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from interlace.parallel.comm import ExpertParallel
+from interlace.parallel.comm import ExpertParallel, WeakGroupAttribute, hold_group
 from interlace.parallel.host_board import HostBoard
 from interlace.parallel.peer_buffer import on_release
 
@@ -104,7 +109,7 @@ def decide(values: tuple[int, ...], where: str) -> Agreed:
     return Agreed(max(tokens), bool(train), True if routed else False if unrouted else None)
 
 
-_SIDE_CHANNELS: dict[tuple, dist.ProcessGroup] = {}
+_SIDE_CHANNELS: dict[tuple, object] = {}  # rank tuple key → GroupReference of its gloo group
 _COUNTERS: dict[tuple, object] = {}
 
 
@@ -129,12 +134,15 @@ def side_channel(ep: ExpertParallel, timeout_s: float) -> dist.ProcessGroup:
         return ep.group
     _watch_default_group()
     key = _group_key(ep.group)
-    group = _SIDE_CHANNELS.get(key)
+    reference = _SIDE_CHANNELS.get(key)
+    group = None if reference is None else reference()
     if group is None:
+        # (held weakly: torch holds the group until destroy_process_group, which destroys it with the rest)
         ranks = key[1]
         whole = len(ranks) == dist.get_world_size()
-        group = _SIDE_CHANNELS[key] = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                                     use_local_synchronization=not whole)
+        group = dist.new_group(list(ranks), backend="gloo", timeout=timedelta(seconds=timeout_s),
+                               use_local_synchronization=not whole)
+        _SIDE_CHANNELS[key] = hold_group(group)
     return group
 
 
@@ -142,7 +150,13 @@ class GroupValues:
     """The gloo side channel's answer to the board's question (every rank's integer per call,
     calls numbered alike on every rank), for ranks on several hosts: one asynchronous
     ``all_gather`` per call, finished at the latest when the next call posts. Same interface
-    as :class:`~interlace.parallel.host_board.HostBoard`."""
+    as :class:`~interlace.parallel.host_board.HostBoard`.
+
+    The group is held weakly, and the last call's collective, still pending, is dropped when the
+    group goes: its work keeps the gloo backend (and its threads) alive, which would outlive
+    ``destroy_process_group`` until the interpreter's exit."""
+
+    group = WeakGroupAttribute()
 
     def __init__(self, group, timeout_s: float):
         self.group, self.timeout = group, timedelta(seconds=timeout_s)
@@ -150,6 +164,10 @@ class GroupValues:
         self.seq = 0
         self._pending: tuple | None = None  # (call, gathered tensors, work) of the last call posted
         self.last: tuple[int, tuple[int, ...]] | None = None  # (call, every rank's value) of the last call finished
+        try:
+            weakref.finalize(group, _drop_pending, weakref.ref(self)).atexit = False
+        except TypeError:  # (a stand-in without weak references: it is held, and so is the work)
+            pass
 
     def post(self, value: int) -> int:
         if self._pending is not None:
@@ -174,6 +192,13 @@ class GroupValues:
         return self.last[1]
 
 
+def _drop_pending(values_ref) -> None:
+    """(the group of a :class:`GroupValues` is gone) Its pending collective goes too."""
+    values = values_ref()
+    if values is not None:
+        values._pending = None
+
+
 def group_counter(ep: ExpertParallel, group, timeout_s: float):
     """Every rank's value per call for ``ep``'s ranks, one object per rank tuple shared by
     every layer over them: the shared-memory board where all ranks are on one host, else
@@ -189,7 +214,9 @@ def group_counter(ep: ExpertParallel, group, timeout_s: float):
 
 def forget_groups() -> None:
     """Drop the side channels and counters (:func:`interlace.parallel.release_shared_buffers`
-    does, before the process groups go: nothing of interlace's then holds a group)."""
+    does, and the first layer built under a new default group: :func:`_watch_default_group`).
+    Neither holds a group (weak references), so the groups go with ``destroy_process_group``
+    either way."""
     _SIDE_CHANNELS.clear()
     _COUNTERS.clear()
 
@@ -226,8 +253,11 @@ class CallAgreement:
     :class:`Agreed` (a host wait for the last rank's post: microseconds on the board), the same
     answer on every rank, or raises the same error on every rank.
 
-    ``label`` names the layer in errors (``MoELayer`` sets it).
+    ``label`` names the layer in errors (``MoELayer`` sets it). ``group`` (the side channel)
+    is held weakly, as ``ep``'s.
     """
+
+    group = WeakGroupAttribute()
 
     def __init__(self, ep: ExpertParallel, timeout_s: float = 300.0, label: str = "layer"):
         self.ep = ep

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from interlace.parallel.comm import WeakGroupAttribute, group_reference
+
 
 def _group_options(high_priority: bool):
     """NCCL options with a high-priority stream, or None (other backends, or not asked)."""
@@ -41,10 +43,12 @@ class MoEMesh:
     """This rank's place in the (TP, EP) mesh and the two process groups.
 
     ``tp_group`` is None when ``tp == 1``; ``ep_group`` is None only without torch.distributed.
+    Both are held weakly (:class:`~interlace.parallel.comm.WeakGroupAttribute`): after
+    ``destroy_process_group`` reading them raises ``RuntimeError``.
     """
 
-    tp_group: dist.ProcessGroup | None
-    ep_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None = WeakGroupAttribute()
+    ep_group: dist.ProcessGroup | None = WeakGroupAttribute()
     tp: int
     ep: int
     tp_rank: int
@@ -55,6 +59,18 @@ class MoEMesh:
         # Immutable, and its process groups are this process's handles to its peers (they cannot
         # be copied): a copied layer (copy.deepcopy of a model) talks to the same ranks.
         return self
+
+    # Compared and hashed with the groups' references, not the groups (neither may raise once
+    # they are destroyed).
+    def _key(self) -> tuple:
+        return (group_reference(self, "tp_group"), group_reference(self, "ep_group"), self.tp, self.ep, self.tp_rank,
+                self.ep_rank, self.high_priority)
+
+    def __eq__(self, other) -> bool:
+        return self._key() == other._key() if other.__class__ is self.__class__ else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @staticmethod
     def build(tp: int = 1, ep: int | None = None, high_priority: bool = True) -> "MoEMesh":

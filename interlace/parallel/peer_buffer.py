@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from interlace.parallel import symmetric
+from interlace.parallel.comm import WeakGroupAttribute, held_group
 
 _ALIGN = 256
 
@@ -124,8 +125,11 @@ class PeerBuffer:
 
     Build with :meth:`symmetric` (GPUs), :meth:`staged` (any process group) or
     :func:`simulated_world` (W ranks in one process). ``nbytes`` reports the peer-visible
-    allocation's size.
+    allocation's size. ``group`` is held weakly (a cached buffer must not keep it past
+    ``destroy_process_group``: :class:`~interlace.parallel.comm.WeakGroupAttribute`).
     """
+
+    group = WeakGroupAttribute()
 
     def __init__(self, spec: BufferSpec, rank: int, raw: torch.Tensor, kind: str, group=None):
         self.spec, self.rank, self.kind, self.group = spec, rank, kind, group
@@ -243,9 +247,9 @@ def shared_buffer(spec: BufferSpec, kind: str, group, device: torch.device, back
     order), as the symmetric rendezvous requires. Each call counts one more user of the buffer
     (:func:`leave_shared`).
     """
-    key = (kind, id(group), str(device))  # (a cached buffer holds its group: no other group has its id)
+    key = (kind, id(group), str(device))  # (a destroyed group's id may come again: the entry's group is checked)
     cached = _CACHE.get(key)
-    if cached is not None and cached.group is group and cached.spec.max_tokens >= spec.max_tokens and \
+    if cached is not None and held_group(cached) is group and cached.spec.max_tokens >= spec.max_tokens and \
             replace(cached.spec, max_tokens=spec.max_tokens) == spec:
         return take_shared(cached)
     _CACHE.pop(key, None)
@@ -290,12 +294,13 @@ def on_release(fn) -> None:
 
 
 def release_shared_buffers() -> int:
-    """Drop every buffer :func:`shared_buffer` holds (and with it the process groups they
-    reference) and, first, every captured CUDA graph of the fused strategies (a graph with a
-    captured NCCL collective makes ``ncclCommDestroy`` wait forever: pytorch/pytorch#115388);
-    returns how many buffers. Call it before
-    ``dist.destroy_process_group()``: a cached buffer otherwise keeps its group (and, on GPUs,
-    its symmetric memory) alive until the interpreter exits. (``destroy_process_group`` itself
+    """Drop every buffer :func:`shared_buffer` holds and, first, every captured CUDA graph of
+    the fused strategies (a graph with a captured NCCL collective makes ``ncclCommDestroy`` wait
+    forever: pytorch/pytorch#115388); returns how many buffers. Call it before
+    ``dist.destroy_process_group()``: a cached buffer otherwise keeps its memory (on GPUs,
+    symmetric memory) until the interpreter exits; not its group, which every holder in
+    interlace holds weakly (:class:`~interlace.parallel.comm.WeakGroupAttribute`), so that
+    ``destroy_process_group`` frees it in any case. (``destroy_process_group`` itself
     drops the graphs too once a fused strategy has captured one, see
     :func:`interlace.strategies.fused.inference.guard_destroy_process_group`.) Layers that still hold a
     buffer keep it; the next new layer makes a fresh one, and the next call of a layer captures

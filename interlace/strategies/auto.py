@@ -219,7 +219,6 @@ class AutoStrategy(Strategy):
         # The side channel is made here, where every rank builds the layer alike (a collective).
         distributed = ep.world > 1 and ep.group is not None and dist.is_initialized()
         self._agree = CallAgreement(ep, opts.agree_timeout_s) if distributed else None
-        self._group = self._agree.group if distributed else None
         self.decider = shared_decider(config, ep, opts, self._group)
         if opts.candidates is not None and not any(self.decider.runs_experts(c) for c in opts.candidates):
             raise ValueError(f"auto: none of the candidates {list(opts.candidates)} runs FP8 experts "
@@ -236,6 +235,11 @@ class AutoStrategy(Strategy):
         # run inside the backward) takes the one its forward ran, and is neither timed nor counted.
         self._served: deque[Strategy] = deque(maxlen=MAX_SERVED)
         self._released: set[tuple[int, str]] = set()  # decided keys whose losers this layer has dropped
+
+    @property
+    def _group(self):
+        """The side channel (None at world size 1): the agreement's, which holds it weakly."""
+        return self._agree.group if self._agree is not None else None
 
     @property
     def label(self) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from interlace.parallel.comm import WeakGroupAttribute
 from interlace.planning.profile import machine_key
 from interlace.planning.rounds import round_order
 from interlace.strategies.auto_decisions import SHIPPED_DIR, Choice, Clock, DecisionCache, decision_shape
@@ -134,7 +135,11 @@ class AutoDecider:
 
     ``choices[(bucket, mode)]``: the decided keys (:class:`Choice`). ``keys``: every key's
     :class:`KeyState`. ``measure_override`` (tests): ``fn(spec, measured_ms) -> ms``.
+    ``group`` is held weakly, as every interlace holder holds its group
+    (:class:`~interlace.parallel.comm.WeakGroupAttribute`).
     """
+
+    group = WeakGroupAttribute()
 
     def __init__(self, config, ep, options, group):
         self.config, self.ep, self.options, self.group = config, ep, options, group

@@ -81,6 +81,7 @@ from interlace.kernels.persistent.protocol import describe_error
 from interlace.fp8 import BlockFP8Weight
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel.agreement import CallAgreement
+from interlace.parallel.comm import held_group
 from interlace.parallel.peer_buffer import leave_shared, on_release, take_shared
 from interlace.kernels.timeline import CLOCK_GPU, CLOCK_LOGICAL
 from interlace.kernels.persistent.tasks import TASK_ORDERS
@@ -413,9 +414,9 @@ _DIST_BUFFERS: dict = {}  # (transport, group, device, spec) → DistBuffer shar
 
 
 def _release_dist_buffers() -> None:
-    """:func:`interlace.parallel.release_shared_buffers` drops these too (each holds its group
-    and, on GPUs, its symmetric memory: ``DistSpec.regions``); a layer
-    that still holds one keeps it, and the next new layer makes a fresh one."""
+    """:func:`interlace.parallel.release_shared_buffers` drops these too (each holds, on GPUs,
+    its symmetric memory: ``DistSpec.regions``; its group only weakly);
+    a layer that still holds one keeps it, and the next new layer makes a fresh one."""
     _DIST_BUFFERS.clear()
 
 
@@ -438,9 +439,9 @@ def _dist_buffer(strategy: PersistentStrategy, x: torch.Tensor) -> DistBuffer:
     kind = "symmetric" if x.is_cuda and not _INTERPRET else "staged"
     if kind == "symmetric":
         ep.require_peer_memory("persistent")  # (before any allocation, on every rank alike)
-    key = (kind, id(ep.group), str(x.device), spec)  # (a cached buffer holds its group: no other has its id)
+    key = (kind, id(ep.group), str(x.device), spec)  # (a destroyed group's id may come again: checked below)
     buf = _DIST_BUFFERS.get(key)
-    if buf is None or buf.group is not ep.group:
+    if buf is None or held_group(buf) is not ep.group:
         make = DistBuffer.symmetric if kind == "symmetric" else DistBuffer.staged
         buf = _DIST_BUFFERS[key] = make(spec, ep.group, x.device)
     return take_shared(buf)

@@ -57,15 +57,23 @@ def _warn_no_profile_once(err: FileNotFoundError) -> None:
 
 
 class _ChunkPlan:
-    """Host-side split sizes and device-side re-layout indices of every chunk."""
+    """Host-side split sizes and device-side re-layout indices of every chunk.
 
-    def __init__(self, in_splits, out_splits, src_rows, inverses, offs, group, activation, needs_grad):
+    It lives in the autograd graph until the backward: it keeps ``ep``, which holds the group
+    weakly, so that a graph whose backward never ran does not keep the group past
+    ``destroy_process_group``."""
+
+    def __init__(self, in_splits, out_splits, src_rows, inverses, offs, ep, activation, needs_grad):
         self.in_splits = in_splits  # [c][dest rank] rows this rank sends in chunk c
         self.out_splits = out_splits  # [c][source rank] rows this rank receives in chunk c
         self.src_rows, self.inverses, self.offs = src_rows, inverses, offs
-        self.group = group
+        self.ep = ep
         self.activation = activation
         self.needs_grad = needs_grad
+
+    @property
+    def group(self):
+        return self.ep.group
 
 
 class _PipelinedExperts(torch.autograd.Function):
@@ -246,7 +254,7 @@ class PipelinedStrategy(Strategy):
         x_sends = [DispatchRows.apply(x_chunks[c], indices[c][1][: sum(in_splits[c])], indices[c][0])
                    for c in range(r)]
         plan = _ChunkPlan(in_splits, out_splits, [s for s, _, _ in relayout], [i for _, i, _ in relayout],
-                          [o for _, _, o in relayout], ep.group, cfg.activation, needs_grad)
+                          [o for _, _, o in relayout], ep, cfg.activation, needs_grad)
         y_backs = _PipelinedExperts.apply(w_up, w_down, plan, *x_sends)
         outs = [CombineRows.apply(y_backs[c], w_chunks[c], indices[c][0], x.dtype) for c in range(r)]
         return torch.cat(outs) if r > 1 else outs[0]

@@ -90,17 +90,18 @@ def _padded_all_gather(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor
 
 
 class _CopyToTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP group (Megatron's f)."""
+    """Identity forward; backward sums the gradient over the TP group (Megatron's f). The graph
+    keeps the mesh (its groups held weakly), not the group: see :class:`_Plan`."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=ctx.mesh.tp_group)
         return grad, None
 
 
@@ -119,17 +120,18 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _SliceForTP(torch.autograd.Function):
-    """Rows ``[lo, lo + sizes[rank])`` forward; backward all-gathers the slices' gradients."""
+    """Rows ``[lo, lo + sizes[rank])`` forward; backward all-gathers the slices' gradients over
+    the mesh's TP group (the graph keeps the mesh, as :class:`_CopyToTP`)."""
 
     @staticmethod
-    def forward(ctx, x, sizes, rank, group):
-        ctx.sizes, ctx.group = sizes, group
+    def forward(ctx, x, sizes, rank, mesh):
+        ctx.sizes, ctx.mesh = sizes, mesh
         lo = sum(sizes[:rank])
         return x[lo: lo + sizes[rank]]
 
     @staticmethod
     def backward(ctx, grad):
-        return _padded_all_gather(grad.contiguous(), ctx.sizes, ctx.group), None, None, None
+        return _padded_all_gather(grad.contiguous(), ctx.sizes, ctx.mesh.tp_group), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -156,11 +158,14 @@ class _Plan:
     [source EP rank][local expert] row blocks, then padding); without it, one such block.
     ``dest`` (Σ width,) int64 maps every buffer row to its expert-major row (padding → M);
     ``src`` (M,) int32 is its inverse; ``dest_gather`` is ``dest`` with padding → row 0.
+
+    The plan lives in the autograd graph until the backward: it keeps the mesh, which holds its
+    groups weakly, so that a graph whose backward never ran does not keep them past
+    ``destroy_process_group``.
     """
 
     form: str
-    ep_group: object
-    tp_group: object
+    mesh: MoEMesh
     tp_gather: bool
     in_splits: list[list[int]]
     out_splits: list[list[int]]
@@ -172,6 +177,14 @@ class _Plan:
     src: torch.Tensor
     dest_gather: torch.Tensor
     offs: torch.Tensor
+
+    @property
+    def ep_group(self):
+        return self.mesh.ep_group
+
+    @property
+    def tp_group(self):
+        return self.mesh.tp_group
 
 
 def _relayout(lengths, buf_starts, dst_starts, offs, rows, total, device):
@@ -233,8 +246,8 @@ def _make_plan(form, counts, mesh, num_local, chunks, device) -> _Plan:
     rows = sum(per_expert)
     offs = [sum(per_expert[:e + 1]) for e in range(num_local)]  # end row of each expert
     dest, src, dest_gather, offs = _relayout(lengths, buf_starts, dst_starts, offs, rows, sum(width), device)
-    return _Plan(form, mesh.ep_group, mesh.tp_group, tp_gather, in_splits, out_splits, pad, start, width,
-                 rows, dest, src, dest_gather, offs)
+    return _Plan(form, mesh, tp_gather, in_splits, out_splits, pad, start, width, rows, dest, src, dest_gather,
+                 offs)
 
 
 # --------------------------------------------------------------------------- data movement
@@ -416,9 +429,8 @@ class TpEpStrategy(Strategy):
     def __call__(self, x, topk_idx, topk_weight, w_up, w_down):
         cfg, mesh = self.config, self.mesh
         T, E, r = x.shape[0], cfg.num_experts, self.chunks
-        tp_group = mesh.tp_group
         if mesh.tp > 1 and self.form == "O0":
-            x, topk_weight = _CopyToTP.apply(x, tp_group), _CopyToTP.apply(topk_weight, tp_group)
+            x, topk_weight = _CopyToTP.apply(x, mesh), _CopyToTP.apply(topk_weight, mesh)
         capacity = cfg.capacity(T)
         if capacity is not None:  # drop decisions over the whole batch; dropped → extra bin E
             row_global = build_dispatch_index(topk_idx, E, capacity)[0]
@@ -428,8 +440,8 @@ class TpEpStrategy(Strategy):
         slices = chunk_sizes(T, mesh.tp) if T else []
         slices += [0] * (mesh.tp - len(slices))
         if self.form != "O0" and mesh.tp > 1:  # O1-O3: drop the tokens other TP ranks send
-            x = _SliceForTP.apply(x, slices, mesh.tp_rank, tp_group)
-            topk_weight = _SliceForTP.apply(topk_weight, slices, mesh.tp_rank, tp_group)
+            x = _SliceForTP.apply(x, slices, mesh.tp_rank, mesh)
+            topk_weight = _SliceForTP.apply(topk_weight, slices, mesh.tp_rank, mesh)
             lo = sum(slices[: mesh.tp_rank])
             marked = marked[lo: lo + slices[mesh.tp_rank]]
         sizes = chunk_sizes(x.shape[0], r) if x.shape[0] else []
@@ -453,8 +465,8 @@ class TpEpStrategy(Strategy):
         if mesh.tp == 1:
             return out
         if self.form == "O0":
-            return _ReduceFromTP.apply(out, tp_group)
-        return _GatherFromTP.apply(out, slices, mesh.tp_rank, tp_group)
+            return _ReduceFromTP.apply(out, mesh.tp_group)
+        return _GatherFromTP.apply(out, slices, mesh.tp_rank, mesh.tp_group)
 
     def _exchange_counts(self, indices, T, device):
         """All ranks' per-chunk per-expert counts as host ints [t][j][c][e]: all-gather over

@@ -42,6 +42,7 @@ from interlace.kernels.persistent.dist_kernel import persistent_dist_kernel
 from interlace.kernels.persistent.protocol import Word, describe_error, state_views, state_words
 from interlace.kernels.rows import _INTERPRET
 from interlace.parallel import symmetric
+from interlace.parallel.comm import WeakGroupAttribute
 from interlace.parallel.peer_buffer import pack_regions, region_views
 
 # Seconds a wait polls on a GPU before it gives up. Generous: a peer's first call of a shape can
@@ -87,7 +88,11 @@ def _views(raw: torch.Tensor, spec: DistSpec) -> dict[str, torch.Tensor]:
 
 
 class DistBuffer:
-    """One rank's symmetric regions, address tables and local state; see the module."""
+    """One rank's symmetric regions, address tables and local state; see the module. Its group
+    is held weakly (a cached buffer must not keep it past ``destroy_process_group``:
+    :class:`~interlace.parallel.comm.WeakGroupAttribute`)."""
+
+    group = WeakGroupAttribute()
 
     def __init__(self, spec: DistSpec, rank: int, raw: torch.Tensor, kind: str, group=None):
         self.spec, self.rank, self.raw, self.kind, self.group = spec, rank, raw, kind, group
