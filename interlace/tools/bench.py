@@ -404,7 +404,7 @@ def parse_args(argv=None):
                     f"(with an argument as name:arg, e.g. pipelined:4, sequential:triton)")
     supported = fp8_strategy_names()
     for s in args.fp8:
-        if s not in supported:
+        if s.partition(":")[0] not in supported:
             p.error(f"--fp8 {s!r}: the strategies that run FP8 experts are {', '.join(supported)}")
     if args.fp8 and "fwd" not in args.mode:
         p.error("--fp8 times inference calls: it needs --mode fwd")

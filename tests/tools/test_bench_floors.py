@@ -96,6 +96,7 @@ def test_bench_times_the_fp8_twin_beside_bf16(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--fp8", "fused"], "strategies that run FP8 experts"),
+    (["--fp8", "fused:lean", "pipelined:2"], "--fp8 'fused:lean'"),
     (["--fp8", "sequential", "--mode", "fwdbwd"], "needs --mode fwd"),
 ])
 def test_bench_refuses_fp8_rows_it_cannot_time(argv, message, capsys):
