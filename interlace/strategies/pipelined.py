@@ -27,10 +27,6 @@ size 1 there is nothing to overlap and the strategy runs ``sequential``.
 
 Capacity: which assignments an expert drops is decided over the whole batch (as in
 ``sequential``), then the surviving assignments are chunked, so every r drops the same ones.
-
-FP8 experts (inference): each chunk's rows go through ``sequential``'s W8A8 expert block
-(option ``fp8_backend``, as ``sequential``'s), so the all-to-alls overlap FP8 GEMMs; per row the
-same arithmetic as ``sequential``'s.
 """
 
 from __future__ import annotations
@@ -47,8 +43,6 @@ from interlace.planning.pipemoe.schedule import chunk_sizes
 from interlace.planning.profile import Profile, load_profile
 from interlace.strategies.base import Strategy, register_strategy
 from interlace.strategies.sequential import SequentialStrategy, expert_ffn
-from interlace.fp8 import BlockFP8Weight
-from interlace.kernels.expert_gemm.fp8 import FP8_BACKENDS, expert_ffn_fp8
 
 # What "no performance profile" was already warned about in this process (the error's text,
 # which names the machine key or the path): once each, not per layer or token count.
@@ -82,42 +76,6 @@ class _ChunkPlan:
         return self.ep.group
 
 
-def _pipeline(plan: _ChunkPlan, x_sends, experts) -> list[torch.Tensor]:
-    """The forward schedule: every chunk's dispatch all-to-all issued at once; chunk c's experts
-    (``experts(c, x_recv)`` → its rows' outputs in expert-major order) once its rows arrived, then
-    its combine all-to-all. Returns the y_back chunks (rows in dispatch order) once every combine
-    is done."""
-    r = len(x_sends)
-    x_recvs, works = [], []
-    for c in range(r):
-        x_recv = x_sends[c].new_empty((sum(plan.out_splits[c]), x_sends[c].shape[1]))
-        works.append(all_to_all_async(x_recv, x_sends[c], plan.out_splits[c], plan.in_splits[c], plan.group))
-        x_recvs.append(x_recv)
-    y_backs, combine_works, keep_alive = [], [], []
-    for c in range(r):
-        works[c].wait()
-        y_recv = gather_rows(experts(c, x_recvs[c]), plan.inverses[c])
-        y_back = y_recv.new_empty((sum(plan.in_splits[c]), y_recv.shape[1]))
-        combine_works.append(all_to_all_async(y_back, y_recv, plan.in_splits[c], plan.out_splits[c], plan.group))
-        keep_alive.append(y_recv)
-        y_backs.append(y_back)
-        x_recvs[c] = None  # free the received rows of this chunk
-    for work in combine_works:
-        work.wait()
-    return y_backs
-
-
-def _pipelined_fp8(w_up: BlockFP8Weight, w_down: BlockFP8Weight, plan: _ChunkPlan, x_sends,
-                   backend: str) -> list[torch.Tensor]:
-    """The pipeline with FP8 experts (inference: no autograd graph): each chunk's rows through
-    ``sequential``'s W8A8 expert block (:func:`~interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`,
-    the expert-major gather fused into its first GEMM), ``backend`` its ``fp8_backend``."""
-    def experts(c, x_recv):
-        return expert_ffn_fp8(x_recv, plan.src_rows[c], 1, x_recv.shape[0], w_up, w_down, plan.offs[c],
-                              plan.activation, backend=backend)
-    return _pipeline(plan, x_sends, experts)
-
-
 class _PipelinedExperts(torch.autograd.Function):
     """x_send chunks (rows in dispatch order) → y_back chunks, pipelined over chunks.
 
@@ -127,20 +85,33 @@ class _PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, w_up, w_down, plan: _ChunkPlan, *x_sends):
+        r = len(x_sends)
         wu = w_up.detach().requires_grad_(plan.needs_grad)
         wd = w_down.detach().requires_grad_(plan.needs_grad)
-        graphs = []
-
-        def experts(c, x_recv):
-            xg = gather_rows(x_recv, plan.src_rows[c])
+        x_recvs, works = [], []
+        for c in range(r):
+            x_recv = x_sends[c].new_empty((sum(plan.out_splits[c]), x_sends[c].shape[1]))
+            works.append(all_to_all_async(x_recv, x_sends[c], plan.out_splits[c], plan.in_splits[c],
+                                          plan.group))
+            x_recvs.append(x_recv)
+        graphs, y_backs, combine_works, keep_alive = [], [], [], []
+        for c in range(r):
+            works[c].wait()
+            xg = gather_rows(x_recvs[c], plan.src_rows[c])
             with torch.enable_grad():
                 xg.requires_grad_(plan.needs_grad)
                 yg = expert_ffn(xg, wu, wd, plan.offs[c], plan.activation)
             if plan.needs_grad:
                 graphs.append((xg, yg))
-            return yg.detach()
-
-        y_backs = _pipeline(plan, x_sends, experts)
+            y_recv = gather_rows(yg.detach(), plan.inverses[c])
+            y_back = y_recv.new_empty((sum(plan.in_splits[c]), y_recv.shape[1]))
+            combine_works.append(all_to_all_async(y_back, y_recv, plan.in_splits[c], plan.out_splits[c],
+                                                  plan.group))
+            keep_alive.append(y_recv)
+            y_backs.append(y_back)
+            x_recvs[c] = None  # free the received rows of this chunk
+        for work in combine_works:
+            work.wait()
         ctx.plan, ctx.graphs, ctx.leaves = plan, graphs, (wu, wd)
         return tuple(y_backs)
 
@@ -182,14 +153,9 @@ class _PipelinedExperts(torch.autograd.Function):
 class PipelinedStrategy(Strategy):
     name = "pipelined"
     fused_routing = True
-    fp8_experts = True  # inference: each chunk's experts W8A8, as sequential's (fp8_backend its backend)
 
-    def __init__(self, config, ep, degree: int | str = "auto", profile=None, max_degree: int = 16,
-                 fp8_backend: str = "auto"):
+    def __init__(self, config, ep, degree: int | str = "auto", profile=None, max_degree: int = 16):
         super().__init__(config, ep)
-        if fp8_backend not in FP8_BACKENDS:
-            raise ValueError(f"fp8_backend must be one of {FP8_BACKENDS}, got {fp8_backend!r}")
-        self.fp8_backend = fp8_backend
         if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int)
                                  or not 1 <= degree <= max_degree):
             raise ValueError(f"pipelined degree must be an int in 1..{max_degree} (e.g. 'pipelined:4') or 'auto', "
@@ -198,7 +164,7 @@ class PipelinedStrategy(Strategy):
         self.max_degree = max_degree
         self._profile = profile
         self._chosen: dict[tuple[int, str], int] = {}
-        self._sequential = SequentialStrategy(config, ep, fp8_backend=fp8_backend)
+        self._sequential = SequentialStrategy(config, ep)
 
     @classmethod
     def parse_arg(cls, arg: str) -> dict:
@@ -289,10 +255,7 @@ class PipelinedStrategy(Strategy):
                    for c in range(r)]
         plan = _ChunkPlan(in_splits, out_splits, [s for s, _, _ in relayout], [i for _, i, _ in relayout],
                           [o for _, _, o in relayout], ep, cfg.activation, needs_grad)
-        if isinstance(w_up, BlockFP8Weight):  # (inference only: the layer refuses an FP8 training call)
-            y_backs = _pipelined_fp8(w_up, w_down, plan, x_sends, self.fp8_backend)
-        else:
-            y_backs = _PipelinedExperts.apply(w_up, w_down, plan, *x_sends)
+        y_backs = _PipelinedExperts.apply(w_up, w_down, plan, *x_sends)
         outs = [CombineRows.apply(y_backs[c], w_chunks[c], indices[c][0], x.dtype) for c in range(r)]
         return torch.cat(outs) if r > 1 else outs[0]
 

@@ -97,8 +97,8 @@ def test_quantize_experts_round_trip():
 
 
 def test_strategies_that_do_not_run_fp8_are_refused():
-    for spec in ("naive", "fused"):
-        with pytest.raises(ValueError, match="strategies that do: auto, persistent, pipelined, sequential, tp_ep"):
+    for spec in ("naive", "pipelined:2", "fused"):
+        with pytest.raises(ValueError, match="strategies that do: auto, persistent, sequential, tp_ep"):
             MoELayer(FP8, device="cpu", strategy=spec)
     layer = MoELayer(FP8, device="cpu", strategy="sequential")
     with pytest.raises(ValueError, match="does not run FP8 experts"):
@@ -133,7 +133,7 @@ def test_auto_candidates_are_those_that_run_fp8():
     assert dense.decider.world1_candidates(cuda) == ("persistent", "sequential")
     assert fp8.decider.world1_candidates(cuda) == ("persistent", "sequential")
     with pytest.raises(ValueError, match="none of the candidates"):
-        MoELayer(FP8, device="cpu", strategy_options={"candidates": ("fused", "fused:lean")})
+        MoELayer(FP8, device="cpu", strategy_options={"candidates": ("pipelined:2", "fused")})
     assert fp8.decider.shape.endswith("-fp8") and not dense.decider.shape.endswith("-fp8")
 
 
@@ -268,12 +268,11 @@ def _gloo_fp8(rank, world):
             out = layer(xs[rank, :0] if rank == 1 else xs[rank])  # (a rank without tokens serves its peers)
             want = twin(xs[rank, :0] if rank == 1 else xs[rank])
         assert rel_err(out, want) < TOL_W8A16[torch.float32] or rank == 1, f"{spec} rank {rank}"
-    first = {}
-    for spec in ("sequential", "pipelined:2", "auto"):
+    for spec in ("sequential", "auto"):
         layer = MoELayer(FP8, seed=2, device="cpu", strategy=spec)
         xs = torch.randn(world, 12, CFG.hidden, generator=torch.Generator().manual_seed(9))
         with torch.no_grad():
-            out = first[spec] = layer(xs[rank])
+            out = layer(xs[rank])
         assert rel_err(out, fp8_expected(FP8, 2, xs[rank])) < TOL, f"{spec} rank {rank}"
         assert layer.experts.w_up.shape[0] == CFG.num_experts // world
         with torch.no_grad():  # a rank without tokens still serves its peers' rows
@@ -282,10 +281,6 @@ def _gloo_fp8(rank, world):
             assert rel_err(out, fp8_expected(FP8, 2, xs[0])) < TOL
         if spec == "auto":
             assert {c.spec for c in layer.strategy.choices.values()} == {"sequential"}
-    # chunks of 6 rows through the same W8A8 kernels: each row's arithmetic is sequential's, up to
-    # the order of fp32 sums inside a dot (the interpreter's matmul of another tile height)
-    assert rel_err(first["pipelined:2"], first["sequential"]) < 1e-6, (rank, rel_err(first["pipelined:2"],
-                                                                                  first["sequential"]))
     check_dcp_round_trip(rank, world)
     check_tensor_parallel(rank, world)
     from torch.distributed.device_mesh import init_device_mesh
