@@ -148,7 +148,8 @@ _SCRIPT = textwrap.dedent("""
     if group() is not None:
         raise SystemExit("the process group outlived destroy_process_group")
 """)
-RUNS = 4
+RUNS = 2  # (each run is two interpreter start-ups: ~11 s on CI's 2 cores; tests/tools/test_examples.py
+#  checks the example's clean exit twice more)
 
 
 def test_a_script_that_keeps_its_layer_exits_cleanly(tmp_path):
