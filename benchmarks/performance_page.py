@@ -13,8 +13,8 @@ To record a new standing: copy the run's ``results.json`` (``interlace bench --o
 ``table`` key as the row it replaces (the last source listed for a key wins). ``date``, ``commit``,
 ``device`` and ``command`` may be left out where the JSON's ``meta`` has them; give them where it does
 not (hand-kept or older files). Then run this script and commit the page with its source.
-The other kinds draw what their own scripts write (benchmarks/hf_models.py, auto_grid.py's rows.jsonl,
-fp8_experts.py), copied the same way. The timing protocol behind every number is docs/benchmarking.md.
+The other kinds draw what their own scripts write (benchmarks/hf_models.py, auto_grid.py's rows.jsonl),
+copied the same way; ``fp8_layer`` a bench run with ``--fp8``. The timing protocol behind every number is docs/benchmarking.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ NVLS_OFF = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABL
 
 # One entry per table source. Keys: section (prefill, decode, training, hf, scaling, planner, auto), table
 # (the table's identity: a later entry with the same key replaces an earlier one), kind (how it is drawn:
-# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, fp8_experts, fp8_layer), file or
+# bench, decode_bench, persistent_decode, weak_scaling, mesh, facts, hf_models, auto_grid, fp8_layer), file or
 # files (under benchmarks/results/; auto_grid reads JSON lines), title, and where the
 # JSON lacks them: device, date, commit, command. Optional: baseline (the strategy the others are
 # compared with), env (variables set for the command; default NVLS_OFF), notes (lines under the table),
@@ -657,33 +657,9 @@ def fp8_layer_table(src):
     return lines + [""]
 
 
-def fp8_experts_table(src):
-    """benchmarks/fp8_experts.py's rows: per preset and tokens, the best bf16 block against FP8."""
-    data = load(src["file"])
-    meta = data["meta"]
-    lines = header(src, meta)
-    lines[2] += (f" · measured in the run: HBM read {meta['hbm_read_tbps']:.2f} TB/s, bf16 matmul "
-                 f"{meta['bf16_tflops']:.0f} TFLOP/s, e4m3 matmul {meta['fp8_tflops']:.0f} TFLOP/s")
-    lines += ["| preset | tokens/GPU | best bf16 ms (× floor) | FP8 ms (× FP8 floor) | FP8 speed-up | FP8 triton ms | "
-              "FP8 blockwise ms |", "|" + "---|" * 7]
-    cases = {}
-    for r in data["rows"]:
-        cases.setdefault((r["config"], r["tokens"]), {})[r["strategy"]] = r
-    for (config, tokens), by in cases.items():
-        bf16 = min((by[v] for v in ("bf16:torch", "bf16:triton") if v in by), key=lambda r: r["median_ms"])
-        fp8 = by.get("fp8", {})
-        cells = [config, str(tokens), f"{bf16['median_ms']:.3f} ({bf16['x_floor']:.2f})",
-                 f"{fmt(fp8.get('median_ms'), '.3f')} ({fmt(fp8.get('x_floor'), '.2f')})",
-                 fmt(fp8.get("speedup_vs_best_bf16"), ".2f") + "×",
-                 fmt(by.get("fp8:triton", {}).get("median_ms"), ".3f"),
-                 fmt(by.get("fp8:blockwise", {}).get("median_ms"), ".3f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
-
-
 KINDS = {"bench": bench_table, "decode_bench": decode_bench_table, "persistent_decode": persistent_decode_table, "weak_scaling": weak_scaling_table, "mesh": mesh_table, "facts": facts_table,
          "hf_models": hf_models_table, "auto_grid": auto_grid_table,
-         "fp8_experts": fp8_experts_table, "fp8_layer": fp8_layer_table}
+         "fp8_layer": fp8_layer_table}
 
 
 def current_sources(sources=SOURCES):

@@ -185,8 +185,8 @@ class ExpertParallel:
     def check_group(self) -> None:
         """``RuntimeError`` (:data:`GROUP_DESTROYED`) where ``destroy_process_group`` has taken
         the group: a layer checks it before any work of a call (one weak reference read)."""
-        reference = self.__dict__[_slot("group")]
-        if reference is not None and reference._reference() is None:
+        reference = group_reference(self)
+        if reference is not None and reference() is None:
             raise RuntimeError(GROUP_DESTROYED)
 
     @property

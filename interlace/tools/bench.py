@@ -26,7 +26,8 @@ from the same seed: its weights are the bf16 layer's, quantized) is timed too, o
 S that run FP8 experts, round-robin with the bf16 ones. Its rows (``experts = "fp8"``) are checked
 against the bf16 ``naive`` output within ``--fp8-tolerance`` (block FP8's own error, W8A8, is about
 5e-2) and floored with the e4m3 matmul peak measured in the run (``torch._scaled_mm`` 8192³) and
-the e4m3 weight and fp32 scale bytes they read.
+the e4m3 weight and fp32 scale bytes they read. Their peak memory counts the bf16 layer, held beside
+the twin.
 """
 
 from __future__ import annotations
