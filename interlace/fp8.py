@@ -68,6 +68,47 @@ class BlockFP8Weight:
         return dequantize_weight(self.weight, self.scale_inv).to(dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Activation rows already quantized, W8A8's left operand: ``q`` (M, C) float8_e4m3fn and
+    ``scale`` (M, ⌈C/128⌉) fp32 (:func:`quantize_rows`'s pair), each with unit column stride and
+    a row stride of its own (views of one packed buffer: :func:`~interlace.kernels.expert_gemm.
+    fp8_quant.unpack_rows`). ``dtype``: the activations' own dtype, which an FFN's output takes.
+
+    What ``sequential`` sends over the wire for FP8 experts: a token's row quantized once where it
+    lives, half the bytes of bf16, and the receiving GEMMs take it as it comes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        M, C = self.q.shape
+        if self.q.dtype != FP8_DTYPE or self.scale.dtype != torch.float32 or self.scale.shape != (M, blocks(C)):
+            raise ValueError(f"QuantizedRows: q must be (M, C) {FP8_DTYPE} and scale (M, ⌈C/128⌉) float32, got "
+                             f"q {tuple(self.q.shape)} {self.q.dtype}, scale {tuple(self.scale.shape)} "
+                             f"{self.scale.dtype}")
+        if M and (self.q.stride(1) != 1 or self.scale.stride(1) != 1):
+            raise ValueError("QuantizedRows: q and scale need unit column strides")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def take(self, index: torch.Tensor) -> "QuantizedRows":
+        """The rows ``index`` (int tensor), contiguous."""
+        index = index.long()
+        return QuantizedRows(self.q.view(torch.uint8)[index].view(FP8_DTYPE), self.scale[index], self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The rows in fp32: ``q · scale`` per group."""
+        return dequantize_rows(self.q, self.scale)
+
+
 def check_fp8_ffn_slice(ffn_slice: tuple[int, int], ffn: int) -> None:
     """``ValueError`` unless the tensor-parallel slice ``[lo, hi)`` of the FFN dimension K of FP8
     experts is whole 128-wide scale blocks: the full K, or (equal slices over tp ranks) K % (128·tp)
@@ -160,11 +201,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(FP8_BLOCK, dim=-1)[:, :q.shape[1]]
 
 
-def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
-                             activation: str, out_dtype: torch.dtype | None = None,
+def expert_ffn_fp8_reference(x: torch.Tensor | QuantizedRows, w_up: BlockFP8Weight, w_down: BlockFP8Weight,
+                             ends: torch.Tensor, activation: str, out_dtype: torch.dtype | None = None,
                              act: tuple[torch.Tensor, torch.Tensor] | None = None, return_act: bool = False):
     """The W8A8 expert FFN on expert-major rows, in fp32: x (M, N) → (M, N) in ``out_dtype``
-    (default x's dtype).
+    (default x's dtype). ``x`` may come quantized already (:class:`QuantizedRows`: taken as it is).
 
     Rows of expert e are ``[ends[e-1], ends[e])`` (``ends`` inclusive cumulative counts, (E,)).
     The rows are quantized per 128-column group (:func:`quantize_rows`); GEMM0 runs in fp32 on
@@ -175,7 +216,7 @@ def expert_ffn_fp8_reference(x: torch.Tensor, w_up: BlockFP8Weight, w_down: Bloc
     own (to check a kernel's GEMM1 on the kernel's GEMM0 output); ``return_act``: return
     (out, (q, scale)) with the activation GEMM1 used.
     """
-    xq = dequantize_rows(*quantize_rows(x))
+    xq = x.dequantize() if isinstance(x, QuantizedRows) else dequantize_rows(*quantize_rows(x))
     up = w_up.dequantize()
     down = w_down.dequantize()
     K = down.shape[2]

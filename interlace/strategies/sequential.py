@@ -2,7 +2,8 @@
 
 Counting sort on the device (``build_dispatch_index``), one gather kernel to build the send
 buffer, the count exchange and **the forward's one host sync** (NCCL needs split sizes on the
-host), ``all_to_all_single``, a re-layout gather from [source rank][expert] to
+host), ``all_to_all_single`` (FP8 experts: of the token rows quantized where they live, e4m3 and
+their scales), a re-layout gather from [source rank][expert] to
 [expert][source rank] order, grouped GEMMs with the SwiGLU fused between them (gate and up are
 one GEMM; the kernel reads both halves in place), the inverse re-layout, the reverse
 all-to-all, and a deterministic fp32 gather-reduce combine (no atomics, forward or backward).
@@ -32,7 +33,8 @@ from interlace.kernels.activation import activation_fused
 from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
 from interlace.fp8 import BlockFP8Weight
 from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
-from interlace.kernels.rows import CombineRows, DispatchRows, PermuteRows
+from interlace.kernels.expert_gemm.fp8_quant import quantize_rows_packed, unpack_rows
+from interlace.kernels.rows import CombineRows, DispatchRows, PermuteRows, gather_rows
 from interlace.strategies.base import Strategy, register_strategy
 
 
@@ -121,8 +123,17 @@ class SequentialStrategy(Strategy):
 
         # The `del`s free each row buffer as soon as the next one exists (lower peak memory
         # in inference; in training autograd keeps only what backward needs).
-        x_send = DispatchRows.apply(x, assignment_of_row[:rows_send], row_of_assignment)
-        x_recv = all_to_all(x_send, out_splits, in_splits, ep)
+        if isinstance(w_up, BlockFP8Weight):
+            # FP8 experts quantize each token row anyway: quantized where it lives, it goes over
+            # the wire as e4m3 with its scales (about half of bf16's bytes), and the receiving
+            # GEMMs take it as it comes. The same arithmetic bitwise (rows quantize alone).
+            packed = quantize_rows_packed(x)
+            x_send = gather_rows(packed, assignment_of_row[:rows_send], divisor=k)
+            del packed
+            x_recv = unpack_rows(all_to_all(x_send, out_splits, in_splits, ep), x.shape[1], x.dtype)
+        else:
+            x_send = DispatchRows.apply(x, assignment_of_row[:rows_send], row_of_assignment)
+            x_recv = all_to_all(x_send, out_splits, in_splits, ep)
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
         y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,

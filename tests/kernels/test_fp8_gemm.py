@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from interlace.fp8 import (
-    FP8_DTYPE, BlockFP8Weight, act_agreement, dequantize_rows, dequantize_weight, expert_ffn_fp8_reference,
+    FP8_DTYPE, BlockFP8Weight, QuantizedRows, act_agreement, dequantize_rows, dequantize_weight, expert_ffn_fp8_reference,
     quantize_rows, quantize_weight,
 )
 from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8, quantize_rows_fp8
+from interlace.kernels.expert_gemm.fp8_quant import packed_row_bytes, quantize_rows_packed, unpack_rows
 
 
 def rel(a, b):
@@ -44,6 +45,27 @@ def test_quantize_rows_kernel_equals_reference_bitwise(cols):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s[~s.isnan()], sr[~sr.isnan()])
     assert s.isnan().sum() == 1 and (s[4] == 1).all()
+
+
+@pytest.mark.parametrize("cols", [128, 200, 64, 7168])
+def test_packed_rows_hold_the_quantized_rows_bitwise(cols):
+    """A packed row (e4m3 values, then fp32 scales, each part on 16 bytes: what ``sequential``
+    sends for FP8 experts) reads back as quantize_rows' pair, NaN and all-zero groups included."""
+    x = torch.randn(9, cols) * torch.logspace(-2, 2, 9)[:, None]
+    x[2] = 0.0
+    x[5, cols // 2] = float("nan")
+    packed = quantize_rows_packed(x.bfloat16())
+    assert packed.dtype == torch.int32 and packed.shape == (9, packed_row_bytes(cols) // 4)
+    rows = unpack_rows(packed, cols, torch.bfloat16)
+    qr, sr = quantize_rows(x.bfloat16())
+    assert torch.equal(rows.q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(rows.scale.isnan(), sr.isnan()) and torch.equal(rows.scale[~sr.isnan()], sr[~sr.isnan()])
+    assert rows.q.data_ptr() == packed.data_ptr()  # views, no copy
+    assert packed_row_bytes(7168) == 7392 and packed_row_bytes(200) == 208 + 16
+    with pytest.raises(ValueError, match=f"packed rows of {cols} columns"):
+        unpack_rows(packed[:, :-1], cols, torch.bfloat16)
+    with pytest.raises(ValueError, match="QuantizedRows"):
+        QuantizedRows(qr, sr.double(), torch.float32)
 
 
 def random_block_fp8(*shape) -> BlockFP8Weight:
@@ -90,6 +112,36 @@ def test_expert_ffn_fp8_matches_reference(activation, N, K, counts, dtype, tma):
     assert flipped < 5e-2 and units <= 33, (flipped, units)
     # bitwise repeatable
     assert torch.equal(expert_ffn_fp8(x, gather, k, R, up, down, ends, activation, tma=tma), y)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_quantized_rows_give_the_same_ffn_bitwise(tma):
+    """Rows quantized before they come (a packed buffer's views, gathered as ``sequential``
+    sends them) give what quantizing them in the FFN gives, bitwise: Triton kernels, their
+    reference, and the blockwise backend's copy into its layout (a torch stand-in for cuBLAS)."""
+    from interlace.kernels.expert_gemm.fp8_blockwise import expert_ffn_fp8_blockwise
+    from interlace.kernels.rows import gather_rows
+
+    E, N, K, k = 3, 512, 512, 2
+    counts = [9, 0, 23]
+    up, down = random_block_fp8(E, 2 * K, N), random_block_fp8(E, N, K)
+    ends = torch.tensor(counts).cumsum(0).int()
+    R = sum(counts)
+    x = torch.randn(20, N).bfloat16()
+    x[4, 3] = float("nan")
+    send = torch.randperm(20 * k)[:R].int()  # the rows a rank sends, token send[r] // k
+    wire = unpack_rows(gather_rows(quantize_rows_packed(x), send, divisor=k), N, x.dtype)
+    rows = x[send.long() // k]
+    gather = torch.randperm(R).int()  # the receiver's expert-major re-layout
+    want = expert_ffn_fp8(rows, gather, 1, R, up, down, ends, "swiglu", tma=tma)
+    got = expert_ffn_fp8(wire, gather, 1, R, up, down, ends, "swiglu", tma=tma)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    ref = expert_ffn_fp8_reference(rows[gather.long()], up, down, ends, "swiglu")
+    assert torch.equal(expert_ffn_fp8_reference(wire.take(gather), up, down, ends, "swiglu").view(torch.int16),
+                       ref.view(torch.int16))
+    blockwise = [expert_ffn_fp8_blockwise(a, gather, 1, R, up, down, ends, "swiglu", mm=fake_blockwise_mm)
+                 for a in (rows, wire)]
+    assert torch.equal(blockwise[0].view(torch.int16), blockwise[1].view(torch.int16))
 
 
 def test_expert_ffn_fp8_ungathered_and_empty():

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, blocks, expert_ffn_fp8_reference
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks, expert_ffn_fp8_reference
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.configs import num_programs
 from interlace.kernels.expert_gemm.schedule import tile_schedule, tile_work
@@ -79,7 +79,7 @@ def _promote(acc, p, a_s, w_s, SCALAR_SCALE: tl.constexpr):
 def fp8_gemm_kernel(
     a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    COLS, RED, W_ROWS, num_programs, divisor, A_ROWS, E,
+    COLS, RED, W_ROWS, num_programs, divisor, A_ROWS, E, A_STRIDE, AS_STRIDE,
     EPILOGUE: tl.constexpr,  # 0: out = acc in out's dtype; 1 SwiGLU, 2 GELU, 3 ReLU, then quantized
     GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -88,7 +88,8 @@ def fp8_gemm_kernel(
     """Grouped W8A8 GEMM over expert-major rows: for a row r of expert e,
     ``out[r, c] = Σ_k a[src, k] · W_e[c, k]`` (dequantized), src = gather[r] // divisor (or r).
 
-    a (A_ROWS, RED) e4m3 with a_scale (·, ⌈RED/128⌉); W (E, W_ROWS, RED) e4m3 with w_scale (E,
+    a (A_ROWS, RED) e4m3 with a_scale (·, ⌈RED/128⌉), their rows A_STRIDE and AS_STRIDE elements
+    apart (a packed row's parts: :func:`~.fp8_quant.unpack_rows`); W (E, W_ROWS, RED) e4m3 with w_scale (E,
     ⌈W_ROWS/128⌉, ⌈RED/128⌉). With an activation epilogue, SwiGLU reads gate rows c and up rows
     COLS + c of W_e (W_ROWS = 2·COLS), and the kernel writes e4m3 ``act`` (R, COLS) to out with
     its group scales (R, ⌈COLS/128⌉) to out_scale (BLOCK_N = 128: a tile holds whole groups).
@@ -110,7 +111,7 @@ def fp8_gemm_kernel(
                                            block_shape=[BLOCK_N, BLOCK_K])
     a_desc = a_ptr
     if A_TMA:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, RED], strides=[RED, 1],
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, RED], strides=[A_STRIDE, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
     for work in tl.range(first, num_tiles * n_blocks, num_programs):
         e, row0, rows, rmask, nb, row_end = tile_work(work, n_blocks, num_tiles, tile_expert_ptr, tile_start_ptr,
@@ -138,8 +139,9 @@ def fp8_gemm_kernel(
             if A_TMA:
                 a = a_desc.load([row0, k0])
             else:
-                a = tl.load(a_ptr + src[:, None] * RED + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            a_s = tl.load(a_scale_ptr + src * RB + kb, mask=rmask, other=0.0)
+                a = tl.load(a_ptr + src[:, None] * A_STRIDE + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+            a_s = tl.load(a_scale_ptr + src * AS_STRIDE + kb, mask=rmask, other=0.0)
             b = _weight_block(w_base, w_desc, w_row0, cols, k0, kk, kmask, cmask, RED, W_TMA)
             w_s = _weight_scale(s_base, cols, nb * BLOCK_N, cmask, kb, RB, SCALAR_SCALE)
             acc = _promote(acc, tl.dot(a, b), a_s, w_s, SCALAR_SCALE)
@@ -202,7 +204,7 @@ def launch_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, gather: torch.Tensor
         a, a_scale, gather if gather is not None else a_scale, w.weight, w.scale_inv, out,
         out_scale if out_scale is not None else a_scale,
         schedule.expert, schedule.start, schedule.end, schedule.count,
-        cols, red, w_rows, p, divisor, a.shape[0], E,
+        cols, red, w_rows, p, divisor, a.shape[0], E, a.stride(0), a_scale.stride(0),
         EPILOGUE=epilogue, GATHER=gather is not None,
         BLOCK_M=config.block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK, GROUP_M=config.group_m,
         W_TMA=w_tma, A_TMA=a_tma, SCALAR_SCALE=epilogue != ACTIVATION_CODES["swiglu"] or cols % FP8_BLOCK == 0,
@@ -261,12 +263,14 @@ def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_wi
     return BLOCKWISE_MARGIN * blockwise_s <= flops / TRITON_FP8_GEMM_FLOPS
 
 
-def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, w_up: BlockFP8Weight,
-                   w_down: BlockFP8Weight, ends: torch.Tensor, activation: str, return_act: bool = False,
-                   backend: str = "auto", tma: bool | None = None):
+def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int, num_rows: int,
+                   w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor, activation: str,
+                   return_act: bool = False, backend: str = "auto", tma: bool | None = None):
     """y (num_rows, N) in x's dtype, expert-major: row r is the W8A8 FFN of expert e (rows
     ``[ends[e-1], ends[e])``, ``ends`` (E,) int32 inclusive) on ``x[gather[r] // divisor]``
-    (``gather`` None: ``x[r]``). Without Triton (a CPU without the interpreter), the fp32
+    (``gather`` None: ``x[r]``). ``x``: the activations (T, N), or rows already quantized
+    (:class:`~interlace.fp8.QuantizedRows`, taken as they are: what quantizing x here would
+    give, so the result is the same bitwise). Without Triton (a CPU without the interpreter), the fp32
     reference of the same arithmetic. ``return_act``: (y, (act q (R, K), act scale (R, ⌈K/128⌉)))
     with GEMM0's quantized output, for checks (Triton kernels only).
 
@@ -287,8 +291,13 @@ def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, n
         if backend == "blockwise" or (runs and blockwise_pays(num_rows, E, x.shape[1], w_down.shape[2],
                                                                 w_up.shape[1])):
             return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation)
-    if not use_triton(x):
-        rows = x if gather is None else x[gather[:num_rows].long() // divisor]
+    quantized = isinstance(x, QuantizedRows)
+    if not use_triton(x.q if quantized else x):
+        if gather is None:
+            rows = x
+        else:
+            index = gather[:num_rows].long() // divisor
+            rows = x.take(index) if quantized else x[index]
         return expert_ffn_fp8_reference(rows, w_up, w_down, ends, activation, return_act=return_act)
     N = x.shape[1]
     K = w_down.shape[2]
@@ -301,7 +310,7 @@ def expert_ffn_fp8(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, n
     config0, config1 = choose_configs(num_rows, E, on_tma)
     sched0 = tile_schedule(ends, num_rows, config0.block_m)
     sched1 = sched0 if config1.block_m == config0.block_m else tile_schedule(ends, num_rows, config1.block_m)
-    xq, x_scale = quantize_rows_fp8(x)
+    xq, x_scale = (x.q, x.scale) if quantized else quantize_rows_fp8(x)
     launch_fp8_gemm(xq, x_scale, gather, divisor, w_up, h, h_scale, K, ACTIVATION_CODES[activation], sched0, config0,
                     tma=on_tma)
     launch_fp8_gemm(h, h_scale, None, 1, w_down, y, None, N, 0, sched1, config1, tma=on_tma)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, blocks
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.fp8_quant import ACTIVATION_CODES, _quantize_groups, apply_activation
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
@@ -33,15 +33,18 @@ from interlace.kernels.rows import gather_rows
 
 @triton.jit
 def quantize_blocked_kernel(
-    src_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
-    R, C, SRC_COLS, E, divisor,
+    src_ptr, src_scale_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
+    R, C, SRC_COLS, SRC_SCALE_COLS, E, divisor,
     ACTIVATION: tl.constexpr,  # 0: rows as they are; 1 SwiGLU of [gate | up], 2 GELU, 3 ReLU
+    QUANTIZED: tl.constexpr,  # src holds e4m3 rows with their scales (src_scale): copied, not quantized
     GATHER: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """Row r (expert-major, expert e's rows ``[ends[e-1], ends[e])``) = act(src[gather[r] //
     divisor]) (or src[r]), quantized per 128 columns into the padded layout: expert e's rows
     start at pad_ends[e-1], its q rows there, its scales expert-blocked (module doc), and
-    pos[r] = its padded row. Program (row block, column group)."""
+    pos[r] = its padded row. QUANTIZED: src's rows are quantized already (e4m3, their scales
+    SRC_SCALE_COLS apart in src_scale), and land in the layout as they are. Program (row block,
+    column group)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     G = tl.cdiv(C, GROUP)
@@ -60,28 +63,37 @@ def quantize_blocked_kernel(
         src = (tl.load(gather_ptr + rows, mask=rmask, other=0) // divisor).to(tl.int64)
     else:
         src = rows.to(tl.int64)
-    if ACTIVATION == 0:
+    if QUANTIZED:
+        q = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0)
+        scale = tl.load(src_scale_ptr + src * SRC_SCALE_COLS + g, mask=rmask, other=0.0)
+    elif ACTIVATION == 0:
         x = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        q, scale = _quantize_groups(x, valid)
     else:
         pre = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0).to(tl.float32)
         up = pre
         if ACTIVATION == 1:
             up = tl.load(src_ptr + src[:, None] * SRC_COLS + C + cols[None, :], mask=valid, other=0.0).to(tl.float32)
         x = apply_activation(pre, up, ACTIVATION)
-    q, scale = _quantize_groups(x, valid)
+        q, scale = _quantize_groups(x, valid)
     tl.store(q_ptr + pos.to(tl.int64)[:, None] * C + cols[None, :], q, mask=valid)
     tl.store(scale_ptr + pad_start.to(tl.int64) * G + g * pad_rows + (rows - start), scale, mask=rmask)
     if g == 0:
         tl.store(pos_ptr + rows, pos, mask=rmask)
 
 
-def quantize_blocked(src: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int, cols: int,
-                     ends: torch.Tensor, pad_ends: torch.Tensor, padded_rows: int, activation: int):
+def quantize_blocked(src: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int, num_rows: int,
+                     cols: int, ends: torch.Tensor, pad_ends: torch.Tensor, padded_rows: int, activation: int):
     """(q (P, cols) e4m3, expert-blocked scales (P·⌈cols/128⌉,) fp32, pos (R,) int32) of the R
     rows ``act(src[gather[r] // divisor])`` in the padded layout of ``pad_ends`` (P rows; the
     padding rows are not written). ``activation`` 0: none, else :data:`ACTIVATION_CODES`
-    (SwiGLU reads [gate | up] rows of 2·cols)."""
+    (SwiGLU reads [gate | up] rows of 2·cols). ``src`` quantized already (:class:`QuantizedRows`,
+    activation 0): its rows are copied into the layout as they are."""
     G = blocks(cols)
+    quantized = isinstance(src, QuantizedRows)
+    if quantized and activation:
+        raise ValueError("quantize_blocked: rows quantized already take no activation")
+    src, src_scale = (src.q, src.scale) if quantized else (src, src)
     q = alloc.empty((padded_rows, cols), FP8_DTYPE, src.device)
     scale = alloc.empty((padded_rows * G,), torch.float32, src.device)
     pos = alloc.empty((num_rows,), torch.int32, src.device)
@@ -89,8 +101,9 @@ def quantize_blocked(src: torch.Tensor, gather: torch.Tensor | None, divisor: in
         E = ends.numel()
         block_r = 16
         launch(quantize_blocked_kernel, (cdiv(num_rows, block_r), G),
-               src, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
-               src.shape[1], E, divisor, ACTIVATION=activation, GATHER=gather is not None, BLOCK_R=block_r,
+               src, src_scale, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
+               src.stride(0), src_scale.stride(0), E, divisor, ACTIVATION=activation, QUANTIZED=quantized,
+               GATHER=gather is not None, BLOCK_R=block_r,
                GROUP=FP8_BLOCK, E_PAD=next_power_of_2(max(E, 1)), num_warps=4)
     return q, scale, pos
 
@@ -112,15 +125,15 @@ def supports_blockwise(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8We
     """cuBLAS's block-scaled GEMM: CUDA, Hopper or newer, and each weight's scale rows a
     multiple of 16 bytes (``⌈C/128⌉`` a multiple of 4: hidden and ffn multiples of 512; others
     gave wrong results on an H200 with torch 2.11)."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     N, K = w_down.shape[1], w_down.shape[2]
     return N % (FP8_BLOCK * ROW_ALIGN) == 0 and K % (FP8_BLOCK * ROW_ALIGN) == 0
 
 
-def expert_ffn_fp8_blockwise(x: torch.Tensor, gather: torch.Tensor | None, divisor: int, num_rows: int,
-                             w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor, activation: str,
-                             mm=blockwise_mm) -> torch.Tensor:
+def expert_ffn_fp8_blockwise(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int,
+                             num_rows: int, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
+                             activation: str, mm=blockwise_mm) -> torch.Tensor:
     """:func:`interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`'s contract on cuBLAS's
     block-scaled GEMMs, one per expert (``mm``: the GEMM, replaceable for CPU tests). Each
     expert's rows are padded to :data:`ROW_ALIGN` in the GEMMs' buffers; the output rows are
