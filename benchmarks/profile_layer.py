@@ -1,10 +1,12 @@
 """Where the time of one layer call goes: torch.profiler over a few calls per strategy.
 
     torchrun --nproc-per-node 2 benchmarks/profile_layer.py [--configs qwen2-moe ...] [--tokens 4096] [--fwdbwd]
+                                                            [--fp8]
 
 Rank 0 prints, per config and strategy: the median wall time of a call, the host time to
 *issue* a call (no sync at the end), and the top CUDA kernels by total device time. With
-``--fwdbwd`` a call is forward and backward (input and weight gradients). Chrome
+``--fwdbwd`` a call is forward and backward (input and weight gradients); with ``--fp8`` the
+layer's experts are block-scaled FP8 (inference, docs/fp8.md). Chrome
 traces land in $OUT (or ./bench-out) as trace_<config>_<strategy>.json.
 """
 
@@ -23,6 +25,11 @@ from interlace.tools.bench import bench_config
 from interlace.parallel import release_shared_buffers
 
 
+def busy_ms(prof) -> float:
+    """Device time of every kernel the profile recorded (ms; overlapping kernels counted each)."""
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--configs", nargs="+", default=["flashdmoe-cfg", "qwen2-moe"])
@@ -30,7 +37,10 @@ def main():
     p.add_argument("--strategies", nargs="+", default=["naive", "sequential"])
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--fwdbwd", action="store_true", help="profile forward + backward instead of forward")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (inference: not with --fwdbwd)")
     args = p.parse_args()
+    if args.fp8 and args.fwdbwd:
+        p.error("--fp8 layers are inference-only: drop --fwdbwd")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dev = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=dev)
@@ -39,7 +49,10 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     for name in args.configs:
         cfg = bench_config(name, small=False)
-        layer = MoELayer(cfg, strategy="naive", device=dev)
+        if args.fp8:
+            cfg = cfg.with_(expert_quant="fp8")
+        layer = MoELayer(cfg, strategy="naive" if not args.fp8 else "sequential", device=dev)
+        layer.requires_grad_(args.fwdbwd)
         x = torch.randn(args.tokens, cfg.hidden, device=dev).to(cfg.dtype).requires_grad_(args.fwdbwd)
         grad = torch.randn_like(x)
 
@@ -69,9 +82,10 @@ def main():
                         call()
                     torch.cuda.synchronize()
             if rank == 0:
-                mode = "fwd+bwd" if args.fwdbwd else "fwd"
+                mode = "fwd+bwd" if args.fwdbwd else ("fwd-fp8" if args.fp8 else "fwd")
                 print(f"\n=== {name} T={args.tokens} {strategy} {mode}: wall {statistics.median(walls):.3f} ms, "
-                      f"host issue {statistics.median(issue):.3f} ms (per call; profiled 5 calls below)")
+                      f"host issue {statistics.median(issue):.3f} ms (per call; profiled 5 calls below), "
+                      f"GPU kernels {busy_ms(prof) / 5:.3f} ms per call")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
                 prof.export_chrome_trace(os.path.join(out_dir, re.sub(r"[^\w.-]", "-", f"trace_{name}_{strategy}_{mode}.json")))
     release_shared_buffers()  # before the group goes: see its docstring

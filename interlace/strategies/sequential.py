@@ -136,11 +136,15 @@ class SequentialStrategy(Strategy):
             x_recv = all_to_all(x_send, out_splits, in_splits, ep)
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
-        y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
-                                        offs, cfg.activation, self.kernels, self.fp8_backend)
+        if isinstance(w_up, BlockFP8Weight):  # (back in receive order inside: one row gather fewer)
+            y_recv = expert_ffn_fp8(x_recv, src_row, 1, rows_recv, w_up, w_down, offs, cfg.activation,
+                                    backend=self.fp8_backend, out_rows=inverse)
+        else:
+            y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
+                                            offs, cfg.activation, self.kernels, self.fp8_backend)
+            y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
+            del y_grouped
         del x_recv
-        y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
-        del y_grouped
         y = all_to_all(y_recv, in_splits, out_splits, ep)
         del y_recv
         return CombineRows.apply(y, topk_weight, row_of_assignment, x.dtype)

@@ -142,6 +142,13 @@ def test_quantized_rows_give_the_same_ffn_bitwise(tma):
     blockwise = [expert_ffn_fp8_blockwise(a, gather, 1, R, up, down, ends, "swiglu", mm=fake_blockwise_mm)
                  for a in (rows, wire)]
     assert torch.equal(blockwise[0].view(torch.int16), blockwise[1].view(torch.int16))
+    # out_rows: the output in another row order, folded into the blockwise gather (Triton: a gather after)
+    order = torch.randperm(R).int()
+    permuted = expert_ffn_fp8_blockwise(wire, gather, 1, R, up, down, ends, "swiglu", mm=fake_blockwise_mm,
+                                        out_rows=order)
+    assert torch.equal(permuted.view(torch.int16), blockwise[1][order.long()].view(torch.int16))
+    got = expert_ffn_fp8(wire, gather, 1, R, up, down, ends, "swiglu", tma=tma, out_rows=order)
+    assert torch.equal(got.view(torch.int16), want[order.long()].view(torch.int16))
 
 
 def test_expert_ffn_fp8_ungathered_and_empty():

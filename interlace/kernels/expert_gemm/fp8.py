@@ -37,7 +37,7 @@ from interlace.kernels.expert_gemm.fp8_quant import (
     ACTIVATION_CODES, _quantize_groups, apply_activation, quantize_rows_fp8,
 )
 from interlace.kernels.launch import cdiv, launch
-from interlace.kernels.rows import use_triton
+from interlace.kernels.rows import gather_rows, use_triton
 from interlace.kernels.tma import ensure_allocator, tma_rows_ok, use_tma
 
 @triton.jit
@@ -265,7 +265,8 @@ def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_wi
 
 def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int, num_rows: int,
                    w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor, activation: str,
-                   return_act: bool = False, backend: str = "auto", tma: bool | None = None):
+                   return_act: bool = False, backend: str = "auto", tma: bool | None = None,
+                   out_rows: torch.Tensor | None = None):
     """y (num_rows, N) in x's dtype, expert-major: row r is the W8A8 FFN of expert e (rows
     ``[ends[e-1], ends[e])``, ``ends`` (E,) int32 inclusive) on ``x[gather[r] // divisor]``
     (``gather`` None: ``x[r]``). ``x``: the activations (T, N), or rows already quantized
@@ -278,7 +279,9 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
     (cuBLAS's block-scaled GEMM per expert, :mod:`.fp8_blockwise`: one host sync; CUDA, Hopper,
     hidden and ffn multiples of 512), or ``"auto"``: blockwise where it runs and
     :func:`blockwise_pays`, else triton. ``tma``: the Triton kernels' weights (and GEMM1's rows)
-    through TMA descriptors (:func:`launch_fp8_gemm`; None: where the device has TMA)."""
+    through TMA descriptors (:func:`launch_fp8_gemm`; None: where the device has TMA).
+    ``out_rows`` (num_rows,) int32, a permutation: return ``y[out_rows]`` (the blockwise backend
+    folds it into the gather it makes anyway)."""
     check_fp8_weights(x, w_up, w_down, activation)
     if backend not in FP8_BACKENDS:
         raise ValueError(f"FP8 expert backend must be one of {FP8_BACKENDS}, got {backend!r}")
@@ -290,7 +293,13 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
                              "hidden and ffn sizes that are multiples of 512")
         if backend == "blockwise" or (runs and blockwise_pays(num_rows, E, x.shape[1], w_down.shape[2],
                                                                 w_up.shape[1])):
-            return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation)
+            return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
+                                            out_rows=out_rows)
+    if out_rows is not None:
+        if return_act:
+            raise ValueError("expert_ffn_fp8: return_act gives expert-major rows: no out_rows with it")
+        y = expert_ffn_fp8(x, gather, divisor, num_rows, w_up, w_down, ends, activation, backend="triton", tma=tma)
+        return gather_rows(y, out_rows)
     quantized = isinstance(x, QuantizedRows)
     if not use_triton(x.q if quantized else x):
         if gather is None:

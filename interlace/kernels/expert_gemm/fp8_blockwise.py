@@ -133,11 +133,11 @@ def supports_blockwise(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8We
 
 def expert_ffn_fp8_blockwise(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int,
                              num_rows: int, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
-                             activation: str, mm=blockwise_mm) -> torch.Tensor:
+                             activation: str, mm=blockwise_mm, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`'s contract on cuBLAS's
     block-scaled GEMMs, one per expert (``mm``: the GEMM, replaceable for CPU tests). Each
     expert's rows are padded to :data:`ROW_ALIGN` in the GEMMs' buffers; the output rows are
-    gathered back (the padding rows are never read)."""
+    gathered back (the padding rows are never read), in the order of ``out_rows`` where given."""
     N, K = w_down.shape[1], w_down.shape[2]
     up_width = w_up.shape[1]
     if num_rows == 0:
@@ -174,4 +174,4 @@ def expert_ffn_fp8_blockwise(x: torch.Tensor | QuantizedRows, gather: torch.Tens
     hq_e, y_e = hq.split(sizes), y_padded.split(sizes)
     for e in live:
         mm(hq_e[e], scales(h_scale, Gh, e), down_w[e], down_s[e], y_e[e])
-    return gather_rows(y_padded, pos)
+    return gather_rows(y_padded, pos if out_rows is None else pos[out_rows.long()])
