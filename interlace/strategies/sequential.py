@@ -23,6 +23,8 @@ Options (``MoELayer(..., strategy="sequential", strategy_options={...})``):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from interlace.parallel.comm import all_to_all, all_to_all_counts
@@ -137,8 +139,16 @@ class SequentialStrategy(Strategy):
         del x_send
         src_row, inverse, offs = expert_major_index(recv_counts.view(ep.world, ep.num_local), rows_recv)
         if isinstance(w_up, BlockFP8Weight):  # (back in receive order inside: one row gather fewer)
+            # Each local expert's rows are known here since the sync above: cuBLAS's per-expert
+            # GEMMs (the blockwise backend) need no second one.
+            L = ep.num_local
+
+            def host_ends():
+                per_expert = map(sum, zip(*(counts[E + r * L:E + (r + 1) * L] for r in range(ep.world))))
+                return list(itertools.accumulate(per_expert))
+
             y_recv = expert_ffn_fp8(x_recv, src_row, 1, rows_recv, w_up, w_down, offs, cfg.activation,
-                                    backend=self.fp8_backend, out_rows=inverse)
+                                    backend=self.fp8_backend, out_rows=inverse, host_ends=host_ends)
         else:
             y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
                                             offs, cfg.activation, self.kernels, self.fp8_backend)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from interlace.fp8 import (
-    FP8_DTYPE, BlockFP8Weight, QuantizedRows, act_agreement, dequantize_rows, dequantize_weight, expert_ffn_fp8_reference,
-    quantize_rows, quantize_weight,
+    FP8_DTYPE, BlockFP8Weight, QuantizedRows, act_agreement, dequantize_rows, dequantize_weight,
+    expert_ffn_fp8_reference, quantize_rows, quantize_weight,
 )
 from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8, quantize_rows_fp8
 from interlace.kernels.expert_gemm.fp8_quant import packed_row_bytes, quantize_rows_packed, unpack_rows
@@ -114,6 +114,13 @@ def test_expert_ffn_fp8_matches_reference(activation, N, K, counts, dtype, tma):
     assert torch.equal(expert_ffn_fp8(x, gather, k, R, up, down, ends, activation, tma=tma), y)
 
 
+class NoReadBack(torch.Tensor):
+    """A tensor whose values the host must not read back (``tolist``: a host sync on a GPU)."""
+
+    def tolist(self):
+        raise AssertionError("read back on the host")
+
+
 @pytest.mark.parametrize("tma", [False, True])
 def test_quantized_rows_give_the_same_ffn_bitwise(tma):
     """Rows quantized before they come (a packed buffer's views, gathered as ``sequential``
@@ -147,6 +154,10 @@ def test_quantized_rows_give_the_same_ffn_bitwise(tma):
     permuted = expert_ffn_fp8_blockwise(wire, gather, 1, R, up, down, ends, "swiglu", mm=fake_blockwise_mm,
                                         out_rows=order)
     assert torch.equal(permuted.view(torch.int16), blockwise[1][order.long()].view(torch.int16))
+    # the row counts from the host (sequential has them after its count exchange): no read-back
+    host = expert_ffn_fp8_blockwise(wire, gather, 1, R, up, down, NoReadBack(ends), "swiglu", mm=fake_blockwise_mm,
+                                    out_rows=order, host_ends=ends.tolist)
+    assert torch.equal(host.view(torch.int16), permuted.view(torch.int16))
     got = expert_ffn_fp8(wire, gather, 1, R, up, down, ends, "swiglu", tma=tma, out_rows=order)
     assert torch.equal(got.view(torch.int16), want[order.long()].view(torch.int16))
 

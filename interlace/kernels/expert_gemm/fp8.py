@@ -22,6 +22,7 @@ no host sync, graph-capturable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -266,7 +267,7 @@ def blockwise_pays(num_rows: int, num_experts: int, hidden: int, ffn: int, up_wi
 def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int, num_rows: int,
                    w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor, activation: str,
                    return_act: bool = False, backend: str = "auto", tma: bool | None = None,
-                   out_rows: torch.Tensor | None = None):
+                   out_rows: torch.Tensor | None = None, host_ends: Callable[[], list[int]] | None = None):
     """y (num_rows, N) in x's dtype, expert-major: row r is the W8A8 FFN of expert e (rows
     ``[ends[e-1], ends[e])``, ``ends`` (E,) int32 inclusive) on ``x[gather[r] // divisor]``
     (``gather`` None: ``x[r]``). ``x``: the activations (T, N), or rows already quantized
@@ -281,7 +282,9 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
     :func:`blockwise_pays`, else triton. ``tma``: the Triton kernels' weights (and GEMM1's rows)
     through TMA descriptors (:func:`launch_fp8_gemm`; None: where the device has TMA).
     ``out_rows`` (num_rows,) int32, a permutation: return ``y[out_rows]`` (the blockwise backend
-    folds it into the gather it makes anyway)."""
+    folds it into the gather it makes anyway). ``host_ends``: a function that gives ``ends`` on the
+    host, where the caller has them already (only the blockwise backend calls it, and then makes
+    no host sync of its own)."""
     check_fp8_weights(x, w_up, w_down, activation)
     if backend not in FP8_BACKENDS:
         raise ValueError(f"FP8 expert backend must be one of {FP8_BACKENDS}, got {backend!r}")
@@ -294,7 +297,7 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
         if backend == "blockwise" or (runs and blockwise_pays(num_rows, E, x.shape[1], w_down.shape[2],
                                                                 w_up.shape[1])):
             return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
-                                            out_rows=out_rows)
+                                            out_rows=out_rows, host_ends=host_ends)
     if out_rows is not None:
         if return_act:
             raise ValueError("expert_ffn_fp8: return_act gives expert-major rows: no out_rows with it")

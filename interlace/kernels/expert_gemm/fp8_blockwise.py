@@ -20,6 +20,8 @@ starts at ``start_e · G`` and holds scale (row r, group g) at ``g · m_e + (r �
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -133,17 +135,21 @@ def supports_blockwise(x: torch.Tensor, w_up: BlockFP8Weight, w_down: BlockFP8We
 
 def expert_ffn_fp8_blockwise(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None, divisor: int,
                              num_rows: int, w_up: BlockFP8Weight, w_down: BlockFP8Weight, ends: torch.Tensor,
-                             activation: str, mm=blockwise_mm, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                             activation: str, mm=blockwise_mm, out_rows: torch.Tensor | None = None,
+                             host_ends: Callable[[], list[int]] | None = None) -> torch.Tensor:
     """:func:`interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`'s contract on cuBLAS's
     block-scaled GEMMs, one per expert (``mm``: the GEMM, replaceable for CPU tests). Each
     expert's rows are padded to :data:`ROW_ALIGN` in the GEMMs' buffers; the output rows are
-    gathered back (the padding rows are never read), in the order of ``out_rows`` where given."""
+    gathered back (the padding rows are never read), in the order of ``out_rows`` where given.
+    ``host_ends``: a function giving ``ends`` as the host knows them already, else they are read
+    back (a host sync)."""
     N, K = w_down.shape[1], w_down.shape[2]
     up_width = w_up.shape[1]
     if num_rows == 0:
         return alloc.empty((0, N), x.dtype, x.device)
-    # NOTE: a host sync: each expert's GEMM takes its row count on the host.
-    bounds = [0] + ends.tolist()
+    # NOTE: a host sync unless the caller has the row counts on the host: each expert's GEMM
+    # takes its row count there.
+    bounds = [0] + (host_ends() if host_ends is not None else ends.tolist())
     pad_bounds = [0]
     for s, t in zip(bounds[:-1], bounds[1:]):
         pad_bounds.append(pad_bounds[-1] + cdiv(t - s, ROW_ALIGN) * ROW_ALIGN)
