@@ -68,41 +68,63 @@ class BlockFP8Weight:
         return dequantize_weight(self.weight, self.scale_inv).to(dtype)
 
 
+def packed_scale_offset(C: int) -> int:
+    """Byte offset of the scales in a packed row of C columns (:class:`QuantizedRows`)."""
+    return -(-C // 16) * 16
+
+
+def packed_row_bytes(C: int) -> int:
+    """Bytes of one packed row of C columns: C e4m3 values and ⌈C/128⌉ fp32 scales, each part
+    padded to 16 bytes (hidden 7168: 7392 bytes, against 14336 in bf16)."""
+    return packed_scale_offset(C) + -(-4 * blocks(C) // 16) * 16
+
+
 @dataclass(frozen=True)
 class QuantizedRows:
-    """Activation rows already quantized, W8A8's left operand: ``q`` (M, C) float8_e4m3fn and
-    ``scale`` (M, ⌈C/128⌉) fp32 (:func:`quantize_rows`'s pair), each with unit column stride and
-    a row stride of its own (views of one packed buffer: :func:`~interlace.kernels.expert_gemm.
-    fp8_quant.unpack_rows`). ``dtype``: the activations' own dtype, which an FFN's output takes.
+    """Activation rows already quantized, W8A8's left operand, packed: ``packed`` (M,
+    packed_row_bytes(cols) / 4) int32, each row its ``cols`` e4m3 values, then (from byte
+    :func:`packed_scale_offset`) its ⌈cols/128⌉ fp32 scales, :func:`quantize_rows`'s pair. One
+    buffer, so one row gather and one all-to-all move both; the kernels read the two parts
+    through typed pointers into it (no views made per call). ``dtype``: the activations' own
+    dtype, which an FFN's output takes.
 
     What ``sequential`` sends over the wire for FP8 experts: a token's row quantized once where it
     lives, half the bytes of bf16, and the receiving GEMMs take it as it comes."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
+    packed: torch.Tensor
+    cols: int
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        M, C = self.q.shape
-        if self.q.dtype != FP8_DTYPE or self.scale.dtype != torch.float32 or self.scale.shape != (M, blocks(C)):
-            raise ValueError(f"QuantizedRows: q must be (M, C) {FP8_DTYPE} and scale (M, ⌈C/128⌉) float32, got "
-                             f"q {tuple(self.q.shape)} {self.q.dtype}, scale {tuple(self.scale.shape)} "
-                             f"{self.scale.dtype}")
-        if M and (self.q.stride(1) != 1 or self.scale.stride(1) != 1):
-            raise ValueError("QuantizedRows: q and scale need unit column strides")
+        p = self.packed
+        if p.dtype != torch.int32 or p.dim() != 2 or p.shape[1] * 4 != packed_row_bytes(self.cols) or (
+                p.shape[0] and p.stride(1) != 1):
+            raise ValueError(f"QuantizedRows of {self.cols} columns: packed rows are (M, "
+                             f"{packed_row_bytes(self.cols) // 4}) int32 with unit column stride, got "
+                             f"{tuple(p.shape)} {p.dtype}")
 
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return torch.Size((self.packed.shape[0], self.cols))
 
     @property
     def device(self) -> torch.device:
-        return self.q.device
+        return self.packed.device
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The e4m3 values (M, cols): a view into ``packed``."""
+        return self.packed.view(FP8_DTYPE)[:, :self.cols]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scales (M, ⌈cols/128⌉) fp32: a view into ``packed``."""
+        s0 = packed_scale_offset(self.cols) // 4
+        return self.packed.view(torch.float32)[:, s0:s0 + blocks(self.cols)]
 
     def take(self, index: torch.Tensor) -> "QuantizedRows":
-        """The rows ``index`` (int tensor), contiguous."""
-        index = index.long()
-        return QuantizedRows(self.q.view(torch.uint8)[index].view(FP8_DTYPE), self.scale[index], self.dtype)
+        """The rows ``index`` (int tensor)."""
+        return QuantizedRows(self.packed[index.long()], self.cols, self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The rows in fp32: ``q · scale`` per group."""

@@ -33,9 +33,9 @@ from interlace.kernels.expert_gemm.configs import ExpertKernelOptions
 from interlace.kernels.expert_gemm.fp8 import FP8_BACKENDS, expert_ffn_fp8
 from interlace.kernels.activation import activation_fused
 from interlace.kernels.expert_gemm.torch_grouped_mm import grouped_mm
-from interlace.fp8 import BlockFP8Weight
+from interlace.fp8 import BlockFP8Weight, QuantizedRows
 from interlace.kernels.routing_index import build_dispatch_index, expert_major_index
-from interlace.kernels.expert_gemm.fp8_quant import quantize_rows_packed, unpack_rows
+from interlace.kernels.expert_gemm.fp8_quant import quantize_rows_packed
 from interlace.kernels.rows import CombineRows, DispatchRows, PermuteRows, gather_rows
 from interlace.strategies.base import Strategy, register_strategy
 
@@ -129,10 +129,8 @@ class SequentialStrategy(Strategy):
             # FP8 experts quantize each token row anyway: quantized where it lives, it goes over
             # the wire as e4m3 with its scales (about half of bf16's bytes), and the receiving
             # GEMMs take it as it comes. The same arithmetic bitwise (rows quantize alone).
-            packed = quantize_rows_packed(x)
-            x_send = gather_rows(packed, assignment_of_row[:rows_send], divisor=k)
-            del packed
-            x_recv = unpack_rows(all_to_all(x_send, out_splits, in_splits, ep), x.shape[1], x.dtype)
+            x_send = gather_rows(quantize_rows_packed(x).packed, assignment_of_row[:rows_send], divisor=k)
+            x_recv = QuantizedRows(all_to_all(x_send, out_splits, in_splits, ep), x.shape[1], x.dtype)
         else:
             x_send = DispatchRows.apply(x, assignment_of_row[:rows_send], row_of_assignment)
             x_recv = all_to_all(x_send, out_splits, in_splits, ep)

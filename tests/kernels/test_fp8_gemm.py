@@ -13,10 +13,10 @@ import torch
 
 from interlace.fp8 import (
     FP8_DTYPE, BlockFP8Weight, QuantizedRows, act_agreement, dequantize_rows, dequantize_weight,
-    expert_ffn_fp8_reference, quantize_rows, quantize_weight,
+    expert_ffn_fp8_reference, packed_row_bytes, quantize_rows, quantize_weight,
 )
 from interlace.kernels.expert_gemm.fp8 import expert_ffn_fp8, quantize_rows_fp8
-from interlace.kernels.expert_gemm.fp8_quant import packed_row_bytes, quantize_rows_packed, unpack_rows
+from interlace.kernels.expert_gemm.fp8_quant import quantize_rows_packed
 
 
 def rel(a, b):
@@ -50,22 +50,22 @@ def test_quantize_rows_kernel_equals_reference_bitwise(cols):
 @pytest.mark.parametrize("cols", [128, 200, 64, 7168])
 def test_packed_rows_hold_the_quantized_rows_bitwise(cols):
     """A packed row (e4m3 values, then fp32 scales, each part on 16 bytes: what ``sequential``
-    sends for FP8 experts) reads back as quantize_rows' pair, NaN and all-zero groups included."""
+    sends for FP8 experts) holds quantize_rows' pair, NaN and all-zero groups included."""
     x = torch.randn(9, cols) * torch.logspace(-2, 2, 9)[:, None]
     x[2] = 0.0
     x[5, cols // 2] = float("nan")
-    packed = quantize_rows_packed(x.bfloat16())
-    assert packed.dtype == torch.int32 and packed.shape == (9, packed_row_bytes(cols) // 4)
-    rows = unpack_rows(packed, cols, torch.bfloat16)
+    rows = quantize_rows_packed(x.bfloat16())
+    assert rows.packed.dtype == torch.int32 and rows.packed.shape == (9, packed_row_bytes(cols) // 4)
+    assert rows.shape == (9, cols) and rows.dtype == torch.bfloat16
     qr, sr = quantize_rows(x.bfloat16())
     assert torch.equal(rows.q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(rows.scale.isnan(), sr.isnan()) and torch.equal(rows.scale[~sr.isnan()], sr[~sr.isnan()])
-    assert rows.q.data_ptr() == packed.data_ptr()  # views, no copy
+    assert rows.q.data_ptr() == rows.packed.data_ptr()  # views, no copy
     assert packed_row_bytes(7168) == 7392 and packed_row_bytes(200) == 208 + 16
-    with pytest.raises(ValueError, match=f"packed rows of {cols} columns"):
-        unpack_rows(packed[:, :-1], cols, torch.bfloat16)
+    with pytest.raises(ValueError, match=f"QuantizedRows of {cols} columns"):
+        QuantizedRows(rows.packed[:, :-1], cols, torch.bfloat16)
     with pytest.raises(ValueError, match="QuantizedRows"):
-        QuantizedRows(qr, sr.double(), torch.float32)
+        QuantizedRows(rows.packed.float(), cols, torch.bfloat16)
 
 
 def random_block_fp8(*shape) -> BlockFP8Weight:
@@ -137,7 +137,7 @@ def test_quantized_rows_give_the_same_ffn_bitwise(tma):
     x = torch.randn(20, N).bfloat16()
     x[4, 3] = float("nan")
     send = torch.randperm(20 * k)[:R].int()  # the rows a rank sends, token send[r] // k
-    wire = unpack_rows(gather_rows(quantize_rows_packed(x), send, divisor=k), N, x.dtype)
+    wire = QuantizedRows(gather_rows(quantize_rows_packed(x).packed, send, divisor=k), N, x.dtype)
     rows = x[send.long() // k]
     gather = torch.randperm(R).int()  # the receiver's expert-major re-layout
     want = expert_ffn_fp8(rows, gather, 1, R, up, down, ends, "swiglu", tma=tma)
@@ -219,11 +219,13 @@ TYPES = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_sc
 found = []
 configs = {(c, tma) for rows in (1, 2000, 100000) for tma in (False, True) for c in fp8.choose_configs(rows, 16, tma)}
 for config, tma in sorted(configs, key=lambda c: (c[0].block_m, c[0].num_warps, c[1])):
-    for epilogue in (0, 1):
+    for epilogue, packed in ((0, False), (1, False), (1, True)):  # packed: GEMM0 on rows off the wire
         constexprs = dict(EPILOGUE=epilogue, GATHER=epilogue == 1, BLOCK_M=config.block_m, BLOCK_N=128,
                           BLOCK_K=128, GROUP_M=config.group_m, W_TMA=tma, A_TMA=tma and epilogue == 0,
-                          SCALAR_SCALE=tma)
+                          SCALAR_SCALE=tma, A_PACKED=packed)
         types = dict(TYPES, out_ptr="*fp8e4nv" if epilogue else "*bf16")
+        if packed:
+            types.update(a_ptr="*i32", a_scale_ptr="*i32")
         compiled = compile_sm90(fp8.fp8_gemm_kernel, constexprs, config.num_warps, config.num_stages, types)
         ptx = compiled.asm["ptx"]
         mma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.f32\.e4m3\.e4m3|mma\.sync", ptx)))
@@ -234,13 +236,14 @@ print(json.dumps(found))
 
 
 def test_fp8_gemm_builds_for_sm90_within_shared_memory():
-    """Every config :func:`choose_configs` picks, with and without TMA, builds for sm90 (bundled
-    ptxas, no GPU) within Hopper's 227 KB of shared memory per block; tiles of 64 rows and more run
-    e4m3 wgmma; the TMA forms load through tensor descriptors."""
+    """Every config :func:`choose_configs` picks, with and without TMA (and GEMM0 on packed rows,
+    as they come off the wire), builds for sm90 (bundled ptxas, no GPU) within Hopper's 227 KB of
+    shared memory per block; tiles of 64 rows and more run e4m3 wgmma; the TMA forms load through
+    tensor descriptors."""
     from test_grouped_gemm import _run_sm90
 
     found = _run_sm90(_SM90_FP8)
-    assert len(found) >= 12, found
+    assert len(found) >= 18, found
     for block_m, epilogue, tma, shared, mma, bulk_loads in found:
         assert shared <= 232448, (block_m, epilogue, shared)
         if block_m >= 64:

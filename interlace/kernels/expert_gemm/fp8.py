@@ -29,13 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks, expert_ffn_fp8_reference
+from interlace.fp8 import (
+    FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks, expert_ffn_fp8_reference, packed_scale_offset,
+)
 from interlace.kernels import alloc
 from interlace.kernels.expert_gemm.configs import num_programs
 from interlace.kernels.expert_gemm.schedule import tile_schedule, tile_work
 from interlace.kernels.expert_gemm.fp8_blockwise import expert_ffn_fp8_blockwise, supports_blockwise
 from interlace.kernels.expert_gemm.fp8_quant import (
-    ACTIVATION_CODES, _quantize_groups, apply_activation, quantize_rows_fp8,
+    ACTIVATION_CODES, _quantize_groups, apply_activation, packed_parts, quantize_rows_fp8,
 )
 from interlace.kernels.launch import cdiv, launch
 from interlace.kernels.rows import gather_rows, use_triton
@@ -80,17 +82,19 @@ def _promote(acc, p, a_s, w_s, SCALAR_SCALE: tl.constexpr):
 def fp8_gemm_kernel(
     a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
     tile_expert_ptr, tile_start_ptr, tile_end_ptr, num_tiles_ptr,
-    COLS, RED, W_ROWS, num_programs, divisor, A_ROWS, E, A_STRIDE, AS_STRIDE,
+    COLS, RED, W_ROWS, num_programs, divisor, A_ROWS, E, A_STRIDE, AS_STRIDE, A_SCALE_OFFSET,
     EPILOGUE: tl.constexpr,  # 0: out = acc in out's dtype; 1 SwiGLU, 2 GELU, 3 ReLU, then quantized
     GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_TMA: tl.constexpr = False, A_TMA: tl.constexpr = False, SCALAR_SCALE: tl.constexpr = False,
+    A_PACKED: tl.constexpr = False,
 ):
     """Grouped W8A8 GEMM over expert-major rows: for a row r of expert e,
     ``out[r, c] = Σ_k a[src, k] · W_e[c, k]`` (dequantized), src = gather[r] // divisor (or r).
 
     a (A_ROWS, RED) e4m3 with a_scale (·, ⌈RED/128⌉), their rows A_STRIDE and AS_STRIDE elements
-    apart (a packed row's parts: :func:`~.fp8_quant.unpack_rows`); W (E, W_ROWS, RED) e4m3 with w_scale (E,
+    apart; A_PACKED: both in packed rows at a_ptr (``interlace.fp8.QuantizedRows``, the scales from
+    byte A_SCALE_OFFSET of a row; a_scale_ptr unused); W (E, W_ROWS, RED) e4m3 with w_scale (E,
     ⌈W_ROWS/128⌉, ⌈RED/128⌉). With an activation epilogue, SwiGLU reads gate rows c and up rows
     COLS + c of W_e (W_ROWS = 2·COLS), and the kernel writes e4m3 ``act`` (R, COLS) to out with
     its group scales (R, ⌈COLS/128⌉) to out_scale (BLOCK_N = 128: a tile holds whole groups).
@@ -99,6 +103,8 @@ def fp8_gemm_kernel(
     A rows too, the tile's rows past its expert's read but feeding only masked output rows.
     SCALAR_SCALE: the launcher's promise that a tile's weight rows lie in one scale block per
     k step (gate and up rows both: COLS a multiple of 128 where EPILOGUE is SwiGLU)."""
+    if A_PACKED:
+        a_ptr, a_scale_ptr = packed_parts(a_ptr, A_SCALE_OFFSET, tl.float8e4nv)
     first = tl.program_id(0)
     num_tiles = tl.load(num_tiles_ptr)
     n_blocks = tl.cdiv(COLS, BLOCK_N)
@@ -188,28 +194,34 @@ def choose_configs(num_rows: int, num_experts: int, tma: bool = False) -> tuple[
     return FP8GemmConfig(64, 8, 4), FP8GemmConfig(64 if mean <= 96 else 128, 8, 4)
 
 
-def launch_fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, gather: torch.Tensor | None, divisor: int,
-                    w: BlockFP8Weight, out: torch.Tensor, out_scale: torch.Tensor | None, cols: int, epilogue: int,
-                    schedule, config: FP8GemmConfig, tma: bool | None = None) -> None:
+def launch_fp8_gemm(a: torch.Tensor | QuantizedRows, a_scale: torch.Tensor | None, gather: torch.Tensor | None,
+                    divisor: int, w: BlockFP8Weight, out: torch.Tensor, out_scale: torch.Tensor | None, cols: int,
+                    epilogue: int, schedule, config: FP8GemmConfig, tma: bool | None = None) -> None:
     """One grouped GEMM of :func:`fp8_gemm_kernel` over ``schedule``'s tiles into ``out`` (R, cols).
-    ``tma``: weights (and ungathered A rows) through descriptors where the tensors allow
-    (:func:`~interlace.kernels.tma.use_tma`'s ``force``: None by the device, True wherever Triton
-    runs, the interpreter included, False never)."""
+    ``a``: e4m3 rows with their scales ``a_scale``, or packed rows (:class:`~interlace.fp8.
+    QuantizedRows`, ``a_scale`` None). ``tma``: weights (and ungathered A rows) through
+    descriptors where the tensors allow (:func:`~interlace.kernels.tma.use_tma`'s ``force``: None
+    by the device, True wherever Triton runs, the interpreter included, False never)."""
     E, w_rows, red = w.weight.shape
     w_tma = use_tma(w.weight, force=tma)
-    a_tma = w_tma and gather is None and tma_rows_ok(a)
+    if isinstance(a, QuantizedRows):
+        W = a.packed.shape[1]
+        a_args, a_strides, packed, a_tma = (a.packed, a.packed), (4 * W, W, packed_scale_offset(a.cols)), True, False
+    else:
+        a_args, a_strides, packed = (a, a_scale), (a.stride(0), a_scale.stride(0), 0), False
+        a_tma = w_tma and gather is None and tma_rows_ok(a)
     if w_tma:
         ensure_allocator()
-    p = num_programs(a.device, schedule.max_tiles * cdiv(cols, FP8_BLOCK), config.per_sm)
+    p = num_programs(out.device, schedule.max_tiles * cdiv(cols, FP8_BLOCK), config.per_sm)
     launch(fp8_gemm_kernel, (p,),
-        a, a_scale, gather if gather is not None else a_scale, w.weight, w.scale_inv, out,
-        out_scale if out_scale is not None else a_scale,
+        a_args[0], a_args[1], gather if gather is not None else w.scale_inv, w.weight, w.scale_inv, out,
+        out_scale if out_scale is not None else w.scale_inv,
         schedule.expert, schedule.start, schedule.end, schedule.count,
-        cols, red, w_rows, p, divisor, a.shape[0], E, a.stride(0), a_scale.stride(0),
+        cols, red, w_rows, p, divisor, a_args[0].shape[0], E, *a_strides,
         EPILOGUE=epilogue, GATHER=gather is not None,
         BLOCK_M=config.block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK, GROUP_M=config.group_m,
         W_TMA=w_tma, A_TMA=a_tma, SCALAR_SCALE=epilogue != ACTIVATION_CODES["swiglu"] or cols % FP8_BLOCK == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        A_PACKED=packed, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -304,7 +316,7 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
         y = expert_ffn_fp8(x, gather, divisor, num_rows, w_up, w_down, ends, activation, backend="triton", tma=tma)
         return gather_rows(y, out_rows)
     quantized = isinstance(x, QuantizedRows)
-    if not use_triton(x.q if quantized else x):
+    if not use_triton(x.packed if quantized else x):
         if gather is None:
             rows = x
         else:
@@ -322,7 +334,7 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
     config0, config1 = choose_configs(num_rows, E, on_tma)
     sched0 = tile_schedule(ends, num_rows, config0.block_m)
     sched1 = sched0 if config1.block_m == config0.block_m else tile_schedule(ends, num_rows, config1.block_m)
-    xq, x_scale = (x.q, x.scale) if quantized else quantize_rows_fp8(x)
+    xq, x_scale = (x, None) if quantized else quantize_rows_fp8(x)
     launch_fp8_gemm(xq, x_scale, gather, divisor, w_up, h, h_scale, K, ACTIVATION_CODES[activation], sched0, config0,
                     tma=on_tma)
     launch_fp8_gemm(h, h_scale, None, 1, w_down, y, None, N, 0, sched1, config1, tma=on_tma)

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks
+from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, BlockFP8Weight, QuantizedRows, blocks, packed_scale_offset
 from interlace.kernels import alloc
-from interlace.kernels.expert_gemm.fp8_quant import ACTIVATION_CODES, _quantize_groups, apply_activation
+from interlace.kernels.expert_gemm.fp8_quant import ACTIVATION_CODES, _quantize_groups, apply_activation, packed_parts
 from interlace.kernels.launch import cdiv, launch, next_power_of_2
 from interlace.kernels.rows import gather_rows
 
@@ -36,17 +36,17 @@ from interlace.kernels.rows import gather_rows
 @triton.jit
 def quantize_blocked_kernel(
     src_ptr, src_scale_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
-    R, C, SRC_COLS, SRC_SCALE_COLS, E, divisor,
+    R, C, SRC_COLS, SRC_SCALE_COLS, SCALE_OFFSET, E, divisor,
     ACTIVATION: tl.constexpr,  # 0: rows as they are; 1 SwiGLU of [gate | up], 2 GELU, 3 ReLU
-    QUANTIZED: tl.constexpr,  # src holds e4m3 rows with their scales (src_scale): copied, not quantized
+    QUANTIZED: tl.constexpr,  # src: packed rows quantized already (interlace.fp8.QuantizedRows), copied
     GATHER: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """Row r (expert-major, expert e's rows ``[ends[e-1], ends[e])``) = act(src[gather[r] //
     divisor]) (or src[r]), quantized per 128 columns into the padded layout: expert e's rows
     start at pad_ends[e-1], its q rows there, its scales expert-blocked (module doc), and
-    pos[r] = its padded row. QUANTIZED: src's rows are quantized already (e4m3, their scales
-    SRC_SCALE_COLS apart in src_scale), and land in the layout as they are. Program (row block,
-    column group)."""
+    pos[r] = its padded row. QUANTIZED: src holds packed rows quantized already (their e4m3 values
+    SRC_COLS bytes apart, their scales from byte SCALE_OFFSET of a row, SRC_SCALE_COLS fp32 apart;
+    src_scale_ptr unused), which land in the layout as they are. Program (row block, column group)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     G = tl.cdiv(C, GROUP)
@@ -66,8 +66,9 @@ def quantize_blocked_kernel(
     else:
         src = rows.to(tl.int64)
     if QUANTIZED:
-        q = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0)
-        scale = tl.load(src_scale_ptr + src * SRC_SCALE_COLS + g, mask=rmask, other=0.0)
+        src_q, src_s = packed_parts(src_ptr, SCALE_OFFSET, tl.float8e4nv)
+        q = tl.load(src_q + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0)
+        scale = tl.load(src_s + src * SRC_SCALE_COLS + g, mask=rmask, other=0.0)
     elif ACTIVATION == 0:
         x = tl.load(src_ptr + src[:, None] * SRC_COLS + cols[None, :], mask=valid, other=0.0).to(tl.float32)
         q, scale = _quantize_groups(x, valid)
@@ -95,7 +96,11 @@ def quantize_blocked(src: torch.Tensor | QuantizedRows, gather: torch.Tensor | N
     quantized = isinstance(src, QuantizedRows)
     if quantized and activation:
         raise ValueError("quantize_blocked: rows quantized already take no activation")
-    src, src_scale = (src.q, src.scale) if quantized else (src, src)
+    if quantized:
+        W = src.packed.shape[1]
+        src, strides = src.packed, (4 * W, W, packed_scale_offset(src.cols))
+    else:
+        strides = (src.stride(0), 0, 0)
     q = alloc.empty((padded_rows, cols), FP8_DTYPE, src.device)
     scale = alloc.empty((padded_rows * G,), torch.float32, src.device)
     pos = alloc.empty((num_rows,), torch.int32, src.device)
@@ -103,8 +108,8 @@ def quantize_blocked(src: torch.Tensor | QuantizedRows, gather: torch.Tensor | N
         E = ends.numel()
         block_r = 16
         launch(quantize_blocked_kernel, (cdiv(num_rows, block_r), G),
-               src, src_scale, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
-               src.stride(0), src_scale.stride(0), E, divisor, ACTIVATION=activation, QUANTIZED=quantized,
+               src, src, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
+               *strides, E, divisor, ACTIVATION=activation, QUANTIZED=quantized,
                GATHER=gather is not None, BLOCK_R=block_r,
                GROUP=FP8_BLOCK, E_PAD=next_power_of_2(max(E, 1)), num_warps=4)
     return q, scale, pos

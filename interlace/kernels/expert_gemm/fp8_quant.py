@@ -7,7 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from interlace.fp8 import FP8_BLOCK, FP8_DTYPE, QuantizedRows, blocks, quantize_rows
+from interlace.fp8 import (
+    FP8_BLOCK, FP8_DTYPE, QuantizedRows, blocks, packed_row_bytes, packed_scale_offset, quantize_rows,
+)
 from interlace.kernels import alloc
 from interlace.kernels.launch import cdiv, launch
 from interlace.kernels.rows import use_triton
@@ -45,10 +47,22 @@ def _quantize_groups(x, valid):
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, C, G, Q_STRIDE, S_STRIDE,
-                         BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+def packed_parts(ptr, SCALE_OFFSET, FP8_TY: tl.constexpr):
+    """Typed pointers to the two parts of a packed row buffer (an int32 pointer; ``interlace.fp8.
+    QuantizedRows``): its e4m3 values, and its fp32 scales from byte SCALE_OFFSET of a row."""
+    raw = ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    return ptr.to(tl.pointer_type(FP8_TY), bitcast=True), (raw + SCALE_OFFSET).to(tl.pointer_type(tl.float32),
+                                                                                   bitcast=True)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, C, G, Q_STRIDE, S_STRIDE, SCALE_OFFSET,
+                         PACKED: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
     """x (M, C) → q (M, C) e4m3 (row stride Q_STRIDE), scale (M, G) fp32 (row stride S_STRIDE);
-    program (row block, group)."""
+    PACKED: both into the packed rows at q_ptr (scale_ptr unused; the scales from byte
+    SCALE_OFFSET of a row). Program (row block, group)."""
+    if PACKED:
+        q_ptr, scale_ptr = packed_parts(q_ptr, SCALE_OFFSET, tl.float8e4nv)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -61,62 +75,32 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, C, G, Q_STRIDE, S_STRIDE,
     tl.store(scale_ptr + rows64 * S_STRIDE + g, scale, mask=rmask)
 
 
-def _quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """:func:`interlace.fp8.quantize_rows` of x (M, C) into q (M, C) and scale (M, G), which may be
-    row-strided views (unit column strides)."""
-    M, C = x.shape
-    if not M:
-        return
-    if not use_triton(x):
-        q[:], scale[:] = quantize_rows(x)
-        return
-    block_m = 16
-    launch(quantize_rows_kernel, (cdiv(M, block_m), scale.shape[1]), x.contiguous(), q, scale, M, C,
-           scale.shape[1], q.stride(0), scale.stride(0), BLOCK_M=block_m, GROUP=FP8_BLOCK, num_warps=4)
-
-
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, C) → (q (M, C) float8_e4m3fn, scale (M, ⌈C/128⌉) fp32): :func:`interlace.fp8.quantize_rows`
     on the device."""
     M, C = x.shape
+    G = blocks(C)
     q = alloc.empty((M, C), FP8_DTYPE, x.device)
-    scale = alloc.empty((M, blocks(C)), torch.float32, x.device)
-    _quantize_into(x, q, scale)
+    scale = alloc.empty((M, G), torch.float32, x.device)
+    if M:
+        block_m = 16
+        launch(quantize_rows_kernel, (cdiv(M, block_m), G), x.contiguous(), q, scale, M, C, G, C, G, 0,
+               PACKED=False, BLOCK_M=block_m, GROUP=FP8_BLOCK, num_warps=4)
     return q, scale
 
 
-# ----------------------------------------------------------------------------- packed rows
-# A token row on the wire: its C e4m3 values, then its ⌈C/128⌉ fp32 scales, each part starting on
-# 16 bytes (one buffer, so one all-to-all moves both; 16-byte rows, so a row moves as int32 words).
-
-
-def _scale_offset(C: int) -> int:
-    return cdiv(C, 16) * 16
-
-
-def packed_row_bytes(C: int) -> int:
-    """Bytes of one packed row of C columns: C e4m3 values and ⌈C/128⌉ fp32 scales, each part
-    padded to 16 bytes (hidden 7168: 7392 bytes, against 14336 in bf16)."""
-    return _scale_offset(C) + cdiv(4 * blocks(C), 16) * 16
-
-
-def quantize_rows_packed(x: torch.Tensor) -> torch.Tensor:
-    """x (M, C) → packed rows (M, packed_row_bytes(C) / 4) int32: each row's e4m3 values and
-    scales (:func:`quantize_rows_fp8`'s, bitwise) in one row of words, for a row gather and an
-    all-to-all that move both at once. :func:`unpack_rows` reads them back."""
+def quantize_rows_packed(x: torch.Tensor) -> QuantizedRows:
+    """x (M, C) → its rows quantized (:func:`quantize_rows_fp8`'s values, bitwise) and packed
+    (:class:`~interlace.fp8.QuantizedRows`: a row gather and an all-to-all move them at once)."""
     M, C = x.shape
-    packed = alloc.empty((M, packed_row_bytes(C) // 4), torch.int32, x.device)
-    rows = unpack_rows(packed, C, x.dtype)
-    _quantize_into(x, rows.q, rows.scale)
-    return packed
-
-
-def unpack_rows(packed: torch.Tensor, C: int, dtype: torch.dtype) -> QuantizedRows:
-    """Packed rows (M, packed_row_bytes(C) / 4) int32 (:func:`quantize_rows_packed`) → their
-    :class:`~interlace.fp8.QuantizedRows` (views into ``packed``, no copy) of activations in ``dtype``."""
-    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[1] * 4 != packed_row_bytes(C):
-        raise ValueError(f"packed rows of {C} columns are (M, {packed_row_bytes(C) // 4}) int32, got "
-                         f"{tuple(packed.shape)} {packed.dtype}")
-    raw = packed.view(torch.uint8)
-    s0 = _scale_offset(C)
-    return QuantizedRows(raw[:, :C].view(FP8_DTYPE), raw[:, s0:s0 + 4 * blocks(C)].view(torch.float32), dtype)
+    rows = QuantizedRows(alloc.empty((M, packed_row_bytes(C) // 4), torch.int32, x.device), C, x.dtype)
+    if not M:
+        return rows
+    if not use_triton(x):
+        q, scale = quantize_rows(x)
+        rows.q[:], rows.scale[:] = q, scale
+        return rows
+    block_m, W = 16, rows.packed.shape[1]
+    launch(quantize_rows_kernel, (cdiv(M, block_m), blocks(C)), x.contiguous(), rows.packed, rows.packed, M, C,
+           blocks(C), 4 * W, W, packed_scale_offset(C), PACKED=True, BLOCK_M=block_m, GROUP=FP8_BLOCK, num_warps=4)
+    return rows
