@@ -35,7 +35,7 @@ from interlace.kernels.rows import gather_rows
 
 @triton.jit
 def quantize_blocked_kernel(
-    src_ptr, src_scale_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
+    src_ptr, gather_ptr, ends_ptr, pad_ends_ptr, q_ptr, scale_ptr, pos_ptr,
     R, C, SRC_COLS, SRC_SCALE_COLS, SCALE_OFFSET, E, divisor,
     ACTIVATION: tl.constexpr,  # 0: rows as they are; 1 SwiGLU of [gate | up], 2 GELU, 3 ReLU
     QUANTIZED: tl.constexpr,  # src: packed rows quantized already (interlace.fp8.QuantizedRows), copied
@@ -45,8 +45,8 @@ def quantize_blocked_kernel(
     divisor]) (or src[r]), quantized per 128 columns into the padded layout: expert e's rows
     start at pad_ends[e-1], its q rows there, its scales expert-blocked (module doc), and
     pos[r] = its padded row. QUANTIZED: src holds packed rows quantized already (their e4m3 values
-    SRC_COLS bytes apart, their scales from byte SCALE_OFFSET of a row, SRC_SCALE_COLS fp32 apart;
-    src_scale_ptr unused), which land in the layout as they are. Program (row block, column group)."""
+    SRC_COLS bytes apart, their scales from byte SCALE_OFFSET of a row, SRC_SCALE_COLS fp32 apart),
+    which land in the layout as they are. Program (row block, column group)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     G = tl.cdiv(C, GROUP)
@@ -108,7 +108,7 @@ def quantize_blocked(src: torch.Tensor | QuantizedRows, gather: torch.Tensor | N
         E = ends.numel()
         block_r = 16
         launch(quantize_blocked_kernel, (cdiv(num_rows, block_r), G),
-               src, src, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
+               src, gather if gather is not None else ends, ends, pad_ends, q, scale, pos, num_rows, cols,
                *strides, E, divisor, ACTIVATION=activation, QUANTIZED=quantized,
                GATHER=gather is not None, BLOCK_R=block_r,
                GROUP=FP8_BLOCK, E_PAD=next_power_of_2(max(E, 1)), num_warps=4)
