@@ -50,16 +50,14 @@ EXPERT_BACKENDS = ("torch", "triton")
 
 
 def gathered_expert_ffn(backend: str, x, src_row, inverse, num_rows: int, w_up, w_down, offs, activation,
-                        kernels: ExpertKernelOptions | None = None, fp8_backend: str = "auto"):
-    """Expert FFN of rows ``x[src_row[q]]`` (expert-major order) → (num_rows, N).
+                        kernels: ExpertKernelOptions | None = None):
+    """Expert FFN of rows ``x[src_row[q]]`` (expert-major order) → (num_rows, N), dense weights
+    (FP8 experts take :func:`~interlace.kernels.expert_gemm.fp8.expert_ffn_fp8`).
 
     ``torch``: a gather kernel, then torch._grouped_mm + SwiGLU kernel + torch._grouped_mm.
     ``triton``: interlace's grouped GEMMs with the gather fused into the first one's A load
-    (``kernels``: their options). FP8 weights (:class:`~interlace.fp8.BlockFP8Weight`) take the
-    W8A8 kernels whatever the backend (``fp8_backend``: theirs).
+    (``kernels``: their options).
     """
-    if isinstance(w_up, BlockFP8Weight):
-        return expert_ffn_fp8(x, src_row, 1, num_rows, w_up, w_down, offs, activation, backend=fp8_backend)
     if backend == "triton" and supports(x, w_up):
         return TritonExpertFFN.apply(x, w_up, w_down, src_row, 1, num_rows, offs, activation, inverse, kernels)
     return expert_ffn(PermuteRows.apply(x, src_row, inverse), w_up, w_down, offs, activation)
@@ -149,7 +147,7 @@ class SequentialStrategy(Strategy):
                                     backend=self.fp8_backend, out_rows=inverse, host_ends=host_ends)
         else:
             y_grouped = gathered_expert_ffn(self.expert_backend, x_recv, src_row, inverse, rows_recv, w_up, w_down,
-                                            offs, cfg.activation, self.kernels, self.fp8_backend)
+                                            offs, cfg.activation, self.kernels)
             y_recv = PermuteRows.apply(y_grouped, inverse, src_row)
             del y_grouped
         del x_recv

@@ -164,6 +164,9 @@ def generate(model, prompts, steps: int, force: torch.Tensor | None = None):
     return out.sequences[:, prompts.shape[1]:], torch.stack(out.logits, dim=1).float()
 
 
+NOISE_FLOOR = "HF, sums by blocks"
+
+
 def interlace_model(ref, strategy: str):
     """A copy of ``ref`` with interlace's blocks (``strategy``), or with the noise floor's HF blocks."""
     from transformers.integrations import finegrained_fp8
@@ -176,9 +179,6 @@ def interlace_model(ref, strategy: str):
     else:
         replace_moe_blocks(model, strategy=strategy)
     return model
-
-
-NOISE_FLOOR = "HF, sums by blocks"
 
 
 def main() -> int:

@@ -300,6 +300,8 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
     check_fp8_weights(x, w_up, w_down, activation)
     if backend not in FP8_BACKENDS:
         raise ValueError(f"FP8 expert backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    if return_act and out_rows is not None:
+        raise ValueError("expert_ffn_fp8: return_act gives expert-major rows: no out_rows with it")
     E = w_up.shape[0]
     if backend != "triton" and not return_act:
         runs = supports_blockwise(x, w_up, w_down)
@@ -310,11 +312,6 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
                                                                 w_up.shape[1])):
             return expert_ffn_fp8_blockwise(x, gather, divisor, num_rows, w_up, w_down, ends, activation,
                                             out_rows=out_rows, host_ends=host_ends)
-    if out_rows is not None:
-        if return_act:
-            raise ValueError("expert_ffn_fp8: return_act gives expert-major rows: no out_rows with it")
-        y = expert_ffn_fp8(x, gather, divisor, num_rows, w_up, w_down, ends, activation, backend="triton", tma=tma)
-        return gather_rows(y, out_rows)
     quantized = isinstance(x, QuantizedRows)
     if not use_triton(x.packed if quantized else x):
         if gather is None:
@@ -322,14 +319,15 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
         else:
             index = gather[:num_rows].long() // divisor
             rows = x.take(index) if quantized else x[index]
-        return expert_ffn_fp8_reference(rows, w_up, w_down, ends, activation, return_act=return_act)
+        out = expert_ffn_fp8_reference(rows, w_up, w_down, ends, activation, return_act=return_act)
+        return out if out_rows is None else gather_rows(out, out_rows)
     N = x.shape[1]
     K = w_down.shape[2]
     y = alloc.empty((num_rows, N), x.dtype, x.device)
     h = alloc.empty((num_rows, K), FP8_DTYPE, x.device)
     h_scale = alloc.empty((num_rows, blocks(K)), torch.float32, x.device)
     if num_rows == 0:
-        return (y, (h, h_scale)) if return_act else y
+        return (y, (h, h_scale)) if return_act else y  # (no rows for out_rows to order)
     on_tma = use_tma(w_up.weight, w_down.weight, force=tma)
     config0, config1 = choose_configs(num_rows, E, on_tma)
     sched0 = tile_schedule(ends, num_rows, config0.block_m)
@@ -338,7 +336,9 @@ def expert_ffn_fp8(x: torch.Tensor | QuantizedRows, gather: torch.Tensor | None,
     launch_fp8_gemm(xq, x_scale, gather, divisor, w_up, h, h_scale, K, ACTIVATION_CODES[activation], sched0, config0,
                     tma=on_tma)
     launch_fp8_gemm(h, h_scale, None, 1, w_down, y, None, N, 0, sched1, config1, tma=on_tma)
-    return (y, (h, h_scale)) if return_act else y
+    if return_act:
+        return y, (h, h_scale)
+    return y if out_rows is None else gather_rows(y, out_rows)
 
 
 __all__ = ["expert_ffn_fp8", "quantize_rows_fp8", "launch_fp8_gemm", "choose_configs", "FP8_BACKENDS"]
